@@ -43,7 +43,7 @@ def test_cached_blocks_evicted_least_recently_freed_first():
     pool = BlockPool(3)
     blocks = pool.allocate(3)
     hashes = [hash_block(root_hash(), [i]) for i in range(3)]
-    for b, h in zip(blocks, hashes):
+    for b, h in zip(blocks, hashes, strict=True):
         pool.register(b, h)
     pool.release([blocks[2]])
     pool.release([blocks[0]])
