@@ -1,0 +1,5 @@
+"""Model families. Importing this package registers every built-in architecture."""
+
+from sparse_models.models.llama import LlamaForCausalLM
+
+__all__ = ["LlamaForCausalLM"]

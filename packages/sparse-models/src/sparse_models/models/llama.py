@@ -1,0 +1,149 @@
+"""The Llama decoder, and the families that are Llama up to a config switch.
+
+Llama (Touvron et al. 2023, https://arxiv.org/abs/2302.13971): pre-norm residual blocks of
+grouped-query attention with RoPE and a SwiGLU MLP. The others differ only in what ``ModelConfig``
+already says: Qwen2 adds a bias to q/k/v, Qwen3 RMS-normalises each q and k head before RoPE,
+Mistral slides a window over the KV (which the attention backend applies, not this code).
+
+Tensors are a flat varlen batch: the tokens of all sequences concatenated, ``T`` in total; which
+token belongs to which sequence is the attention backend's business alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparse_models.attention import AttentionBackend
+from sparse_models.config import ModelConfig
+from sparse_models.layers import (
+    Linear,
+    LMHead,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+    apply_rotary,
+)
+from sparse_models.registry import register_model
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=config.attention_bias
+        )
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # Qwen3: per head, over head_dim, before RoPE
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = attn.forward(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``, gate and up as one matmul."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias)
+        self.act = SiluAndMul()
+        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions)  # [T, D/2] each, shared by all layers
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+@register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    """A causal LM over a flat varlen batch; parameter names follow HF checkpoints.
+
+    Class attributes read by the loader: ``packed_modules_mapping`` (checkpoint module ->
+    ``(merged module, shard id)``) and ``skip_checkpoint_suffixes`` (non-parameters some
+    checkpoints carry).
+    """
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+    skip_checkpoint_suffixes = ("rotary_emb.inv_freq",)
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Final-normed hidden states of every token.
+
+        Parameters
+        ----------
+        input_ids : [T] int64, the tokens of all sequences concatenated.
+        positions : [T] int64, each token's position within its own sequence.
+        attn : the backend that stores K/V and attends; it knows the sequence boundaries.
+
+        Returns
+        -------
+        [T, hidden_size] in the model's dtype.
+        """
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden_size] -> [N, vocab_size]`` fp32 (pass only the rows you sample from)."""
+        return self.lm_head(hidden)
