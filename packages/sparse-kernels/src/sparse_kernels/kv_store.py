@@ -1,0 +1,73 @@
+"""Write new K/V rows into the paged per-layer pool (reference, device-only, graph-safe)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter ``key``/``value`` rows into their pool slots, in place.
+
+    Parameters
+    ----------
+    key, value : torch.Tensor
+        ``[N, num_kv_heads, head_dim]``, the step's new K (RoPE already applied) and V.
+    k_cache, v_cache : torch.Tensor
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous; written in place.
+    slot_mapping : torch.Tensor
+        ``[N]`` int32 on the caches' device; ``slot = block_id * block_size + offset``. ``-1`` marks
+        a padded row (CUDA-graph batch buckets) that must leave the pool untouched.
+
+    Notes
+    -----
+    No host sync: the valid subset is never materialised. Padded rows are redirected to the slot and
+    data of a real row of the same call, so the duplicate writes carry identical values and their
+    order cannot matter. If every row is padding, all rows rewrite slot 0 with its own current
+    contents. Two *real* rows with the same slot are a caller error (which one lands is undefined).
+    """
+    _check(key, value, k_cache, v_cache, slot_mapping)
+    num_rows = key.shape[0]
+    if num_rows == 0:
+        return
+    valid = slot_mapping >= 0  # [N]
+    # argmax returns the first maximal index: the first real row, or row 0 when none is real.
+    donor = torch.argmax(valid.to(torch.int32))
+    rows = torch.where(valid, torch.arange(num_rows, device=key.device), donor)  # [N]
+    slots = slot_mapping.to(torch.int64)[rows]  # all >= 0 unless the whole call is padding
+    keep_old = (slots < 0).view(-1, 1, 1)
+    safe_slots = slots.clamp(min=0)
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [num_slots, Hkv, D], aliases the pool
+        new = torch.where(keep_old, flat[safe_slots], src[rows].to(cache.dtype))
+        flat.index_copy_(0, safe_slots, new)
+
+
+def _check(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    # Shape/dtype checks read host-side metadata only, so they stay graph-safe.
+    if key.dim() != 3 or key.shape != value.shape:
+        raise ValueError(f"key and value must both be [N, Hkv, D]; got {tuple(key.shape)} and {tuple(value.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [num_blocks, block_size, Hkv, D]; "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if tuple(k_cache.shape[2:]) != tuple(key.shape[1:]):
+        raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} != key's {tuple(key.shape[1:])}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous so a flat slot view aliases the pool")
+    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype != torch.int32:
+        raise ValueError(
+            f"slot_mapping must be int32 [{key.shape[0]}]; got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )

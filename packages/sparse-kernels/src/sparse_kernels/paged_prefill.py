@@ -1,0 +1,127 @@
+"""Batched prefill attention over a paged KV cache with a cached prefix (plan/run, reference path)."""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_kernels._paged_plan import PagedPlan, build_plan
+from sparse_kernels._paged_run import run_paged_attention
+from sparse_kernels._paged_validate import check_heads, check_indptr, check_paged_kv, check_qo_fits, check_sm_scale
+
+DEFAULT_MAX_TILE_ELEMENTS = 2**28
+
+
+class BatchPrefillWithPagedKVCache:
+    """Prefill (or any multi-query step) attention for a batch of requests over paged K/V.
+
+    Request ``b``'s queries are the last ``qo_len_b`` tokens of its ``kv_len_b``-token sequence (their
+    K/V are already stored). Query ``i`` of request ``b`` sits at position ``kv_len_b - qo_len_b + i``
+    and, when causal, attends to KV positions ``j <= kv_len_b - qo_len_b + i``.
+
+    ``plan`` runs once per step on the host (not graph-captured); ``run`` runs once per layer on the
+    device with no host sync, reading only tensors ``plan`` built.
+
+    Parameters
+    ----------
+    device : torch.device or str
+        Device of the KV pool and queries; ``plan`` puts its index tensors there.
+    max_tile_elements : int
+        Cap on each tile's float32 working set (scores, probs, gathered K/V), in elements. Long or
+        many requests are split into tiles of consecutive requests or query chunks to respect it.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", *, max_tile_elements: int = DEFAULT_MAX_TILE_ELEMENTS):
+        if max_tile_elements < 1:
+            raise ValueError(f"max_tile_elements must be positive, got {max_tile_elements}")
+        self.device = torch.device(device)
+        self.max_tile_elements = max_tile_elements
+        self._plan: PagedPlan | None = None
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_len: torch.Tensor,
+        *,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        causal: bool = True,
+        sm_scale: float | None = None,
+    ) -> None:
+        """Validate the step's layout and build the device index tensors ``run`` will use.
+
+        Parameters
+        ----------
+        qo_indptr : torch.Tensor
+            int32 CPU ``[B + 1]``; request ``b``'s queries are rows ``qo_indptr[b]:qo_indptr[b+1]``
+            of ``q`` (at least one each).
+        kv_indptr : torch.Tensor
+            int32 CPU ``[B + 1]``; request ``b``'s blocks are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``
+            (at least one each).
+        kv_indices : torch.Tensor
+            int32 CPU ``[nnz]``, pool block ids in sequence order.
+        kv_last_len : torch.Tensor
+            int32 CPU ``[B]``, tokens used in each request's last block, in ``[1, block_size]``.
+        num_qo_heads, num_kv_heads, head_dim, block_size : int
+            Head layout (``num_qo_heads`` a multiple of ``num_kv_heads``) and pool block size.
+        causal : bool
+            Causal mask aligned to the end of each sequence; if False, every query sees all its KV.
+        sm_scale : float, optional
+            Softmax scale; ``head_dim ** -0.5`` by default.
+
+        Raises
+        ------
+        ValueError
+            On a malformed layout: wrong dtype/device/shape, non-monotone or non-zero-based indptr,
+            a request without queries or blocks, indivisible heads, ``kv_last_len`` out of range, or
+            ``qo_len > kv_len``.
+        """
+        check_heads(num_qo_heads, num_kv_heads, head_dim, block_size)
+        qo_lens = check_indptr("qo_indptr", qo_indptr, "query token")
+        num_blocks, kv_lens = check_paged_kv(kv_indptr, kv_indices, kv_last_len, block_size)
+        check_qo_fits(qo_lens, kv_lens)
+        self._plan = build_plan(
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            num_blocks,
+            kv_lens,
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            causal=causal,
+            sm_scale=check_sm_scale(sm_scale, head_dim),
+            max_tile_elements=self.max_tile_elements,
+            device=self.device,
+        )
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for one layer, device-only.
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            ``[T, num_qo_heads, head_dim]`` with ``T = qo_indptr[-1]``.
+        k_cache, v_cache : torch.Tensor
+            ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), contiguous.
+        out : torch.Tensor, optional
+            Caller-owned ``[T, num_qo_heads, head_dim]`` buffer in ``q``'s dtype.
+
+        Returns
+        -------
+        torch.Tensor
+            ``[T, num_qo_heads, head_dim]`` in ``q``'s dtype (softmax in float32).
+        """
+        if self._plan is None:
+            raise RuntimeError("call plan(...) before run(...)")
+        return run_paged_attention(self._plan, q, k_cache, v_cache, out)

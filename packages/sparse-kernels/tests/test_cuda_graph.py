@@ -1,0 +1,94 @@
+"""GPU only: run paths make no host sync and replay correctly under CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_kernels import BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache, store_kv
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _to_cuda(batch):
+    for name in ("k_cache", "v_cache", "q"):
+        setattr(batch, name, getattr(batch, name).cuda())
+    return batch
+
+
+def test_run_and_store_make_no_host_sync(paged_batch, lengths):
+    qo_lens, kv_lens = lengths(17)
+    batch = _to_cuda(paged_batch(qo_lens, kv_lens, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64))
+    prefill = BatchPrefillWithPagedKVCache("cuda", max_tile_elements=200_000)  # several tiles
+    prefill.plan(
+        batch.qo_indptr,
+        batch.kv_indptr,
+        batch.kv_indices,
+        batch.kv_last_len,
+        num_qo_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+    )
+    spare = torch.tensor([-1, -1], dtype=torch.int32, device="cuda")
+    rows = torch.zeros(2, 2, 64, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = prefill.run(batch.q, batch.k_cache, batch.v_cache)
+        store_kv(rows, rows, batch.k_cache, batch.v_cache, spare)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out.cpu(), batch.reference().cpu(), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_step_replays_under_cuda_graph(paged_batch):
+    # Batch bucket of 8 with 5 real requests: padded rows carry slot -1 and are skipped by store_kv.
+    kv_lens = [1, 97, 300, 16, 17]
+    batch = _to_cuda(paged_batch([1] * 5, kv_lens, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64))
+    decode = BatchDecodeWithPagedKVCache("cuda")
+    decode.plan(
+        batch.kv_indptr, batch.kv_indices, batch.kv_last_len, num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=16
+    )
+    k_flat = batch.k_cache.view(-1, 2, 64)
+    last_slots = []
+    for b, n in enumerate(kv_lens):  # the newest token's slot, rewritten by the captured store
+        block = int(batch.kv_indices[int(batch.kv_indptr[b + 1]) - 1])
+        last_slots.append(block * 16 + (n - 1) % 16)
+    slot_mapping = torch.tensor(last_slots + [-1, -1, -1], dtype=torch.int32, device="cuda")
+    new_k = torch.zeros(8, 2, 64, device="cuda")
+    new_v = torch.zeros(8, 2, 64, device="cuda")
+    q_static = torch.zeros(5, 8, 64, device="cuda")
+    out_static = torch.empty_like(q_static)
+
+    def step():
+        store_kv(new_k, new_v, batch.k_cache, batch.v_cache, slot_mapping)
+        decode.run(q_static, batch.k_cache, batch.v_cache, out=out_static)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside capture, as CUDA-graph users do
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    pool_before = k_flat.clone()
+    new_k.copy_(torch.randn(8, 2, 64, device="cuda"))
+    new_v.copy_(torch.randn(8, 2, 64, device="cuda"))
+    new_k[5:] = float("nan")  # padded rows: must never land
+    q_static.copy_(batch.q)
+    graph.replay()
+    torch.cuda.synchronize()
+    for b in range(5):
+        batch.k_seqs[b][-1] = new_k[b].cpu()
+        batch.v_seqs[b][-1] = new_v[b].cpu()
+    torch.testing.assert_close(out_static.cpu(), batch.reference().cpu(), atol=1e-4, rtol=1e-4)
+    untouched = torch.ones(k_flat.shape[0], dtype=torch.bool, device="cuda")
+    untouched[torch.tensor(last_slots, device="cuda")] = False
+    assert torch.equal(k_flat[untouched].isnan(), pool_before[untouched].isnan())
+    torch.testing.assert_close(k_flat[untouched], pool_before[untouched], equal_nan=True, atol=0, rtol=0)

@@ -1,0 +1,91 @@
+"""store_kv writes rows to their slots and leaves the pool untouched for -1 padded rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_kernels import store_kv
+
+SHAPE = (6, 4, 2, 8)  # [num_blocks, block_size, Hkv, D] -> 24 slots
+
+
+def _pool(dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(SHAPE, generator=gen).to(dtype), torch.randn(SHAPE, generator=gen).to(dtype)
+
+
+def _rows(n, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 2, 8, generator=gen).to(dtype), torch.randn(n, 2, 8, generator=gen).to(dtype)
+
+
+def _expected(k_cache, v_cache, key, value, slots):
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    for row, slot in enumerate(slots):
+        if slot >= 0:
+            k_exp.view(-1, 2, 8)[slot] = key[row]
+            v_exp.view(-1, 2, 8)[slot] = value[row]
+    return k_exp, v_exp
+
+
+@pytest.mark.parametrize(
+    "slots",
+    [
+        [0, 5, 23, 7, 12],  # plain scatter, last slot of the pool included
+        [-1, 3, -1, 9],  # padding first, so the donor row is not row 0
+        [-1, 0, -1, -1],  # padded rows share slot 0 with a real write
+        [4, 5, 6, -1, -1, -1],  # CUDA-graph bucket: real rows then padding
+        [-1, -1, -1],  # all padding: nothing may change
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_matches_manual_scatter(slots, dtype):
+    k_cache, v_cache = _pool(dtype)
+    key, value = _rows(len(slots), dtype)
+    k_exp, v_exp = _expected(k_cache, v_cache, key, value, slots)
+    store_kv(key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int32))
+    torch.testing.assert_close(k_cache, k_exp, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, v_exp, atol=0, rtol=0)
+
+
+def test_padded_rows_leave_pool_untouched_even_with_nan_rows():
+    # Padded rows carry garbage (here NaN); it must never reach the pool.
+    k_cache, v_cache = _pool()
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    key, value = _rows(4)
+    key[[0, 2]] = float("nan")
+    value[[0, 2]] = float("nan")
+    store_kv(key, value, k_cache, v_cache, torch.tensor([-1, 10, -1, 11], dtype=torch.int32))
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[[10, 11]] = False
+    torch.testing.assert_close(k_cache.view(-1, 2, 8)[untouched], k_before.view(-1, 2, 8)[untouched], atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.view(-1, 2, 8)[untouched], v_before.view(-1, 2, 8)[untouched], atol=0, rtol=0)
+    torch.testing.assert_close(k_cache.view(-1, 2, 8)[[10, 11]], key[[1, 3]], atol=0, rtol=0)
+    assert not torch.isnan(k_cache).any() and not torch.isnan(v_cache).any()
+
+
+def test_store_casts_to_cache_dtype_and_handles_empty():
+    k_cache, v_cache = _pool(torch.bfloat16)
+    key, value = _rows(2, torch.float32)
+    store_kv(key, value, k_cache, v_cache, torch.tensor([1, 2], dtype=torch.int32))
+    torch.testing.assert_close(k_cache.view(-1, 2, 8)[[1, 2]], key.to(torch.bfloat16), atol=0, rtol=0)
+    before = k_cache.clone()
+    store_kv(key[:0], value[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int32))
+    assert torch.equal(k_cache, before)
+
+
+def test_store_rejects_bad_inputs():
+    k_cache, v_cache = _pool()
+    key, value = _rows(2)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="slot_mapping must be int32"):
+        store_kv(key, value, k_cache, v_cache, slots.to(torch.int64))
+    with pytest.raises(ValueError, match="slot_mapping must be int32"):
+        store_kv(key, value, k_cache, v_cache, slots[:1])
+    with pytest.raises(ValueError, match="key and value"):
+        store_kv(key, value[:1], k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="cache heads/head_dim"):
+        store_kv(key[..., :4], value[..., :4], k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="contiguous"):
+        store_kv(key, value, k_cache.transpose(0, 1), v_cache.transpose(0, 1), slots)
