@@ -1,0 +1,52 @@
+"""Engine configuration: one validated record, the same field names everywhere.
+
+The names here are the project's parameter vocabulary: ``LLM(model, **fields)``, JSON config
+files and CLI flags all use them, and a misspelled name is an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes the engine; validated on construction."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str = Field(description="Path to an HF-format model folder (config.json, *.safetensors, tokenizer.json).")
+    tokenizer: str | None = Field(None, description="Tokenizer folder; defaults to `model`.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="`auto` picks cuda when available.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV dtype; `auto` is float32 on CPU and the checkpoint's dtype on CUDA."
+    )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="`dummy` skips weight files and fills random weights (benchmarks only)."
+    )
+    seed: int = Field(0, description="Seed for dummy weights and for sampling of requests without their own seed.")
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
+    num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks in the pool; overrides the memory sizing.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may use (weights + KV + activations)."
+    )
+    cpu_kv_cache_gib: float = Field(2.0, gt=0.0, description="KV pool size on CPU, in GiB.")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Longest prompt + output in tokens; defaults to the model's and the pool's limit."
+    )
+    max_num_seqs: int = Field(256, ge=1, description="Most requests running in one step.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Token budget of one step; longer prompts are prefilled in chunks of this size."
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes across requests.")
+
+    @classmethod
+    def from_json(cls, path: str | Path, **overrides) -> EngineConfig:
+        """Load a JSON config file; keyword overrides win over the file."""
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object of engine config fields")
+        return cls(**{**data, **overrides})

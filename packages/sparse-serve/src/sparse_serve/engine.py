@@ -1,0 +1,204 @@
+"""The engine loop: schedule, run, postprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from pathlib import Path
+
+from sparse_cache import KVCacheManager
+from sparse_models import read_model_config
+from sparse_serve.config import EngineConfig
+from sparse_serve.detokenizer import IncrementalDetokenizer
+from sparse_serve.model_runner import ModelRunner
+from sparse_serve.outputs import RequestOutput
+from sparse_serve.request import Request
+from sparse_serve.sampling_params import SamplingParams
+from sparse_serve.scheduler import Scheduler
+from sparse_serve.step_metadata import build_step_metadata
+from sparse_serve.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    """Accepts requests and advances all of them one step at a time."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_cfg = read_model_config(config.model)
+        model_max_len = model_cfg.max_position_embeddings
+        # Paged attention here is full attention; a sliding window changes nothing while every
+        # sequence fits inside it, so the window caps the length instead of being approximated.
+        windows = [w for w in model_cfg.layer_sliding_windows if w is not None]
+        if windows:
+            model_max_len = min(model_max_len, *windows)
+        if config.max_model_len is not None and config.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len} tokens"
+            )
+        self.runner = ModelRunner(config, config.max_model_len or model_max_len)
+        self.max_model_len = self._resolve_max_model_len(model_max_len)
+        cfg = self.runner.model_config
+        self.tokenizer = _load_tokenizer(config.tokenizer or config.model, cfg.eos_token_ids)
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(cfg.eos_token_ids)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            salt=self._cache_salt(),
+        )
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+        )
+        self._requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    def _resolve_max_model_len(self, model_max_len: int) -> int:
+        capacity = self.runner.num_blocks * self.config.block_size
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > capacity:
+            raise ValueError(
+                f"max_model_len={wanted} does not fit the KV pool ({self.runner.num_blocks} blocks of "
+                f"{self.config.block_size} = {capacity} tokens); raise the KV memory or lower max_model_len"
+            )
+        return min(wanted or model_max_len, capacity)
+
+    def _cache_salt(self) -> bytes:
+        cfg = self.config
+        fingerprint = {
+            "model": str(Path(cfg.model).resolve()),
+            "dtype": str(self.runner.dtype),
+            "load": cfg.load_format,
+        }
+        return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).digest()
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        params = sampling_params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which must leave room for at least one generated token"
+            )
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        req = Request(request_id, token_ids, params, arrival=self.num_steps, prompt=text)
+        self._requests[request_id] = req
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        elif params.stop:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        self.scheduler.add(req)
+        return request_id
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json; pass token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.runner.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return None, token_ids
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self._finish(req, "abort")
+            self._forget(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns an update for every request that produced output or finished."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+            return []
+        meta = build_step_metadata(batch, self.kv.table, self.config.block_size)
+        sampled = dict(zip((r.request_id for r in meta.sampled), self.runner.run(meta), strict=True))
+        self.num_steps += 1
+        outputs = []
+        for req, n in batch.items:
+            req.num_computed_tokens += n
+            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            token = sampled.get(req.request_id)
+            if token is not None:
+                outputs.append(self._append_token(req, token))
+        return outputs
+
+    def _append_token(self, req: Request, token: int) -> RequestOutput:
+        req.append_token(token)
+        params = req.sampling_params
+        delta_text, stop_str = "", None
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            delta_text, stop_str = detok.add(token)
+        if token in params.stop_token_ids:
+            self._finish(req, "stop", token)
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            self._finish(req, "stop", token)
+        elif stop_str is not None:
+            self._finish(req, "stop", stop_str)
+        elif req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            self._finish(req, "length")
+        out = self._output(req, (token,), delta_text)
+        if req.is_finished:
+            self._forget(req)
+        return out
+
+    def _finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        self.scheduler.finish(req, reason)
+        req.stop_reason = stop_reason
+        self.runner.sampler.release(req.request_id)
+
+    def _forget(self, req: Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self._detok.pop(req.request_id, None)
+
+    def _output(self, req: Request, delta_ids: tuple[int, ...], delta_text: str) -> RequestOutput:
+        detok = self._detok.get(req.request_id)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=tuple(req.output_token_ids),
+            text=detok.text if detok else "",
+            delta_token_ids=delta_ids,
+            delta_text=delta_text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+        )
+
+    # -- stats ----------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.kv.prefix_hit_tokens
+
+
+def _load_tokenizer(path: str, extra_eos) -> Tokenizer | None:
+    if not (Path(path) / "tokenizer.json").is_file():
+        return None
+    return Tokenizer.from_pretrained(path, extra_eos)

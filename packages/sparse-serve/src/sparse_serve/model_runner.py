@@ -1,0 +1,96 @@
+"""Runs one step on the model: metadata to the device, forward, logits, sample."""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_models import ModelConfig, load_model, read_model_config
+from sparse_serve.config import EngineConfig
+from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget
+from sparse_serve.paged_attention import PagedAttention
+from sparse_serve.sampler import Sampler
+from sparse_serve.step_metadata import StepMetadata, to_device
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, model_dtype: str | None) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(model_dtype).removeprefix("torch."), torch.bfloat16)
+
+
+class ModelRunner:
+    """Owns the model, the KV pool and the sampler on one device."""
+
+    def __init__(self, config: EngineConfig, max_model_len_hint: int):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model, self.model_config = self._load()
+        cfg = self.model_config
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks(max_model_len_hint)
+        self.kv = allocate_kv_pool(cfg, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.attention = PagedAttention(
+            self.kv,
+            num_q_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim,
+            block_size=self.block_size,
+        )
+        self.sampler = Sampler(config.seed, self.device)
+
+    def _load(self) -> tuple[torch.nn.Module, ModelConfig]:
+        model_cfg = read_model_config(self.config.model)
+        self.dtype = resolve_dtype(self.config.dtype, self.device, model_cfg.torch_dtype)
+        return load_model(
+            self.config.model,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=self.config.load_format,
+            seed=self.config.seed,
+        )
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        cfg, bs = self.model_config, self.config.block_size
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cpu":
+            # No point in holding more than every running request at full length.
+            cap = self.config.max_num_seqs * -(-max_model_len // bs)
+            return num_blocks_for_budget(cfg, bs, self.dtype, int(self.config.cpu_kv_cache_gib * 2**30), cap)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        # Leave room for activations of the largest step (a rough upper bound, measured in a later issue).
+        activation_reserve = 64 * self.config.max_num_batched_tokens * cfg.hidden_size * 4
+        budget = int(total * self.config.gpu_memory_utilization) - used_by_others
+        budget -= torch.cuda.memory_allocated(self.device) + activation_reserve
+        return num_blocks_for_budget(cfg, bs, self.dtype, budget)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return bytes_per_block(self.model_config, self.block_size, self.dtype)
+
+    @torch.inference_mode()
+    def run(self, meta: StepMetadata) -> list[int]:
+        """Forward the step's tokens; return one sampled token per ``meta.sampled`` request."""
+        input_ids = to_device(meta.input_ids, self.device)
+        positions = to_device(meta.positions, self.device)
+        slot_mapping = to_device(meta.slot_mapping, self.device)
+        self.attention.plan(meta, slot_mapping)
+        hidden = self.model(input_ids, positions, self.attention)
+        if not meta.sampled:
+            return []
+        logits = self.model.compute_logits(hidden[to_device(meta.logits_indices, self.device)])
+        requests = meta.sampled
+        return self.sampler(logits, [r.request_id for r in requests], [r.sampling_params for r in requests])

@@ -1,0 +1,63 @@
+"""A request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from sparse_serve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """Tokens, progress and output of one generation request.
+
+    ``num_computed_tokens`` counts the tokens of ``token_ids`` whose KV is in the cache. A step
+    processes the next ``num_tokens`` of them; when that reaches the end of ``token_ids`` the step
+    also samples the next token.
+    """
+
+    request_id: str
+    token_ids: list[int]  # prompt then generated tokens; grows in place (never rebuilt per step)
+    sampling_params: SamplingParams
+    arrival: int
+    prompt: str | None = None
+    num_prompt_tokens: int | None = None  # None: all of token_ids is the prompt
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    prompt_token_ids: tuple[int, ...] = ()  # set from token_ids on creation
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        if self.num_prompt_tokens is None:
+            self.num_prompt_tokens = len(self.token_ids)
+        self.prompt_token_ids = tuple(self.token_ids[: self.num_prompt_tokens])
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,55 @@
+"""Token sampling: greedy, temperature, top-k and top-p, reproducible per request seed."""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_serve.sampling_params import SamplingParams
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) tokens outside the top-k and outside the smallest top-p nucleus. logits: [V]."""
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens strictly above it already reach top_p.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Picks one token per row. Requests with a seed draw from their own generator, so their
+    output does not depend on what else is in the batch; others share one engine generator."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.device = device
+        self._engine_gen = torch.Generator(device=device).manual_seed(seed)
+        self._request_gens: dict[str, torch.Generator] = {}
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._engine_gen
+        gen = self._request_gens.get(request_id)
+        if gen is None:
+            gen = self._request_gens[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self._request_gens.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
+        """logits: [N, vocab] float32 -> N token ids."""
+        greedy = logits.argmax(dim=-1).tolist()
+        out = []
+        for i, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
+            if p.greedy:
+                out.append(greedy[i])
+                continue
+            row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+            probs = torch.softmax(row, dim=-1)
+            out.append(int(torch.multinomial(probs, 1, generator=self._generator(rid, p)).item()))
+        return out

@@ -1,0 +1,107 @@
+"""Continuous batching with chunked prefill, mixed prefill+decode steps and recompute preemption.
+
+Each step hands out ``{request: num_tokens}`` within the token budget: running requests first (a
+decode takes one token, an unfinished prefill its next chunk), then waiting requests in arrival
+order. When the pool cannot supply a running request's blocks, the most recently arrived running
+request is preempted: its blocks are freed and it later recomputes its tokens from scratch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from sparse_cache import KVCacheManager
+from sparse_serve.request import Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """One step's work: ``(request, num_tokens)`` pairs, decodes first, and who was preempted."""
+
+    items: tuple[tuple[Request, int], ...]
+    preempted: tuple[Request, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        items: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+        scheduled_running: list[Request] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            req = queue.pop(0)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
+                victim = queue.pop() if queue else req
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                items.append((req, n))
+                scheduled_running.append(req)
+                budget -= n
+        self.running = scheduled_running + queue
+        if not preempted:
+            budget = self._admit_waiting(items, budget)
+        items.sort(key=lambda item: item[1] > 1)  # decodes first: the runner splits the batch there
+        return ScheduledBatch(tuple(items), tuple(preempted))
+
+    def _admit_waiting(self, items: list[tuple[Request, int]], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.kv.match_prefix(req.token_ids)
+            n = min(req.num_tokens - prefix.num_tokens, budget)
+            if self.kv.allocate(req.request_id, prefix.num_tokens + n, prefix=prefix) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = prefix.num_tokens
+            if req.num_preemptions == 0:
+                req.num_cached_prompt_tokens = prefix.num_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            items.append((req, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Mark a running or waiting request finished and free its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if self.kv.has_request(req.request_id):
+            self.kv.free(req.request_id)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,37 @@
+from pathlib import Path
+
+import pytest
+
+from sparse_serve.detokenizer import IncrementalDetokenizer
+from sparse_serve.tokenizer import Tokenizer
+
+ASSET = Path(__file__).resolve().parents[1] / "src/sparse_serve/assets/tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_pretrained(ASSET)
+
+
+@pytest.mark.parametrize("text", ["Return the value of x.", "naïve café — ünïcode ✓ 你好", "a\n\tb  c"])
+def test_incremental_equals_full_decode(tok, text):
+    prompt = tok.encode("Hello")
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, prompt)
+    pieces = [d.add(t)[0] for t in ids]
+    assert "".join(pieces) == d.text == tok.decode(ids)
+
+
+def test_stop_string_truncates_and_reports(tok):
+    ids = tok.encode("alpha beta STOP gamma", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok, [], stop=("STOP",))
+    hit = None
+    for t in ids:
+        _, hit = d.add(t)
+        if hit:
+            break
+    assert hit == "STOP" and d.text == "alpha beta "
+
+
+def test_eos_from_config(tok):
+    assert tok.eos_token_ids == {tok.encode("<|endoftext|>", add_special_tokens=False)[0]}

@@ -1,0 +1,32 @@
+"""Shared fixtures for cross-package tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import family_config
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """``tiny_checkpoint(family)`` -> (folder, HF model in eval mode, fp32)."""
+    made: dict[str, tuple[Path, torch.nn.Module]] = {}
+
+    def make(family: str):
+        if family not in made:
+            config, cls = family_config(family)
+            torch.manual_seed(1234)
+            model = cls(config).eval()
+            # HF initialises some biases to zero; random ones make the Qwen2 bias path observable.
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("bias"):
+                        p.normal_(0.0, 0.2)
+            path = tmp_path_factory.mktemp(family)
+            model.save_pretrained(path)
+            made[family] = (path, model)
+        return made[family]
+
+    return make

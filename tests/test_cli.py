@@ -1,0 +1,51 @@
+"""The README's main command, run as a user would."""
+
+import json
+import subprocess
+import sys
+
+from tiny_models import DEFAULT_MODEL
+
+
+def _run(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "sparse_serve.cli", *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_generate_default_model():
+    r = _run("generate", "--prompt", "Return the", "--max-tokens", "8", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert "finish_reason=" in r.stderr and "8 tokens" in r.stderr or "finish_reason=stop" in r.stderr
+
+
+def test_generate_with_flags_and_config_file(tmp_path):
+    cfg = tmp_path / "engine.json"
+    cfg.write_text(json.dumps({"block_size": 4, "max_num_batched_tokens": 5}))
+    r = _run(
+        "generate",
+        "--model",
+        str(DEFAULT_MODEL),
+        "--prompt-token-ids",
+        "5,6,7,8,9,10,11",
+        "--config",
+        str(cfg),
+        "--max-num-seqs",
+        "2",
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "3",
+        "--ignore-eos",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "3 tokens" in r.stderr
+
+
+def test_unknown_flag_and_bad_config_are_clear_errors(tmp_path):
+    r = _run("generate", "--prompt", "x", "--blok-size", "4")
+    assert r.returncode == 2 and "unrecognized arguments: --blok-size" in r.stderr
+    cfg = tmp_path / "bad.json"
+    cfg.write_text(json.dumps({"blok_size": 4}))
+    r = _run("generate", "--prompt", "x", "--config", str(cfg), "--device", "cpu")
+    assert r.returncode == 2 and "blok_size" in r.stderr

@@ -1,0 +1,57 @@
+"""Tiny random HF models of each family and a plain reference decoder, for cross-package tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "packages/sparse-serve/src/sparse_serve/assets/tiny-qwen3"
+
+_COMMON = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # large logits: few near-ties, so greedy parity is meaningful
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def family_config(family: str):
+    import transformers as tf
+
+    if family == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return tf.LlamaConfig(**_COMMON, rope_parameters=rope), tf.LlamaForCausalLM
+    if family == "qwen2":
+        return tf.Qwen2Config(**_COMMON, tie_word_embeddings=True), tf.Qwen2ForCausalLM
+    if family == "qwen3":
+        return tf.Qwen3Config(**_COMMON, head_dim=32), tf.Qwen3ForCausalLM
+    if family == "mistral":
+        return tf.MistralConfig(**_COMMON, sliding_window=None), tf.MistralForCausalLM
+    raise KeyError(family)
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Reference greedy decoding: a full forward per token, no KV cache, no EOS stop."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]
