@@ -16,7 +16,8 @@ def _run(*args):
 def test_generate_default_model():
     r = _run("generate", "--prompt", "Return the", "--max-tokens", "8", "--device", "cpu")
     assert r.returncode == 0, r.stderr
-    assert "finish_reason=" in r.stderr and "8 tokens" in r.stderr or "finish_reason=stop" in r.stderr
+    assert r.stdout.strip(), "no text streamed"
+    assert "finish_reason=length" in r.stderr and "[8 tokens" in r.stderr or "finish_reason=stop" in r.stderr
 
 
 def test_generate_with_flags_and_config_file(tmp_path):

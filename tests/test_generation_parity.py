@@ -53,3 +53,24 @@ def test_greedy_matches_hf(tiny_checkpoint, family, regime):
     assert all(o.finish_reason == "length" for o in outs)
     assert engine.num_free_blocks == engine.kv.num_blocks - engine.kv.pool.num_used_blocks
     assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_requests_joining_mid_generation_match_hf(tiny_checkpoint):
+    """Continuous batching: requests arrive while others decode, and still equal HF."""
+    path, hf_model = tiny_checkpoint("qwen3")
+    prompts = _prompts(seed=11)
+    expected = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    engine = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=16).engine
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    done: dict[str, list[int]] = {}
+    ids = []
+    for step in range(200):
+        if step % 3 == 0 and len(ids) < len(prompts):
+            ids.append(engine.add_request(prompts[len(ids)], params))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.token_ids)
+        if len(done) == len(prompts):
+            break
+    assert [done[i] for i in ids] == expected
+    assert engine.num_steps < 200 and engine.kv.pool.num_used_blocks == 0

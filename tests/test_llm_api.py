@@ -64,7 +64,7 @@ def test_seeded_sampling_is_reproducible(llm):
     first = llm.generate(["Return a list"], p)[0]
     # Same seed alone, and inside a different batch: the same tokens.
     again = llm.generate(["Other prompt", "Return a list", "x"], [SamplingParams(max_tokens=5), p, p])
-    assert again[1].token_ids == first.token_ids == again[2].token_ids or again[2].prompt != first.prompt
+    assert again[1].token_ids == first.token_ids
     other = llm.generate(["Return a list"], SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True))
     assert other[0].token_ids != first.token_ids
 

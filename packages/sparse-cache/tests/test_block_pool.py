@@ -93,6 +93,8 @@ class PoolMachine(RuleBasedStateMachine):
             assert got is None and self.pool.num_free_blocks == free_before
             return
         assert got is not None and len(got) == n and len(set(got)) == n
+        held = {b for h in self.holders for b in h}
+        assert not held & set(got), "allocation took a block that is still held"
         for b in got:
             assert self.pool.refcount(b) == 1
             # A reused block's old content must be gone from the index.
