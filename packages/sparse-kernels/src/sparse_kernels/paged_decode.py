@@ -4,32 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from sparse_kernels._paged_plan import PagedPlan, build_plan
-from sparse_kernels._paged_run import run_paged_attention
+from sparse_kernels._paged_plan import build_plan
 from sparse_kernels._paged_validate import check_heads, check_paged_kv, check_sm_scale
-from sparse_kernels.paged_prefill import DEFAULT_MAX_TILE_ELEMENTS
+from sparse_kernels._paged_wrapper import PagedAttentionWrapper
 
 
-class BatchDecodeWithPagedKVCache:
+class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
     """Decode attention: request ``b``'s single query sits at its last position and sees all ``kv_len_b`` keys.
 
     The reference shares the prefill planner (a decode step is a prefill with ``qo_len = 1``); the
     Triton path will be split-K over the KV blocks behind the same interface.
 
-    Parameters
-    ----------
-    device : torch.device or str
-        Device of the KV pool and queries; ``plan`` puts its index tensors there.
-    max_tile_elements : int
-        Cap on each tile's float32 working set, in elements (see ``BatchPrefillWithPagedKVCache``).
     """
-
-    def __init__(self, device: torch.device | str = "cpu", *, max_tile_elements: int = DEFAULT_MAX_TILE_ELEMENTS):
-        if max_tile_elements < 1:
-            raise ValueError(f"max_tile_elements must be positive, got {max_tile_elements}")
-        self.device = torch.device(device)
-        self.max_tile_elements = max_tile_elements
-        self._plan: PagedPlan | None = None
 
     def plan(
         self,
@@ -81,30 +67,3 @@ class BatchDecodeWithPagedKVCache:
             max_tile_elements=self.max_tile_elements,
             device=self.device,
         )
-
-    def run(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention for one layer, device-only.
-
-        Parameters
-        ----------
-        q : torch.Tensor
-            ``[B, num_qo_heads, head_dim]``, one query per request.
-        k_cache, v_cache : torch.Tensor
-            ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), contiguous.
-        out : torch.Tensor, optional
-            Caller-owned ``[B, num_qo_heads, head_dim]`` buffer in ``q``'s dtype.
-
-        Returns
-        -------
-        torch.Tensor
-            ``[B, num_qo_heads, head_dim]`` in ``q``'s dtype (softmax in float32).
-        """
-        if self._plan is None:
-            raise RuntimeError("call plan(...) before run(...)")
-        return run_paged_attention(self._plan, q, k_cache, v_cache, out)

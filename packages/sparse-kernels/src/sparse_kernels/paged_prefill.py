@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from sparse_kernels._paged_plan import PagedPlan, build_plan
-from sparse_kernels._paged_run import run_paged_attention
+from sparse_kernels._paged_plan import build_plan
 from sparse_kernels._paged_validate import check_heads, check_indptr, check_paged_kv, check_qo_fits, check_sm_scale
+from sparse_kernels._paged_wrapper import PagedAttentionWrapper
 
-DEFAULT_MAX_TILE_ELEMENTS = 2**28
 
-
-class BatchPrefillWithPagedKVCache:
+class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
     """Prefill (or any multi-query step) attention for a batch of requests over paged K/V.
 
     Request ``b``'s queries are the last ``qo_len_b`` tokens of its ``kv_len_b``-token sequence (their
@@ -21,21 +19,7 @@ class BatchPrefillWithPagedKVCache:
     ``plan`` runs once per step on the host (not graph-captured); ``run`` runs once per layer on the
     device with no host sync, reading only tensors ``plan`` built.
 
-    Parameters
-    ----------
-    device : torch.device or str
-        Device of the KV pool and queries; ``plan`` puts its index tensors there.
-    max_tile_elements : int
-        Cap on each tile's float32 working set (scores, probs, gathered K/V), in elements. Long or
-        many requests are split into tiles of consecutive requests or query chunks to respect it.
     """
-
-    def __init__(self, device: torch.device | str = "cpu", *, max_tile_elements: int = DEFAULT_MAX_TILE_ELEMENTS):
-        if max_tile_elements < 1:
-            raise ValueError(f"max_tile_elements must be positive, got {max_tile_elements}")
-        self.device = torch.device(device)
-        self.max_tile_elements = max_tile_elements
-        self._plan: PagedPlan | None = None
 
     def plan(
         self,
@@ -98,30 +82,3 @@ class BatchPrefillWithPagedKVCache:
             max_tile_elements=self.max_tile_elements,
             device=self.device,
         )
-
-    def run(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention for one layer, device-only.
-
-        Parameters
-        ----------
-        q : torch.Tensor
-            ``[T, num_qo_heads, head_dim]`` with ``T = qo_indptr[-1]``.
-        k_cache, v_cache : torch.Tensor
-            ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), contiguous.
-        out : torch.Tensor, optional
-            Caller-owned ``[T, num_qo_heads, head_dim]`` buffer in ``q``'s dtype.
-
-        Returns
-        -------
-        torch.Tensor
-            ``[T, num_qo_heads, head_dim]`` in ``q``'s dtype (softmax in float32).
-        """
-        if self._plan is None:
-            raise RuntimeError("call plan(...) before run(...)")
-        return run_paged_attention(self._plan, q, k_cache, v_cache, out)
