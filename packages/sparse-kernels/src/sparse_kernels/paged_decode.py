@@ -14,7 +14,6 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
 
     The reference shares the prefill planner (a decode step is a prefill with ``qo_len = 1``); the
     Triton path will be split-K over the KV blocks behind the same interface.
-
     """
 
     def plan(

@@ -18,7 +18,6 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
 
     ``plan`` runs once per step on the host (not graph-captured); ``run`` runs once per layer on the
     device with no host sync, reading only tensors ``plan`` built.
-
     """
 
     def plan(
