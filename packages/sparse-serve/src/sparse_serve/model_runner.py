@@ -70,11 +70,10 @@ class ModelRunner:
             cap = self.config.max_num_seqs * -(-max_model_len // bs)
             return num_blocks_for_budget(cfg, bs, self.dtype, int(self.config.cpu_kv_cache_gib * 2**30), cap)
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        # Leave room for activations of the largest step (a rough upper bound, measured in a later issue).
+        # The weights are already loaded, so `free` excludes them; keep (1 - utilization) of the card
+        # for others and a rough activation reserve for the largest step (measured in a later issue).
         activation_reserve = 64 * self.config.max_num_batched_tokens * cfg.hidden_size * 4
-        budget = int(total * self.config.gpu_memory_utilization) - used_by_others
-        budget -= torch.cuda.memory_allocated(self.device) + activation_reserve
+        budget = free - int(total * (1.0 - self.config.gpu_memory_utilization)) - activation_reserve
         return num_blocks_for_budget(cfg, bs, self.dtype, budget)
 
     @property
