@@ -79,6 +79,43 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__} values: {e}") from e
+
+    return parse
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from sparse_serve.eval.harness import EvalGrid, make_samples, results_as_dicts, run_eval, summarize
+    from sparse_serve.eval.report import markdown_table, write_report
+    from sparse_serve.eval.tasks import Haystack
+    from sparse_serve.llm import LLM
+
+    grid = EvalGrid(args.tasks, args.context_lengths, args.depths, args.samples_per_cell, args.eval_seed)
+    config = engine_config_from_args(args)
+    llm = LLM(**config.model_dump())
+    samples = make_samples(grid, llm.tokenizer, Haystack.from_stdlib())
+    results = run_eval(llm, samples, progress=not args.no_progress)
+    summary = summarize(results)
+    settings = {
+        **config.model_dump(exclude_defaults=True),
+        "device": str(llm.engine.runner.device),
+        "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
+        "block_size": config.block_size,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "sparse_method": config.model_dump().get("sparse_method", "dense"),
+        "grid": {name: getattr(grid, name) for name in grid.__slots__},
+    }
+    paths = write_report(args.out, summary, results_as_dicts(results), settings)
+    print(markdown_table(summary))
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparse-serve", description="SparseEngine command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -97,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_flags(gen)
     gen.set_defaults(func=_generate)
+
+    ev = sub.add_parser("eval", help="long-context retrieval accuracy (RULER/NIAH-style) through the engine")
+    ev.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded model)")
+    ev.add_argument("--tasks", type=_csv(str), default=("niah_single",), help="comma-separated task names")
+    ev.add_argument("--context-lengths", type=_csv(int), default=(512, 1024, 2048, 4096))
+    ev.add_argument("--depths", type=_csv(float), default=(0.0, 0.25, 0.5, 0.75, 1.0))
+    ev.add_argument("--samples-per-cell", type=int, default=4)
+    ev.add_argument("--eval-seed", type=int, default=0, help="seed of the generated samples")
+    ev.add_argument("--out", type=Path, default=Path("results/eval"), help="folder for eval.json, eval.md, heatmap")
+    ev.add_argument("--no-progress", action="store_true")
+    add_engine_flags(ev)
+    ev.set_defaults(func=_eval)
     return parser
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from tqdm import tqdm
+
 from sparse_serve.config import EngineConfig
 from sparse_serve.engine import LLMEngine
 from sparse_serve.outputs import RequestOutput
@@ -80,15 +82,23 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate to completion; outputs are in prompt order."""
+        """Generate to completion; outputs are in prompt order. ``use_tqdm`` shows a progress bar."""
         ids = self._add_all(prompts, sampling_params)
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         pending = set(ids)
-        while pending:
-            for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    results[order[out.request_id]] = out
-                    pending.discard(out.request_id)
+        bar = tqdm(total=len(ids), desc="generate", unit="req", disable=not use_tqdm)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        results[order[out.request_id]] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        finally:
+            bar.close()
+            for rid in pending:  # interrupted (e.g. KeyboardInterrupt): free what is still running
+                self.engine.abort_request(rid)
         return results  # type: ignore[return-value]
