@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "packages/sparse-serve/src/sparse_serve/assets/tiny-qwen3"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "packages/sparse-serve/src/sparse_serve/assets/tiny-retrieval"
 
 _COMMON = dict(
     vocab_size=384,

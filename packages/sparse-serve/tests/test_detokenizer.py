@@ -5,7 +5,7 @@ import pytest
 from sparse_serve.detokenizer import IncrementalDetokenizer
 from sparse_serve.tokenizer import Tokenizer
 
-ASSET = Path(__file__).resolve().parents[1] / "src/sparse_serve/assets/tiny-qwen3"
+ASSET = Path(__file__).resolve().parents[1] / "src/sparse_serve/assets/tiny-retrieval"
 
 
 @pytest.fixture(scope="module")
@@ -33,5 +33,7 @@ def test_stop_string_truncates_and_reports(tok):
     assert hit == "STOP" and d.text == "alpha beta "
 
 
-def test_eos_from_config(tok):
-    assert tok.eos_token_ids == {tok.encode("<|endoftext|>", add_special_tokens=False)[0]}
+def test_eos_from_tokenizer_and_generation_config(tok):
+    # <|endoftext|> from tokenizer_config.json, <|im_end|> too from generation_config.json.
+    ids = {tok.encode(t, add_special_tokens=False)[0] for t in ("<|endoftext|>", "<|im_end|>")}
+    assert len(ids) == 2 and tok.eos_token_ids == ids

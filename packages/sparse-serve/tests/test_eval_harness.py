@@ -10,7 +10,7 @@ from sparse_serve.eval.harness import EvalGrid, EvalResult, make_samples, result
 from sparse_serve.eval.report import markdown_table, write_report
 from sparse_serve.eval.tasks import Haystack
 
-ASSET = Path(__file__).resolve().parents[1] / "src/sparse_serve/assets/tiny-qwen3"
+ASSET = Path(__file__).resolve().parents[1] / "src/sparse_serve/assets/tiny-retrieval"
 
 
 @pytest.mark.parametrize(

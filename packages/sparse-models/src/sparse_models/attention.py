@@ -15,9 +15,7 @@ import torch
 
 
 class AttentionBackend(Protocol):
-    def forward(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Attend the step's new tokens to their context.
 
         Parameters

@@ -11,7 +11,7 @@ from pathlib import Path
 from sparse_serve.config import EngineConfig
 from sparse_serve.sampling_params import SamplingParams
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "tiny-qwen3"
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "tiny-retrieval"
 
 
 def _flag_type(annotation):

@@ -133,7 +133,10 @@ class Haystack:
         return cls(lines)
 
     def line_tokens(self, index: int, count: Counter) -> int:
-        """Token count of line ``index`` followed by its newline, cached per counter."""
+        """Token count of line ``index`` preceded by its newline, cached per counter.
+
+        The newline goes in front because byte-level BPE merges it with the next line's indentation.
+        """
         key = id(count)
         entry = self._counts.get(key)
         if entry is None or entry[0] is not count:
@@ -141,7 +144,7 @@ class Haystack:
             self._counts[key] = entry
         cached = entry[1][index]
         if cached is None:
-            cached = entry[1][index] = count(self.lines[index] + "\n")
+            cached = entry[1][index] = count("\n" + self.lines[index])
         return cached
 
     def filler(self, rng: random.Random, num_tokens: int, count: Counter) -> tuple[list[str], list[int]]:
@@ -157,7 +160,7 @@ class Haystack:
             n = self.line_tokens(i, count)
             if total + n > num_tokens:
                 part = self.lines[i][: max(1, len(self.lines[i]) * (num_tokens - total) // n)]
-                n = count(part + "\n")
+                n = count("\n" + part)
                 if total + n > num_tokens:
                     break
                 lines.append(part)
@@ -256,7 +259,7 @@ def _variable_tracking(depth: float, rng: random.Random) -> tuple[str, list[tupl
 
 
 def _plain_prompt(header, needles, question, context_length, rng, count, haystack, task) -> str:
-    fixed = count(header + "\n") + sum(count(text + "\n") for _, text in needles) + count(question + ANSWER_PROMPT)
+    fixed = count(header) + sum(count("\n" + text) for _, text in needles) + count("\n" + question + ANSWER_PROMPT)
     lines, counts = haystack.filler(rng, _budget(context_length, fixed, task), count)
     return "\n".join([header, *_insert(lines, counts, needles), question]) + ANSWER_PROMPT
 
@@ -273,7 +276,7 @@ def _turn(role: str, content: str) -> str:
 
 
 def _multiturn(context_length, depth, rng, count, haystack) -> tuple[str, str]:
-    num_turns = rng.randint(3, 6)
+    num_turns = rng.randint(2, min(6, 2 + context_length // 512))
     keys = _keys(rng, num_turns)
     values = [_number(rng) for _ in keys]
     queried = rng.randrange(num_turns)
@@ -281,7 +284,7 @@ def _multiturn(context_length, depth, rng, count, haystack) -> tuple[str, str]:
     needles = [(depth if i == queried else rng.random(), fact) for i, fact in enumerate(facts)]
     question = _turn("user", f"What is the special magic number for {keys[queried]}?") + f"{IM_START}assistant\n"
     markup = count(_turn("user", "") + _turn("assistant", "Noted.")) * num_turns + count(HEADER + "\n")
-    fixed = markup + sum(count(f + "\n") for f in facts) + count(question)
+    fixed = markup + sum(count("\n" + f) for f in facts) + count(question)
     lines, counts = haystack.filler(rng, _budget(context_length, fixed, "multiturn_recall"), count)
     body = _insert(lines, counts, needles)
     # Split into turns so that each fact sits in a turn of its own order: cut right after each fact.
@@ -291,7 +294,9 @@ def _multiturn(context_length, depth, rng, count, haystack) -> tuple[str, str]:
         turns.append("\n".join(body[start:end]))
         start = end
     header = f"{HEADER}\n" if turns else ""
-    text = "".join(_turn("user", (header if i == 0 else "") + t) + _turn("assistant", "Noted.") for i, t in enumerate(turns))
+    text = "".join(
+        _turn("user", (header if i == 0 else "") + t) + _turn("assistant", "Noted.") for i, t in enumerate(turns)
+    )
     return text + question, values[queried]
 
 
