@@ -103,6 +103,7 @@ def _eval(args: argparse.Namespace) -> int:
     summary = summarize(results)
     settings = {
         **config.model_dump(exclude_defaults=True),
+        "model": _display_path(config.model),
         "device": str(llm.engine.runner.device),
         "dtype": str(llm.engine.runner.dtype).removeprefix("torch."),
         "block_size": config.block_size,
@@ -114,6 +115,12 @@ def _eval(args: argparse.Namespace) -> int:
     print(markdown_table(summary))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0
+
+
+def _display_path(path: str) -> str:
+    """A path relative to the working directory when it lies below it (reports stay machine-neutral)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,13 +45,14 @@ def _heatmap(path: Path, summary: dict, settings: dict) -> Path | None:
     lengths = sorted({c["context_length"] for c in summary["per_cell"]})
     acc = {(c["task"], c["depth"], c["context_length"]): c["accuracy"] for c in summary["per_cell"]}
     fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks) + 1, 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
+    for i, (ax, task) in enumerate(zip(axes[0], tasks, strict=True)):
         grid = [[acc.get((task, d, n), float("nan")) for n in lengths] for d in depths]
         im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto", origin="upper")
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], rotation=45)
-        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
+        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths] if i == 0 else [])
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
+        if i == 0:
+            ax.set_ylabel("needle depth")
         ax.set_title(task, fontsize=9)
     fig.colorbar(im, ax=axes[0].tolist(), label="accuracy")
     method = settings.get("sparse_method", "dense")
