@@ -71,6 +71,7 @@ class LLMEngine:
             "model": str(Path(cfg.model).resolve()),
             "dtype": str(self.runner.dtype),
             "load": cfg.load_format,
+            "seed": cfg.seed if cfg.load_format == "dummy" else None,  # dummy weights depend on it
         }
         return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).digest()
 
