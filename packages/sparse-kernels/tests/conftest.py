@@ -25,6 +25,17 @@ class PagedBatch:
     k_seqs: list[torch.Tensor]  # per request [kv_len, Hkv, D]
     v_seqs: list[torch.Tensor]
 
+    def layout(self) -> dict[str, int]:
+        """The head and block layout ``plan`` needs, read off the batch's own tensors."""
+        _, block_size, num_kv_heads, head_dim = self.k_cache.shape
+        return dict(num_qo_heads=self.q.shape[1], num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+
+    def plan_prefill(self, wrapper, **kwargs) -> None:
+        wrapper.plan(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_len, **self.layout(), **kwargs)
+
+    def plan_decode(self, wrapper, **kwargs) -> None:
+        wrapper.plan(self.kv_indptr, self.kv_indices, self.kv_last_len, **self.layout(), **kwargs)
+
     def reference(self, sm_scale: float | None = None, causal: bool = True) -> torch.Tensor:
         """Per-request oracle output, concatenated to ``[T, Hq, D]``."""
         outs = []

@@ -23,16 +23,7 @@ def test_run_and_store_make_no_host_sync(paged_batch, lengths):
     qo_lens, kv_lens = lengths(17)
     batch = _to_cuda(paged_batch(qo_lens, kv_lens, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64))
     prefill = BatchPrefillWithPagedKVCache("cuda", max_tile_elements=200_000)  # several tiles
-    prefill.plan(
-        batch.qo_indptr,
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_len,
-        num_qo_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        block_size=16,
-    )
+    batch.plan_prefill(prefill)
     spare = torch.tensor([-1, -1], dtype=torch.int32, device="cuda")
     rows = torch.zeros(2, 2, 64, device="cuda")
     torch.cuda.synchronize()
@@ -50,9 +41,7 @@ def test_decode_step_replays_under_cuda_graph(paged_batch):
     kv_lens = [1, 97, 300, 16, 17]
     batch = _to_cuda(paged_batch([1] * 5, kv_lens, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64))
     decode = BatchDecodeWithPagedKVCache("cuda")
-    decode.plan(
-        batch.kv_indptr, batch.kv_indices, batch.kv_last_len, num_qo_heads=8, num_kv_heads=2, head_dim=64, block_size=16
-    )
+    batch.plan_decode(decode)
     k_flat = batch.k_cache.view(-1, 2, 64)
     last_slots = []
     for b, n in enumerate(kv_lens):  # the newest token's slot, rewritten by the captured store

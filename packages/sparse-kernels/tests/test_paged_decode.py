@@ -14,15 +14,7 @@ BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}  # same reasoning as the prefill tests: 
 
 def _decode(batch, *, block_size, head_dim, group, **kwargs):
     wrapper = BatchDecodeWithPagedKVCache("cpu", **kwargs)
-    wrapper.plan(
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_len,
-        num_qo_heads=group * NUM_KV_HEADS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=head_dim,
-        block_size=block_size,
-    )
+    batch.plan_decode(wrapper)
     return wrapper.run(batch.q, batch.k_cache, batch.v_cache)
 
 
@@ -78,16 +70,7 @@ def test_decode_kv_len_one(paged_batch):
 def test_decode_equals_single_query_prefill(paged_batch):
     batch = paged_batch([1] * 6, _kv_lens(6), block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64)
     prefill = BatchPrefillWithPagedKVCache("cpu")
-    prefill.plan(
-        batch.qo_indptr,
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_len,
-        num_qo_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        block_size=16,
-    )
+    batch.plan_prefill(prefill)
     expected = prefill.run(batch.q, batch.k_cache, batch.v_cache)
     torch.testing.assert_close(_decode(batch, block_size=16, head_dim=64, group=4), expected, atol=0, rtol=0)
 

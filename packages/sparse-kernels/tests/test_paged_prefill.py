@@ -18,18 +18,7 @@ FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 def _plan_run(batch, *, block_size, head_dim, group, causal=True, sm_scale=None, **kwargs):
     wrapper = BatchPrefillWithPagedKVCache("cpu", **kwargs)
-    wrapper.plan(
-        batch.qo_indptr,
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_len,
-        num_qo_heads=group * NUM_KV_HEADS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=head_dim,
-        block_size=block_size,
-        causal=causal,
-        sm_scale=sm_scale,
-    )
+    batch.plan_prefill(wrapper, causal=causal, sm_scale=sm_scale)
     return wrapper.run(batch.q, batch.k_cache, batch.v_cache)
 
 
@@ -96,32 +85,14 @@ def test_one_plan_many_layers_and_out_buffer(paged_batch, lengths):
     qo_lens, kv_lens = lengths(5, seed=4)
     batch = _make(paged_batch, qo_lens, kv_lens, block_size=16, head_dim=64, group=4)
     wrapper = BatchPrefillWithPagedKVCache("cpu")
-    wrapper.plan(
-        batch.qo_indptr,
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_len,
-        num_qo_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        block_size=16,
-    )
+    batch.plan_prefill(wrapper)
     out = torch.full_like(batch.q, float("nan"))
     for layer in range(2):
         k_cache, v_cache = batch.k_cache * (layer + 1), batch.v_cache
         result = wrapper.run(batch.q, k_cache, v_cache, out=out)
         assert result is out
         expected = BatchPrefillWithPagedKVCache("cpu")
-        expected.plan(
-            batch.qo_indptr,
-            batch.kv_indptr,
-            batch.kv_indices,
-            batch.kv_last_len,
-            num_qo_heads=8,
-            num_kv_heads=2,
-            head_dim=64,
-            block_size=16,
-        )
+        batch.plan_prefill(expected)
         torch.testing.assert_close(out, expected.run(batch.q, k_cache, v_cache), atol=0, rtol=0)
 
 
@@ -160,16 +131,7 @@ def test_run_before_plan_raises():
 def test_run_rejects_mismatched_inputs(paged_batch):
     batch = _make(paged_batch, [3, 2], [5, 2], block_size=4, head_dim=8, group=2)
     wrapper = BatchPrefillWithPagedKVCache("cpu")
-    wrapper.plan(
-        batch.qo_indptr,
-        batch.kv_indptr,
-        batch.kv_indices,
-        batch.kv_last_len,
-        num_qo_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        block_size=4,
-    )
+    batch.plan_prefill(wrapper)
     with pytest.raises(ValueError, match="q must be"):
         wrapper.run(batch.q[:-1], batch.k_cache, batch.v_cache)
     with pytest.raises(ValueError, match="cache block shape"):
