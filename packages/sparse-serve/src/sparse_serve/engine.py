@@ -36,7 +36,7 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len} tokens"
             )
-        self.runner = ModelRunner(config, config.max_model_len or model_max_len)
+        self.runner = ModelRunner(config, model_cfg, config.max_model_len or model_max_len)
         self.max_model_len = self._resolve_max_model_len(model_max_len)
         cfg = self.runner.model_config
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model, cfg.eos_token_ids)

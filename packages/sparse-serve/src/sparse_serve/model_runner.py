@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_models import ModelConfig, load_model, read_model_config
+from sparse_models import ModelConfig, load_model
 from sparse_serve.config import EngineConfig
 from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget
 from sparse_serve.paged_attention import PagedAttention
@@ -33,10 +33,13 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: str | None) -> t
 class ModelRunner:
     """Owns the model, the KV pool and the sampler on one device."""
 
-    def __init__(self, config: EngineConfig, max_model_len_hint: int):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len_hint: int):
         self.config = config
         self.device = resolve_device(config.device)
-        self.model, self.model_config = self._load()
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
+        self.model, self.model_config = load_model(
+            config.model, dtype=self.dtype, device=self.device, load_format=config.load_format, seed=config.seed
+        )
         cfg = self.model_config
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks(max_model_len_hint)
@@ -49,17 +52,6 @@ class ModelRunner:
             block_size=self.block_size,
         )
         self.sampler = Sampler(config.seed, self.device)
-
-    def _load(self) -> tuple[torch.nn.Module, ModelConfig]:
-        model_cfg = read_model_config(self.config.model)
-        self.dtype = resolve_dtype(self.config.dtype, self.device, model_cfg.torch_dtype)
-        return load_model(
-            self.config.model,
-            dtype=self.dtype,
-            device=self.device,
-            load_format=self.config.load_format,
-            seed=self.config.seed,
-        )
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg, bs = self.model_config, self.config.block_size

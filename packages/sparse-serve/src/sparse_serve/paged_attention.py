@@ -61,4 +61,7 @@ class PagedAttention:
             return self.decode.run(q, k_cache, v_cache)
         if nd == 0:
             return self.prefill.run(q, k_cache, v_cache)
-        return torch.cat([self.decode.run(q[:nd], k_cache, v_cache), self.prefill.run(q[nd:], k_cache, v_cache)])
+        out = torch.empty_like(q)  # both kernels write their rows in place: no concatenation copy
+        self.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
+        self.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
+        return out

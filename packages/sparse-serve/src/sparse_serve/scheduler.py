@@ -50,9 +50,9 @@ class Scheduler:
         items: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         scheduled_running: list[Request] = []
-        queue = list(self.running)
+        queue = deque(self.running)  # not yet scheduled this step, oldest first
         while queue and budget > 0:
-            req = queue.pop(0)
+            req = queue.popleft()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
                 victim = queue.pop() if queue else req
@@ -64,7 +64,7 @@ class Scheduler:
                 items.append((req, n))
                 scheduled_running.append(req)
                 budget -= n
-        self.running = scheduled_running + queue
+        self.running = scheduled_running + list(queue)
         if not preempted:
             budget = self._admit_waiting(items, budget)
         items.sort(key=lambda item: item[1] > 1)  # decodes first: the runner splits the batch there
