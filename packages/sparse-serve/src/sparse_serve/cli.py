@@ -123,6 +123,19 @@ def _display_path(path: str) -> str:
     return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(path)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from sparse_serve.server import ServerConfig, run_server
+
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    run_server(engine_config_from_args(args), server)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparse-serve", description="SparseEngine command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -153,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--no-progress", action="store_true")
     add_engine_flags(ev)
     ev.set_defaults(func=_eval)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
+    srv.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded model)")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", help="model name clients send (default: the model folder's name)")
+    srv.add_argument(
+        "--max-waiting-requests", type=int, default=1024, help="requests queued beyond the running batch; more get 503"
+    )
+    add_engine_flags(srv)
+    srv.set_defaults(func=_serve)
     return parser
 
 
