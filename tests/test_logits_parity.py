@@ -7,7 +7,7 @@ import torch
 from tiny_models import FAMILIES
 
 from sparse_serve import LLM, SamplingParams
-from sparse_serve.step_metadata import build_step_metadata, to_device
+from sparse_serve.step_metadata import build_step_metadata
 
 
 def _engine_logits(llm: LLM) -> list[torch.Tensor]:
@@ -16,11 +16,12 @@ def _engine_logits(llm: LLM) -> list[torch.Tensor]:
     batch = engine.scheduler.schedule()
     meta = build_step_metadata(batch, engine.kv.table, engine.config.block_size)
     with torch.inference_mode():
-        runner.attention.plan(meta, to_device(meta.slot_mapping, runner.device))
+        runner.attention.plan(meta)
         hidden = runner.model(meta.input_ids, meta.positions, runner.attention)
         logits = runner.model.compute_logits(hidden)
     for req, n in batch.items:
         req.num_computed_tokens += n
+        req.kv_lens = [kv_len + n for kv_len in req.kv_lens]
     sizes = [n for _, n in batch.items]
     return list(torch.split(logits, sizes))
 

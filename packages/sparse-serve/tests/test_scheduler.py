@@ -39,6 +39,7 @@ def test_every_request_finishes_within_budgets(prompts, max_tokens, budget, num_
             assert r.status is RequestStatus.RUNNING and r not in batch.preempted
             assert len(kv.table(r.request_id).block_ids) * block_size >= r.num_computed_tokens + n
             r.num_computed_tokens += n
+            r.kv_lens = [kv_len + n for kv_len in r.kv_lens]
             kv.cache_blocks(r.request_id, r.token_ids, r.num_computed_tokens)
             if r.num_computed_tokens == r.num_tokens:
                 r.append_token(7)

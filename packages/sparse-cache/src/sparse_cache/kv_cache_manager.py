@@ -134,6 +134,26 @@ class KVCacheManager:
             self.pool.register(block_id, block_hash)
         req.hashes.extend(new_hashes)
 
+    def shrink(self, request_id: Hashable, num_tokens: int) -> list[int]:
+        """Keep only the blocks needed for the first ``num_tokens`` slots; release the rest (tail first).
+
+        Used after eviction compacted a request's kept KV to the front of its table. Blocks that were
+        registered in the prefix cache cannot be shrunk away (their content is shared by hash).
+        Returns the released block ids.
+        """
+        req = self._requests[request_id]
+        table = req.table
+        if not 0 <= num_tokens <= table.capacity:
+            raise ValueError(f"cannot shrink to {num_tokens} tokens: the table holds {table.capacity} slots")
+        keep_blocks = -(-num_tokens // self.block_size)
+        if keep_blocks < len(req.hashes):
+            raise ValueError("cannot shrink into blocks registered in the prefix cache")
+        released = table.block_ids[keep_blocks:]
+        del table.block_ids[keep_blocks:]
+        table.num_tokens = num_tokens
+        self.pool.release(reversed(released))
+        return released
+
     def free(self, request_id: Hashable) -> None:
         """Give back all of a request's blocks, tail first."""
         req = self._requests.pop(request_id)

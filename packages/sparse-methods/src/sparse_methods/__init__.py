@@ -1,6 +1,53 @@
 """Sparse-attention and KV-compression methods behind one lifecycle contract.
 
-The registry, the ``SparseMethodRuntime`` contract and the methods themselves (StreamingLLM,
-SnapKV, PyramidKV, H2O, Quest, OmniKV, ...) land here with the sparse-methods issues; until then
-the engine runs dense attention only. See ``../shared/DESIGN.md`` for the contract.
+``build_method(name, shape, **params)`` makes a method from the flat parameter vocabulary;
+``method_names()`` lists the registry. The contract (``SparseMethod``) is in ``base``; scoring
+functions are pure and exported from ``scoring``. See ``../shared/DESIGN.md``.
 """
+
+from sparse_methods import methods  # noqa: F401 - registers the methods
+from sparse_methods.base import (
+    Category,
+    Compaction,
+    LayerAttention,
+    MemoryPlan,
+    MethodConfig,
+    ModelShape,
+    PrefillPolicy,
+    PrefixCacheMode,
+    RequestStep,
+    SparseMethod,
+    StepContext,
+)
+from sparse_methods.registry import (
+    build_method,
+    check_prefill_method,
+    get_method_class,
+    make_config,
+    method_names,
+    parameter_fields,
+    prefill_method_names,
+    register,
+)
+
+__all__ = [
+    "Category",
+    "Compaction",
+    "LayerAttention",
+    "MemoryPlan",
+    "MethodConfig",
+    "ModelShape",
+    "PrefillPolicy",
+    "PrefixCacheMode",
+    "RequestStep",
+    "SparseMethod",
+    "StepContext",
+    "build_method",
+    "check_prefill_method",
+    "get_method_class",
+    "make_config",
+    "method_names",
+    "parameter_fields",
+    "prefill_method_names",
+    "register",
+]

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+import sparse_methods
 
 
-class EngineConfig(BaseModel):
+class _EngineFields(BaseModel):
     """Everything that shapes the engine; validated on construction."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
@@ -41,7 +43,27 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Token budget of one step; longer prompts are prefilled in chunks of this size."
     )
-    enable_prefix_caching: bool = Field(True, description="Reuse the KV of shared prompt prefixes across requests.")
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse the KV of shared prompt prefixes across requests (token-exact methods only)."
+    )
+    sparse_method: str = Field(
+        "dense", description=f"Sparse attention / KV compression method: {', '.join(sparse_methods.method_names())}."
+    )
+    prefill_sparse_method: str | None = Field(
+        None, description=f"Prefill variant of the method: {', '.join(sparse_methods.prefill_method_names())}."
+    )
+
+    @model_validator(mode="after")
+    def _check_method(self):
+        self.method_config()  # raises ValueError naming the parameter the method does not have
+        return self
+
+    def method_params(self) -> dict[str, Any]:
+        """The method parameters that were set (None means: the method's default)."""
+        return {n: getattr(self, n) for n in _METHOD_FIELDS if getattr(self, n) is not None}
+
+    def method_config(self) -> sparse_methods.MethodConfig:
+        return sparse_methods.make_config(self.sparse_method, self.prefill_sparse_method, **self.method_params())
 
     @classmethod
     def from_json(cls, path: str | Path, **overrides) -> EngineConfig:
@@ -50,3 +72,15 @@ class EngineConfig(BaseModel):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of engine config fields")
         return cls(**{**data, **overrides})
+
+
+def _method_field(info) -> tuple[Any, Any]:
+    default = f" (default {info.default!r} where the method has it)" if info.default is not None else ""
+    return (info.annotation | None, Field(None, description=(info.description or "") + default))
+
+
+# Method parameters are flat engine fields (one vocabulary): None leaves the method's default.
+_METHOD_FIELDS = {
+    n: _method_field(i) for n, i in sparse_methods.parameter_fields().items() if n != "prefill_sparse_method"
+}
+EngineConfig = create_model("EngineConfig", __base__=_EngineFields, __doc__=_EngineFields.__doc__, **_METHOD_FIELDS)

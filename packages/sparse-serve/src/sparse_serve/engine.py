@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 
 from sparse_cache import KVCacheManager
+from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, build_method
 from sparse_models import read_model_config
 from sparse_serve.config import EngineConfig
 from sparse_serve.detokenizer import IncrementalDetokenizer
+from sparse_serve.kv_compaction import apply_compaction
 from sparse_serve.model_runner import ModelRunner
 from sparse_serve.outputs import RequestOutput
 from sparse_serve.request import Request
@@ -36,19 +38,37 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len} tokens"
             )
-        self.runner = ModelRunner(config, model_cfg, config.max_model_len or model_max_len)
+        self.method = build_method(
+            config.sparse_method,
+            ModelShape(
+                model_cfg.num_hidden_layers,
+                model_cfg.num_attention_heads,
+                model_cfg.num_key_value_heads,
+                model_cfg.head_dim,
+            ),
+            config.prefill_sparse_method,
+            **config.method_params(),
+        )
+        self.num_layers = model_cfg.num_hidden_layers
+        self.runner = ModelRunner(config, model_cfg, config.max_model_len or model_max_len, self.method)
         self.max_model_len = self._resolve_max_model_len(model_max_len)
         cfg = self.runner.model_config
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model, cfg.eos_token_ids)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(cfg.eos_token_ids)
+        # Radix sharing needs token-exact KV; evicting methods resume through chains instead.
+        exact_kv = self.method.prefix_cache_mode is PrefixCacheMode.RADIX
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            enable_prefix_caching=config.enable_prefix_caching and exact_kv,
             salt=self._cache_salt(),
         )
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_peak=self._prefill_peak,
+            full_prefill=self._full_prefill,
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -72,8 +92,21 @@ class LLMEngine:
             "dtype": str(self.runner.dtype),
             "load": cfg.load_format,
             "seed": cfg.seed if cfg.load_format == "dummy" else None,  # dummy weights depend on it
+            "method": self.method.fingerprint(),
         }
-        return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).digest()
+        return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).digest()
+
+    # -- what the method plans ----------------------------------------------------------------
+    def memory_plan(self, req: Request):
+        """The method's memory plan for a request (prefill = the tokens present at admission)."""
+        remaining = max(0, min(req.max_new_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens))
+        return self.method.memory_plan(req.num_tokens, remaining, self.config.max_num_batched_tokens)
+
+    def _prefill_peak(self, req: Request) -> int:
+        return max(self.memory_plan(req).prefill_peak_tokens)
+
+    def _full_prefill(self, req: Request) -> bool:
+        return self.method.prefill_policy is PrefillPolicy.LONG_BS1FULL_SHORT_BATCH
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
@@ -90,7 +123,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = Request(request_id, token_ids, params, arrival=self.num_steps, prompt=text)
+        req = Request(request_id, token_ids, params, arrival=self.num_steps, prompt=text, kv_lens=[0] * self.num_layers)
         self._requests[request_id] = req
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
@@ -132,17 +165,30 @@ class LLMEngine:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
             return []
+        for req in batch.preempted:
+            self.method.release(req.request_id)
         meta = build_step_metadata(batch, self.kv.table, self.config.block_size)
         sampled = dict(zip((r.request_id for r in meta.sampled), self.runner.run(meta), strict=True))
+        compactions = self.method.finish_step()
         self.num_steps += 1
         outputs = []
         for req, n in batch.items:
             req.num_computed_tokens += n
+            req.kv_lens = [kv_len + n for kv_len in req.kv_lens]
+            compaction = compactions.get(req.request_id)
+            if compaction is not None:
+                self._compact(req, compaction)
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
             token = sampled.get(req.request_id)
             if token is not None:
                 outputs.append(self._append_token(req, token))
         return outputs
+
+    def _compact(self, req: Request, compaction) -> None:
+        """Move the kept KV to the front of each layer and give whole free blocks back to the pool."""
+        table = self.kv.table(req.request_id)
+        req.kv_lens = apply_compaction(self.runner.kv, table.block_ids, req.kv_lens, compaction, self.config.block_size)
+        self.kv.shrink(req.request_id, req.kv_len)
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         req.append_token(token)
@@ -166,6 +212,7 @@ class LLMEngine:
 
     def _finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
         self.scheduler.finish(req, reason)
+        self.method.release(req.request_id)
         req.stop_reason = stop_reason
         self.runner.sampler.release(req.request_id)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_methods import SparseMethod, StepContext
 from sparse_models import ModelConfig, load_model
 from sparse_serve.config import EngineConfig
 from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget
@@ -33,7 +34,13 @@ def resolve_dtype(name: str, device: torch.device, model_dtype: str | None) -> t
 class ModelRunner:
     """Owns the model, the KV pool and the sampler on one device."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, max_model_len_hint: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        max_model_len_hint: int,
+        method: SparseMethod | None = None,
+    ):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
@@ -50,7 +57,9 @@ class ModelRunner:
             num_kv_heads=cfg.num_key_value_heads,
             head_dim=cfg.head_dim,
             block_size=self.block_size,
+            method=method,
         )
+        self.method = method
         self.sampler = Sampler(config.seed, self.device)
 
     def _num_blocks(self, max_model_len: int) -> int:
@@ -77,8 +86,9 @@ class ModelRunner:
         """Forward the step's tokens; return one sampled token per ``meta.sampled`` request."""
         input_ids = to_device(meta.input_ids, self.device)
         positions = to_device(meta.positions, self.device)
-        slot_mapping = to_device(meta.slot_mapping, self.device)
-        self.attention.plan(meta, slot_mapping)
+        if self.method is not None:
+            self.method.prepare_step(StepContext(meta.steps))
+        self.attention.plan(meta)
         hidden = self.model(input_ids, positions, self.attention)
         if not meta.sampled:
             return []

@@ -1,7 +1,11 @@
-"""The engine's attention backend: store the step's K/V in the pool, then attend over pages.
+"""The engine's attention backend: store the step's K/V in the pool, attend over pages, and hand
+the sparse method the inputs it asked for.
 
-Plans both kernels once per step from the host metadata; each layer's ``forward`` is then
-device-only. Single-token items go to the decode kernel, prefill chunks to the prefill kernel.
+Plans both kernels once per step and layer group from the host metadata; each layer's
+``forward`` is then device-only unless the method asked to observe this layer's attention inputs
+(score-based eviction), which gathers the requested requests' keys. Single-token items go to the
+decode kernel, prefill chunks to the prefill kernel. No method is named here: the method says
+which requests it wants per layer (``attention_requests``).
 """
 
 from __future__ import annotations
@@ -9,59 +13,105 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels import BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache, store_kv
+from sparse_methods import LayerAttention, SparseMethod
 from sparse_serve.kv_pool import KVPool
-from sparse_serve.step_metadata import StepMetadata
+from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, to_device
+
+
+class _GroupPlan:
+    """Device-side slot mapping and kernel plans of one layer group."""
+
+    def __init__(self, device: torch.device):
+        self.decode = BatchDecodeWithPagedKVCache(device)
+        self.prefill = BatchPrefillWithPagedKVCache(device)
+        self.slot_mapping: torch.Tensor | None = None
+
+    def plan(self, group: LayerGroupMetadata, meta: StepMetadata, shape: dict, sm_scale: float, device) -> None:
+        self.slot_mapping = to_device(group.slot_mapping, device)
+        if meta.num_decode_tokens:
+            self.decode.plan(
+                group.decode_kv_indptr, group.decode_kv_indices, group.decode_kv_last_len, sm_scale=sm_scale, **shape
+            )
+        if meta.num_prefill_requests:
+            self.prefill.plan(
+                group.prefill_qo_indptr,
+                group.prefill_kv_indptr,
+                group.prefill_kv_indices,
+                group.prefill_kv_last_len,
+                causal=True,
+                sm_scale=sm_scale,
+                **shape,
+            )
 
 
 class PagedAttention:
     """Implements ``sparse_models.AttentionBackend`` over a ``KVPool``."""
 
-    def __init__(self, pool: KVPool, *, num_q_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        method: SparseMethod | None = None,
+    ):
         self.pool = pool
         self.device = pool.k[0].device
+        self.block_size = block_size
         self.shape = dict(num_qo_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
-        self.decode = BatchDecodeWithPagedKVCache(self.device)
-        self.prefill = BatchPrefillWithPagedKVCache(self.device)
-        self.slot_mapping: torch.Tensor | None = None
-        self.num_decode_tokens = 0
-        self.has_prefill = False
+        self.method = method
+        self._plans: list[_GroupPlan] = []
+        self._meta: StepMetadata | None = None
         self.sm_scale = head_dim**-0.5
 
-    def plan(self, meta: StepMetadata, slot_mapping: torch.Tensor) -> None:
-        """Prepare one step. ``slot_mapping`` is ``meta.slot_mapping`` already on the device."""
-        self.slot_mapping = slot_mapping
-        self.num_decode_tokens = meta.num_decode_tokens
-        self.has_prefill = meta.num_prefill_requests > 0
-        if meta.num_decode_tokens:
-            self.decode.plan(
-                meta.decode_kv_indptr,
-                meta.decode_kv_indices,
-                meta.decode_kv_last_len,
-                sm_scale=self.sm_scale,
-                **self.shape,
-            )
-        if self.has_prefill:
-            self.prefill.plan(
-                meta.prefill_qo_indptr,
-                meta.prefill_kv_indptr,
-                meta.prefill_kv_indices,
-                meta.prefill_kv_last_len,
-                causal=True,
-                sm_scale=self.sm_scale,
-                **self.shape,
-            )
+    def plan(self, meta: StepMetadata) -> None:
+        """Prepare one step: copy each layer group's slot mapping and plan its kernels."""
+        self._meta = meta
+        while len(self._plans) < len(meta.groups):
+            self._plans.append(_GroupPlan(self.device))
+        for plan, group in zip(self._plans, meta.groups, strict=False):
+            plan.plan(group, meta, self.shape, self.sm_scale, self.device)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if abs(scale - self.sm_scale) > 1e-12 * self.sm_scale:
             raise ValueError(f"attention scale {scale} differs from the planned {self.sm_scale}")
+        meta = self._meta
+        group_idx = meta.layer_group[layer_idx]
+        plan = self._plans[group_idx]
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        store_kv(k, v, k_cache, v_cache, self.slot_mapping)
-        nd = self.num_decode_tokens
-        if not self.has_prefill:
-            return self.decode.run(q, k_cache, v_cache)
-        if nd == 0:
-            return self.prefill.run(q, k_cache, v_cache)
-        out = torch.empty_like(q)  # both kernels write their rows in place: no concatenation copy
-        self.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
-        self.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
+        store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        nd = meta.num_decode_tokens
+        if not meta.num_prefill_requests:
+            out = plan.decode.run(q, k_cache, v_cache)
+        elif nd == 0:
+            out = plan.prefill.run(q, k_cache, v_cache)
+        else:
+            out = torch.empty_like(q)  # both kernels write their rows in place: no concatenation copy
+            plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
+            plan.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
+        if self.method is not None:
+            wanted = self.method.attention_requests(layer_idx)
+            if wanted:
+                self._observe(layer_idx, q, k_cache, meta.groups[group_idx], wanted)
         return out
+
+    def _observe(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, group, wanted) -> None:
+        """Hand the method each wanted request's queries and its keys in this layer (slot order)."""
+        meta = self._meta
+        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+        for i, step in enumerate(meta.steps):
+            if step.request_id not in wanted:
+                continue
+            kv_len = group.kv_lens[i] + step.num_new_tokens
+            slots = table_slots(meta.tables[i].block_ids, kv_len, self.block_size).to(self.device)
+            rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
+            self.method.on_attention_end(layer_idx, step, LayerAttention(rows, flat_k[slots], self.sm_scale))
+
+
+def table_slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Pool slots of a table's first ``num_tokens`` positions, int64 on the host."""
+    num_blocks = -(-num_tokens // block_size)
+    blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.int64)
+    return (blocks.view(-1, 1) * block_size + torch.arange(block_size)).view(-1)[:num_tokens]

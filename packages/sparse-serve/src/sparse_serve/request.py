@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sparse_serve.sampling_params import SamplingParams
 
@@ -36,6 +36,11 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_token_ids: tuple[int, ...] = ()  # set from token_ids on creation
+    # KV slots each layer holds; equals num_computed_tokens unless the sparse method evicted some.
+    kv_lens: list[int] = field(default_factory=lambda: [0])
+    # Tokens present when the request was (re)admitted: what this admission prefills. Equals the
+    # prompt, or prompt + output so far after a preemption (recompute).
+    prefill_len: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -57,6 +62,18 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    @property
+    def kv_len(self) -> int:
+        """Slots the request's table must hold (its largest layer)."""
+        return max(self.kv_lens)
+
+    def reset_kv(self, num_tokens: int = 0) -> None:
+        self.kv_lens = [num_tokens] * len(self.kv_lens)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_tokens
 
     @property
     def is_finished(self) -> bool:

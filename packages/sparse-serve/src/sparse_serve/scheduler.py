@@ -4,11 +4,17 @@ Each step hands out ``{request: num_tokens}`` within the token budget: running r
 decode takes one token, an unfinished prefill its next chunk), then waiting requests in arrival
 order. When the pool cannot supply a running request's blocks, the most recently arrived running
 request is preempted: its blocks are freed and it later recomputes its tokens from scratch.
+
+Admission follows each request's memory plan (from its sparse method): a waiting request starts
+only when the pool can hold its prefill peak on top of what the running prefills are still planned
+to take, so methods that evict admit more requests and long prefills do not thrash. Requests whose
+method needs the whole prompt at once (``full_prefill``) are prefilled alone in one pass.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sparse_cache import KVCacheManager
@@ -30,11 +36,31 @@ class ScheduledBatch:
         return bool(self.items)
 
 
+def _dense_prefill_peak(req: Request) -> int:
+    return req.num_prompt_tokens
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    """Parameters
+    ----------
+    prefill_peak : tokens a request's table holds at most while its prompt is processed (memory plan).
+    full_prefill : whether a request's prompt must be prefilled in one pass, alone (prefill policy).
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefill_peak: Callable[[Request], int] = _dense_prefill_peak,
+        full_prefill: Callable[[Request], bool] = lambda req: False,
+    ):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_peak = prefill_peak
+        self.full_prefill = full_prefill
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -54,7 +80,7 @@ class Scheduler:
         while queue and budget > 0:
             req = queue.popleft()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate(req.request_id, req.num_computed_tokens + n) is None:
+            while self.kv.allocate(req.request_id, req.kv_len + n) is None:
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
                 preempted.append(victim)
@@ -70,26 +96,52 @@ class Scheduler:
         items.sort(key=lambda item: item[1] > 1)  # decodes first: the runner splits the batch there
         return ScheduledBatch(tuple(items), tuple(preempted))
 
+    def _blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.kv.block_size)
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running prefills are planned to take beyond what they hold now."""
+        reserved = 0
+        for req in self.running:
+            if req.num_computed_tokens < req.prefill_len:
+                held = len(self.kv.table(req.request_id).block_ids) if self.kv.has_request(req.request_id) else 0
+                reserved += max(0, self._blocks(self.prefill_peak(req)) - held)
+        return reserved
+
     def _admit_waiting(self, items: list[tuple[Request, int]], budget: int) -> int:
+        reserved = self._reserved_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             prefix = self.kv.match_prefix(req.token_ids)
-            n = min(req.num_tokens - prefix.num_tokens, budget)
+            remaining = req.num_tokens - prefix.num_tokens
+            full = self.full_prefill(req) and remaining > budget
+            if full and any(n > 1 for _, n in items):
+                break  # a whole-prompt prefill runs alone (decodes may share its step)
+            n = remaining if full else min(remaining, budget)
+            peak = self._blocks(max(self.prefill_peak(req), prefix.num_tokens + n)) - len(prefix.block_ids)
+            if peak > self.kv.num_free_blocks - reserved:
+                break
             if self.kv.allocate(req.request_id, prefix.num_tokens + n, prefix=prefix) is None:
                 break
             self.waiting.popleft()
             req.num_computed_tokens = prefix.num_tokens
+            req.prefill_len = req.num_tokens
+            req.reset_kv(prefix.num_tokens)
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = prefix.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             items.append((req, n))
             budget -= n
+            reserved += max(0, peak - len(self.kv.table(req.request_id).block_ids) + len(prefix.block_ids))
+            if full:
+                return 0
         return budget
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.reset_kv(0)
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING

@@ -2,6 +2,11 @@
 
 Tokens of all scheduled requests are laid out flat: single-token items (decodes) first, then
 prefill chunks. Paged attention metadata uses FlashInfer's CSR names, all int32.
+
+Positions are logical (RoPE), while the slots a token's KV goes to follow the request's KV length
+in each layer, which eviction can make shorter than the position and different per layer. Layers
+whose KV lengths agree for every request of the step form one *layer group* sharing one slot
+mapping and one pair of kernel plans; without per-layer eviction there is exactly one group.
 """
 
 from __future__ import annotations
@@ -12,29 +17,23 @@ from dataclasses import dataclass
 import torch
 
 from sparse_cache import BlockTable
+from sparse_methods import RequestStep
 from sparse_serve.request import Request
 from sparse_serve.scheduler import ScheduledBatch
 
 
 @dataclass(frozen=True, slots=True)
-class StepMetadata:
-    """Tensors describing one forward step (CPU tensors until ``to`` moves the device ones).
+class LayerGroupMetadata:
+    """Where one group of layers stores the step's K/V and which slots its attention reads.
 
-    Attributes
-    ----------
-    input_ids, positions : [num_tokens] int64.
-    slot_mapping : [num_tokens] int32, where each token's K/V is stored.
-    num_decode_tokens : the leading tokens that are single-token items (one per request).
+    slot_mapping : [num_tokens] int32.
     decode_kv_* : CSR over the blocks of the single-token items (kv_indptr [Bd+1], kv_indices, kv_last_len [Bd]).
     prefill_* : qo_indptr [Bp+1] (relative to the first prefill token) and CSR over their blocks.
-    logits_indices : [num_sampled] int64, the flat rows whose logits are sampled.
-    sampled : the requests sampled this step, in ``logits_indices`` order.
     """
 
-    input_ids: torch.Tensor
-    positions: torch.Tensor
+    layers: tuple[int, ...]
+    kv_lens: tuple[int, ...]  # per scheduled item, before the step
     slot_mapping: torch.Tensor
-    num_decode_tokens: int
     decode_kv_indptr: torch.Tensor
     decode_kv_indices: torch.Tensor
     decode_kv_last_len: torch.Tensor
@@ -42,6 +41,29 @@ class StepMetadata:
     prefill_kv_indptr: torch.Tensor
     prefill_kv_indices: torch.Tensor
     prefill_kv_last_len: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetadata:
+    """Tensors describing one forward step (CPU tensors; the runner copies what the device needs).
+
+    input_ids, positions : [num_tokens] int64.
+    num_decode_tokens : the leading tokens that are single-token items (one per request).
+    groups / layer_group : the layer groups, and each layer's group index.
+    steps / row_starts / tables : per scheduled item, its ``RequestStep``, first flat row and block table.
+    logits_indices : [num_sampled] int64, the flat rows whose logits are sampled.
+    sampled : the requests sampled this step, in ``logits_indices`` order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    num_decode_tokens: int
+    num_prefill_requests: int
+    groups: tuple[LayerGroupMetadata, ...]
+    layer_group: tuple[int, ...]
+    steps: tuple[RequestStep, ...]
+    row_starts: tuple[int, ...]
+    tables: tuple[BlockTable, ...]
     logits_indices: torch.Tensor
     sampled: tuple[Request, ...]
 
@@ -50,12 +72,17 @@ class StepMetadata:
         return self.input_ids.numel()
 
     @property
-    def num_prefill_requests(self) -> int:
-        return self.prefill_kv_last_len.numel()
+    def num_decode_requests(self) -> int:
+        return self.num_decode_tokens
 
     @property
-    def num_decode_requests(self) -> int:
-        return self.decode_kv_last_len.numel()
+    def slot_mapping(self) -> torch.Tensor:
+        """The slot mapping of layer 0's group (all layers', without per-layer eviction)."""
+        return self.groups[self.layer_group[0]].slot_mapping
+
+
+def _i32(x: list[int]) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
 
 
 def _csr(tables: list[BlockTable], kv_lens: list[int], block_size: int) -> tuple[list[int], list[int], list[int]]:
@@ -68,54 +95,78 @@ def _csr(tables: list[BlockTable], kv_lens: list[int], block_size: int) -> tuple
     return indptr, indices, last_len
 
 
+def _group(
+    layers: tuple[int, ...], kv_lens: tuple[int, ...], items, tables: list[BlockTable], num_decode: int, block_size: int
+) -> LayerGroupMetadata:
+    slots: list[int] = []
+    ends: list[int] = []
+    for (_, n), table, kv_len in zip(items, tables, kv_lens, strict=True):
+        slots.extend(table.slot(p) for p in range(kv_len, kv_len + n))
+        ends.append(kv_len + n)
+    d_indptr, d_indices, d_last = _csr(tables[:num_decode], ends[:num_decode], block_size)
+    p_indptr, p_indices, p_last = _csr(tables[num_decode:], ends[num_decode:], block_size)
+    qo_indptr = [0]
+    for _, n in items[num_decode:]:
+        qo_indptr.append(qo_indptr[-1] + n)
+    return LayerGroupMetadata(
+        layers=layers,
+        kv_lens=kv_lens,
+        slot_mapping=_i32(slots),
+        decode_kv_indptr=_i32(d_indptr),
+        decode_kv_indices=_i32(d_indices),
+        decode_kv_last_len=_i32(d_last),
+        prefill_qo_indptr=_i32(qo_indptr),
+        prefill_kv_indptr=_i32(p_indptr),
+        prefill_kv_indices=_i32(p_indices),
+        prefill_kv_last_len=_i32(p_last),
+    )
+
+
 def build_step_metadata(
     batch: ScheduledBatch, table_of: Callable[[Hashable], BlockTable], block_size: int
 ) -> StepMetadata:
     """Lay out a scheduled batch (decodes first, as the scheduler orders it) as step tensors."""
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     logits_indices: list[int] = []
     sampled: list[Request] = []
-    decode_tables, decode_lens, prefill_tables, prefill_lens, qo_indptr = [], [], [], [], [0]
-    num_decode_tokens = 0
+    steps: list[RequestStep] = []
+    row_starts: list[int] = []
+    tables: list[BlockTable] = []
+    num_decode = 0
     for req, n in batch.items:
-        table = table_of(req.request_id)
         start = req.num_computed_tokens
+        row_starts.append(len(input_ids))
         input_ids.extend(req.token_ids[start : start + n])
         positions.extend(range(start, start + n))
-        slots.extend(table.slot(p) for p in range(start, start + n))
+        tables.append(table_of(req.request_id))
+        steps.append(RequestStep(req.request_id, start, n, req.prefill_len, tuple(req.kv_lens)))
         if n == 1:
-            if prefill_tables:
+            if num_decode != len(steps) - 1:
                 raise ValueError("single-token items must come before prefill chunks")
-            num_decode_tokens += 1
-            decode_tables.append(table)
-            decode_lens.append(start + 1)
-        else:
-            prefill_tables.append(table)
-            prefill_lens.append(start + n)
-            qo_indptr.append(qo_indptr[-1] + n)
+            num_decode += 1
         if start + n == req.num_tokens:
             logits_indices.append(len(input_ids) - 1)
             sampled.append(req)
-    d_indptr, d_indices, d_last = _csr(decode_tables, decode_lens, block_size)
-    p_indptr, p_indices, p_last = _csr(prefill_tables, prefill_lens, block_size)
-
-    def i32(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int32)
-
+    num_layers = len(batch.items[0][0].kv_lens) if batch.items else 1
+    by_lens: dict[tuple[int, ...], list[int]] = {}
+    for layer in range(num_layers):
+        by_lens.setdefault(tuple(s.kv_lens[layer] for s in steps), []).append(layer)
+    groups, layer_group = [], [0] * num_layers
+    for g, (kv_lens, layers) in enumerate(by_lens.items()):
+        groups.append(_group(tuple(layers), kv_lens, batch.items, tables, num_decode, block_size))
+        for layer in layers:
+            layer_group[layer] = g
     return StepMetadata(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
-        slot_mapping=i32(slots),
-        num_decode_tokens=num_decode_tokens,
-        decode_kv_indptr=i32(d_indptr),
-        decode_kv_indices=i32(d_indices),
-        decode_kv_last_len=i32(d_last),
-        prefill_qo_indptr=i32(qo_indptr),
-        prefill_kv_indptr=i32(p_indptr),
-        prefill_kv_indices=i32(p_indices),
-        prefill_kv_last_len=i32(p_last),
+        num_decode_tokens=num_decode,
+        num_prefill_requests=len(steps) - num_decode,
+        groups=tuple(groups),
+        layer_group=tuple(layer_group),
+        steps=tuple(steps),
+        row_starts=tuple(row_starts),
+        tables=tuple(tables),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         sampled=tuple(sampled),
     )

@@ -1,0 +1,202 @@
+"""The SparseMethodRuntime contract: declarations, step contexts and lifecycle hooks.
+
+A method is a class with a pydantic config and four declarations (category, prefill policy,
+prefix-cache mode, memory plan). The engine drives it through hooks with plain tensors and small
+frozen records, never engine objects, so another engine can host the same classes:
+
+1. ``prepare_step(step)`` once per forward step, with every scheduled request's ``RequestStep``.
+2. per layer, after the layer's attention: for each request id in ``attention_requests(layer)``,
+   ``on_attention_end(layer, request, view)`` with the request's new queries and its keys.
+3. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per
+   layer and KV head); the engine gathers the kept slots to the front of each layer and frees
+   whole blocks that no layer uses any more.
+4. ``release(request_id)`` when a request finishes, is aborted or is preempted.
+
+Slot order is the order of a request's table: slot ``i`` of layer ``l`` holds the ``i``-th
+retained token of that layer (in arrival order). Keys are stored after RoPE with their original
+positions, so compaction never re-rotates anything.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Hashable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+
+class Category(enum.StrEnum):
+    DENSE = "dense"
+    PHYSICAL_EVICTION = "physical eviction"
+    LOGICAL_MASKING = "logical masking"
+    QUERY_AWARE_SELECTION = "query-aware selection"
+    COMPRESSED_STORAGE = "compressed storage"
+
+
+class PrefillPolicy(enum.StrEnum):
+    ALL_CHUNKED = "all_chunked"
+    """Prompts are prefilled in chunks under the step's token budget, batched with other work."""
+    LONG_BS1FULL_SHORT_BATCH = "long_bs1full_short_batch"
+    """A prompt longer than the chunk budget is prefilled alone in one pass (the method needs the
+    whole prompt's attention at once); short prompts are batched as usual."""
+
+
+class PrefixCacheMode(enum.StrEnum):
+    RADIX = "radix"
+    """KV stays token-exact: shared prefixes can be reused by content hash."""
+    CHAIN = "chain"
+    """KV was evicted: reuse only by resuming a conversation's chain (no radix sharing)."""
+
+
+class MethodConfig(BaseModel):
+    """Base of every method's config: validated, frozen, unknown fields are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What a method needs to know about the model."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim) < 1:
+            raise ValueError(f"model shape must be positive: {self}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """KV tokens (slots) a request holds in each layer, from its method's point of view.
+
+    ``prefill_peak_tokens[l]``: the most layer ``l`` holds while the prompt is processed.
+    ``resident_tokens[l]``: what it holds once the prompt is processed (after any compression).
+    ``decode_peak_tokens[l]``: the most it holds while generating (the steady state that decides
+    how many requests fit).
+    """
+
+    prefill_peak_tokens: tuple[int, ...]
+    resident_tokens: tuple[int, ...]
+    decode_peak_tokens: tuple[int, ...]
+
+    @property
+    def peak_tokens(self) -> tuple[int, ...]:
+        return tuple(max(a, b) for a, b in zip(self.prefill_peak_tokens, self.decode_peak_tokens, strict=True))
+
+    @classmethod
+    def uniform(cls, num_layers: int, prefill_peak: int, resident: int, decode_peak: int) -> MemoryPlan:
+        return cls((prefill_peak,) * num_layers, (resident,) * num_layers, (decode_peak,) * num_layers)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStep:
+    """One request's part of a step.
+
+    ``start`` is the logical position of the first new token (tokens before it are processed),
+    ``num_new_tokens`` how many this step adds, ``prompt_len`` the prompt's length and
+    ``kv_lens[l]`` the slots layer ``l`` holds before this step.
+    """
+
+    request_id: Hashable
+    start: int
+    num_new_tokens: int
+    prompt_len: int
+    kv_lens: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.start >= self.prompt_len
+
+    @property
+    def ends_prefill(self) -> bool:
+        """This step processes the prompt's last token."""
+        return self.start < self.prompt_len <= self.end
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    requests: tuple[RequestStep, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """What a method may read after one layer's attention, for one request.
+
+    ``queries``: ``[num_new_tokens, num_q_heads, head_dim]``, the step's queries (after RoPE).
+    ``keys``: ``[kv_len, num_kv_heads, head_dim]``, every slot the layer holds for the request after
+    this step's keys were stored, in slot order (the last ``num_new_tokens`` are the new ones).
+    ``scale``: the softmax scale attention used.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    scale: float
+
+
+@dataclass(frozen=True, slots=True)
+class Compaction:
+    """Kept slots of one request: ``keep[l]`` is None (layer unchanged) or ``[num_kv_heads, n_l]``
+    int64 indices into the layer's current slots, ascending in each row."""
+
+    keep: tuple[torch.Tensor | None, ...]
+
+
+class SparseMethod(ABC):
+    """Base of all methods. Subclasses set the class attributes and implement the hooks they need."""
+
+    name: ClassVar[str]
+    category: ClassVar[Category]
+    prefill_policy: ClassVar[PrefillPolicy] = PrefillPolicy.ALL_CHUNKED
+    prefix_cache_mode: ClassVar[PrefixCacheMode]
+    Config: ClassVar[type[MethodConfig]]
+
+    def __init__(self, config: MethodConfig, shape: ModelShape):
+        if not isinstance(config, self.Config):
+            raise TypeError(f"{self.name} needs a {self.Config.__name__}, got {type(config).__name__}")
+        self.config = config
+        self.shape = shape
+
+    # -- declarations ------------------------------------------------------------------------
+    @abstractmethod
+    def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
+        """KV tokens per layer for a request of ``prompt_len`` + ``max_new_tokens`` tokens whose prompt
+        is prefilled in chunks of at most ``chunk_size`` tokens."""
+
+    def fingerprint(self) -> dict:
+        """What this method's KV depends on besides tokens (goes into cache salts)."""
+        return {"sparse_method": self.name, **self.config.model_dump()}
+
+    # -- lifecycle hooks -----------------------------------------------------------------------
+    def prepare_step(self, step: StepContext) -> None:  # noqa: B027 - hooks are optional
+        """Called once per step before the forward."""
+
+    def attention_requests(self, layer: int) -> Collection[Hashable]:
+        """Requests whose attention inputs this layer must hand to ``on_attention_end`` this step."""
+        return ()
+
+    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:  # noqa: B027
+        """Observe one request's queries and keys after ``layer``'s attention."""
+
+    def finish_step(self) -> Mapping[Hashable, Compaction]:
+        """Evictions decided this step, by request id (applied before the next step)."""
+        return {}
+
+    def release(self, request_id: Hashable) -> None:  # noqa: B027
+        """Forget a request's state (finished, aborted or preempted)."""

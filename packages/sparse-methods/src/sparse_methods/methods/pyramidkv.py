@@ -1,0 +1,40 @@
+"""PyramidKV: SnapKV's scores with per-layer budgets that shrink linearly from the bottom layer to
+the top (``pyramid_budgets``: KVCache-Factory's shape, average budget = sink + keep + recent).
+
+SE's choices: decode eviction on (every 1024 generated tokens back to each layer's budget) and
+the ``long_bs1full_short_batch`` prefill policy. kvpress's PyramidKVPress corresponds to
+``sink_keep_tokens=0``, ``recent_keep_tokens=observation_window_size=64``, kernel 5, avg pooling,
+with its budget from a compression ratio (``mean = L * (1 - ratio)``).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from sparse_methods.base import PrefillPolicy
+from sparse_methods.methods.snapkv import SnapKV, SnapKVConfig
+from sparse_methods.registry import register
+from sparse_methods.scoring import pyramid_budgets
+
+
+class PyramidKVConfig(SnapKVConfig):
+    pyramidkv_beta: float = Field(20.0, ge=1.0, description="Pyramid steepness: the top layer keeps budget/beta.")
+    decode_eviction_interval: int | None = Field(
+        1024, ge=1, description="Evict back to each layer's budget every this many generated tokens (None: never)."
+    )
+
+
+@register
+class PyramidKV(SnapKV):
+    name = "pyramidkv"
+    prefill_policy = PrefillPolicy.LONG_BS1FULL_SHORT_BATCH
+    Config = PyramidKVConfig
+
+    def layer_budgets(self, prompt_len: int) -> list[int]:
+        return pyramid_budgets(
+            self.budget,
+            self.config.observation_window_size,
+            prompt_len,
+            self.shape.num_layers,
+            self.config.pyramidkv_beta,
+        )

@@ -1,0 +1,160 @@
+"""Scoring functions of the eviction family, as pure functions of tensors.
+
+Shapes follow the engine's NHD layout: queries ``[n, num_q_heads, D]``, keys ``[L, num_kv_heads, D]``
+(post-RoPE, slot order). Query heads ``h * g .. h * g + g - 1`` share KV head ``h`` (GQA, ``g``
+query heads per KV head). Everything is computed in float32 and per KV head, so memory stays
+``O(g * n * L)`` however many heads there are.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Pooling = Literal["avg", "max", "none"]
+GroupReduce = Literal["mean", "max", "sum"]
+
+
+def _group_logits(queries: torch.Tensor, keys: torch.Tensor, head: int, scale: float) -> torch.Tensor:
+    """Raw ``q.k * scale`` of KV head ``head``'s query group: ``[g, n, L]`` float32."""
+    g = queries.shape[1] // keys.shape[1]
+    q = queries[:, head * g : (head + 1) * g].float().transpose(0, 1)  # [g, n, D]
+    k = keys[:, head].float()  # [L, D]
+    return torch.matmul(q, k.T) * scale
+
+
+def causal_probabilities(
+    queries: torch.Tensor, keys: torch.Tensor, scale: float, query_slots: torch.Tensor, head: int
+) -> torch.Tensor:
+    """Softmax attention of KV head ``head``'s query group: ``[g, n, L]``.
+
+    Query ``i`` sees the slots ``<= query_slots[i]``.
+    """
+    logits = _group_logits(queries, keys, head, scale)
+    cols = torch.arange(keys.shape[0], device=keys.device)
+    logits.masked_fill_(cols.view(1, 1, -1) > query_slots.view(1, -1, 1), float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def pool_scores(scores: torch.Tensor, kernel_size: int, pooling: Pooling) -> torch.Tensor:
+    """Smooth ``[..., M]`` scores along tokens (stride 1, padding ``kernel_size // 2``, same length).
+
+    ``avg`` counts the zero padding (as ``F.avg_pool1d`` does by default), ``max`` ignores it.
+    """
+    if pooling == "none" or kernel_size <= 1 or scores.shape[-1] == 0:
+        return scores
+    if kernel_size % 2 == 0:
+        raise ValueError(f"pooling kernel_size must be odd to keep the length, got {kernel_size}")
+    lead = scores.shape[:-1]
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    if pooling == "avg":
+        out = F.avg_pool1d(flat, kernel_size, stride=1, padding=kernel_size // 2)
+    elif pooling == "max":
+        out = F.max_pool1d(flat, kernel_size, stride=1, padding=kernel_size // 2)
+    else:
+        raise ValueError(f"unknown pooling {pooling!r}")
+    return out.reshape(*lead, -1)
+
+
+def _reduce(x: torch.Tensor, how: GroupReduce, dim: int) -> torch.Tensor:
+    if how == "mean":
+        return x.mean(dim)
+    if how == "sum":
+        return x.sum(dim)
+    if how == "max":
+        return x.amax(dim)
+    raise ValueError(f"unknown reduction {how!r}")
+
+
+def window_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    *,
+    query_slots: torch.Tensor,
+    num_scored: int,
+    score_mode: Literal["probability", "logits"] = "probability",
+    kernel_size: int = 5,
+    pooling: Pooling = "avg",
+    group_reduce: GroupReduce = "mean",
+) -> torch.Tensor:
+    """SnapKV's observation-window scores of the first ``num_scored`` slots: ``[num_kv_heads, num_scored]``.
+
+    ``probability``: causal softmax of the window queries over all keys, averaged over the window
+    queries, pooled, then reduced over the query heads of each KV group (kvpress: mean).
+    ``logits``: the raw ``q.k * scale``, maximum over window queries and over the group's heads,
+    then pooled (``group_reduce`` is not used: the maximum is the reduction).
+    """
+    num_kv_heads = keys.shape[1]
+    out = torch.empty(num_kv_heads, num_scored, dtype=torch.float32, device=keys.device)
+    for h in range(num_kv_heads):
+        if score_mode == "probability":
+            probs = causal_probabilities(queries, keys, scale, query_slots, h)[..., :num_scored]  # [g, n, M]
+            per_head = pool_scores(probs.mean(1), kernel_size, pooling)  # [g, M]
+            out[h] = _reduce(per_head, group_reduce, 0)
+        elif score_mode == "logits":
+            logits = _group_logits(queries, keys[:num_scored], h, scale)  # [g, n, M]
+            out[h] = pool_scores(logits.amax(dim=(0, 1)), kernel_size, pooling)
+        else:
+            raise ValueError(f"unknown score_mode {score_mode!r}")
+    return out
+
+
+def attention_column_sums(
+    queries: torch.Tensor, keys: torch.Tensor, scale: float, *, query_slots: torch.Tensor
+) -> torch.Tensor:
+    """H2O's accumulated attention: ``[num_q_heads, L]``, column sums of each query head's causal
+    softmax over the given queries (what each key received from them)."""
+    g = queries.shape[1] // keys.shape[1]
+    out = torch.empty(queries.shape[1], keys.shape[0], dtype=torch.float32, device=keys.device)
+    for h in range(keys.shape[1]):
+        out[h * g : (h + 1) * g] = causal_probabilities(queries, keys, scale, query_slots, h).sum(1)
+    return out
+
+
+def keep_indices(scores: torch.Tensor, *, kv_len: int, sink: int, recent: int, num_middle: int) -> torch.Tensor:
+    """Kept slots ``[H, n]`` (ascending per row): the first ``sink``, the last ``recent`` and the
+    ``num_middle`` best-scored slots in between.
+
+    ``scores``: ``[H, M]`` scores of slots ``0 .. M-1`` with ``M >= kv_len - recent`` (extra
+    columns are ignored). When everything fits (``kv_len <= sink + num_middle + recent``) every slot
+    is kept. Ties go to the earlier slot.
+    """
+    num_heads = scores.shape[0]
+    device = scores.device
+    sink = min(sink, kv_len)
+    recent = min(recent, kv_len - sink)
+    mid_lo, mid_hi = sink, kv_len - recent
+    if mid_hi - mid_lo <= num_middle:
+        return torch.arange(kv_len, device=device).expand(num_heads, kv_len).contiguous()
+    middle = scores[:, mid_lo:mid_hi].float()
+    # Stable top-k: sort by score descending, ties by position ascending.
+    order = torch.sort(middle, dim=1, descending=True, stable=True).indices[:, :num_middle] + mid_lo
+    chosen = torch.sort(order, dim=1).values
+    head = torch.arange(sink, device=device).expand(num_heads, sink)
+    tail = torch.arange(mid_hi, kv_len, device=device).expand(num_heads, recent)
+    return torch.cat([head, chosen, tail], dim=1).contiguous()
+
+
+def pyramid_budgets(mean_kept: int, window: int, kv_len: int, num_layers: int, beta: float = 20.0) -> list[int]:
+    """PyramidKV's per-layer budgets (tokens kept per layer, window included), bottom layer largest.
+
+    KVCache-Factory's shape with an average of ``C = mean_kept`` per layer: the top layer keeps
+    ``lo = C / beta``, the bottom one ``hi = 2 C - lo`` (at most ``kv_len - window``, then ``lo``
+    rises to keep the average), linear in between, rounded (float arithmetic, as kvpress). When the
+    pyramid does not fit (``kv_len >= hi >= lo >= window`` fails, e.g. short contexts) every layer
+    keeps ``mean_kept``.
+    """
+    if beta < 1:
+        raise ValueError(f"beta must be >= 1, got {beta}")
+    lo = mean_kept / beta
+    hi = mean_kept * 2 - lo
+    if hi >= kv_len - window:
+        hi = kv_len - window
+        lo = mean_kept * 2 - hi
+    if not (kv_len >= hi >= lo >= window):
+        return [min(mean_kept, kv_len)] * num_layers
+    step = (hi - lo) / (num_layers - 1) if num_layers > 1 else 0.0
+    return [round(hi - layer * step) for layer in range(num_layers)]
