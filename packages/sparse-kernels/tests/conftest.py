@@ -1,4 +1,5 @@
-"""Shared builders for paged-attention tests: a shuffled block pool plus the contiguous truth."""
+"""Shared builders for kernel tests: a shuffled block pool plus the contiguous truth, and the device
+Triton tests run on (CUDA natively where present, else the CPU through Triton's interpreter)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,12 @@ class PagedBatch:
 
     def plan_decode(self, wrapper, **kwargs) -> None:
         wrapper.plan(self.kv_indptr, self.kv_indices, self.kv_last_len, **self.layout(), **kwargs)
+
+    def to(self, device: str | torch.device) -> PagedBatch:
+        """Pool and queries on ``device`` (CSR and the K/V truth stay on the host)."""
+        for name in ("k_cache", "v_cache", "q"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
 
     def reference(self, sm_scale: float | None = None, causal: bool = True) -> torch.Tensor:
         """Per-request oracle output, concatenated to ``[T, Hq, D]``."""
@@ -95,6 +102,97 @@ def make_paged_batch(
     )
 
 
+@dataclass
+class HeadLists:
+    """A head-sparse plan over a ``PagedBatch``: one list per (request, KV head), request-major."""
+
+    kv_indptr: torch.Tensor  # int32 [B * Hkv + 1]
+    kv_indices: torch.Tensor  # int32 [nnz]: block ids (page_size = block_size) or slot ids (page_size = 1)
+    kv_last_len: torch.Tensor  # int32 [B * Hkv]
+    page_size: int
+    positions: list[torch.Tensor]  # per list: sequence positions of its tokens, in list order
+
+    def plan(self, wrapper, batch: PagedBatch, **kwargs) -> None:
+        wrapper.plan(
+            self.kv_indptr,
+            self.kv_indices,
+            self.kv_last_len,
+            **batch.layout(),
+            head_sparse=True,
+            page_size=self.page_size,
+            **kwargs,
+        )
+
+    def reference(self, batch: PagedBatch, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Oracle ``(out [B, Hq, D], scores [nnz * page_size])`` from the per-list K/V truth."""
+        num_kv_heads = batch.k_cache.shape[2]
+        q = batch.q.cpu()
+        batch_size, num_qo_heads, head_dim = q.shape
+        group = num_qo_heads // num_kv_heads
+        scale = head_dim**-0.5 if sm_scale is None else sm_scale
+        out = torch.empty(batch_size, num_qo_heads, head_dim, dtype=q.dtype)
+        scores = torch.zeros(int(self.kv_indptr[-1]) * self.page_size)
+        for lst, pos in enumerate(self.positions):
+            b, h = divmod(lst, num_kv_heads)
+            heads = slice(h * group, (h + 1) * group)
+            k = batch.k_seqs[b][pos, h : h + 1]  # [n, 1, D]
+            v = batch.v_seqs[b][pos, h : h + 1]
+            out[b, heads] = causal_attention(q[b, heads][None], k, v, sm_scale=sm_scale, causal=False)[0]
+            probs = torch.softmax(q[b, heads].float() @ k[:, 0].float().T * scale, dim=-1)  # [g, n]
+            start = int(self.kv_indptr[lst]) * self.page_size
+            scores[start : start + len(pos)] = probs.sum(0)
+        return out, scores
+
+
+def make_head_lists(batch: PagedBatch, *, slots: bool, seed: int = 0) -> HeadLists:
+    """Random non-empty per-(request, head) selections in shuffled order: whole blocks, or single slots."""
+    gen = torch.Generator().manual_seed(seed)
+    _, block_size, num_kv_heads, _ = batch.k_cache.shape
+    indptr, indices, last_len, positions = [0], [], [], []
+    for b, k in enumerate(batch.k_seqs):
+        kv_len = k.shape[0]
+        blocks = batch.kv_indices[int(batch.kv_indptr[b]) : int(batch.kv_indptr[b + 1])].to(torch.int64)
+        num_blocks = blocks.numel()
+        for _ in range(num_kv_heads):
+            if slots:
+                pos = torch.randperm(kv_len, generator=gen)[: int(torch.randint(1, kv_len + 1, (1,), generator=gen))]
+                indices.append(blocks[pos // block_size] * block_size + pos % block_size)
+                last_len.append(1)
+            else:
+                pages = torch.randperm(num_blocks, generator=gen)[
+                    : int(torch.randint(1, num_blocks + 1, (1,), generator=gen))
+                ]
+                pages = torch.cat([pages[pages != num_blocks - 1], pages[pages == num_blocks - 1]])  # partial page last
+                pos = (pages[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+                pos = pos[pos < kv_len]
+                indices.append(blocks[pages])
+                last_len.append(kv_len - (num_blocks - 1) * block_size if pages[-1] == num_blocks - 1 else block_size)
+            positions.append(pos)
+            indptr.append(indptr[-1] + indices[-1].numel())
+    return HeadLists(
+        kv_indptr=torch.tensor(indptr, dtype=torch.int32),
+        kv_indices=torch.cat(indices).to(torch.int32),
+        kv_last_len=torch.tensor(last_len, dtype=torch.int32),
+        page_size=1 if slots else block_size,
+        positions=positions,
+    )
+
+
+def dense_scores(batch: PagedBatch, sm_scale: float | None = None) -> torch.Tensor:
+    """Oracle ``scores_out`` of a dense decode plan: ``[Hkv, kv_indptr[-1] * block_size]``."""
+    _, block_size, num_kv_heads, head_dim = batch.k_cache.shape
+    scale = head_dim**-0.5 if sm_scale is None else sm_scale
+    q = batch.q.cpu().float()
+    group = q.shape[1] // num_kv_heads
+    scores = torch.zeros(num_kv_heads, int(batch.kv_indptr[-1]) * block_size)
+    for b, k in enumerate(batch.k_seqs):
+        k = k.float().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        probs = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * scale, dim=-1)  # [Hq, n]
+        start = int(batch.kv_indptr[b]) * block_size
+        scores[:, start : start + k.shape[0]] = probs.view(num_kv_heads, group, -1).sum(1)
+    return scores
+
+
 def awkward_lengths(batch: int, seed: int = 0) -> tuple[list[int], list[int]]:
     """KV lengths cycling 1, 97, 300, random; queries alternate full-sequence and cached-prefix."""
     gen = torch.Generator().manual_seed(seed)
@@ -110,6 +208,12 @@ def _indptr(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
 
+@pytest.fixture(scope="session")
+def triton_device() -> str:
+    """Where Triton-vs-reference tests run: natively on CUDA when present, else interpreted on CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture
 def paged_batch() -> Callable[..., PagedBatch]:
     return make_paged_batch
@@ -118,3 +222,13 @@ def paged_batch() -> Callable[..., PagedBatch]:
 @pytest.fixture
 def lengths() -> Callable[..., tuple[list[int], list[int]]]:
     return awkward_lengths
+
+
+@pytest.fixture
+def head_lists() -> Callable[..., HeadLists]:
+    return make_head_lists
+
+
+@pytest.fixture
+def scores_oracle() -> Callable[..., torch.Tensor]:
+    return dense_scores

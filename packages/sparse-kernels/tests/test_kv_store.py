@@ -1,4 +1,7 @@
-"""store_kv writes rows to their slots and leaves the pool untouched for -1 padded rows."""
+"""store_kv writes rows to their slots and leaves the pool untouched for -1 padded rows (both backends).
+
+The Triton backend runs natively on CUDA where present, else on CPU under Triton's interpreter.
+"""
 
 from __future__ import annotations
 
@@ -40,24 +43,45 @@ def _expected(k_cache, v_cache, key, value, slots):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_matches_manual_scatter(slots, dtype):
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_store_matches_manual_scatter(slots, dtype, backend, triton_device):
+    device = triton_device if backend == "triton" else "cpu"
     k_cache, v_cache = _pool(dtype)
     key, value = _rows(len(slots), dtype)
     k_exp, v_exp = _expected(k_cache, v_cache, key, value, slots)
-    store_kv(key, value, k_cache, v_cache, torch.tensor(slots, dtype=torch.int32))
-    torch.testing.assert_close(k_cache, k_exp, atol=0, rtol=0)
-    torch.testing.assert_close(v_cache, v_exp, atol=0, rtol=0)
+    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=device)
+    store_kv(key.to(device), value.to(device), k_cache, v_cache, slot_mapping, backend=backend)
+    torch.testing.assert_close(k_cache.cpu(), k_exp, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.cpu(), v_exp, atol=0, rtol=0)
 
 
-def test_padded_rows_leave_pool_untouched_even_with_nan_rows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_store_strided_rows_and_cast(dtype, triton_device):
+    # key/value as head slices of a fused QKV row (strided), fp32 rows into a bf16/fp32 pool.
+    k_cache, v_cache = (t.to(triton_device) for t in _pool(dtype))
+    k_ref, v_ref = k_cache.cpu().clone(), v_cache.cpu().clone()
+    qkv = torch.randn(5, 6, 8, device=triton_device)
+    key, value = qkv[:, 2:4], qkv[:, 4:6]
+    slots = torch.tensor([3, -1, 17, 0, 23], dtype=torch.int32, device=triton_device)
+    store_kv(key, value, k_cache, v_cache, slots, backend="triton")
+    store_kv(key.cpu(), value.cpu(), k_ref, v_ref, slots.cpu(), backend="reference")
+    torch.testing.assert_close(k_cache.cpu(), k_ref, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.cpu(), v_ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_padded_rows_leave_pool_untouched_even_with_nan_rows(backend, triton_device):
     # Padded rows carry garbage (here NaN); it must never reach the pool.
-    k_cache, v_cache = _pool()
+    device = triton_device if backend == "triton" else "cpu"
+    k_cache, v_cache = (t.to(device) for t in _pool())
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    key, value = _rows(4)
+    key, value = (t.to(device) for t in _rows(4))
     key[[0, 2]] = float("nan")
     value[[0, 2]] = float("nan")
-    store_kv(key, value, k_cache, v_cache, torch.tensor([-1, 10, -1, 11], dtype=torch.int32))
-    untouched = torch.ones(24, dtype=torch.bool)
+    slots = torch.tensor([-1, 10, -1, 11], dtype=torch.int32, device=device)
+    store_kv(key, value, k_cache, v_cache, slots, backend=backend)
+    untouched = torch.ones(24, dtype=torch.bool, device=device)
     untouched[[10, 11]] = False
     torch.testing.assert_close(k_cache.view(-1, 2, 8)[untouched], k_before.view(-1, 2, 8)[untouched], atol=0, rtol=0)
     torch.testing.assert_close(v_cache.view(-1, 2, 8)[untouched], v_before.view(-1, 2, 8)[untouched], atol=0, rtol=0)
@@ -66,6 +90,7 @@ def test_padded_rows_leave_pool_untouched_even_with_nan_rows():
 
 
 def test_store_casts_to_cache_dtype_and_handles_empty():
+    # The reference path (auto on CPU unless SPARSE_KERNELS_BACKEND says otherwise).
     k_cache, v_cache = _pool(torch.bfloat16)
     key, value = _rows(2, torch.float32)
     store_kv(key, value, k_cache, v_cache, torch.tensor([1, 2], dtype=torch.int32))

@@ -1,18 +1,25 @@
-"""sparse_kernels: attention and KV-cache kernels (plain-torch references; Triton paths to follow).
+"""sparse_kernels: attention and KV-cache kernels, Triton on GPU with a plain-torch reference for each.
 
 Layouts: per-layer KV pool ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD),
 ``slot = block_id * block_size + offset``; paged KV as int32 CSR (``kv_indptr``, ``kv_indices``,
 ``kv_last_len``) with FlashInfer's plan (host, once per step) / run (device, per layer) split.
+
+Every entry point takes ``backend="auto" | "triton" | "reference"``: ``auto`` runs Triton on CUDA
+tensors and the reference on CPU, unless the ``SPARSE_KERNELS_BACKEND`` environment variable names
+another; ``triton`` on CPU tensors runs under Triton's interpreter (tests).
 """
 
+from sparse_kernels._backend import BACKEND_ENV, resolve_backend
 from sparse_kernels.attention_reference import causal_attention
 from sparse_kernels.kv_store import store_kv
 from sparse_kernels.paged_decode import BatchDecodeWithPagedKVCache
 from sparse_kernels.paged_prefill import BatchPrefillWithPagedKVCache
 
 __all__ = [
+    "BACKEND_ENV",
     "BatchDecodeWithPagedKVCache",
     "BatchPrefillWithPagedKVCache",
     "causal_attention",
+    "resolve_backend",
     "store_kv",
 ]

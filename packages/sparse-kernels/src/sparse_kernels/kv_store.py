@@ -1,8 +1,10 @@
-"""Write new K/V rows into the paged per-layer pool (reference, device-only, graph-safe)."""
+"""Write new K/V rows into the paged per-layer pool (device-only, graph-safe): Triton kernel + reference."""
 
 from __future__ import annotations
 
 import torch
+
+from sparse_kernels._backend import resolve_backend
 
 
 def store_kv(
@@ -11,6 +13,8 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    backend: str = "auto",
 ) -> None:
     """Scatter ``key``/``value`` rows into their pool slots, in place.
 
@@ -23,18 +27,38 @@ def store_kv(
     slot_mapping : torch.Tensor
         ``[N]`` int32 on the caches' device; ``slot = block_id * block_size + offset``. ``-1`` marks
         a padded row (CUDA-graph batch buckets) that must leave the pool untouched.
+    backend : str
+        ``"auto"`` (Triton on CUDA, reference on CPU; ``SPARSE_KERNELS_BACKEND`` overrides),
+        ``"triton"`` or ``"reference"``.
 
     Notes
     -----
-    No host sync: the valid subset is never materialised. Padded rows are redirected to the slot and
+    No host sync on either path. The Triton kernel runs one program per row and returns at once for
+    ``-1``. The reference never materialises the valid subset: padded rows are redirected to the slot and
     data of a real row of the same call, so the duplicate writes carry identical values and their
     order cannot matter. If every row is padding, all rows rewrite slot 0 with its own current
     contents. Two *real* rows with the same slot are a caller error (which one lands is undefined).
     """
     _check(key, value, k_cache, v_cache, slot_mapping)
-    num_rows = key.shape[0]
-    if num_rows == 0:
+    if key.shape[0] == 0:
         return
+    if resolve_backend(backend, k_cache.device) == "triton":
+        from sparse_kernels._triton.store import store_kv_triton
+
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+
+
+def store_kv_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Plain-torch ``store_kv`` (inputs already checked, at least one row)."""
+    num_rows = key.shape[0]
     valid = slot_mapping >= 0  # [N]
     # argmax returns the first maximal index: the first real row, or row 0 when none is real.
     donor = torch.argmax(valid.to(torch.int32))

@@ -1,0 +1,105 @@
+"""Launch one kernel source compiled on GPU tensors and interpreted on CPU tensors.
+
+``triton.jit`` picks compile-or-interpret once, at decoration time, from ``TRITON_INTERPRET``, and
+Triton's own library functions (``tl.max``, ``tl.cdiv``, ...) were decorated when ``triton`` was
+first imported. Under ``pytest`` something (transformers, for one) imports Triton long before any
+conftest could set the variable, so each kernel here keeps its plain function and builds the variant
+its arguments need: ``triton.jit`` for CUDA tensors, Triton's ``InterpretedFunction`` for CPU
+tensors. While an interpreted launch runs, calls to compiled-mode library functions are routed
+through the interpreter too (and their language patches undone after each call), so the interpreter
+works whatever the import order. With ``TRITON_INTERPRET=1`` set, ``triton.jit`` interprets itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.jit import JITFunction
+
+_interpreter_lock = threading.Lock()
+_rewritten: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+class Kernel:
+    """``Kernel(fn)[grid](*args, **meta)``: compiled if the first tensor argument is on CUDA."""
+
+    def __init__(self, fn: Callable[..., None]):
+        self.fn = fn
+        self._compiled: Any = None
+        self._interpreted: Any = None
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: Any, **meta: Any) -> None:
+            device = next(a.device for a in args if isinstance(a, torch.Tensor))
+            if device.type == "cpu":
+                with _interpreting():
+                    self._interpreter()[grid](*args, **meta)
+            else:
+                self._compiler()[grid](*args, **meta)
+
+        return launch
+
+    def _compiler(self) -> Any:
+        if self._compiled is None:
+            self._compiled = triton.jit(self.fn)
+        return self._compiled
+
+    def _interpreter(self) -> Any:
+        if self._interpreted is None:
+            from triton.runtime.interpreter import InterpretedFunction
+
+            self._interpreted = InterpretedFunction(self.fn)
+        return self._interpreted
+
+
+@contextlib.contextmanager
+def _interpreting() -> Iterator[None]:
+    """Let compiled-mode ``@triton.jit`` library functions run inside an interpreted kernel.
+
+    ``triton.language.core`` (what the library functions see) is patched once for the launch, the
+    kernel module's ``tl`` by the interpreter itself; both are restored afterwards.
+    """
+    from triton.runtime import interpreter
+
+    def call(jit_fn: JITFunction, *args: Any, **kwargs: Any) -> Any:
+        fn = _rewritten.get(jit_fn.fn)
+        if fn is None:
+            fn = _rewritten[jit_fn.fn] = interpreter.InterpretedFunction(jit_fn.fn).rewrite()
+        return fn(*args, **kwargs)
+
+    with _interpreter_lock:
+        original = JITFunction.__call__
+        scope = interpreter._patch_lang(_library_fn())
+        JITFunction.__call__ = call
+        try:
+            yield
+        finally:
+            JITFunction.__call__ = original
+            if scope is not None:  # older Tritons leave their patches in place
+                scope.restore()
+
+
+def _library_fn() -> Callable[..., Any]:
+    """A plain function from Triton's library module, whose globals hold ``triton.language.core``."""
+    fn = tl.standard.max
+    return getattr(fn, "fn", fn)
+
+
+def dot_args(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
+    """``DOT_DTYPE`` / ``PRECISION`` constexprs for ``tl.dot`` on operands of ``dtype``.
+
+    GPU: the storage dtype (bf16/fp16 tensor cores), with IEEE fp32 dots for fp32 (not tf32, so fp32
+    matches the reference to ~1e-6). The interpreter multiplies bf16 bit patterns as integers in
+    ``tl.dot``, so on CPU the operands are widened to fp32 first.
+    """
+    widths = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    if dtype not in widths:
+        raise ValueError(f"unsupported dtype {dtype}; expected float32, bfloat16 or float16")
+    dot_dtype = tl.float32 if device.type == "cpu" else widths[dtype]
+    return {"DOT_DTYPE": dot_dtype, "PRECISION": "ieee" if dot_dtype == tl.float32 else "tf32"}
