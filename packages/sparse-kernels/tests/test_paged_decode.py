@@ -1,4 +1,4 @@
-"""BatchDecodeWithPagedKVCache against the per-request oracle (one query at each request's last position)."""
+"""BatchDecodeWithPagedKVCache (reference backend) against the per-request oracle, one query per request."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}  # same reasoning as the prefill tests: 
 
 
 def _decode(batch, *, block_size, head_dim, group, **kwargs):
-    wrapper = BatchDecodeWithPagedKVCache("cpu", **kwargs)
+    wrapper = BatchDecodeWithPagedKVCache("cpu", backend="reference", **kwargs)
     batch.plan_decode(wrapper)
     return wrapper.run(batch.q, batch.k_cache, batch.v_cache)
 
@@ -69,7 +69,7 @@ def test_decode_kv_len_one(paged_batch):
 
 def test_decode_equals_single_query_prefill(paged_batch):
     batch = paged_batch([1] * 6, _kv_lens(6), block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64)
-    prefill = BatchPrefillWithPagedKVCache("cpu")
+    prefill = BatchPrefillWithPagedKVCache("cpu", backend="reference")
     batch.plan_prefill(prefill)
     expected = prefill.run(batch.q, batch.k_cache, batch.v_cache)
     torch.testing.assert_close(_decode(batch, block_size=16, head_dim=64, group=4), expected, atol=0, rtol=0)
@@ -82,7 +82,7 @@ def test_decode_tiled(paged_batch):
 
 
 def test_decode_rejects_bad_plan_and_run():
-    wrapper = BatchDecodeWithPagedKVCache("cpu")
+    wrapper = BatchDecodeWithPagedKVCache("cpu", backend="reference")
     with pytest.raises(RuntimeError, match="plan"):
         wrapper.run(torch.zeros(1, 2, 8), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8))
     indptr = torch.tensor([0, 1], dtype=torch.int32)

@@ -1,4 +1,4 @@
-"""BatchPrefillWithPagedKVCache against the per-request oracle on awkward sizes and layouts."""
+"""BatchPrefillWithPagedKVCache (reference backend) against the per-request oracle on awkward sizes and layouts."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
 def _plan_run(batch, *, block_size, head_dim, group, causal=True, sm_scale=None, **kwargs):
-    wrapper = BatchPrefillWithPagedKVCache("cpu", **kwargs)
+    wrapper = BatchPrefillWithPagedKVCache("cpu", backend="reference", **kwargs)
     batch.plan_prefill(wrapper, causal=causal, sm_scale=sm_scale)
     return wrapper.run(batch.q, batch.k_cache, batch.v_cache)
 
@@ -84,14 +84,14 @@ def test_tiling_matches_single_tile(paged_batch, lengths, max_tile_elements):
 def test_one_plan_many_layers_and_out_buffer(paged_batch, lengths):
     qo_lens, kv_lens = lengths(5, seed=4)
     batch = _make(paged_batch, qo_lens, kv_lens, block_size=16, head_dim=64, group=4)
-    wrapper = BatchPrefillWithPagedKVCache("cpu")
+    wrapper = BatchPrefillWithPagedKVCache("cpu", backend="reference")
     batch.plan_prefill(wrapper)
     out = torch.full_like(batch.q, float("nan"))
     for layer in range(2):
         k_cache, v_cache = batch.k_cache * (layer + 1), batch.v_cache
         result = wrapper.run(batch.q, k_cache, v_cache, out=out)
         assert result is out
-        expected = BatchPrefillWithPagedKVCache("cpu")
+        expected = BatchPrefillWithPagedKVCache("cpu", backend="reference")
         batch.plan_prefill(expected)
         torch.testing.assert_close(out, expected.run(batch.q, k_cache, v_cache), atol=0, rtol=0)
 
@@ -125,12 +125,14 @@ def test_prefill_property(paged_batch, data, batch_size, block_size, group, head
 
 def test_run_before_plan_raises():
     with pytest.raises(RuntimeError, match="plan"):
-        BatchPrefillWithPagedKVCache("cpu").run(torch.zeros(1, 2, 8), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8))
+        BatchPrefillWithPagedKVCache("cpu", backend="reference").run(
+            torch.zeros(1, 2, 8), torch.zeros(1, 1, 2, 8), torch.zeros(1, 1, 2, 8)
+        )
 
 
 def test_run_rejects_mismatched_inputs(paged_batch):
     batch = _make(paged_batch, [3, 2], [5, 2], block_size=4, head_dim=8, group=2)
-    wrapper = BatchPrefillWithPagedKVCache("cpu")
+    wrapper = BatchPrefillWithPagedKVCache("cpu", backend="reference")
     batch.plan_prefill(wrapper)
     with pytest.raises(ValueError, match="q must be"):
         wrapper.run(batch.q[:-1], batch.k_cache, batch.v_cache)

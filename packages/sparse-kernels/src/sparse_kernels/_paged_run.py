@@ -20,6 +20,8 @@ def check_run_inputs(plan: PagedPlan, q: torch.Tensor, k_cache: torch.Tensor, v_
     expected_kv = (plan.block_size, plan.num_kv_heads, plan.head_dim)
     if tuple(k_cache.shape[1:]) != expected_kv:
         raise ValueError(f"cache block shape must be {list(expected_kv)} as planned, got {list(k_cache.shape[1:])}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
 
 
 def run_paged_attention(

@@ -1,20 +1,59 @@
-"""Batched decode attention over a paged KV cache: one query per request (plan/run, reference path)."""
+"""Batched decode attention over a paged KV cache: one query per request (plan/run; split-K Triton + reference)."""
 
 from __future__ import annotations
 
 import torch
 
-from sparse_kernels._paged_plan import build_plan
-from sparse_kernels._paged_validate import check_heads, check_paged_kv, check_sm_scale
-from sparse_kernels._paged_wrapper import PagedAttentionWrapper
+from sparse_kernels._decode_buffers import DecodeBuffers
+from sparse_kernels._decode_layout import DecodeLayout, check_decode_plan, check_decode_run
+from sparse_kernels._decode_reference import build_list_plan, run_list_decode
+from sparse_kernels._paged_plan import PagedPlan, build_plan
+from sparse_kernels._paged_run import run_paged_attention
+from sparse_kernels._paged_wrapper import DEFAULT_MAX_TILE_ELEMENTS, PagedAttentionWrapper, output_buffer
 
 
 class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
-    """Decode attention: request ``b``'s single query sits at its last position and sees all ``kv_len_b`` keys.
+    """Decode attention: request ``b``'s single query sits at its last position and sees all its listed keys.
 
-    The reference shares the prefill planner (a decode step is a prefill with ``qo_len = 1``); the
-    Triton path will be split-K over the KV blocks behind the same interface.
+    Triton backend: split-K (flash-decoding). ``plan`` copies the step's CSR into persistent device
+    buffers (pinned, non-blocking) and fixes the split count from the batch size alone; ``run`` launches
+    a fixed grid ``(B, num_kv_heads, num_splits)`` plus a reduce, with no host sync. A ``run`` captured
+    in a CUDA graph therefore replays correctly after a later ``plan`` of another step with the same
+    batch size and mode (dense / head-sparse, ``page_size``), provided the buffers did not move: pass
+    ``max_batch_size`` and ``max_num_pages`` so they are allocated once, at the first plan.
+
+    Reference backend: dense plans without scores use the shared prefill planner; head-sparse plans and
+    ``scores_out`` use a per-list reference (built at ``plan`` or, for dense plans, at the first run
+    that asks for scores).
+
+    Parameters
+    ----------
+    device, backend, max_tile_elements
+        As ``PagedAttentionWrapper``.
+    max_batch_size : int, optional
+        Largest batch any plan will have (fixes buffer capacities; larger plans raise).
+    max_num_pages : int, optional
+        Largest ``len(kv_indices)`` any plan will have (block ids, or slot ids for ``page_size=1``).
+    num_splits : int, optional
+        Force the split count (tuning, tests); by default it depends on the batch size and GPU.
     """
+
+    def __init__(
+        self,
+        device: torch.device | str = "cpu",
+        *,
+        backend: str = "auto",
+        max_batch_size: int | None = None,
+        max_num_pages: int | None = None,
+        num_splits: int | None = None,
+        max_tile_elements: int = DEFAULT_MAX_TILE_ELEMENTS,
+    ):
+        super().__init__(device, backend=backend, max_tile_elements=max_tile_elements)
+        self._buffers = DecodeBuffers(self.device, max_batch_size, max_num_pages, num_splits)
+        self._layout: DecodeLayout | None = None
+        self._num_splits = 1
+        self._csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # host copy, reference only
+        self._list_tiles = None  # reference: per-list tiles of a dense plan, built when scores are asked
 
     def plan(
         self,
@@ -27,42 +66,132 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         head_dim: int,
         block_size: int,
         sm_scale: float | None = None,
+        head_sparse: bool = False,
+        page_size: int | None = None,
     ) -> None:
-        """Validate the step's paged layout and build the device index tensors ``run`` will use.
+        """Validate the step's paged layout and stage what ``run`` reads (host; not graph-captured).
 
         Parameters
         ----------
         kv_indptr : torch.Tensor
-            int32 CPU ``[B + 1]``; request ``b``'s blocks are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+            int32 CPU. Dense: ``[B + 1]``, request ``b``'s pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+            Head-sparse: ``[B * num_kv_heads + 1]``, one list per (request, KV head) in request-major
+            order: list ``l = b * num_kv_heads + h`` holds what KV head ``h`` of request ``b`` reads.
+            Every list is non-empty.
         kv_indices : torch.Tensor
-            int32 CPU ``[nnz]``, pool block ids in sequence order.
+            int32 CPU ``[nnz]``. Each entry is a page of ``page_size`` tokens: token ``j`` of a list is
+            pool slot ``kv_indices[start + j // page_size] * page_size + j % page_size`` (slots index the
+            pool flattened to ``[num_blocks * block_size, Hkv, D]``). With ``page_size = block_size``
+            entries are block ids; with ``page_size = 1`` they are slot ids
+            (``block * block_size + offset``), so a list can pick individual tokens in any order.
         kv_last_len : torch.Tensor
-            int32 CPU ``[B]``, tokens used in each request's last block, in ``[1, block_size]``.
+            int32 CPU ``[num_lists]``, tokens used in each list's last page, in ``[1, page_size]``
+            (all ones when ``page_size = 1``). A list holds ``(pages - 1) * page_size + last_len`` tokens.
         num_qo_heads, num_kv_heads, head_dim, block_size : int
-            Head layout (``num_qo_heads`` a multiple of ``num_kv_heads``) and pool block size.
+            Head layout (``num_qo_heads`` a multiple of ``num_kv_heads``; query head ``hq`` reads KV
+            head ``hq // (num_qo_heads // num_kv_heads)``) and the pool's block size.
         sm_scale : float, optional
             Softmax scale; ``head_dim ** -0.5`` by default.
+        head_sparse : bool
+            One list per (request, KV head) instead of one per request.
+        page_size : int, optional
+            Tokens per ``kv_indices`` entry; a divisor of ``block_size`` (default ``block_size``).
 
         Raises
         ------
         ValueError
-            On a malformed layout (see ``BatchPrefillWithPagedKVCache.plan``).
+            On a malformed layout, or one beyond the fixed capacities.
         """
-        check_heads(num_qo_heads, num_kv_heads, head_dim, block_size)
-        num_blocks, kv_lens = check_paged_kv(kv_indptr, kv_indices, kv_last_len, block_size)
-        qo_indptr = torch.arange(kv_lens.numel() + 1, dtype=torch.int32)
-        self._plan = build_plan(
-            qo_indptr,
+        layout = check_decode_plan(
             kv_indptr,
             kv_indices,
-            num_blocks,
-            kv_lens,
+            kv_last_len,
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             block_size=block_size,
+            sm_scale=sm_scale,
+            head_sparse=head_sparse,
+            page_size=page_size,
+        )
+        self._layout, self._plan, self._list_tiles = layout, None, None
+        if self.backend == "triton":
+            block_d = max(16, 1 << (head_dim - 1).bit_length())
+            self._buffers.reserve_scratch(layout.batch, num_qo_heads, num_kv_heads, block_d)
+            self._buffers.load(kv_indptr, kv_indices, kv_last_len, num_kv_heads)
+            self._num_splits = self._buffers.num_splits(layout.batch, num_kv_heads)
+            self._plan = layout
+        elif head_sparse or page_size not in (None, block_size):
+            self._plan = build_list_plan(
+                layout, kv_indptr, kv_indices, kv_last_len, self.max_tile_elements, self.device
+            )
+        else:
+            self._csr = (kv_indptr.clone(), kv_indices.clone(), kv_last_len.clone())
+            self._plan = self._dense_reference_plan(layout)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+        scores_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Decode attention for one layer, device-only (no host sync on the Triton backend).
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            ``[B, num_qo_heads, head_dim]``, one query per request (rows may be strided).
+        k_cache, v_cache : torch.Tensor
+            ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), contiguous.
+        out : torch.Tensor, optional
+            Caller-owned buffer shaped like ``q``, in ``q``'s dtype.
+        scores_out : torch.Tensor, optional
+            float32, written in full. Dense plans: ``[num_kv_heads, kv_indptr[-1] * page_size]``; entry
+            ``(h, kv_indptr[b] * page_size + j)`` is the sum over the query heads of KV group ``h`` of
+            request ``b``'s softmax probability of its ``j``-th listed token (``j < kv_len_b``); the unused
+            tail of each last page is 0. Head-sparse plans: ``[kv_indptr[-1] * page_size]``, entry
+            ``kv_indptr[l] * page_size + j`` the same sum for token ``j`` of list ``l``. Under a CUDA graph,
+            pass a column slice of a fixed ``[Hkv, capacity]`` buffer so address and row stride stay put.
+
+        Returns
+        -------
+        torch.Tensor
+            ``out``: ``[B, num_qo_heads, head_dim]`` in ``q``'s dtype (softmax in float32).
+        """
+        plan = self._planned()
+        layout = self._layout
+        check_decode_run(layout, q, k_cache, v_cache, scores_out)
+        out = output_buffer(q, out)
+        if self.backend == "triton":
+            from sparse_kernels._triton.decode_launch import run_decode_triton
+
+            return run_decode_triton(layout, self._buffers, self._num_splits, q, k_cache, v_cache, out, scores_out)
+        if not isinstance(plan, PagedPlan):
+            return run_list_decode(layout, plan, q, k_cache, v_cache, out, scores_out)
+        if scores_out is None:
+            return run_paged_attention(plan, q, k_cache, v_cache, out)
+        if self._list_tiles is None:
+            self._list_tiles = build_list_plan(layout, *self._csr, self.max_tile_elements, self.device)
+        return run_list_decode(layout, self._list_tiles, q, k_cache, v_cache, out, scores_out)
+
+    def _dense_reference_plan(self, layout: DecodeLayout) -> PagedPlan:
+        kv_indptr, kv_indices, kv_last_len = self._csr
+        num_blocks = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+        kv_lens = (num_blocks - 1) * layout.block_size + kv_last_len.to(torch.int64)
+        return build_plan(
+            torch.arange(layout.batch + 1, dtype=torch.int32),
+            kv_indptr,
+            kv_indices,
+            num_blocks,
+            kv_lens,
+            num_qo_heads=layout.num_qo_heads,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            block_size=layout.block_size,
             causal=True,  # the one query is at the last position, so causal == full
-            sm_scale=check_sm_scale(sm_scale, head_dim),
+            sm_scale=layout.sm_scale,
             max_tile_elements=self.max_tile_elements,
             device=self.device,
         )

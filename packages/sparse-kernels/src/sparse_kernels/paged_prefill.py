@@ -1,12 +1,14 @@
-"""Batched prefill attention over a paged KV cache with a cached prefix (plan/run, reference path)."""
+"""Batched prefill attention over a paged KV cache with a cached prefix (plan/run; Triton + reference)."""
 
 from __future__ import annotations
 
 import torch
 
+from sparse_kernels._backend import host_to_device
 from sparse_kernels._paged_plan import build_plan
+from sparse_kernels._paged_run import check_run_inputs, run_paged_attention
 from sparse_kernels._paged_validate import check_heads, check_indptr, check_paged_kv, check_qo_fits, check_sm_scale
-from sparse_kernels._paged_wrapper import PagedAttentionWrapper
+from sparse_kernels._paged_wrapper import PagedAttentionWrapper, output_buffer
 
 
 class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
@@ -17,7 +19,8 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
     and, when causal, attends to KV positions ``j <= kv_len_b - qo_len_b + i``.
 
     ``plan`` runs once per step on the host (not graph-captured); ``run`` runs once per layer on the
-    device with no host sync, reading only tensors ``plan`` built.
+    device with no host sync, reading only tensors ``plan`` built. Construction arguments are those of
+    ``PagedAttentionWrapper`` (``device``, ``backend``, ``max_tile_elements``).
     """
 
     def plan(
@@ -66,6 +69,26 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         qo_lens = check_indptr("qo_indptr", qo_indptr, "query token")
         num_blocks, kv_lens = check_paged_kv(kv_indptr, kv_indices, kv_last_len, block_size)
         check_qo_fits(qo_lens, kv_lens)
+        sm_scale = check_sm_scale(sm_scale, head_dim)
+        if self.backend == "triton":
+            from sparse_kernels._triton.prefill import PREFILL_CONFIG, TritonPrefillPlan, query_tiles
+
+            tile_req, tile_row = query_tiles(qo_lens, PREFILL_CONFIG["BLOCK_M"])
+            dev = [
+                host_to_device(t, self.device)
+                for t in (tile_req, tile_row, qo_indptr, kv_indptr, kv_indices, kv_last_len)
+            ]
+            self._plan = TritonPrefillPlan(
+                *dev,
+                num_qo_tokens=int(qo_indptr[-1]),
+                num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                block_size=block_size,
+                causal=causal,
+                sm_scale=sm_scale,
+            )
+            return
         self._plan = build_plan(
             qo_indptr,
             kv_indptr,
@@ -77,7 +100,38 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             head_dim=head_dim,
             block_size=block_size,
             causal=causal,
-            sm_scale=check_sm_scale(sm_scale, head_dim),
+            sm_scale=sm_scale,
             max_tile_elements=self.max_tile_elements,
             device=self.device,
         )
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention for one layer, device-only (no host sync; graph-capturable for a fixed plan).
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            ``[T, num_qo_heads, head_dim]``, the planned query rows in ``qo_indptr`` order.
+        k_cache, v_cache : torch.Tensor
+            ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD), contiguous.
+        out : torch.Tensor, optional
+            Caller-owned buffer shaped like ``q``, in ``q``'s dtype (a row slice of a larger buffer is fine).
+
+        Returns
+        -------
+        torch.Tensor
+            ``out``: shaped like ``q``, in ``q``'s dtype (softmax in float32).
+        """
+        plan = self._planned()
+        if self.backend != "triton":
+            return run_paged_attention(plan, q, k_cache, v_cache, out)
+        from sparse_kernels._triton.prefill import run_prefill_triton
+
+        check_run_inputs(plan, q, k_cache, v_cache)
+        return run_prefill_triton(plan, q, k_cache, v_cache, output_buffer(q, out))

@@ -1,0 +1,104 @@
+"""Host-side validation of a decode plan, dense or head-sparse, into one small layout record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparse_kernels._paged_validate import check_heads, check_paged_kv, check_sm_scale
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLayout:
+    """What ``run`` checks its inputs against, and the kernels' static shape parameters."""
+
+    batch: int  # requests (rows of q)
+    num_lists: int  # batch (dense) or batch * num_kv_heads (head-sparse)
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # of the pool
+    page_size: int  # tokens per kv_indices entry: block_size (block ids) or 1 (slot ids), or a divisor
+    head_sparse: bool
+    num_pages: int  # kv_indptr[-1]
+    sm_scale: float
+
+    @property
+    def group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    def scores_shape(self) -> tuple[int, ...]:
+        """``scores_out``'s shape: ``[Hkv, num_pages * page_size]`` dense, ``[num_pages * page_size]`` head-sparse."""
+        cols = self.num_pages * self.page_size
+        return (cols,) if self.head_sparse else (self.num_kv_heads, cols)
+
+
+def check_decode_plan(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_len: torch.Tensor,
+    *,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    sm_scale: float | None,
+    head_sparse: bool,
+    page_size: int | None,
+) -> DecodeLayout:
+    """Validate a decode plan's arguments (see ``BatchDecodeWithPagedKVCache.plan``)."""
+    check_heads(num_qo_heads, num_kv_heads, head_dim, block_size)
+    page_size = block_size if page_size is None else page_size
+    if not isinstance(page_size, int) or page_size < 1 or block_size % page_size != 0:
+        raise ValueError(f"page_size must be a positive divisor of block_size={block_size}, got {page_size!r}")
+    _, _ = check_paged_kv(kv_indptr, kv_indices, kv_last_len, page_size)
+    num_lists = kv_indptr.numel() - 1
+    if head_sparse and num_lists % num_kv_heads != 0:
+        raise ValueError(
+            f"head-sparse kv_indptr needs B * num_kv_heads + 1 entries (num_kv_heads={num_kv_heads}), "
+            f"got {kv_indptr.numel()}"
+        )
+    return DecodeLayout(
+        batch=num_lists // num_kv_heads if head_sparse else num_lists,
+        num_lists=num_lists,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        page_size=page_size,
+        head_sparse=head_sparse,
+        num_pages=int(kv_indptr[-1]),
+        sm_scale=check_sm_scale(sm_scale, head_dim),
+    )
+
+
+def check_decode_run(
+    layout: DecodeLayout,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scores_out: torch.Tensor | None,
+) -> None:
+    """Shape checks against the layout; they read host metadata only, so they stay graph-safe."""
+    expected_q = (layout.batch, layout.num_qo_heads, layout.head_dim)
+    if tuple(q.shape) != expected_q:
+        raise ValueError(f"q must be {list(expected_q)} as planned, got {list(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must be equal [num_blocks, block_size, Hkv, D]; got "
+            f"{list(k_cache.shape)} and {list(v_cache.shape)}"
+        )
+    expected_kv = (layout.block_size, layout.num_kv_heads, layout.head_dim)
+    if tuple(k_cache.shape[1:]) != expected_kv:
+        raise ValueError(f"cache block shape must be {list(expected_kv)} as planned, got {list(k_cache.shape[1:])}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if scores_out is not None:
+        shape = layout.scores_shape()
+        if tuple(scores_out.shape) != shape or scores_out.dtype != torch.float32:
+            raise ValueError(
+                f"scores_out must be float32 {list(shape)}, got {scores_out.dtype} {list(scores_out.shape)}"
+            )
+        if scores_out.numel() and scores_out.stride(-1) != 1:
+            raise ValueError("scores_out's last dimension must be contiguous")

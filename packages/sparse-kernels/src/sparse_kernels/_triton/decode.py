@@ -1,0 +1,216 @@
+"""Triton split-K paged decode (flash-decoding): partial softmax per KV chunk, then a reduce.
+
+Grid ``(batch, num_kv_heads, num_splits)``, fixed for a batch size. Program ``(b, h, s)`` reads the
+KV list of request ``b`` (dense: one list per request; head-sparse: one per (request, KV head)) and
+handles all query heads of KV group ``h`` at once, so each K/V row is loaded once per group. The list's
+tokens are cut into ``num_splits`` chunks of a multiple of ``BLOCK_N`` tokens; splits that start past
+the list's end return at once. The reduce recomputes how many splits were live from the same lengths.
+
+Token ``j`` of a list is pool slot ``indices[start + j // PAGE_SIZE] * PAGE_SIZE + j % PAGE_SIZE``:
+PAGE_SIZE is the pool's block size (entries are block ids) or 1 (entries are slot ids). Softmax runs in
+base 2 (scale pre-multiplied by log2 e); the stored log-sum-exps are base 2 as well.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from sparse_kernels._triton.launch import Kernel
+
+
+def _decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    indptr_ptr,
+    indices_ptr,
+    last_len_ptr,
+    o_part_ptr,
+    lse_part_ptr,
+    stride_qb,
+    stride_qh,
+    scale_log2,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_SPARSE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    if HEAD_SPARSE:
+        lst = b * NUM_KV_HEADS + h
+    else:
+        lst = b
+    page_lo = tl.load(indptr_ptr + lst)
+    page_hi = tl.load(indptr_ptr + lst + 1)
+    kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    if lo < kv_len:
+        hi = tl.minimum(lo + chunk, kv_len)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = h * GROUP + offs_g
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_g[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: large pools
+            kv_row = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM
+            # K is read transposed, [BLOCK_D, BLOCK_N], so the dot needs no transpose.
+            k = tl.load(k_ptr + kv_row[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv_row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+            m_i = m_new
+        row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(
+            o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+            acc / l_i[:, None],
+            mask=mask_g[:, None] & mask_d[None, :],
+        )
+        tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+
+
+def _decode_reduce_kernel(
+    o_part_ptr,
+    lse_part_ptr,
+    indptr_ptr,
+    last_len_ptr,
+    out_ptr,
+    lse_ptr,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_SPARSE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    if HEAD_SPARSE:
+        lst = b * NUM_KV_HEADS + hq // GROUP
+    else:
+        lst = b
+    page_lo = tl.load(indptr_ptr + lst)
+    page_hi = tl.load(indptr_ptr + lst + 1)
+    kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    live = tl.cdiv(kv_len, chunk)  # splits that wrote a partial result
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < live
+    mask_d = offs_d < HEAD_DIM
+    row = (b * (NUM_KV_HEADS * GROUP) + hq) * num_splits + offs_s
+    lse = tl.load(lse_part_ptr + row, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
+    denom = tl.sum(w, 0)
+    o = tl.load(
+        o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0
+    )
+    o = tl.sum(o * w[:, None], 0) / denom
+    tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(lse_ptr + b * (NUM_KV_HEADS * GROUP) + hq, m + tl.log2(denom))
+
+
+def _decode_scores_kernel(
+    q_ptr,
+    k_ptr,
+    indptr_ptr,
+    indices_ptr,
+    last_len_ptr,
+    lse_ptr,
+    scores_ptr,
+    stride_qb,
+    stride_qh,
+    stride_score_head,
+    scale_log2,
+    num_splits,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_SPARSE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_PAGE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Second pass for score-based methods: p = exp2(s - lse) per query head, summed over the group.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    if HEAD_SPARSE:
+        lst = b * NUM_KV_HEADS + h
+    else:
+        lst = b
+    page_lo = tl.load(indptr_ptr + lst)
+    page_hi = tl.load(indptr_ptr + lst + 1)
+    kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    col0 = h * stride_score_head + page_lo.to(tl.int64) * PAGE_SIZE  # this list's first column
+    if split == 0:  # unused tail of the last page reads as probability 0
+        tail = kv_len + tl.arange(0, BLOCK_PAGE)
+        tl.store(
+            scores_ptr + col0 + tail, tl.zeros([BLOCK_PAGE], tl.float32), mask=tail < (page_hi - page_lo) * PAGE_SIZE
+        )
+    if lo < kv_len:
+        hi = tl.minimum(lo + chunk, kv_len)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = h * GROUP + offs_g
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_g[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)
+        lse = tl.load(lse_ptr + b * (NUM_KV_HEADS * GROUP) + heads, mask=mask_g, other=0.0)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+            slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+            kv_row = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM
+            k = tl.load(k_ptr + kv_row[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2
+            p = tl.where(mask_g[:, None], tl.exp2(s - lse[:, None]), 0.0)
+            tl.store(scores_ptr + col0 + offs_n, tl.sum(p, 0), mask=mask_n)
+
+
+decode_split_kernel = Kernel(_decode_split_kernel)
+decode_reduce_kernel = Kernel(_decode_reduce_kernel)
+decode_scores_kernel = Kernel(_decode_scores_kernel)

@@ -1,0 +1,99 @@
+"""Host side of the Triton split-K decode: pick constexprs and launch split, reduce and scores passes."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from sparse_kernels._decode_buffers import DecodeBuffers
+from sparse_kernels._decode_layout import DecodeLayout
+from sparse_kernels._triton.decode import decode_reduce_kernel, decode_scores_kernel, decode_split_kernel
+from sparse_kernels._triton.launch import dot_args
+
+LOG2_E = 1.4426950408889634
+# Tokens per inner step and launch shape of the split / scores passes (tuned on an H200, bf16, D=128).
+DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def run_decode_triton(
+    layout: DecodeLayout,
+    bufs: DecodeBuffers,
+    num_splits: int,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    scores_out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Inputs checked by the wrapper; ``bufs`` holds this plan's metadata and enough scratch."""
+    q = q.to(k_cache.dtype)
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    block_n = DECODE_CONFIG["BLOCK_N"]
+    launch = {"num_warps": DECODE_CONFIG["num_warps"], "num_stages": DECODE_CONFIG["num_stages"]}
+    shape = {
+        "NUM_KV_HEADS": layout.num_kv_heads,
+        "GROUP": layout.group,
+        "HEAD_DIM": layout.head_dim,
+        "PAGE_SIZE": layout.page_size,
+        "HEAD_SPARSE": layout.head_sparse,
+        "BLOCK_D": max(16, triton.next_power_of_2(layout.head_dim)),
+        "BLOCK_N": block_n,
+    }
+    block_g = max(16, triton.next_power_of_2(layout.group))  # tl.dot needs M >= 16
+    dots = dot_args(k_cache.dtype, k_cache.device)
+    scale_log2 = layout.sm_scale * LOG2_E
+    grid = (layout.batch, layout.num_kv_heads, num_splits)
+    decode_split_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        bufs.indptr,
+        bufs.indices,
+        bufs.last_len,
+        bufs.o_part,
+        bufs.lse_part,
+        q.stride(0),
+        q.stride(1),
+        scale_log2,
+        num_splits,
+        BLOCK_G=block_g,
+        **shape,
+        **dots,
+        **launch,
+    )
+    decode_reduce_kernel[(layout.batch, layout.num_qo_heads)](
+        bufs.o_part,
+        bufs.lse_part,
+        bufs.indptr,
+        bufs.last_len,
+        out,
+        bufs.lse,
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        **shape,
+        num_warps=4,
+    )
+    if scores_out is not None:
+        decode_scores_kernel[grid](
+            q,
+            k_cache,
+            bufs.indptr,
+            bufs.indices,
+            bufs.last_len,
+            bufs.lse,
+            scores_out,
+            q.stride(0),
+            q.stride(1),
+            0 if layout.head_sparse else scores_out.stride(0),
+            scale_log2,
+            num_splits,
+            BLOCK_G=block_g,
+            BLOCK_PAGE=max(2, triton.next_power_of_2(layout.page_size)),
+            **shape,
+            **dots,
+            **launch,
+        )
+    return out
