@@ -11,6 +11,8 @@ another; ``triton`` on CPU tensors runs under Triton's interpreter (tests).
 
 from sparse_kernels._backend import BACKEND_ENV, resolve_backend
 from sparse_kernels.attention_reference import causal_attention
+from sparse_kernels.block_summary import block_summary, block_upper_bound
+from sparse_kernels.compact import compact_kv
 from sparse_kernels.kv_store import store_kv
 from sparse_kernels.paged_decode import BatchDecodeWithPagedKVCache
 from sparse_kernels.paged_prefill import BatchPrefillWithPagedKVCache
@@ -19,7 +21,10 @@ __all__ = [
     "BACKEND_ENV",
     "BatchDecodeWithPagedKVCache",
     "BatchPrefillWithPagedKVCache",
+    "block_summary",
+    "block_upper_bound",
     "causal_attention",
+    "compact_kv",
     "resolve_backend",
     "store_kv",
 ]

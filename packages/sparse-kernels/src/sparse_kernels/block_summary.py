@@ -1,0 +1,128 @@
+"""Per-block key summaries for query-aware page selection (Quest), and the page upper bound they give.
+
+Quest (Tang et al., 2024, https://arxiv.org/abs/2406.10774) keeps, per page and KV head, the
+elementwise min and max of the page's keys; ``sum_d max(q_d * kmax_d, q_d * kmin_d)`` then bounds
+``q . k`` for every key of the page from above, and decode reads only the top pages by that bound.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_kernels._backend import resolve_backend
+
+
+def block_summary(
+    k_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> None:
+    """Write the elementwise min and max key of each listed block and KV head, in place.
+
+    Parameters
+    ----------
+    k_cache : torch.Tensor
+        ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+    block_ids : torch.Tensor
+        int32 or int64 ``[n]`` on the cache's device, distinct block ids to summarise.
+    num_valid : torch.Tensor
+        int32 or int64 ``[n]``: tokens ``[0, num_valid[i])`` of block ``block_ids[i]`` are summarised.
+        Blocks with ``num_valid == 0`` are skipped (their summary rows are left as they were).
+    kmin, kmax : torch.Tensor
+        ``[num_blocks, num_kv_heads, head_dim]``, contiguous, caller-owned; rows ``block_ids`` are
+        written. Any float dtype: float32, or the cache's dtype (min and max pick existing key values,
+        so a summary in the cache dtype is exact and half the size of float32).
+    backend : str
+        ``"auto"``, ``"triton"`` or ``"reference"`` (see ``sparse_kernels.store_kv``).
+
+    Notes
+    -----
+    Device-only, no host sync. Summaries are recomputed whole, so call it for a block whenever tokens
+    are added to it (for decode, the block of each request's newest token).
+    """
+    _check(k_cache, block_ids, num_valid, kmin, kmax)
+    if block_ids.numel() == 0:
+        return
+    if resolve_backend(backend, k_cache.device) == "triton":
+        from sparse_kernels._triton.summary import block_summary_triton
+
+        block_summary_triton(k_cache, block_ids, num_valid, kmin, kmax)
+        return
+    ids = block_ids.to(torch.int64)
+    keys = k_cache[ids].float()  # [n, block_size, Hkv, D]
+    valid = torch.arange(k_cache.shape[1], device=k_cache.device)[None, :] < num_valid[:, None]  # [n, bs]
+    valid = valid[:, :, None, None]
+    new_min = keys.masked_fill(~valid, float("inf")).amin(1)  # [n, Hkv, D]
+    new_max = keys.masked_fill(~valid, float("-inf")).amax(1)
+    skip = (num_valid <= 0)[:, None, None]
+    kmin.index_copy_(0, ids, torch.where(skip, kmin[ids], new_min.to(kmin.dtype)))
+    kmax.index_copy_(0, ids, torch.where(skip, kmax[ids], new_max.to(kmax.dtype)))
+
+
+def block_upper_bound(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Quest's upper bound of ``q . k`` over each listed page, per query head (reference, plain torch).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, num_qo_heads, head_dim]``, one decode query per request.
+    kmin, kmax : torch.Tensor
+        ``[num_blocks, num_kv_heads, head_dim]`` from ``block_summary``.
+    kv_indptr : torch.Tensor
+        int32/int64 ``[B + 1]`` on ``q``'s device: request ``b``'s pages are
+        ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``.
+    kv_indices : torch.Tensor
+        int32/int64 ``[nnz]`` block ids.
+
+    Returns
+    -------
+    torch.Tensor
+        float32 ``[num_qo_heads, nnz]``: column ``i`` is ``sum_d max(q_d * kmax_d, q_d * kmin_d)`` for
+        the request owning page ``i`` and each query head, against the page's KV head ``hq // group``.
+        Unscaled (``sm_scale`` does not change the order). Aggregate a GQA group as the method needs,
+        e.g. ``bound.view(Hkv, group, nnz).amax(1)``.
+    """
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = kmin.shape[1]
+    if kmin.shape != kmax.shape or kmin.shape[2] != head_dim or num_qo_heads % num_kv_heads:
+        raise ValueError(f"incompatible q {list(q.shape)}, kmin {list(kmin.shape)}, kmax {list(kmax.shape)}")
+    if kv_indptr.shape != (batch + 1,):
+        raise ValueError(f"kv_indptr must be [B + 1] = [{batch + 1}], got {list(kv_indptr.shape)}")
+    nnz = kv_indices.numel()
+    counts = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+    owner = torch.repeat_interleave(torch.arange(batch, device=q.device), counts, output_size=nnz)  # no sync
+    group = num_qo_heads // num_kv_heads
+    qp = q[owner].float().view(nnz, num_kv_heads, group, head_dim)
+    ids = kv_indices.to(torch.int64)
+    lo = kmin[ids].float()[:, :, None, :]  # [nnz, Hkv, 1, D]
+    hi = kmax[ids].float()[:, :, None, :]
+    bound = torch.maximum(qp * hi, qp * lo).sum(-1)  # [nnz, Hkv, group]
+    return bound.reshape(nnz, num_qo_heads).T.contiguous()
+
+
+def _check(k_cache, block_ids, num_valid, kmin, kmax) -> None:
+    if k_cache.dim() != 4 or not k_cache.is_contiguous():
+        raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, Hkv, D], got {list(k_cache.shape)}")
+    num_blocks, _, num_kv_heads, head_dim = k_cache.shape
+    for name, t in (("kmin", kmin), ("kmax", kmax)):
+        if tuple(t.shape) != (num_blocks, num_kv_heads, head_dim) or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous [{num_blocks}, {num_kv_heads}, {head_dim}], got {list(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
+    if block_ids.dim() != 1 or num_valid.shape != block_ids.shape:
+        raise ValueError("block_ids and num_valid must be equal-length 1-D tensors")
+    for name, t in (("block_ids", block_ids), ("num_valid", num_valid)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
