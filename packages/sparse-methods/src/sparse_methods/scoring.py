@@ -155,6 +155,6 @@ def pyramid_budgets(mean_kept: int, window: int, kv_len: int, num_layers: int, b
         hi = kv_len - window
         lo = mean_kept * 2 - hi
     if not (kv_len >= hi >= lo >= window):
-        return [min(mean_kept, kv_len)] * num_layers
+        return [mean_kept] * num_layers
     step = (hi - lo) / (num_layers - 1) if num_layers > 1 else 0.0
     return [round(hi - layer * step) for layer in range(num_layers)]
