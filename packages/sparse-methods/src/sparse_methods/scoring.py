@@ -144,8 +144,8 @@ def pyramid_budgets(mean_kept: int, window: int, kv_len: int, num_layers: int, b
     KVCache-Factory's shape with an average of ``C = mean_kept`` per layer: the top layer keeps
     ``lo = C / beta``, the bottom one ``hi = 2 C - lo`` (at most ``kv_len - window``, then ``lo``
     rises to keep the average), linear in between, rounded (float arithmetic, as kvpress). When the
-    pyramid does not fit (``kv_len >= hi >= lo >= window`` fails, e.g. short contexts) every layer
-    keeps ``mean_kept``.
+    pyramid does not fit (``kv_len >= hi >= lo >= window`` fails, e.g. short contexts) or there is
+    one layer, every layer keeps ``mean_kept``.
     """
     if beta < 1:
         raise ValueError(f"beta must be >= 1, got {beta}")
@@ -154,7 +154,7 @@ def pyramid_budgets(mean_kept: int, window: int, kv_len: int, num_layers: int, b
     if hi >= kv_len - window:
         hi = kv_len - window
         lo = mean_kept * 2 - hi
-    if not (kv_len >= hi >= lo >= window):
+    if num_layers == 1 or not (kv_len >= hi >= lo >= window):
         return [mean_kept] * num_layers
-    step = (hi - lo) / (num_layers - 1) if num_layers > 1 else 0.0
+    step = (hi - lo) / (num_layers - 1)
     return [round(hi - layer * step) for layer in range(num_layers)]

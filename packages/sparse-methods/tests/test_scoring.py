@@ -1,0 +1,105 @@
+"""Properties of the pure scoring and selection functions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_methods.scoring import (
+    attention_column_sums,
+    keep_indices,
+    pool_scores,
+    pyramid_budgets,
+    window_scores,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kv_len=st.integers(1, 80),
+    sink=st.integers(0, 10),
+    recent=st.integers(0, 20),
+    num_middle=st.integers(0, 40),
+    heads=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_keep_indices_keeps_sink_recent_and_the_top_scores(kv_len, sink, recent, num_middle, heads, seed):
+    scores = torch.rand(heads, kv_len, generator=torch.Generator().manual_seed(seed))
+    keep = keep_indices(scores, kv_len=kv_len, sink=sink, recent=recent, num_middle=num_middle)
+    s = min(sink, kv_len)
+    r = min(recent, kv_len - s)
+    expected_n = min(kv_len, s + r + num_middle)
+    assert keep.shape == (heads, expected_n)
+    for h in range(heads):
+        row = keep[h].tolist()
+        assert row == sorted(set(row)), "ascending, no duplicates"
+        assert set(range(s)) <= set(row) and set(range(kv_len - r, kv_len)) <= set(row)
+        middle = [i for i in row if s <= i < kv_len - r]
+        dropped = [i for i in range(s, kv_len - r) if i not in row]
+        if middle and dropped:  # every kept middle token scores at least as high as every dropped one
+            assert min(scores[h, middle]) >= max(scores[h, dropped])
+
+
+def test_keep_indices_breaks_ties_toward_earlier_tokens():
+    scores = torch.ones(1, 10)
+    assert keep_indices(scores, kv_len=10, sink=1, recent=2, num_middle=3).tolist() == [[0, 1, 2, 3, 8, 9]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    mean=st.integers(8, 400),
+    window=st.integers(1, 16),
+    kv_len=st.integers(16, 800),
+    layers=st.integers(1, 40),
+    beta=st.floats(1.0, 30.0),
+)
+def test_pyramid_budgets_average_the_budget_and_shrink_upwards(mean, window, kv_len, layers, beta):
+    budgets = pyramid_budgets(mean, window, kv_len, layers, beta)
+    assert len(budgets) == layers
+    assert budgets == sorted(budgets, reverse=True)
+    assert abs(sum(budgets) / layers - mean) <= 1.0  # rounding only
+    if budgets[0] != budgets[-1]:
+        assert budgets[0] <= kv_len - window + 1 and budgets[-1] >= window - 1
+
+
+def test_pool_scores_matches_explicit_windows():
+    x = torch.tensor([[1.0, 5.0, 2.0, 0.0, 3.0]])
+    assert pool_scores(x, 3, "max").tolist() == [[5.0, 5.0, 5.0, 3.0, 3.0]]
+    avg = pool_scores(x, 3, "avg")[0].tolist()  # zero padding counts, as in F.avg_pool1d
+    assert avg == pytest.approx([6 / 3, 8 / 3, 7 / 3, 5 / 3, 3 / 3])
+    with pytest.raises(ValueError):
+        pool_scores(x, 4, "max")
+
+
+def _naive_probs(q, k, scale, first):
+    """[Hq, n, L] causal softmax by explicit loops (GQA by head index arithmetic)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    n, length = q.shape[0], k.shape[0]
+    out = torch.zeros(hq, n, length)
+    for h in range(hq):
+        for i in range(n):
+            logits = torch.tensor([float(q[i, h] @ k[j, h // g]) * scale for j in range(first + i + 1)])
+            out[h, i, : first + i + 1] = torch.softmax(logits, 0)
+    return out
+
+
+def test_window_scores_and_column_sums_match_naive_loops():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(4, 6, 8, generator=g), torch.randn(12, 2, 8, generator=g)
+    scale = 8**-0.5
+    slots = torch.arange(8, 12)
+    probs = _naive_probs(q, k, scale, 8)
+    sums = attention_column_sums(q, k, scale, query_slots=slots)
+    torch.testing.assert_close(sums, probs.sum(1))
+    got = window_scores(q, k, scale, query_slots=slots, num_scored=8, kernel_size=1, pooling="none")
+    expected = probs.mean(1)[:, :8].view(2, 3, 8).mean(1)
+    torch.testing.assert_close(got, expected)
+    logits = window_scores(q, k, scale, query_slots=slots, num_scored=8, score_mode="logits", pooling="none")
+    raw = torch.einsum("nhd,lhd->hnl", q, k.repeat_interleave(3, dim=1)) * scale
+    torch.testing.assert_close(logits, raw[..., :8].view(2, 3, 4, 8).amax(dim=(1, 2)))
+    assert math.isclose(float(probs[0, 0].sum()), 1.0, rel_tol=1e-5)
