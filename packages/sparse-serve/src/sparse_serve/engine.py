@@ -7,6 +7,8 @@ import itertools
 import json
 from pathlib import Path
 
+import torch
+
 from sparse_cache import KVCacheManager
 from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, build_method
 from sparse_models import read_model_config
@@ -15,7 +17,7 @@ from sparse_serve.detokenizer import IncrementalDetokenizer
 from sparse_serve.kv_compaction import apply_compaction
 from sparse_serve.model_runner import ModelRunner
 from sparse_serve.outputs import RequestOutput
-from sparse_serve.request import Request
+from sparse_serve.request import Request, RequestStatus
 from sparse_serve.sampling_params import SamplingParams
 from sparse_serve.scheduler import Scheduler
 from sparse_serve.step_metadata import build_step_metadata
@@ -130,6 +132,37 @@ class LLMEngine:
         elif params.stop:
             raise ValueError("stop strings need a tokenizer; this model has none")
         self.scheduler.add(req)
+        return request_id
+
+    def add_synthetic_request(
+        self, num_prompt_tokens: int, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Benchmarks only: a request of ``num_prompt_tokens`` random token ids whose prompt counts as
+        prefilled, holding the KV slots its method keeps after prefill (``memory_plan``'s resident
+        tokens), with whatever values the pool holds (``runner.randomize_kv()`` fills it with noise).
+
+        The first step computes the last prompt token as a decode and samples the first output token, so
+        128K-context decode can be measured without hours of prefill. Raises ValueError when it does not
+        fit the pool now.
+        """
+        params = sampling_params or SamplingParams()
+        if not 2 <= num_prompt_tokens < self.max_model_len:
+            raise ValueError(f"num_prompt_tokens must be in [2, max_model_len={self.max_model_len})")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        g = torch.Generator().manual_seed(hash(request_id) % 2**31)
+        token_ids = torch.randint(0, self.runner.model_config.vocab_size, (num_prompt_tokens,), generator=g).tolist()
+        req = Request(request_id, token_ids, params, arrival=self.num_steps, kv_lens=[0] * self.num_layers)
+        resident = self.memory_plan(req).resident_tokens
+        if self.kv.allocate(request_id, max(resident), prefix=None) is None:
+            raise ValueError(f"a synthetic request holding {max(resident)} tokens does not fit the KV pool now")
+        req.kv_lens = [n - 1 for n in resident]
+        req.num_computed_tokens = req.prefill_len = num_prompt_tokens
+        req.num_computed_tokens -= 1
+        req.status = RequestStatus.RUNNING
+        self._requests[request_id] = req
+        self.scheduler.running.append(req)
         return request_id
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

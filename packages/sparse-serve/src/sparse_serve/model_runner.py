@@ -77,6 +77,13 @@ class ModelRunner:
         budget = free - int(total * (1.0 - self.config.gpu_memory_utilization)) - activation_reserve
         return num_blocks_for_budget(cfg, bs, self.dtype, budget)
 
+    @torch.inference_mode()
+    def randomize_kv(self, seed: int = 0) -> None:
+        """Fill the whole KV pool with unit-normal noise (benchmarks' synthetic prefill)."""
+        g = torch.Generator(self.device).manual_seed(seed)
+        for cache in (*self.kv.k, *self.kv.v):
+            cache.normal_(generator=g)
+
     @property
     def kv_bytes_per_block(self) -> int:
         return bytes_per_block(self.model_config, self.block_size, self.dtype)
