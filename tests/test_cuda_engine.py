@@ -16,10 +16,40 @@ pytestmark = [
 PROMPTS = ["def parse(text):", "Return the number of", "class Queue:", "x" * 3]
 
 
-def _greedy(device: str, dtype: str) -> list[tuple[int, ...]]:
-    llm = LLM(str(DEFAULT_MODEL), device=device, dtype=dtype, block_size=16, max_model_len=512, num_kv_blocks=64)
+def _greedy(device: str, dtype: str, **config) -> list[tuple[int, ...]]:
+    llm = LLM(
+        str(DEFAULT_MODEL), device=device, dtype=dtype, block_size=16, max_model_len=512, num_kv_blocks=64, **config
+    )
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    if device == "cuda" and not config.get("enforce_eager"):
+        assert llm.engine.runner.graphs.num_replays > 0, "decode steps should replay CUDA graphs"
     return [o.token_ids for o in outs]
+
+
+def test_cuda_graphs_equal_eager_fp32():
+    assert _greedy("cuda", "float32") == _greedy("cuda", "float32", enforce_eager=True)
+
+
+def test_cuda_graphs_with_staggered_batches():
+    """Requests join and leave mid-generation, so decode batches change size (buckets 1, 2, 4, 8)."""
+    llm = LLM(str(DEFAULT_MODEL), device="cuda", dtype="float32", max_model_len=512, num_kv_blocks=128)
+    ref = LLM(str(DEFAULT_MODEL), device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=128)
+    prompts = [f"def f{i}(x):" * (1 + i % 3) for i in range(7)]
+    params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True) for i in range(7)]
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == [o.token_ids for o in ref.generate(prompts, params)]
+    assert llm.engine.runner.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("method", ["snapkv", "streamingllm", "h2o"])
+def test_eviction_methods_on_cuda_equal_cpu(method):
+    small = {
+        "snapkv": dict(sink_keep_tokens=4, decode_keep_tokens=8, recent_keep_tokens=8, observation_window_size=4),
+        "streamingllm": dict(sink_keep_tokens=4, recent_keep_tokens=8, decode_eviction_interval=4),
+        "h2o": dict(h2o_prefill_budget=12, h2o_decode_budget=10, decode_eviction_interval=4),
+    }[method]
+    cfg = dict(sparse_method=method, **small)
+    assert _greedy("cuda", "float32", **cfg) == _greedy("cpu", "float32", **cfg)
 
 
 def test_cuda_fp32_equals_cpu_fp32():

@@ -46,6 +46,10 @@ class _EngineFields(BaseModel):
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV of shared prompt prefixes across requests (token-exact methods only)."
     )
+    enforce_eager: bool = Field(False, description="Never run decode steps under CUDA graphs.")
+    max_cuda_graph_batch_size: int = Field(
+        256, ge=1, description="Largest decode batch captured as a CUDA graph (capped at max_num_seqs)."
+    )
     sparse_method: str = Field(
         "dense", description=f"Sparse attention / KV compression method: {', '.join(sparse_methods.method_names())}."
     )

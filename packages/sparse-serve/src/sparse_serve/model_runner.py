@@ -7,6 +7,7 @@ import torch
 from sparse_methods import SparseMethod, StepContext
 from sparse_models import ModelConfig, load_model
 from sparse_serve.config import EngineConfig
+from sparse_serve.cuda_graphs import DecodeGraphs
 from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget
 from sparse_serve.paged_attention import PagedAttention
 from sparse_serve.sampler import Sampler
@@ -51,6 +52,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks(max_model_len_hint)
         self.kv = allocate_kv_pool(cfg, self.num_blocks, self.block_size, self.dtype, self.device)
+        graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
         self.attention = PagedAttention(
             self.kv,
             num_q_heads=cfg.num_attention_heads,
@@ -58,8 +60,15 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             block_size=self.block_size,
             method=method,
+            max_num_tokens=max(config.max_num_batched_tokens, graph_batch),
+            max_batch_size=max(config.max_num_seqs, graph_batch),
+            max_num_pages=config.max_num_seqs * -(-max_model_len_hint // self.block_size) + graph_batch,
         )
         self.method = method
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device)
+            self.graphs.capture()
         self.sampler = Sampler(config.seed, self.device)
 
     def _num_blocks(self, max_model_len: int) -> int:
@@ -91,14 +100,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, meta: StepMetadata) -> list[int]:
         """Forward the step's tokens; return one sampled token per ``meta.sampled`` request."""
-        input_ids = to_device(meta.input_ids, self.device)
-        positions = to_device(meta.positions, self.device)
         if self.method is not None:
             self.method.prepare_step(StepContext(meta.steps))
-        self.attention.plan(meta)
-        hidden = self.model(input_ids, positions, self.attention)
-        if not meta.sampled:
-            return []
-        logits = self.model.compute_logits(hidden[to_device(meta.logits_indices, self.device)])
+        if self.graphs is not None and self.graphs.eligible(meta, self.method):
+            hidden = self.graphs.run(meta)  # decode-only: every row is sampled, in order
+            logits = self.model.compute_logits(hidden)
+        else:
+            input_ids = to_device(meta.input_ids, self.device)
+            positions = to_device(meta.positions, self.device)
+            self.attention.plan(meta)
+            hidden = self.model(input_ids, positions, self.attention)
+            if not meta.sampled:
+                return []
+            logits = self.model.compute_logits(hidden[to_device(meta.logits_indices, self.device)])
         requests = meta.sampled
         return self.sampler(logits, [r.request_id for r in requests], [r.sampling_params for r in requests])

@@ -19,15 +19,29 @@ from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, to_devi
 
 
 class _GroupPlan:
-    """Device-side slot mapping and kernel plans of one layer group."""
+    """Device-side slot mapping and kernel plans of one layer group.
 
-    def __init__(self, device: torch.device):
-        self.decode = BatchDecodeWithPagedKVCache(device)
+    With capacities given, the slot mapping and the decode kernel's metadata live in fixed buffers
+    that each plan fills in place, so a captured CUDA graph keeps reading the current step's values.
+    """
+
+    def __init__(self, device: torch.device, max_tokens: int | None = None, max_batch_size=None, max_num_pages=None):
+        self.device = device
+        self.decode = BatchDecodeWithPagedKVCache(device, max_batch_size=max_batch_size, max_num_pages=max_num_pages)
         self.prefill = BatchPrefillWithPagedKVCache(device)
+        self._slots = torch.empty(max_tokens, dtype=torch.int32, device=device) if max_tokens else None
         self.slot_mapping: torch.Tensor | None = None
 
-    def plan(self, group: LayerGroupMetadata, meta: StepMetadata, shape: dict, sm_scale: float, device) -> None:
-        self.slot_mapping = to_device(group.slot_mapping, device)
+    def _load_slots(self, host: torch.Tensor) -> torch.Tensor:
+        n = host.numel()
+        if self._slots is None or n > self._slots.numel() or self.device.type == "cpu":
+            return to_device(host, self.device)  # a one-off larger step (whole-prompt prefill)
+        view = self._slots[:n]
+        view.copy_(host.pin_memory(), non_blocking=True)
+        return view
+
+    def plan(self, group: LayerGroupMetadata, meta: StepMetadata, shape: dict, sm_scale: float) -> None:
+        self.slot_mapping = self._load_slots(group.slot_mapping)
         if meta.num_decode_tokens:
             self.decode.plan(
                 group.decode_kv_indptr, group.decode_kv_indices, group.decode_kv_last_len, sm_scale=sm_scale, **shape
@@ -56,13 +70,17 @@ class PagedAttention:
         head_dim: int,
         block_size: int,
         method: SparseMethod | None = None,
+        max_num_tokens: int | None = None,
+        max_batch_size: int | None = None,
+        max_num_pages: int | None = None,
     ):
         self.pool = pool
         self.device = pool.k[0].device
         self.block_size = block_size
         self.shape = dict(num_qo_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
         self.method = method
-        self._plans: list[_GroupPlan] = []
+        # The first group's plan has fixed-capacity buffers (CUDA graphs replay against them).
+        self._plans: list[_GroupPlan] = [_GroupPlan(self.device, max_num_tokens, max_batch_size, max_num_pages)]
         self._meta: StepMetadata | None = None
         self.sm_scale = head_dim**-0.5
 
@@ -72,7 +90,7 @@ class PagedAttention:
         while len(self._plans) < len(meta.groups):
             self._plans.append(_GroupPlan(self.device))
         for plan, group in zip(self._plans, meta.groups, strict=False):
-            plan.plan(group, meta, self.shape, self.sm_scale, self.device)
+            plan.plan(group, meta, self.shape, self.sm_scale)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if abs(scale - self.sm_scale) > 1e-12 * self.sm_scale:

@@ -1,0 +1,151 @@
+"""Decode steps under CUDA graphs, one graph per batch-size bucket.
+
+A decode-only step (every item one token, one layer group, no method asking to observe attention)
+is padded to the next captured batch size: padded rows get token 0 at position 0, slot -1 (the KV
+store skips it) and a one-token KV list on block 0 (read, never written; their outputs are
+dropped). The graph reads its inputs from static buffers that each step fills in place: the token
+ids and positions here, the slot mapping and the decode kernel's CSR inside the attention backend
+(whose plan copies into fixed-capacity buffers). Logits and sampling run eagerly on the real rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata
+
+
+def graph_batch_sizes(max_batch_size: int) -> list[int]:
+    """Captured sizes: 1, 2, 4, then every multiple of 8 up to ``max_batch_size`` (and it)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_batch_size] + list(range(8, max_batch_size + 1, 8))
+    if sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+def pad_decode_metadata(meta: StepMetadata, batch_size: int) -> StepMetadata:
+    """``meta`` (decode-only, one layer group) padded with dummy requests to ``batch_size`` rows."""
+    pad = batch_size - meta.num_tokens
+    group = meta.groups[0]
+    last = int(group.decode_kv_indptr[-1])
+    padded = LayerGroupMetadata(
+        layers=group.layers,
+        kv_lens=group.kv_lens + (0,) * pad,
+        slot_mapping=torch.cat([group.slot_mapping, torch.full((pad,), -1, dtype=torch.int32)]),
+        decode_kv_indptr=torch.cat([group.decode_kv_indptr, last + torch.arange(1, pad + 1, dtype=torch.int32)]),
+        decode_kv_indices=torch.cat([group.decode_kv_indices, torch.zeros(pad, dtype=torch.int32)]),
+        decode_kv_last_len=torch.cat([group.decode_kv_last_len, torch.ones(pad, dtype=torch.int32)]),
+        prefill_qo_indptr=group.prefill_qo_indptr,
+        prefill_kv_indptr=group.prefill_kv_indptr,
+        prefill_kv_indices=group.prefill_kv_indices,
+        prefill_kv_last_len=group.prefill_kv_last_len,
+    )
+    zeros = torch.zeros(pad, dtype=torch.int64)
+    return StepMetadata(
+        input_ids=torch.cat([meta.input_ids, zeros]),
+        positions=torch.cat([meta.positions, zeros]),
+        num_decode_tokens=batch_size,
+        num_prefill_requests=0,
+        groups=(padded,),
+        layer_group=meta.layer_group,
+        steps=meta.steps,
+        row_starts=meta.row_starts,
+        tables=meta.tables,
+        logits_indices=meta.logits_indices,
+        sampled=meta.sampled,
+    )
+
+
+def _dummy_decode_metadata(batch_size: int, num_layers: int) -> StepMetadata:
+    """A decode step of ``batch_size`` padding rows only (what a capture runs)."""
+    empty = torch.zeros(0, dtype=torch.int32)
+    group = LayerGroupMetadata(
+        layers=tuple(range(num_layers)),
+        kv_lens=(),
+        slot_mapping=empty,
+        decode_kv_indptr=torch.zeros(1, dtype=torch.int32),
+        decode_kv_indices=empty,
+        decode_kv_last_len=empty,
+        prefill_qo_indptr=torch.zeros(1, dtype=torch.int32),
+        prefill_kv_indptr=torch.zeros(1, dtype=torch.int32),
+        prefill_kv_indices=empty,
+        prefill_kv_last_len=empty,
+    )
+    meta = StepMetadata(
+        input_ids=torch.zeros(0, dtype=torch.int64),
+        positions=torch.zeros(0, dtype=torch.int64),
+        num_decode_tokens=0,
+        num_prefill_requests=0,
+        groups=(group,),
+        layer_group=(0,) * num_layers,
+        steps=(),
+        row_starts=(),
+        tables=(),
+        logits_indices=torch.zeros(0, dtype=torch.int64),
+        sampled=(),
+    )
+    return pad_decode_metadata(meta, batch_size)
+
+
+class DecodeGraphs:
+    """Captures the model's decode forward per batch bucket and replays it for eligible steps."""
+
+    def __init__(self, model: torch.nn.Module, attention, num_layers: int, max_batch_size: int, device):
+        self.model = model
+        self.attention = attention
+        self.num_layers = num_layers
+        self.sizes = graph_batch_sizes(max_batch_size)
+        self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.num_replays = 0
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first (smaller graphs reuse its memory pool)."""
+        method, self.attention.method = self.attention.method, None  # captures never observe
+        try:
+            for bs in reversed(self.sizes):
+                self.attention.plan(_dummy_decode_metadata(bs, self.num_layers))
+                ids, pos = self.input_ids[:bs], self.positions[:bs]
+                for _ in range(2):  # warm up: Triton compiles, allocator settles
+                    self.model(ids, pos, self.attention)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[bs] = self.model(ids, pos, self.attention)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs] = graph
+            torch.cuda.synchronize()
+        finally:
+            self.attention.method = method
+
+    def bucket(self, num_tokens: int) -> int | None:
+        for size in self.sizes:
+            if size >= num_tokens:
+                return size
+        return None
+
+    def eligible(self, meta: StepMetadata, method) -> bool:
+        if meta.num_prefill_requests or len(meta.groups) != 1 or self.bucket(meta.num_tokens) is None:
+            return False
+        if len(meta.sampled) != meta.num_tokens:  # a one-token prefill chunk that samples nothing
+            return False
+        if method is not None and any(method.attention_requests(layer) for layer in range(self.num_layers)):
+            return False
+        return True
+
+    def run(self, meta: StepMetadata) -> torch.Tensor:
+        """Replay the bucket's graph for an eligible step; returns hidden states of the real rows."""
+        n = meta.num_tokens
+        bs = self.bucket(n)
+        padded = pad_decode_metadata(meta, bs)
+        self.input_ids[:bs].copy_(padded.input_ids.pin_memory(), non_blocking=True)
+        self.positions[:bs].copy_(padded.positions.pin_memory(), non_blocking=True)
+        self.attention.plan(padded)
+        self.graphs[bs].replay()
+        self.num_replays += 1
+        return self.outputs[bs][:n]
