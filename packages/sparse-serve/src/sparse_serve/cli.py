@@ -136,6 +136,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _methods(args: argparse.Namespace) -> int:
+    """Print the method registry: declarations and each parameter's default."""
+    import sparse_methods
+
+    for name in sparse_methods.method_names():
+        cls = sparse_methods.get_method_class(name)
+        print(f"{name}: {cls.category} | prefill_policy={cls.prefill_policy} | prefix_cache={cls.prefix_cache_mode}")
+        for field, info in cls.Config.model_fields.items():
+            print(f"    {field}={info.default!r}  {info.description or ''}")
+    print("prefill_sparse_method: " + ", ".join(sparse_methods.prefill_method_names()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sparse-serve", description="SparseEngine command line")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_flags(srv)
     srv.set_defaults(func=_serve)
+
+    sub.add_parser("methods", help="list the sparse methods with their parameters and defaults").set_defaults(
+        func=_methods
+    )
     return parser
 
 
