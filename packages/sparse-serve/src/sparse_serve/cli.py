@@ -194,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("methods", help="list the sparse methods with their parameters and defaults").set_defaults(
         func=_methods
     )
+
+    from sparse_serve.bench.command import add_bench_parser
+
+    add_bench_parser(sub, add_engine_flags, engine_config_from_args)
     return parser
 
 

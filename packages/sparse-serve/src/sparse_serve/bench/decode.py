@@ -1,0 +1,225 @@
+"""Steady-state decode through the engine: add a batch, step it, time the decode steps.
+
+Synthetic prefill (``engine.add_synthetic_request``) makes each request hold exactly the KV its
+method keeps after prefill, filled with the pool's noise, so 128K-context decode is measurable in
+seconds; real prefill runs the prompts through the engine first and times only the decode steps
+that follow (short prompts). Either way the bytes a step must read are counted from the requests'
+KV lengths before the step, so achieved bandwidth is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from tqdm.auto import tqdm
+
+from sparse_serve.bench.probes import peak_memory, reset_peak_memory
+from sparse_serve.engine import LLMEngine
+from sparse_serve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCase:
+    """One measurement: ``batch_size`` requests of ``prompt_len`` tokens generating ``output_len``.
+
+    batch_size : None means the largest batch that fits (``max_batch_size``).
+    output_len : tokens each request generates; the memory plan (and so ``max``) is sized for all of them.
+    timed_steps : decode steps timed after ``warmup_steps``; None times every remaining step.
+    """
+
+    prompt_len: int
+    batch_size: int | None
+    output_len: int
+    prefill: Literal["synthetic", "real"] = "synthetic"
+    warmup_steps: int = 3
+    timed_steps: int | None = None
+    profile_steps: int = 0
+
+
+def blocks_per_request(engine: LLMEngine, prompt_len: int, output_len: int) -> tuple[int, int]:
+    """(decode blocks, prefill-peak blocks) one request needs, from its method's memory plan."""
+    plan = engine.method.memory_plan(prompt_len, output_len, engine.config.max_num_batched_tokens)
+    bs = engine.config.block_size
+    decode = max(max(plan.decode_peak_tokens), max(plan.resident_tokens) + 1)
+    return math.ceil(decode / bs), math.ceil(max(plan.prefill_peak_tokens) / bs)
+
+
+def max_batch_size(engine: LLMEngine, prompt_len: int, output_len: int, prefill: str = "synthetic") -> int:
+    """Most requests that fit the pool together for the whole decode (at most ``max_num_seqs``).
+
+    Each holds its plan's decode peak (resident + output for methods that do not evict during
+    decode); with real prefill one request at a time may also need its prefill peak.
+    """
+    per_req, prefill_peak = blocks_per_request(engine, prompt_len, output_len)
+    extra = max(0, prefill_peak - per_req) if prefill == "real" else 0
+    fit = (engine.runner.num_blocks - extra) // per_req
+    if fit < 1:
+        raise ValueError(f"one request of {prompt_len}+{output_len} tokens does not fit the KV pool")
+    return min(fit, engine.config.max_num_seqs)
+
+
+def _add_requests(engine: LLMEngine, case: DecodeCase, batch: int, seed: int) -> list[str]:
+    """Add the batch (all or none: a request that does not fit aborts those added before it)."""
+    params = SamplingParams(max_tokens=case.output_len, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(seed)
+    vocab = engine.runner.model_config.vocab_size
+    ids: list[str] = []
+    try:
+        for _ in range(batch):
+            if case.prefill == "synthetic":
+                ids.append(engine.add_synthetic_request(case.prompt_len, params))
+            else:
+                prompt = torch.randint(0, vocab, (case.prompt_len,), generator=g).tolist()
+                ids.append(engine.add_request(prompt, params))
+    except ValueError:
+        for rid in ids:
+            engine.abort_request(rid)
+        raise
+    return ids
+
+
+def _prefill_done(engine: LLMEngine) -> bool:
+    sched = engine.scheduler
+    return not sched.waiting and all(r.num_computed_tokens >= r.prefill_len for r in sched.running)
+
+
+def _graph_replays(engine: LLMEngine) -> int:
+    graphs = getattr(engine.runner, "graphs", None)  # None: eager (CPU, enforce_eager, or no graph support)
+    return graphs.num_replays if graphs is not None else 0
+
+
+def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
+    """(KV slots all layers of all running requests read this step, running requests)."""
+    running = engine.scheduler.running
+    return sum(sum(r.kv_lens) + len(r.kv_lens) for r in running), len(running)
+
+
+def run_decode_case(
+    engine: LLMEngine, case: DecodeCase, *, kv_bytes_per_slot: int, seed: int = 0, progress: bool = True
+) -> dict:
+    """Measure one case on an idle engine; returns its raw timings (``summarize`` makes the metrics).
+
+    ``kv_bytes_per_slot``: K + V bytes of one token in one layer. Raises RuntimeError when a request
+    was preempted (the batch did not really fit) and ValueError when it cannot be added. The
+    engine is idle again afterwards (what is left of the batch is aborted).
+    """
+    device = engine.runner.device
+    batch = case.batch_size or max_batch_size(engine, case.prompt_len, case.output_len, case.prefill)
+    preemptions = engine.scheduler.num_preemptions
+    reset_peak_memory(device)
+    t0 = time.perf_counter()
+    ids = _add_requests(engine, case, batch, seed)
+    try:
+        prefill_steps = 0
+        while case.prefill == "real" and not _prefill_done(engine):
+            engine.step()
+            prefill_steps += 1
+        prefill_s = time.perf_counter() - t0
+        raw = _time_decode(engine, case, f"{case.prompt_len} tok x{batch}", progress)
+        raw["gpu_kernel_ms_per_step"] = _profile_kernel_ms(engine, case.profile_steps) if case.profile_steps else None
+        raw["peak_memory_bytes"] = peak_memory(device)
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+    if engine.scheduler.num_preemptions != preemptions:
+        raise RuntimeError(f"requests were preempted at batch {batch}: the batch does not fit the KV pool")
+    if not raw["step_seconds"]:
+        raise ValueError(f"no decode step was timed: output_len={case.output_len} <= warmup_steps={case.warmup_steps}")
+    return {
+        "batch_size": batch,
+        "batch_size_arg": "max" if case.batch_size is None else case.batch_size,
+        **raw,
+        "prefill_steps": prefill_steps,
+        "prefill_seconds": prefill_s if case.prefill == "real" else None,
+        "kv_bytes_in_use": raw["kv_blocks_in_use"] * engine.runner.kv_bytes_per_block,
+        "kv_bytes_per_slot": kv_bytes_per_slot,
+    }
+
+
+def _time_decode(engine: LLMEngine, case: DecodeCase, desc: str, progress: bool) -> dict:
+    """Step the running batch: ``warmup_steps`` untimed, then up to ``timed_steps`` timed ones."""
+    remaining = case.output_len - (1 if case.prefill == "real" else 0)
+    planned = remaining if case.timed_steps is None else min(remaining, case.warmup_steps + case.timed_steps)
+    raw = {"step_seconds": [], "kv_slots_read": [], "tokens": [], "running": []}
+    used_blocks, graph_steps = 0, 0
+    cuda = engine.runner.device.type == "cuda"
+    for i in tqdm(range(planned), desc=desc, leave=False, disable=not progress, unit="step"):
+        if not engine.has_unfinished_requests():
+            break
+        kv_slots, n_running = _step_kv_tokens(engine)
+        replays = _graph_replays(engine)
+        if cuda:
+            torch.cuda.synchronize(engine.runner.device)
+        start = time.perf_counter()
+        outputs = engine.step()  # returns host ints: the step's device work is done
+        elapsed = time.perf_counter() - start
+        if i < case.warmup_steps:
+            continue
+        graph_steps += _graph_replays(engine) > replays
+        raw["step_seconds"].append(elapsed)
+        raw["kv_slots_read"].append(kv_slots)
+        raw["running"].append(n_running)
+        raw["tokens"].append(sum(len(o.delta_token_ids) for o in outputs))
+        used_blocks = max(used_blocks, engine.runner.num_blocks - engine.num_free_blocks)
+    return {**raw, "kv_blocks_in_use": used_blocks, "cuda_graph_steps": graph_steps}
+
+
+def summarize(raw: dict, weight_bytes: int, copy_bytes_per_s: float | None) -> dict:
+    """Step-time and bandwidth metrics of one run from its raw timings."""
+    times, slots = raw["step_seconds"], raw["kv_slots_read"]
+    total = sum(times)
+    kv_bytes = statistics.fmean(slots) * raw["kv_bytes_per_slot"]
+    step_bytes = weight_bytes + kv_bytes
+    seconds = total / len(times)
+    achieved = step_bytes / seconds
+    out = {
+        "steps_timed": len(times),
+        "ms_per_step": 1e3 * seconds,
+        "ms_per_step_median": 1e3 * statistics.median(times),
+        "ms_per_step_p90": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))],
+        "tokens_per_s": sum(raw["tokens"]) / total,
+        "min_running": min(raw["running"]),
+        "weight_bytes_per_step": weight_bytes,
+        "kv_bytes_per_step": kv_bytes,
+        "bytes_per_step": step_bytes,
+        "achieved_bytes_per_s": achieved,
+    }
+    if copy_bytes_per_s:
+        out["fraction_of_copy_bw"] = achieved / copy_bytes_per_s
+        out["bytes_bound_ms_per_step"] = 1e3 * step_bytes / copy_bytes_per_s
+        out["overhead_ms_per_step"] = out["ms_per_step"] - out["bytes_bound_ms_per_step"]
+    return out
+
+
+def _profile_kernel_ms(engine: LLMEngine, steps: int) -> float | None:
+    """Device busy time per step over ``steps`` more steps (union of kernel and copy intervals).
+
+    Step time minus this is host time the device sat idle (launches, Python, metadata).
+    """
+    if engine.runner.device.type != "cuda" or not engine.has_unfinished_requests():
+        return None
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        done = 0
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            while done < steps and engine.has_unfinished_requests():
+                engine.step()
+                done += 1
+        spans = sorted(
+            (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA
+        )
+    except Exception:  # noqa: BLE001 - a diagnostic; the run's numbers do not depend on it
+        return None
+    busy, end = 0.0, -math.inf
+    for s, e in spans:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy / 1e3 / done if done and spans else None

@@ -1,0 +1,170 @@
+"""One benchmark invocation: the copy-bandwidth probe, the HF baseline (first, then freed), then
+the engine's decode cases over prompt lengths x batch sizes for one engine config."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+import sparse_methods
+from sparse_models import read_model_config
+from sparse_serve.bench.decode import DecodeCase, max_batch_size, run_decode_case, summarize
+from sparse_serve.bench.hf_baseline import run_hf_decode
+from sparse_serve.bench.probes import copy_bandwidth, environment, kv_bytes_per_token, weight_bytes_per_step
+from sparse_serve.config import EngineConfig
+from sparse_serve.engine import LLMEngine
+from sparse_serve.model_runner import resolve_device, resolve_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class BenchPlan:
+    """What to measure. ``batch_sizes`` entries of None mean ``max`` (the largest batch that fits)."""
+
+    prompt_lens: tuple[int, ...]
+    batch_sizes: tuple[int | None, ...]
+    output_len: int
+    prefill: str = "synthetic"
+    warmup_steps: int = 3
+    timed_steps: int | None = None
+    profile_steps: int = 0
+    hf_baseline: bool = False
+    hf_steps: int = 20
+    seed: int = 0
+    commit: str | None = None
+
+
+def run_bench(config: EngineConfig, plan: BenchPlan, *, progress: bool = True) -> dict:
+    """Run every case of ``plan`` on one engine built from ``config``; returns the report dict."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device, read_model_config(config.model).torch_dtype)
+    big = device.type == "cuda"
+    report = {
+        "environment": environment(device, plan.commit),
+        "copy_bandwidth": copy_bandwidth(device) if big else copy_bandwidth(device, nbytes=32 << 20, iters=5),
+        "runs": [],
+    }
+    copy_bps = report["copy_bandwidth"]["bytes_per_s"]
+    if plan.hf_baseline:  # before the engine sizes its KV pool from the free memory
+        for prompt_len in tqdm(plan.prompt_lens, desc="HF baseline", disable=not progress):
+            report["runs"].append(_hf_run(config, plan, prompt_len, dtype, device, copy_bps))
+    engine = LLMEngine(config)
+    if plan.prefill == "synthetic":
+        engine.runner.randomize_kv(plan.seed)
+    settings = engine_settings(engine)
+    cfg = engine.runner.model_config
+    weight_bytes = weight_bytes_per_step(engine.runner.model)
+    slot_bytes = kv_bytes_per_token(1, cfg.num_key_value_heads, cfg.head_dim, engine.runner.dtype)
+    cases = _cases(engine, plan)
+    for case, is_max in tqdm(cases, desc=f"{config.sparse_method} decode", disable=not progress):
+        run = {**settings, "engine": "sparse-engine", "prefill": plan.prefill, **_case_fields(case)}
+        try:
+            raw = run_decode_case(engine, case, kv_bytes_per_slot=slot_bytes, seed=plan.seed, progress=progress)
+        except (ValueError, RuntimeError) as e:
+            report["runs"].append({**run, "error": str(e)})
+            continue
+        raw["batch_size_arg"] = "max" if is_max else case.batch_size
+        run.update(batch_size=raw["batch_size"], batch_size_arg=raw["batch_size_arg"])
+        report["runs"].append({**run, "metrics": summarize(raw, weight_bytes, copy_bps), "raw": raw})
+    del engine
+    gc.collect()
+    return report
+
+
+def _cases(engine: LLMEngine, plan: BenchPlan) -> list[tuple[DecodeCase, bool]]:
+    """Cases in plan order, ``max`` resolved per prompt length; a batch listed twice runs once."""
+    cases = []
+    for prompt_len in plan.prompt_lens:
+        seen: dict[int, int] = {}
+        for b in plan.batch_sizes:
+            is_max = b is None
+            if is_max:
+                try:
+                    b = max_batch_size(engine, prompt_len, plan.output_len, plan.prefill)
+                except ValueError:
+                    b = 1  # reported as the error the case raises
+            if b in seen:
+                if is_max:
+                    cases[seen[b]] = (cases[seen[b]][0], True)
+                continue
+            seen[b] = len(cases)
+            case = DecodeCase(
+                prompt_len, b, plan.output_len, plan.prefill, plan.warmup_steps, plan.timed_steps, plan.profile_steps
+            )
+            cases.append((case, is_max))
+    return cases
+
+
+def _case_fields(case: DecodeCase) -> dict:
+    return {
+        "prompt_len": case.prompt_len,
+        "output_len": case.output_len,
+        "batch_size": case.batch_size,
+        "warmup_steps": case.warmup_steps,
+        "timed_steps_arg": case.timed_steps,
+    }
+
+
+def _hf_run(config: EngineConfig, plan: BenchPlan, prompt_len: int, dtype, device, copy_bps: float) -> dict:
+    run = {
+        "engine": "hf-transformers",
+        "sparse_method": "dense",
+        "prefill": "synthetic (random DynamicCache)",
+        "prompt_len": prompt_len,
+        "output_len": plan.hf_steps,
+        "batch_size": 1,
+        "batch_size_arg": 1,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    try:
+        out = run_hf_decode(
+            config.model, prompt_len, steps=plan.hf_steps, warmup_steps=plan.warmup_steps, dtype=dtype, device=device
+        )
+    except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {**run, "error": f"{type(e).__name__}: {e}"[:500]}
+    return {**run, "metrics": summarize(out["raw"], out["weight_bytes"], copy_bps), "raw": out["raw"]}
+
+
+def engine_settings(engine: LLMEngine) -> dict:
+    """The settings that shape a run: model shape, method and budgets, prefill policy, pool, chunk."""
+    config, cfg, runner = engine.config, engine.runner.model_config, engine.runner
+    method_cls = sparse_methods.get_method_class(config.sparse_method)
+    return {
+        "model": _display_path(config.model),
+        "model_shape": {
+            "architecture": cfg.architecture,
+            "num_hidden_layers": cfg.num_hidden_layers,
+            "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+        },
+        "load_format": config.load_format,
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "sparse_method": config.sparse_method,
+        "prefill_sparse_method": config.prefill_sparse_method,
+        "method_params": engine.method.config.model_dump(),
+        "prefill_policy": str(method_cls.prefill_policy),
+        "chunk_size": config.max_num_batched_tokens,
+        "block_size": config.block_size,
+        "num_kv_blocks": runner.num_blocks,
+        "kv_bytes_per_block": runner.kv_bytes_per_block,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "max_num_seqs": config.max_num_seqs,
+        "enforce_eager": getattr(config, "enforce_eager", None),  # None: this engine has no CUDA graphs yet
+        "engine_config": config.model_dump(exclude_defaults=True) | {"model": _display_path(config.model)},
+    }
+
+
+def _display_path(path: str) -> str:
+    p = Path(path).resolve()
+    return str(p.relative_to(Path.cwd())) if p.is_relative_to(Path.cwd()) else str(path)

@@ -1,0 +1,81 @@
+"""``sparse-serve bench`` on the CPU with the embedded tiny model: it runs, writes its report, and
+its numbers are consistent with the shapes it was given (the GPU numbers live in results/bench)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparse_methods import get_method_class
+from sparse_serve.bench.decode import max_batch_size
+from sparse_serve.bench.probes import kv_bytes_per_token, weight_bytes_per_step
+from sparse_serve.cli import DEFAULT_MODEL, main
+from sparse_serve.config import EngineConfig
+from sparse_serve.engine import LLMEngine
+
+PROMPT, OUTPUT, WARMUP, BLOCKS = 100, 5, 1, 48
+
+
+def _bench(tmp_path, *extra: str) -> dict:
+    argv = ["bench", "--model", str(DEFAULT_MODEL), "--device", "cpu", "--num-kv-blocks", str(BLOCKS)]
+    argv += ["--prompt-len", str(PROMPT), "--output-len", str(OUTPUT), "--warmup-steps", str(WARMUP)]
+    argv += ["--max-num-seqs", "32", "--out", str(tmp_path), "--no-progress", *extra]
+    assert main(argv) == 0
+    return json.loads((tmp_path / "bench.json").read_text())
+
+
+def test_bench_writes_report_with_consistent_numbers(tmp_path):
+    report = _bench(tmp_path, "--batch-size", "1,2,max", "--hf-baseline", "--hf-steps", "2")
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    md = (tmp_path / "bench.md").read_text()
+    assert "dense engine vs HF transformers, batch 1" in md and "sparse-serve bench" in md
+    (inv,) = report["invocations"]
+    assert inv["copy_bandwidth"]["bytes_per_s"] > 0 and inv["environment"]["torch"] == torch.__version__
+    hf, *runs = inv["runs"]
+    assert hf["engine"] == "hf-transformers" and hf["metrics"]["steps_timed"] == 2
+    assert [r["batch_size_arg"] for r in runs] == [1, 2, "max"]
+    shape = runs[0]["model_shape"]
+    layers = shape["num_hidden_layers"]
+    blocks_per_req = -(-(PROMPT + OUTPUT) // runs[0]["block_size"])
+    assert runs[-1]["batch_size"] == BLOCKS // blocks_per_req
+    for run in runs:
+        m, raw, b = run["metrics"], run["raw"], run["batch_size"]
+        assert m["steps_timed"] == OUTPUT - WARMUP and m["min_running"] == b
+        assert sum(raw["tokens"]) == b * m["steps_timed"]
+        assert m["tokens_per_s"] == pytest.approx(b / (m["ms_per_step"] / 1e3))
+        # before timed step j every request holds PROMPT + WARMUP + j - 1 slots per layer, and reads one more
+        assert raw["kv_slots_read"] == [b * layers * (PROMPT + WARMUP + j) for j in range(m["steps_timed"])]
+        assert raw["kv_bytes_per_slot"] == kv_bytes_per_token(
+            1, shape["num_key_value_heads"], shape["head_dim"], torch.float32
+        )
+        assert 0 < m["fraction_of_copy_bw"] and m["bytes_per_step"] > m["weight_bytes_per_step"] > 0
+        assert raw["kv_bytes_in_use"] == b * blocks_per_req * run["kv_bytes_per_block"]
+    assert hf["metrics"]["weight_bytes_per_step"] == runs[0]["metrics"]["weight_bytes_per_step"]
+
+
+def test_bench_appends_methods_and_reports_ratio_to_dense(tmp_path):
+    _bench(tmp_path, "--batch-size", "max")
+    report = _bench(
+        tmp_path,
+        *("--batch-size", "max", "--sparse-method", "snapkv", "--append", "--prefill", "real"),
+        *("--sink-keep-tokens", "4", "--decode-keep-tokens", "12", "--recent-keep-tokens", "32"),
+    )
+    dense, snap = (inv["runs"][0] for inv in report["invocations"])
+    assert snap["prefill"] == "real" and snap["prefill_policy"] == str(get_method_class("snapkv").prefill_policy)
+    assert snap["method_params"]["decode_keep_tokens"] == 12
+    assert snap["batch_size"] > dense["batch_size"]  # eviction turns into admission capacity
+    assert "snapkv at batch" in (tmp_path / "bench.md").read_text()
+
+
+def test_max_batch_follows_the_memory_plan():
+    engine = LLMEngine(EngineConfig(model=str(DEFAULT_MODEL), device="cpu", num_kv_blocks=1000, max_num_seqs=500))
+    # dense: prompt + output slots, rounded up to whole blocks of 16
+    assert max_batch_size(engine, 1000, 24) == 1000 // 64
+    assert max_batch_size(engine, 8, 8) == 500  # capped at max_num_seqs
+    with pytest.raises(ValueError):
+        max_batch_size(engine, 16000, 1)
+    params = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    assert weight_bytes_per_step(engine.runner.model) == params  # tied embeddings: the LM head reads them all
