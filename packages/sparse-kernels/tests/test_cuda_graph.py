@@ -81,3 +81,79 @@ def test_decode_step_replays_under_cuda_graph(paged_batch):
     untouched[torch.tensor(last_slots, device="cuda")] = False
     assert torch.equal(k_flat[untouched].isnan(), pool_before[untouched].isnan())
     torch.testing.assert_close(k_flat[untouched], pool_before[untouched], equal_nan=True, atol=0, rtol=0)
+
+
+def _static_pool(batches):
+    """One pool tensor pair big enough for every batch's pool (graphs record its address)."""
+    rows = max(b.k_cache.shape[0] for b in batches)
+    shape = (rows, *batches[0].k_cache.shape[1:])
+    return torch.full(shape, float("nan"), device="cuda"), torch.full(shape, float("nan"), device="cuda")
+
+
+@pytest.mark.parametrize("head_sparse", [False, True], ids=["dense", "head-sparse"])
+def test_triton_decode_graph_replays_after_a_new_plan(paged_batch, head_lists, scores_oracle, head_sparse):
+    # Capture once with step A's plan, then plan step B (same batch size, other lengths and blocks),
+    # refill the static inputs and replay: the graph must compute step B.
+    layout = dict(block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64)
+    steps = [
+        paged_batch([1] * 5, [1, 97, 300, 16, 17], **layout, seed=1),
+        paged_batch([1] * 5, [1200, 2, 33, 64, 4097], **layout, seed=2),
+    ]
+    plans = [head_lists(s, slots=False, seed=3) if head_sparse else s for s in steps]
+    k_static, v_static = _static_pool(steps)
+    q_static = torch.zeros(5, 8, 64, device="cuda")
+    out_static = torch.full_like(q_static, float("nan"))
+    rows = () if head_sparse else (2,)
+    scores_buf = torch.full((*rows, 8192), float("nan"), device="cuda")  # capacity columns, sliced per step
+    decode = BatchDecodeWithPagedKVCache("cuda", max_batch_size=8, max_num_pages=512)
+    assert decode.backend == "triton"
+
+    def load(i):
+        step, plan = steps[i], plans[i]
+        if head_sparse:
+            plan.plan(decode, step)
+        else:
+            step.plan_decode(decode)
+        k_static[: step.k_cache.shape[0]].copy_(step.k_cache)
+        v_static[: step.v_cache.shape[0]].copy_(step.v_cache)
+        q_static.copy_(step.q)
+        page_size = plan.page_size if head_sparse else 16
+        return scores_buf[..., : int(plan.kv_indptr[-1]) * page_size]
+
+    scores_a = load(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        decode.run(q_static, k_static, v_static, out=out_static, scores_out=scores_a)  # warm-up (compiles)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode.run(q_static, k_static, v_static, out=out_static, scores_out=scores_a)
+
+    for i in (1, 0, 1):
+        scores = load(i)
+        out_static.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        step, plan = steps[i], plans[i]
+        if head_sparse:
+            out, expected_scores = plan.reference(step)
+        else:
+            out, expected_scores = step.reference(), scores_oracle(step)
+        torch.testing.assert_close(out_static.cpu(), out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scores.cpu(), expected_scores, atol=1e-4, rtol=1e-3)
+
+
+def test_triton_decode_plan_and_run_make_no_host_sync(paged_batch):
+    batch = _to_cuda(paged_batch([1] * 3, [5, 97, 40], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=64))
+    decode = BatchDecodeWithPagedKVCache("cuda", max_batch_size=4, max_num_pages=64)
+    batch.plan_decode(decode)
+    decode.run(batch.q, batch.k_cache, batch.v_cache)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch.plan_decode(decode)
+        out = decode.run(batch.q, batch.k_cache, batch.v_cache)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out.cpu(), batch.reference(), atol=1e-5, rtol=1e-5)
