@@ -15,17 +15,18 @@ import torch
 from sparse_kernels._backend import copy_host_into
 
 # Split-K sizing: aim for this many programs per SM (decode is bandwidth-bound; several resident
-# programs per SM hide load latency), with at most MAX_SPLITS chunks per (request, KV head).
-PROGRAMS_PER_SM = 4
+# programs per SM hide load latency), with at most MAX_SPLITS chunks per (request, KV head). 8 was the
+# best setting for both batch 1 and 32 at 32K context on an H200 (benchmarks/NOTES.md).
+PROGRAMS_PER_SM = 8
 MAX_SPLITS = 64
 
 
 @functools.cache
 def num_sms(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device; 4 on CPU, which keeps interpreter grids small yet split."""
+    """Multiprocessors of a CUDA device; 2 on CPU, which keeps interpreter grids small yet split."""
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    return 2
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:

@@ -11,7 +11,8 @@ from sparse_kernels._triton.decode import decode_reduce_kernel, decode_scores_ke
 from sparse_kernels._triton.launch import dot_args
 
 LOG2_E = 1.4426950408889634
-# Tokens per inner step and launch shape of the split / scores passes (tuned on an H200, bf16, D=128).
+# Tokens per inner step and launch shape of the split / scores passes: the best of a sweep over
+# BLOCK_N {32, 64, 128} x warps {4, 8} x stages {2, 3} on an H200, bf16, D=128 (benchmarks/NOTES.md).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
