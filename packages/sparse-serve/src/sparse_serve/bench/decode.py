@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from sparse_serve.bench.probes import peak_memory, reset_peak_memory
+from sparse_serve.bench.probes import peak_memory, profile_device, reset_peak_memory
 from sparse_serve.engine import LLMEngine
 from sparse_serve.sampling_params import SamplingParams
 
@@ -121,7 +121,8 @@ def run_decode_case(
             prefill_steps += 1
         prefill_s = time.perf_counter() - t0
         raw = _time_decode(engine, case, f"{case.prompt_len} tok x{batch}", progress)
-        raw["gpu_kernel_ms_per_step"] = _profile_kernel_ms(engine, case.profile_steps) if case.profile_steps else None
+        if case.profile_steps and device.type == "cuda":
+            raw.update(profile_device(engine.step, case.profile_steps, engine.has_unfinished_requests))
         raw["peak_memory_bytes"] = peak_memory(device)
     finally:
         for rid in ids:
@@ -133,6 +134,7 @@ def run_decode_case(
     return {
         "batch_size": batch,
         "batch_size_arg": "max" if case.batch_size is None else case.batch_size,
+        "gpu_kernel_ms_per_step": None,
         **raw,
         "prefill_steps": prefill_steps,
         "prefill_seconds": prefill_s if case.prefill == "real" else None,
@@ -194,32 +196,3 @@ def summarize(raw: dict, weight_bytes: int, copy_bytes_per_s: float | None) -> d
         out["bytes_bound_ms_per_step"] = 1e3 * step_bytes / copy_bytes_per_s
         out["overhead_ms_per_step"] = out["ms_per_step"] - out["bytes_bound_ms_per_step"]
     return out
-
-
-def _profile_kernel_ms(engine: LLMEngine, steps: int) -> float | None:
-    """Device busy time per step over ``steps`` more steps (union of kernel and copy intervals).
-
-    Step time minus this is host time the device sat idle (launches, Python, metadata).
-    """
-    if engine.runner.device.type != "cuda" or not engine.has_unfinished_requests():
-        return None
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        done = 0
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            while done < steps and engine.has_unfinished_requests():
-                engine.step()
-                done += 1
-        spans = sorted(
-            (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA
-        )
-    except Exception:  # noqa: BLE001 - a diagnostic; the run's numbers do not depend on it
-        return None
-    busy, end = 0.0, -math.inf
-    for s, e in spans:
-        if e > end:
-            busy += e - max(s, end)
-            end = e
-    return busy / 1e3 / done if done and spans else None

@@ -4,7 +4,8 @@ The model is built from the same config.json with random weights (bf16 on GPU, s
 Its ``DynamicCache`` is filled with random K/V of the prompt's length instead of running prefill
 ("synthetic prefill": a 128K-token HF prefill would take minutes and a huge attention workspace);
 then ``model(next_token, past_key_values=cache)`` decode steps are timed, greedy, as HF's own
-generate loop runs them. Everything is freed before returning, so the engine can size its pool.
+generate loop runs them. The caller frees the memory (``free_device_memory``) before the engine
+sizes its pool.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ import time
 
 import torch
 
-from sparse_serve.bench.probes import kv_bytes_per_token, peak_memory, reset_peak_memory, weight_bytes_per_step
+from sparse_serve.bench.probes import (
+    kv_bytes_per_token,
+    peak_memory,
+    profile_device,
+    reset_peak_memory,
+    weight_bytes_per_step,
+)
 
 
 def _build_model(model_path: str, dtype: torch.dtype, device: torch.device):
@@ -60,6 +67,7 @@ def run_hf_decode(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    profile_steps: int = 0,
 ) -> dict:
     """Time ``steps`` batch-1 decode steps of HF transformers after a random cache of ``prompt_len``.
 
@@ -71,20 +79,23 @@ def run_hf_decode(
     slot_bytes = kv_bytes_per_token(1, config.num_key_value_heads, _head_dim(config), dtype)
     reset_peak_memory(device)
     cache = _random_cache(config, prompt_len, dtype, device, seed)
-    token = torch.randint(0, config.vocab_size, (1, 1), device=device)
+    state = {"token": torch.randint(0, config.vocab_size, (1, 1), device=device)}
+
+    def step() -> None:  # HF's generate loop, greedy: forward one token, pick the next
+        logits = model(input_ids=state["token"], past_key_values=cache, use_cache=True).logits
+        state["token"] = logits[:, -1].argmax(-1, keepdim=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     times, slots = [], []
     for i in range(warmup_steps + steps):
         kv_len = cache.get_seq_length()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
         start = time.perf_counter()
-        logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        step()
         if i >= warmup_steps:
             times.append(time.perf_counter() - start)
             slots.append((kv_len + 1) * config.num_hidden_layers)
+    profiled = profile_device(step, profile_steps) if profile_steps and device.type == "cuda" else {}
     peak = peak_memory(device)
     import transformers
 
@@ -100,6 +111,7 @@ def run_hf_decode(
         "kv_bytes_per_slot": slot_bytes,
         "peak_memory_bytes": peak,
         "gpu_kernel_ms_per_step": None,
+        **profiled,
         "hf": {
             "transformers": transformers.__version__,
             "attn_implementation": model.config._attn_implementation,
@@ -107,8 +119,12 @@ def run_hf_decode(
             "median_step_ms": 1e3 * statistics.median(times),
         },
     }
-    del model, cache, logits, token
+    return {"raw": raw, "weight_bytes": weight_bytes}
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Return what the baseline's model and cache held to the device (after they went out of scope)."""
     gc.collect()
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-    return {"raw": raw, "weight_bytes": weight_bytes}

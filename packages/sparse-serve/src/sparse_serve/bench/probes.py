@@ -8,10 +8,12 @@ once per request and layer.
 
 from __future__ import annotations
 
+import math
 import platform
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -122,3 +124,42 @@ def reset_peak_memory(device: torch.device) -> None:
 
 def peak_memory(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def profile_device(step: Callable[[], object], steps: int, more: Callable[[], bool] = lambda: True) -> dict:
+    """Run ``step`` up to ``steps`` times under the profiler; device busy ms per step and top kernels.
+
+    Busy time is the union of the device's kernel and copy intervals, so step time minus it is time
+    the device sat idle waiting for the host (Python, metadata, launches). Empty when profiling fails:
+    it is a diagnostic, the run's numbers do not depend on it.
+    """
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        done = 0
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            while done < steps and more():
+                step()
+                done += 1
+        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    except Exception:  # noqa: BLE001
+        return {}
+    if not done or not events:
+        return {}
+    busy, end = 0.0, -math.inf
+    for s, e in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {
+        "gpu_kernel_ms_per_step": busy / 1e3 / done,
+        "profiled_steps": done,
+        "gpu_kernels_top": [
+            {"name": name[:120], "ms_per_step": sum(t) / 1e3 / done, "calls_per_step": len(t) / done} for name, t in top
+        ],
+    }

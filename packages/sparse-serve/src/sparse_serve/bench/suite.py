@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 import sparse_methods
 from sparse_models import read_model_config
 from sparse_serve.bench.decode import DecodeCase, max_batch_size, run_decode_case, summarize
-from sparse_serve.bench.hf_baseline import run_hf_decode
+from sparse_serve.bench.hf_baseline import free_device_memory, run_hf_decode
 from sparse_serve.bench.probes import copy_bandwidth, environment, kv_bytes_per_token, weight_bytes_per_step
 from sparse_serve.config import EngineConfig
 from sparse_serve.engine import LLMEngine
@@ -121,13 +121,18 @@ def _hf_run(config: EngineConfig, plan: BenchPlan, prompt_len: int, dtype, devic
     }
     try:
         out = run_hf_decode(
-            config.model, prompt_len, steps=plan.hf_steps, warmup_steps=plan.warmup_steps, dtype=dtype, device=device
+            config.model,
+            prompt_len,
+            steps=plan.hf_steps,
+            warmup_steps=plan.warmup_steps,
+            dtype=dtype,
+            device=device,
+            profile_steps=plan.profile_steps,
         )
     except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
         return {**run, "error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        free_device_memory(device)
     return {**run, "metrics": summarize(out["raw"], out["weight_bytes"], copy_bps), "raw": out["raw"]}
 
 
