@@ -11,6 +11,7 @@ mapping and one pair of kernel plans; without per-layer eviction there is exactl
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
@@ -82,7 +83,8 @@ class StepMetadata:
 
 
 def _i32(x: list[int]) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.int32)
+    # array() converts a list in C, several times faster than torch.tensor(list) for long block lists.
+    return torch.frombuffer(array("i", x), dtype=torch.int32) if x else torch.zeros(0, dtype=torch.int32)
 
 
 def _csr(tables: list[BlockTable], kv_lens: list[int], block_size: int) -> tuple[list[int], list[int], list[int]]:
