@@ -251,3 +251,23 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_engine_failure_fails_requests_and_health_but_not_the_process():
+    engine = LLMEngine(EngineConfig(**ENGINE))
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 3:
+            raise RuntimeError("injected engine fault")
+        return real_step()
+
+    engine.step = failing_step
+    with BackgroundServer(engine, ServerConfig(**QUIET)) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={**C, "max_tokens": 20, "ignore_eos": True})
+        assert r.status_code == 503 and "injected engine fault" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/health").status_code == 503
+        again = httpx.post(srv.url + "/v1/completions", json=C)
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"
+        assert httpx.get(srv.url + "/metrics").status_code == 200

@@ -21,6 +21,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from sparse_serve.config import EngineConfig
 from sparse_serve.engine import LLMEngine
@@ -200,10 +201,13 @@ def _model_card(state: _State) -> dict[str, Any]:
 async def _parse(request: Request, model: type[T], state: _State) -> T:
     """Read, size-limit and validate the body, then the checks every generation request shares."""
     raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > state.max_body_bytes:
-            raise APIError(413, f"The request body exceeds {state.max_body_bytes} bytes.", code="body_too_large")
+    try:
+        async for part in request.stream():
+            raw += part
+            if len(raw) > state.max_body_bytes:
+                raise APIError(413, f"The request body exceeds {state.max_body_bytes} bytes.", code="body_too_large")
+    except ClientDisconnect:  # gone before sending the whole body: nothing to answer, nothing to log
+        raise APIError(499, "The client disconnected.", code="client_disconnected") from None
     try:
         body = model.model_validate_json(bytes(raw))
     except ValidationError as e:
