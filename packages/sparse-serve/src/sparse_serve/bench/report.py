@@ -22,13 +22,17 @@ def write_report(out_dir: str | Path, invocation: dict, *, append: bool = False)
     invocations = json.loads(path.read_text())["invocations"] if append and path.exists() else []
     invocations.append(invocation)
     path.write_text(json.dumps({"invocations": invocations}, indent=1))
+    return [path, *render(out)]
+
+
+def render(out_dir: str | Path) -> list[Path]:
+    """(Re)write ``bench.md`` and ``bench.png`` from the folder's ``bench.json``."""
+    out = Path(out_dir)
+    invocations = json.loads((out / "bench.json").read_text())["invocations"]
     md = out / "bench.md"
     md.write_text(markdown_report(invocations))
-    paths = [path, md]
     png = _plot(out / "bench.png", invocations)
-    if png is not None:
-        paths.append(png)
-    return paths
+    return [md] if png is None else [md, png]
 
 
 def all_runs(invocations: list[dict]) -> list[dict]:
@@ -96,9 +100,9 @@ def ratios(runs: list[dict]) -> list[str]:
             if r["sparse_method"] == "dense" or r["prompt_len"] != dense["prompt_len"]:
                 continue
             x = r["metrics"]["tokens_per_s"] / dense["metrics"]["tokens_per_s"]
-            which = "its max" if r.get("batch_size_arg") == "max" else str(r["batch_size"])
+            which = " (its max)" if r.get("batch_size_arg") == "max" else ""
             lines.append(
-                f"- {r['sparse_method']} at batch {r['batch_size']} ({which}) vs dense at its max batch "
+                f"- {r['sparse_method']} at batch {r['batch_size']}{which} vs dense at its max batch "
                 f"{dense['batch_size']}, prompt {r['prompt_len']} (output {r['output_len']} vs {dense['output_len']}): "
                 f"**{x:.2f}x**"
             )
@@ -116,9 +120,8 @@ def markdown_report(invocations: list[dict]) -> str:
             f"transformers {env.get('transformers')}, commit `{env.get('commit')}`; copy bandwidth "
             f"{copy['bytes_per_s'] / GB:.0f} GB/s ({copy['method']})\n"
         )
-        for run in inv["runs"][:1] + [r for r in inv["runs"] if r["engine"] == "sparse-engine"][:1]:
-            if run["engine"] == "sparse-engine":
-                parts.append(_settings_line(run))
+        for run in [r for r in inv["runs"] if r["engine"] == "sparse-engine"][:1]:
+            parts.append(_settings_line(run))
     parts.append(markdown_table(runs))
     lines = ratios(runs)
     if lines:
@@ -153,6 +156,7 @@ def _plot(path: Path, invocations: list[dict]) -> Path | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:  # plots are optional: `uv sync --extra plot` (or the dev group) brings matplotlib
         return None
     series: dict[str, list[tuple[int, float]]] = {}
@@ -167,6 +171,7 @@ def _plot(path: Path, invocations: list[dict]) -> Path | None:
         hf = key.startswith("HF")
         ax.plot(xs, ys, marker="s" if hf else "o", linestyle=":" if hf else "-", label=key)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_yscale("log")
     ax.set_xlabel("batch size (requests decoding together)")
     ax.set_ylabel("aggregate decode tokens/s")
