@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The decode benchmark of results/bench, as run on one H200 (Qwen3-8B shape, dummy bf16 weights,
+# synthetic prefill). Usage, from the repository root with the packages importable
+# (`uv run` here, or PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':') on the GPU box):
+#   COMMIT=<sha> bash results/bench/run_h200.sh OUT_DIR
+set -euo pipefail
+OUT=${1:-results/bench/h200}
+COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+BENCH=(python3 -m sparse_serve.cli bench --no-progress --commit "$COMMIT")
+
+# 1. Dense at 32K and 128K, batch 1 and the largest batch that fits, 256 output tokens (200 steps
+#    timed after 3 warm-up steps, 5 more profiled), and HF transformers at batch 1 on the same shape.
+"${BENCH[@]}" --out "$OUT/dense" --prompt-len 32768,131072 --batch-size 1,max --output-len 256 \
+  --timed-steps 200 --profile-steps 5 --hf-baseline --hf-steps 20
+
+# 2. Issue 4's reference: dense at 128K with memory planned for 2048 output tokens, its largest
+#    batch (256 steps timed: dense KV grows only 1.6% over 2048 steps).
+"${BENCH[@]}" --out "$OUT/snapkv" --prompt-len 131072 --batch-size max --output-len 2048 \
+  --timed-steps 256 --profile-steps 5
+DENSE_MAX=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['invocations'][-1]['runs'][0]['batch_size'])" \
+  "$OUT/snapkv/bench.json")
+
+# 3. SnapKV, budget 8192 = 64 sink + 7616 + 512 recent, at dense's largest batch and its own,
+#    128K prompt, every one of the 2048 decode steps (3 warm-up, 2040 timed, 5 profiled).
+"${BENCH[@]}" --out "$OUT/snapkv" --append --sparse-method snapkv --sink-keep-tokens 64 \
+  --decode-keep-tokens 7616 --recent-keep-tokens 512 --prompt-len 131072 --batch-size "$DENSE_MAX,max" \
+  --output-len 2048 --timed-steps 2040 --profile-steps 5
