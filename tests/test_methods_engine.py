@@ -180,3 +180,27 @@ def test_eviction_lets_more_requests_run(llama):
     dense = _max_concurrent_decodes(llama)
     snap = _max_concurrent_decodes(llama, **SMALL_BUDGETS["snapkv"])
     assert dense <= 3 and snap == 8
+
+
+def test_long_bs1full_prefill_runs_whole_prompts_alone(llama):
+    """PyramidKV's policy: a prompt longer than the chunk budget is prefilled in one step, alone
+    (decodes may share it), and short prompts are batched as usual."""
+    llm = _llm(llama, max_num_batched_tokens=64, **SMALL_BUDGETS["pyramidkv"])
+    engine = llm.engine
+    lengths = {"long-a": 150, "short": 20, "long-b": 130}
+    for rid, n in lengths.items():
+        engine.add_request(_prompts([n], seed=n)[0], SamplingParams(max_tokens=3, temperature=0.0), request_id=rid)
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        batch = schedule()
+        steps.append([(r.request_id, n) for r, n in batch.items if r.num_computed_tokens < r.prefill_len])
+        return batch
+
+    engine.scheduler.schedule = recording_schedule
+    while engine.has_unfinished_requests():
+        engine.step()
+    long_steps = [s for s in steps if any(lengths[rid] > 64 for rid, _ in s)]
+    assert sorted(long_steps) == [[("long-a", 150)], [("long-b", 130)]]
+    assert any(("short", 20) in s for s in steps)
