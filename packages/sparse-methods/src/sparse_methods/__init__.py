@@ -9,6 +9,7 @@ from sparse_methods import methods  # noqa: F401 - registers the methods
 from sparse_methods.base import (
     Category,
     Compaction,
+    DecodeView,
     LayerAttention,
     MemoryPlan,
     MethodConfig,
@@ -18,6 +19,7 @@ from sparse_methods.base import (
     RequestStep,
     SparseMethod,
     StepContext,
+    StoreKind,
 )
 from sparse_methods.registry import (
     build_method,
@@ -33,6 +35,7 @@ from sparse_methods.registry import (
 __all__ = [
     "Category",
     "Compaction",
+    "DecodeView",
     "LayerAttention",
     "MemoryPlan",
     "MethodConfig",
@@ -42,6 +45,7 @@ __all__ = [
     "RequestStep",
     "SparseMethod",
     "StepContext",
+    "StoreKind",
     "build_method",
     "check_prefill_method",
     "get_method_class",

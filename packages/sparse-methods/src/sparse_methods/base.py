@@ -52,6 +52,14 @@ class PrefixCacheMode(enum.StrEnum):
     """KV was evicted: reuse only by resuming a conversation's chain (no radix sharing)."""
 
 
+class StoreKind(enum.StrEnum):
+    """What the KV store keeps beside the paged K/V (built by the engine, owned across steps)."""
+
+    PAGED = "paged"
+    PAGED_WITH_SUMMARIES = "paged + block summaries"
+    """Per block and KV head, elementwise min and max of the keys (kept up to date on append)."""
+
+
 class MethodConfig(BaseModel):
     """Base of every method's config: validated, frozen, unknown fields are errors."""
 
@@ -151,6 +159,22 @@ class LayerAttention:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeView:
+    """What a query-aware method sees to choose the pages one decode query reads, in one layer.
+
+    ``query``: ``[num_q_heads, head_dim]`` (after RoPE). ``page_min`` / ``page_max``:
+    ``[num_pages, num_kv_heads, head_dim]`` key summaries of the request's pages in table order
+    (``page_size`` slots each; the last page holds ``kv_len - (num_pages - 1) * page_size``).
+    """
+
+    query: torch.Tensor
+    page_min: torch.Tensor
+    page_max: torch.Tensor
+    kv_len: int
+    page_size: int
+
+
+@dataclass(frozen=True, slots=True)
 class Compaction:
     """Kept slots of one request: ``keep[l]`` is None (layer unchanged) or ``[num_kv_heads, n_l]``
     int64 indices into the layer's current slots, ascending in each row."""
@@ -165,6 +189,7 @@ class SparseMethod(ABC):
     category: ClassVar[Category]
     prefill_policy: ClassVar[PrefillPolicy] = PrefillPolicy.ALL_CHUNKED
     prefix_cache_mode: ClassVar[PrefixCacheMode]
+    kv_store: ClassVar[StoreKind] = StoreKind.PAGED
     Config: ClassVar[type[MethodConfig]]
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
@@ -193,6 +218,20 @@ class SparseMethod(ABC):
 
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:  # noqa: B027
         """Observe one request's queries and keys after ``layer``'s attention."""
+
+    @property
+    def summary_page_size(self) -> int | None:
+        """Tokens per summarized page, for ``StoreKind.PAGED_WITH_SUMMARIES`` (must equal the block size)."""
+        return None
+
+    def selects_decode(self, layer: int) -> bool:
+        """Whether ``decode_selection`` is asked for this layer's decode queries."""
+        return False
+
+    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> torch.Tensor | None:
+        """Pages one decode query reads: ``[num_kv_heads, n]`` ascending page indices (the last page
+        among them when it is read), or None to read every page."""
+        return None
 
     def finish_step(self) -> Mapping[Hashable, Compaction]:
         """Evictions decided this step, by request id (applied before the next step)."""

@@ -158,3 +158,19 @@ def pyramid_budgets(mean_kept: int, window: int, kv_len: int, num_layers: int, b
         return [mean_kept] * num_layers
     step = (hi - lo) / (num_layers - 1)
     return [round(hi - layer * step) for layer in range(num_layers)]
+
+
+def page_upper_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
+    """Quest's bound on ``q.k`` over each page: ``[num_kv_heads, num_pages]``.
+
+    Per query head, ``U_p = sum_d max(q_d * max_pd, q_d * min_pd)`` (no key in the page can score
+    higher); a KV head's bound is the maximum over its query group (a page matters if any head of
+    the group may need it). ``query``: ``[num_q_heads, D]``; summaries ``[num_pages, num_kv_heads, D]``.
+    """
+    num_kv_heads = page_min.shape[1]
+    g = query.shape[0] // num_kv_heads
+    q = query.float().view(num_kv_heads, g, 1, -1)  # [Hkv, g, 1, D]
+    lo = page_min.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, P, D]
+    hi = page_max.float().permute(1, 0, 2).unsqueeze(1)
+    bound = torch.maximum(q * hi, q * lo).sum(-1)  # [Hkv, g, P]
+    return bound.amax(1)

@@ -134,7 +134,11 @@ class DecodeGraphs:
             return False
         if len(meta.sampled) != meta.num_tokens:  # a one-token prefill chunk that samples nothing
             return False
-        if method is not None and any(method.attention_requests(layer) for layer in range(self.num_layers)):
+        if self.attention.pool.kmin is not None:  # block summaries are updated outside graphs
+            return False
+        if method is not None and any(
+            method.attention_requests(layer) or method.selects_decode(layer) for layer in range(self.num_layers)
+        ):
             return False
         return True
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_methods import SparseMethod, StepContext
+from sparse_methods import SparseMethod, StepContext, StoreKind
 from sparse_models import ModelConfig, load_model
 from sparse_serve.config import EngineConfig
 from sparse_serve.cuda_graphs import DecodeGraphs
@@ -50,8 +50,14 @@ class ModelRunner:
         )
         cfg = self.model_config
         self.block_size = config.block_size
+        self.summaries = method is not None and method.kv_store is StoreKind.PAGED_WITH_SUMMARIES
+        if self.summaries and method.summary_page_size != config.block_size:
+            raise ValueError(
+                f"{method.name} summarizes pages of {method.summary_page_size} tokens; set block_size to match "
+                f"(block_size={config.block_size})"
+            )
         self.num_blocks = self._num_blocks(max_model_len_hint)
-        self.kv = allocate_kv_pool(cfg, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = allocate_kv_pool(cfg, self.num_blocks, self.block_size, self.dtype, self.device, self.summaries)
         graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
         self.attention = PagedAttention(
             self.kv,
@@ -78,13 +84,14 @@ class ModelRunner:
         if self.device.type == "cpu":
             # No point in holding more than every running request at full length.
             cap = self.config.max_num_seqs * -(-max_model_len // bs)
-            return num_blocks_for_budget(cfg, bs, self.dtype, int(self.config.cpu_kv_cache_gib * 2**30), cap)
+            budget = int(self.config.cpu_kv_cache_gib * 2**30)
+            return num_blocks_for_budget(cfg, bs, self.dtype, budget, cap, self.summaries)
         free, total = torch.cuda.mem_get_info(self.device)
         # The weights are already loaded, so `free` excludes them; keep (1 - utilization) of the card
         # for others and a rough activation reserve for the largest step (measured in a later issue).
         activation_reserve = 64 * self.config.max_num_batched_tokens * cfg.hidden_size * 4
         budget = free - int(total * (1.0 - self.config.gpu_memory_utilization)) - activation_reserve
-        return num_blocks_for_budget(cfg, bs, self.dtype, budget)
+        return num_blocks_for_budget(cfg, bs, self.dtype, budget, summaries=self.summaries)
 
     @torch.inference_mode()
     def randomize_kv(self, seed: int = 0) -> None:
@@ -95,7 +102,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return bytes_per_block(self.model_config, self.block_size, self.dtype)
+        return bytes_per_block(self.model_config, self.block_size, self.dtype, self.summaries)
 
     @torch.inference_mode()
     def run(self, meta: StepMetadata) -> list[int]:

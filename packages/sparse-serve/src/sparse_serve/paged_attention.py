@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from sparse_kernels import BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache, store_kv
+from sparse_kernels import BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache, block_summary, store_kv
 from sparse_methods import LayerAttention, SparseMethod
 from sparse_serve.kv_pool import KVPool
+from sparse_serve.selective_decode import SelectiveDecode
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, to_device
 
 
@@ -83,6 +84,8 @@ class PagedAttention:
         self._plans: list[_GroupPlan] = [_GroupPlan(self.device, max_num_tokens, max_batch_size, max_num_pages)]
         self._meta: StepMetadata | None = None
         self.sm_scale = head_dim**-0.5
+        self.selective = SelectiveDecode(self.device, self.shape, self.sm_scale)
+        self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def plan(self, meta: StepMetadata) -> None:
         """Prepare one step: copy each layer group's slot mapping and plan its kernels."""
@@ -91,6 +94,22 @@ class PagedAttention:
             self._plans.append(_GroupPlan(self.device))
         for plan, group in zip(self._plans, meta.groups, strict=False):
             plan.plan(group, meta, self.shape, self.sm_scale)
+        if self.pool.kmin is not None:
+            self._touched = [self._touched_blocks(group, meta) for group in meta.groups]
+
+    def _touched_blocks(self, group: LayerGroupMetadata, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks this step writes in the group's layers, and how many valid tokens each then holds."""
+        bs = self.block_size
+        blocks, valid = [], []
+        for i, step in enumerate(meta.steps):
+            start, end = group.kv_lens[i], group.kv_lens[i] + step.num_new_tokens
+            for b in range(start // bs, (end - 1) // bs + 1):
+                blocks.append(meta.tables[i].block_ids[b])
+                valid.append(min(bs, end - b * bs))
+        return (
+            to_device(torch.tensor(blocks, dtype=torch.int32), self.device),
+            to_device(torch.tensor(valid, dtype=torch.int32), self.device),
+        )
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         if abs(scale - self.sm_scale) > 1e-12 * self.sm_scale:
@@ -100,19 +119,29 @@ class PagedAttention:
         plan = self._plans[group_idx]
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        group = meta.groups[group_idx]
+        if self.pool.kmin is not None:
+            blocks, valid = self._touched[group_idx]
+            block_summary(k_cache, blocks, valid, self.pool.kmin[layer_idx], self.pool.kmax[layer_idx])
         nd = meta.num_decode_tokens
-        if not meta.num_prefill_requests:
+        selective = nd > 0 and self.method is not None and self.method.selects_decode(layer_idx)
+        if not meta.num_prefill_requests and not selective:
             out = plan.decode.run(q, k_cache, v_cache)
         elif nd == 0:
             out = plan.prefill.run(q, k_cache, v_cache)
         else:
             out = torch.empty_like(q)  # both kernels write their rows in place: no concatenation copy
-            plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
-            plan.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
+            if selective:
+                kmin, kmax = self.pool.kmin[layer_idx], self.pool.kmax[layer_idx]
+                self.selective.run(self.method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
+            else:
+                plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
+            if meta.num_prefill_requests:
+                plan.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
         if self.method is not None:
             wanted = self.method.attention_requests(layer_idx)
             if wanted:
-                self._observe(layer_idx, q, k_cache, meta.groups[group_idx], wanted)
+                self._observe(layer_idx, q, k_cache, group, wanted)
         return out
 
     def _observe(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, group, wanted) -> None:

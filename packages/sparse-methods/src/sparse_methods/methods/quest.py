@@ -1,0 +1,83 @@
+"""Quest: query-aware page selection. Every token's KV stays resident (token-exact, radix prefix
+cache); at each decode step and layer, the query bounds each page's best possible ``q.k`` from the
+page's elementwise key min/max (``page_upper_bounds``) and attends only to the sink pages, the best
+``decode_keep_tokens / quest_chunk_size`` pages and the recent pages (the newest always among them).
+
+Summaries live in the engine's ``paged + block summaries`` store, updated whenever a block is
+written (prefill chunks and decode steps) and kept with the block, so prefix-cache hits reuse
+them. The first ``quest_skip_layers`` layers and contexts within the budget stay dense. GQA: a KV
+head's bound is the maximum over its query heads, so one page list serves the whole group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import Field
+
+from sparse_methods.base import (
+    Category,
+    DecodeView,
+    MemoryPlan,
+    MethodConfig,
+    PrefixCacheMode,
+    RequestStep,
+    SparseMethod,
+    StoreKind,
+)
+from sparse_methods.registry import register
+from sparse_methods.scoring import keep_indices, page_upper_bounds
+
+
+class QuestConfig(MethodConfig):
+    sink_keep_tokens: int = Field(64, ge=0, description="Leading tokens always read, in tokens (rounded up to pages).")
+    decode_keep_tokens: int = Field(1472, ge=0, description="Tokens read from the best-bounded pages, in tokens.")
+    recent_keep_tokens: int = Field(512, ge=1, description="Most recent tokens always read (rounded up to pages).")
+    quest_chunk_size: int = Field(16, ge=1, description="Tokens per summarized page (must equal block_size).")
+    quest_skip_layers: int = Field(2, ge=0, description="First layers that always read every page.")
+
+
+def select_pages(
+    query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, *, sink: int, keep: int, recent: int
+) -> torch.Tensor:
+    """``[num_kv_heads, n]`` ascending pages: ``sink`` first, ``recent`` last and the ``keep`` best-bounded others."""
+    scores = page_upper_bounds(query, page_min, page_max)
+    return keep_indices(scores, kv_len=page_min.shape[0], sink=sink, recent=recent, num_middle=keep)
+
+
+@register
+class Quest(SparseMethod):
+    name = "quest"
+    category = Category.QUERY_AWARE_SELECTION
+    prefix_cache_mode = PrefixCacheMode.RADIX
+    kv_store = StoreKind.PAGED_WITH_SUMMARIES
+    Config = QuestConfig
+
+    @property
+    def budget(self) -> int:
+        c = self.config
+        return c.sink_keep_tokens + c.decode_keep_tokens + c.recent_keep_tokens
+
+    @property
+    def summary_page_size(self) -> int:
+        return self.config.quest_chunk_size
+
+    def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
+        return MemoryPlan.uniform(self.shape.num_layers, prompt_len, prompt_len, prompt_len + max_new_tokens)
+
+    def selects_decode(self, layer: int) -> bool:
+        return layer >= self.config.quest_skip_layers
+
+    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> torch.Tensor | None:
+        if view.kv_len <= self.budget:
+            return None
+        c, page = self.config, view.page_size
+        return select_pages(
+            view.query,
+            view.page_min,
+            view.page_max,
+            sink=math.ceil(c.sink_keep_tokens / page),
+            keep=c.decode_keep_tokens // page,
+            recent=max(1, math.ceil(c.recent_keep_tokens / page)),
+        )
