@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from sparse_serve import LLM, SamplingParams
-from sparse_serve.paged_attention import table_slots
+from sparse_serve.step_metadata import table_slots
 
 PROMPT_LEN = 200
 

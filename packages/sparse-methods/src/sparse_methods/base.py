@@ -160,17 +160,31 @@ class LayerAttention:
 
 @dataclass(frozen=True, slots=True)
 class DecodeView:
-    """What a query-aware method sees to choose the pages one decode query reads, in one layer.
+    """What a query-aware method sees to choose what one decode query reads, in one layer.
 
-    ``query``: ``[num_q_heads, head_dim]`` (after RoPE). ``page_min`` / ``page_max``:
-    ``[num_pages, num_kv_heads, head_dim]`` key summaries of the request's pages in table order
-    (``page_size`` slots each; the last page holds ``kv_len - (num_pages - 1) * page_size``).
+    ``query``: ``[num_q_heads, head_dim]`` (after RoPE); ``kv_len``: slots the request holds in
+    this layer (the newest one included); ``page_size``: tokens per summarized page (the block).
+    ``page_min`` / ``page_max``: ``[num_pages, num_kv_heads, head_dim]`` key summaries of the
+    request's pages in table order, when the store keeps them (else None). ``keys``:
+    ``[kv_len, num_kv_heads, head_dim]`` the layer's keys in slot order, when the method asked for
+    them (``needs_decode_keys``), else None.
     """
 
     query: torch.Tensor
-    page_min: torch.Tensor
-    page_max: torch.Tensor
     kv_len: int
+    page_size: int
+    page_min: torch.Tensor | None = None
+    page_max: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """What one decode query reads: ``indices`` ``[num_kv_heads, n]`` ascending, in units of
+    ``page_size`` slots of the request's table (``page_size=1``: single tokens). The newest slot's
+    page must be the last entry of every row."""
+
+    indices: torch.Tensor
     page_size: int
 
 
@@ -228,9 +242,12 @@ class SparseMethod(ABC):
         """Whether ``decode_selection`` is asked for this layer's decode queries."""
         return False
 
-    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> torch.Tensor | None:
-        """Pages one decode query reads: ``[num_kv_heads, n]`` ascending page indices (the last page
-        among them when it is read), or None to read every page."""
+    def needs_decode_keys(self, layer: int) -> bool:
+        """Whether ``decode_selection`` needs the layer's keys (``DecodeView.keys``)."""
+        return False
+
+    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
+        """What one decode query reads in ``layer``, or None to read every slot."""
         return None
 
     def finish_step(self) -> Mapping[Hashable, Compaction]:
@@ -239,3 +256,4 @@ class SparseMethod(ABC):
 
     def release(self, request_id: Hashable) -> None:  # noqa: B027
         """Forget a request's state (finished, aborted or preempted)."""
+

@@ -11,7 +11,7 @@ import torch
 
 from sparse_methods import Compaction
 from sparse_serve.kv_pool import KVPool
-from sparse_serve.paged_attention import table_slots
+from sparse_serve.step_metadata import table_slots
 
 
 def compact_layer(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:

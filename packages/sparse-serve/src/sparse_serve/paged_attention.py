@@ -16,7 +16,7 @@ from sparse_kernels import BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVC
 from sparse_methods import LayerAttention, SparseMethod
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.selective_decode import SelectiveDecode
-from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, to_device
+from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots, to_device
 
 
 class _GroupPlan:
@@ -132,7 +132,9 @@ class PagedAttention:
         else:
             out = torch.empty_like(q)  # both kernels write their rows in place: no concatenation copy
             if selective:
-                kmin, kmax = self.pool.kmin[layer_idx], self.pool.kmax[layer_idx]
+                summaries = self.pool.kmin is not None
+                kmin = self.pool.kmin[layer_idx] if summaries else None
+                kmax = self.pool.kmax[layer_idx] if summaries else None
                 self.selective.run(self.method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
             else:
                 plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
@@ -155,10 +157,3 @@ class PagedAttention:
             slots = table_slots(meta.tables[i].block_ids, kv_len, self.block_size).to(self.device)
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
             self.method.on_attention_end(layer_idx, step, LayerAttention(rows, flat_k[slots], self.sm_scale))
-
-
-def table_slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
-    """Pool slots of a table's first ``num_tokens`` positions, int64 on the host."""
-    num_blocks = -(-num_tokens // block_size)
-    blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.int64)
-    return (blocks.view(-1, 1) * block_size + torch.arange(block_size)).view(-1)[:num_tokens]

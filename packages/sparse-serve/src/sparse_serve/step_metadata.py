@@ -179,3 +179,10 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def table_slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+    """Pool slots of a table's first ``num_tokens`` positions, int64 on the host."""
+    num_blocks = -(-num_tokens // block_size)
+    blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.int64)
+    return (blocks.view(-1, 1) * block_size + torch.arange(block_size)).view(-1)[:num_tokens]

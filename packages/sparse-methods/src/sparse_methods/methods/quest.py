@@ -23,6 +23,7 @@ from sparse_methods.base import (
     MethodConfig,
     PrefixCacheMode,
     RequestStep,
+    Selection,
     SparseMethod,
     StoreKind,
 )
@@ -69,11 +70,11 @@ class Quest(SparseMethod):
     def selects_decode(self, layer: int) -> bool:
         return layer >= self.config.quest_skip_layers
 
-    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> torch.Tensor | None:
+    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
         if view.kv_len <= self.budget:
             return None
         c, page = self.config, view.page_size
-        return select_pages(
+        pages = select_pages(
             view.query,
             view.page_min,
             view.page_max,
@@ -81,3 +82,4 @@ class Quest(SparseMethod):
             keep=c.decode_keep_tokens // page,
             recent=max(1, math.ceil(c.recent_keep_tokens / page)),
         )
+        return Selection(pages, page)

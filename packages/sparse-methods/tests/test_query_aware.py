@@ -1,9 +1,11 @@
-"""Quest's page selection against a reference written from the paper (loops, random inputs)."""
+"""Quest's page selection and OmniKV's token filter against references written from the papers
+(loops, random inputs)."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -73,5 +75,51 @@ def test_quest_declarations_and_dense_under_budget():
     assert method.budget == 64 + 1472 + 512
     assert [method.selects_decode(layer) for layer in range(4)] == [False, False, True, True]
     pages = math.ceil(2000 / 16)
-    view = sm.DecodeView(torch.randn(8, 16), torch.zeros(pages, 2, 16), torch.ones(pages, 2, 16), 2000, 16)
+    view = sm.DecodeView(torch.randn(8, 16), 2000, 16, torch.zeros(pages, 2, 16), torch.ones(pages, 2, 16))
     assert method.decode_selection(2, None, view) is None  # within budget: dense
+
+
+def _omnikv_reference(query, keys, sink, keep, recent):
+    """OmniKV's filter: per query head softmax(q.k / sqrt(d)) over all tokens, max over heads; sink + best
+    ``keep`` of the middle + ``recent`` (ties: earlier)."""
+    length, hkv, d = keys.shape
+    g = query.shape[0] // hkv
+    probs = []
+    for qh in range(query.shape[0]):
+        logits = torch.tensor([float(query[qh] @ keys[t, qh // g]) / math.sqrt(d) for t in range(length)])
+        probs.append(torch.softmax(logits, 0))
+    score = torch.stack(probs).amax(0).tolist()
+    s = min(sink, length)
+    r = min(recent, length - s)
+    middle = sorted(range(s, length - r), key=lambda t: (-score[t], t))[:keep]
+    return sorted(set(range(s)) | set(middle) | set(range(length - r, length)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(length=st.integers(21, 120), g=st.sampled_from([1, 2, 4]), seed=st.integers(0, 2**16))
+def test_omnikv_filter_matches_the_paper(length, g, seed):
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(length, 2, 8, generator=gen)
+    query = torch.randn(2 * g, 8, generator=gen)
+    method = sm.build_method(
+        "omnikv",
+        sm.ModelShape(6, 2 * g, 2, 8),
+        sink_keep_tokens=4,
+        decode_keep_tokens=10,
+        recent_keep_tokens=6,
+        full_attention_layers="1,3",
+    )
+    assert method.filter_layers == [1, 3]
+    step = sm.RequestStep("r", length - 1, 1, 10, (length - 1,) * 6)
+    view = sm.DecodeView(query, length, 16, keys=keys)
+    assert not method.selects_decode(0) and method.needs_decode_keys(1) and not method.needs_decode_keys(2)
+    assert method.decode_selection(1, step, view) is None  # the filter layer reads everything
+    chosen = method.decode_selection(2, step, sm.DecodeView(query, length, 16))
+    assert chosen.page_size == 1 and chosen.indices.shape[0] == 2
+    assert chosen.indices[0].tolist() == chosen.indices[1].tolist() == _omnikv_reference(query, keys, 4, 10, 6)
+
+
+def test_omnikv_auto_layers_follow_the_paper_for_32_layers():
+    assert sm.build_method("omnikv", sm.ModelShape(32, 32, 8, 128)).filter_layers == [2, 8, 18]
+    with pytest.raises(ValueError):
+        sm.make_config("omnikv", full_attention_layers="two")

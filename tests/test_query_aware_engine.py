@@ -1,13 +1,16 @@
-"""Quest through the engine on CPU: exact at large budgets, the head-sparse read path equals dense when it
-reads everything, block summaries always equal a recomputation, prefix caching and continuous batching on."""
+"""Quest and OmniKV through the engine on CPU: exact at large budgets, the head-sparse read paths (block
+and slot lists) equal dense when they read everything, block summaries always equal a recomputation,
+prefix caching and continuous batching on, and each list holds no more than the budget."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import DEFAULT_MODEL
 
+from sparse_methods import Selection
 from sparse_serve import LLM, SamplingParams
 
 PROMPTS = ["def parse(text):" * 40, "Return the number of" * 30, "class Queue:" * 12, "x = 1\n" * 50]
@@ -15,6 +18,7 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 SMALL = dict(
     sparse_method="quest", sink_keep_tokens=16, decode_keep_tokens=48, recent_keep_tokens=32, quest_skip_layers=1
 )
+OMNI = dict(sparse_method="omnikv", sink_keep_tokens=8, decode_keep_tokens=40, recent_keep_tokens=24)
 
 
 def _llm(**kw) -> LLM:
@@ -43,8 +47,9 @@ def _check_summaries(llm: LLM) -> int:
     return checked
 
 
-def test_budget_at_least_context_is_dense():
-    assert _tokens(_llm(sparse_method="quest", decode_keep_tokens=4096)) == _tokens(_llm())
+@pytest.mark.parametrize("method", ["quest", "omnikv"])
+def test_budget_at_least_context_is_dense(method):
+    assert _tokens(_llm(sparse_method=method, decode_keep_tokens=4096)) == _tokens(_llm())
 
 
 def test_reading_every_page_through_the_sparse_path_equals_dense(monkeypatch):
@@ -54,7 +59,7 @@ def test_reading_every_page_through_the_sparse_path_equals_dense(monkeypatch):
 
     def every_page(layer, request, view):
         pages = -(-view.kv_len // view.page_size)
-        return torch.arange(pages).expand(view.page_min.shape[1], pages)
+        return Selection(torch.arange(pages).expand(view.page_min.shape[1], pages), view.page_size)
 
     monkeypatch.setattr(method, "decode_selection", every_page)
     assert _tokens(llm) == _tokens(_llm())
@@ -112,3 +117,29 @@ def test_summaries_after_append_equal_recomputation(block_size, chunk, lengths):
     while engine.has_unfinished_requests():
         engine.step()
         _check_summaries(llm)
+
+
+def test_omnikv_reading_every_slot_through_slot_lists_equals_dense(monkeypatch):
+    llm = _llm(**OMNI)
+    method = llm.engine.method
+
+    def every_slot(layer, request, view):
+        return Selection(torch.arange(view.kv_len).expand(2, view.kv_len), 1)
+
+    monkeypatch.setattr(method, "decode_selection", every_slot)
+    assert _tokens(llm) == _tokens(_llm())
+    assert llm.engine.runner.attention.selective.tokens_read > 0
+
+
+def test_omnikv_reads_its_budget_after_filter_layers_with_prefix_caching():
+    llm = _llm(**OMNI)
+    engine = llm.engine
+    assert engine.method.filter_layers == [0, 2, 3]  # auto for a 6-layer model
+    shared = "import os\nimport sys\n" * 30
+    outs = llm.generate([shared + p for p in PROMPTS] + PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    assert engine.prefix_hit_tokens > 0
+    selective = engine.runner.attention.selective
+    assert selective.num_selections > 0
+    assert selective.max_list_pages == 8 + 40 + 24  # slot lists hold exactly the budget
+    assert engine.kv.pool.num_used_blocks == 0

@@ -1,0 +1,116 @@
+"""OmniKV: a few "filter" layers attend to every token and choose, per request, one token set that
+the layers after them (until the next filter layer) read; nothing is evicted (token-exact KV,
+radix prefix cache), so a later step's filter can choose differently.
+
+At a filter layer the decode query's raw ``q.k`` over the layer's keys is turned into a
+distribution per query head (softmax over the candidates) and reduced by the maximum over heads;
+the set is the sink, the best ``decode_keep_tokens`` and the recent tokens (recent = the newest
+tokens, generated ones included), shared by all KV heads. Layers before the first filter layer and
+the filter layers themselves read everything; contexts within the budget stay dense.
+``full_attention_layers="auto"`` places filters at about 1/16, 1/4 and 9/16 of the depth (layers
+2, 8 and 18 of a 32-layer model, the paper's Llama-3-8B choice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+from pydantic import Field, field_validator
+
+from sparse_methods.base import (
+    Category,
+    DecodeView,
+    MemoryPlan,
+    MethodConfig,
+    PrefixCacheMode,
+    RequestStep,
+    Selection,
+    SparseMethod,
+)
+from sparse_methods.registry import register
+from sparse_methods.scoring import keep_indices
+
+
+class OmniKVConfig(MethodConfig):
+    sink_keep_tokens: int = Field(64, ge=0, description="Leading tokens always read, in tokens.")
+    decode_keep_tokens: int = Field(4096, ge=0, description="Tokens the filter layers select, in tokens.")
+    recent_keep_tokens: int = Field(512, ge=1, description="Most recent tokens always read, in tokens.")
+    full_attention_layers: str = Field(
+        "auto", description="Comma-separated filter layers (full attention + selection), or `auto`."
+    )
+
+    @field_validator("full_attention_layers")
+    @classmethod
+    def _layers(cls, value: str) -> str:
+        if value != "auto" and not all(part.strip().isdigit() for part in value.split(",")):
+            raise ValueError(f"full_attention_layers must be `auto` or comma-separated layer indices, got {value!r}")
+        return value
+
+
+def auto_filter_layers(num_layers: int) -> list[int]:
+    """Filter layers at about 1/16, 1/4 and 9/16 of the depth (2, 8, 18 for 32 layers)."""
+    return sorted({min(num_layers - 1, round(num_layers * f)) for f in (1 / 16, 1 / 4, 9 / 16)})
+
+
+def omnikv_token_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[kv_len]``: per query head the softmax of ``q.k * scale`` over the keys, then the max over heads."""
+    g = query.shape[0] // keys.shape[1]
+    k = keys.float().repeat_interleave(g, dim=1)  # [L, Hq, D]
+    logits = torch.einsum("hd,lhd->hl", query.float(), k) * scale
+    return torch.softmax(logits, dim=-1).amax(0)
+
+
+@register
+class OmniKV(SparseMethod):
+    name = "omnikv"
+    category = Category.QUERY_AWARE_SELECTION
+    prefix_cache_mode = PrefixCacheMode.RADIX
+    Config = OmniKVConfig
+
+    def __init__(self, config: OmniKVConfig, shape) -> None:
+        super().__init__(config, shape)
+        layers = config.full_attention_layers
+        self.filter_layers = (
+            auto_filter_layers(shape.num_layers) if layers == "auto" else sorted({int(x) for x in layers.split(",")})
+        )
+        if self.filter_layers[-1] >= shape.num_layers:
+            raise ValueError(f"full_attention_layers {self.filter_layers} beyond the model's {shape.num_layers} layers")
+        self._chosen: dict[Hashable, torch.Tensor | None] = {}  # request -> token indices of the last filter
+
+    @property
+    def budget(self) -> int:
+        c = self.config
+        return c.sink_keep_tokens + c.decode_keep_tokens + c.recent_keep_tokens
+
+    def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
+        return MemoryPlan.uniform(self.shape.num_layers, prompt_len, prompt_len, prompt_len + max_new_tokens)
+
+    def selects_decode(self, layer: int) -> bool:
+        return layer >= self.filter_layers[0]
+
+    def needs_decode_keys(self, layer: int) -> bool:
+        return layer in self.filter_layers
+
+    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
+        rid = request.request_id
+        if layer in self.filter_layers:
+            self._chosen[rid] = None
+            if view.kv_len > self.budget:
+                c = self.config
+                scores = omnikv_token_scores(view.query, view.keys, view.keys.shape[-1] ** -0.5)
+                self._chosen[rid] = keep_indices(
+                    scores.view(1, -1),
+                    kv_len=view.kv_len,
+                    sink=c.sink_keep_tokens,
+                    recent=c.recent_keep_tokens,
+                    num_middle=c.decode_keep_tokens,
+                )[0]
+            return None  # the filter layer itself attends to everything
+        chosen = self._chosen.get(rid)
+        if chosen is None:
+            return None
+        return Selection(chosen.view(1, -1).expand(self.shape.num_kv_heads, -1), 1)
+
+    def release(self, request_id: Hashable) -> None:
+        self._chosen.pop(request_id, None)
