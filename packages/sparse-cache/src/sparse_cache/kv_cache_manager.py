@@ -1,10 +1,16 @@
-"""Per-request KV blocks on top of the block pool, with the radix prefix cache.
+"""Per-request KV blocks on top of the block pool, with the radix prefix cache and the chain cache.
 
 The scheduler asks three things: how much of a prompt is already cached (``match_prefix``, which
 never changes state), whether a step's tokens fit (``allocate``, which answers None and changes
 nothing when they do not), and to give a request's blocks back (``free``). Full blocks whose KV
 has been computed are registered under their chained hash (``cache_blocks``), so later requests
 with the same prefix map the same blocks instead of recomputing them.
+
+Chains (``chains``, see ``chain_cache``) hand a request a table whose blocks may be shared with a
+fork. Writes never reach a shared block: ``allocate(..., write_from=...)`` and ``make_exclusive``
+swap every shared block in the region about to be written for a fresh one and queue a
+``(source, destination)`` copy, which the engine performs (``take_copies``) before the write.
+Idle chains' blocks are reclaimed, least recently used first, whenever an allocation falls short.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from dataclasses import dataclass, field
 from sparse_cache.block_hash import BlockHash, hash_full_blocks
 from sparse_cache.block_pool import BlockPool
 from sparse_cache.block_table import BlockTable
+from sparse_cache.chain_cache import ChainCache, ChainCheckout
+from sparse_cache.pruning import PrunePlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +38,7 @@ class PrefixMatch:
 class _RequestBlocks:
     table: BlockTable
     hashes: list[BlockHash] = field(default_factory=list)  # hashes of the leading full blocks
+    cacheable: bool = True  # False: the KV is not token-exact (resumed from a compressed chain)
 
 
 class KVCacheManager:
@@ -41,22 +50,38 @@ class KVCacheManager:
     block_size : tokens per block.
     enable_prefix_caching : share computed full blocks between requests by content hash.
     salt : fingerprint of what the KV depends on besides tokens (model, dtype, method config).
+    max_chains : most chains the chain cache keeps.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True, salt: bytes = b""):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        salt: bytes = b"",
+        max_chains: int = 4096,
+    ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.chains = ChainCache(self.pool, max_chains)
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
         self._requests: dict[Hashable, _RequestBlocks] = {}
+        self._copies: list[tuple[int, int]] = []
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Free blocks plus those that evicting every idle chain's KV would free."""
+        return self.pool.num_free_blocks + self.chains.num_reclaimable_blocks()
 
     @property
     def num_blocks(self) -> int:
@@ -73,9 +98,15 @@ class KVCacheManager:
 
         The last token is never served from cache because its logits are needed. Pure lookup.
         """
-        if not self.enable_prefix_caching or len(token_ids) < 2:
+        if len(token_ids) < 2:
             return PrefixMatch()
-        max_blocks = (len(token_ids) - 1) // self.block_size
+        return self.cached_prefix(token_ids[: (len(token_ids) - 1) // self.block_size * self.block_size])
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """Longest run of cached leading full blocks of ``token_ids`` (all of them may match). Pure lookup."""
+        if not self.enable_prefix_caching:
+            return PrefixMatch()
+        max_blocks = len(token_ids) // self.block_size
         hashes = hash_full_blocks(token_ids[: max_blocks * self.block_size], self.block_size, self.salt)
         block_ids = []
         for block_hash in hashes:
@@ -86,11 +117,20 @@ class KVCacheManager:
         n = len(block_ids)
         return PrefixMatch(tuple(block_ids), tuple(hashes[:n]), n * self.block_size)
 
-    def allocate(self, request_id: Hashable, num_tokens: int, prefix: PrefixMatch | None = None) -> list[int] | None:
+    def allocate(
+        self,
+        request_id: Hashable,
+        num_tokens: int,
+        prefix: PrefixMatch | None = None,
+        *,
+        write_from: int | None = None,
+    ) -> list[int] | None:
         """Grow a request's table to hold ``num_tokens`` tokens.
 
-        ``prefix`` (first allocation only) maps cached blocks in before new ones. Returns the newly
-        allocated block ids, or None when the pool cannot supply them (nothing changes then).
+        ``prefix`` (first allocation only) maps cached blocks in before new ones. ``write_from``: the
+        first slot the coming step writes (its smallest layer's KV length); shared blocks from there
+        on are swapped for copies (``take_copies``). Returns the newly allocated block ids, or None
+        when the pool cannot supply them even after reclaiming idle chains (nothing changes then).
         """
         req = self._requests.get(request_id)
         if prefix is not None and prefix.block_ids and req is not None:
@@ -99,9 +139,9 @@ class KVCacheManager:
         table = req.table if req is not None else BlockTable(self.block_size)
         held = len(table.block_ids) + len(prefix.block_ids)
         needed = max(0, -(-num_tokens // self.block_size) - held)
+        shared = self._shared(table, write_from // self.block_size) if write_from is not None else []
         # Prefix blocks nobody holds sit in the free list; taking them costs free capacity too.
-        revived = sum(1 for b in prefix.block_ids if self.pool.refcount(b) == 0)
-        if needed + revived > self.pool.num_free_blocks:
+        if not self._ensure_free(needed + len(shared), prefix.block_ids):
             return None
         if req is None:
             req = self._requests[request_id] = _RequestBlocks(table)
@@ -111,17 +151,62 @@ class KVCacheManager:
             table.block_ids.extend(prefix.block_ids)
             req.hashes.extend(prefix.hashes)
             self.prefix_hit_tokens += prefix.num_tokens
+        self._swap_for_copies(table, shared)
         new_blocks = self.pool.allocate(needed)
         assert new_blocks is not None  # checked above
         table.block_ids.extend(new_blocks)
         table.num_tokens = max(table.num_tokens, min(num_tokens, table.capacity))
         return new_blocks
 
+    def make_exclusive(self, request_id: Hashable, first_block: int, end_block: int) -> bool:
+        """Swap the shared blocks among ``block_ids[first_block:end_block]`` for copies before they are
+        rewritten in place (compaction). False, changing nothing, when the pool cannot supply them."""
+        table = self._requests[request_id].table
+        shared = [i for i in self._shared(table, first_block) if i < end_block]
+        if not self._ensure_free(len(shared)):
+            return False
+        self._swap_for_copies(table, shared)
+        return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """``(source, destination)`` block copies owed since the last call, in order; the caller must
+        copy every layer's K/V before anything writes to the destinations."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    def num_exclusive_blocks(self, request_id: Hashable) -> int:
+        """Blocks of the request's table that nobody else holds."""
+        return sum(1 for b in self._requests[request_id].table.block_ids if self.pool.refcount(b) == 1)
+
+    def _shared(self, table: BlockTable, first_block: int) -> list[int]:
+        ids = table.block_ids
+        return [i for i in range(max(0, first_block), len(ids)) if self.pool.refcount(ids[i]) > 1]
+
+    def _ensure_free(self, num_blocks: int, revive: Sequence[int] = ()) -> bool:
+        """Whether ``num_blocks`` new blocks plus the free ones among ``revive`` fit, reclaiming idle
+        chains' KV if needed (which can turn a revived block free, hence the second look)."""
+        for _ in range(2):
+            wanted = num_blocks + sum(1 for b in revive if self.pool.refcount(b) == 0)
+            if wanted <= self.pool.num_free_blocks:
+                return True
+            if not self.chains.reclaim(wanted):
+                return False
+        return num_blocks + sum(1 for b in revive if self.pool.refcount(b) == 0) <= self.pool.num_free_blocks
+
+    def _swap_for_copies(self, table: BlockTable, indices: list[int]) -> None:
+        fresh = self.pool.allocate(len(indices))
+        assert fresh is not None  # the caller checked
+        for i, new in zip(indices, fresh, strict=True):
+            old = table.block_ids[i]
+            table.block_ids[i] = new
+            self._copies.append((old, new))
+            self.pool.release([old])  # still held by its other holders: the content stays until copied
+
     def cache_blocks(self, request_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> None:
         """Register the request's full blocks whose KV is computed (``token_ids[:num_computed_tokens]``)."""
-        if not self.enable_prefix_caching:
-            return
         req = self._requests[request_id]
+        if not self.enable_prefix_caching or not req.cacheable:
+            return
         num_full = min(num_computed_tokens // self.block_size, len(req.table.block_ids))
         if num_full <= len(req.hashes):
             return
@@ -151,13 +236,92 @@ class KVCacheManager:
         released = table.block_ids[keep_blocks:]
         del table.block_ids[keep_blocks:]
         table.num_tokens = num_tokens
-        self.pool.release(reversed(released))
+        self._release(released)
         return released
 
     def free(self, request_id: Hashable) -> None:
         """Give back all of a request's blocks, tail first."""
         req = self._requests.pop(request_id)
-        self.pool.release(reversed(req.table.block_ids))
+        self._release(req.table.block_ids)
+
+    def _release(self, block_ids: list[int]) -> None:
+        if self._copies:  # a copy into a block given back (preempted in the same schedule) is moot
+            gone = set(block_ids)
+            self._copies = [(s, d) for s, d in self._copies if d not in gone]
+        self.pool.release(reversed(block_ids))
+
+    # -- chains ---------------------------------------------------------------------------------
+    def attach(self, request_id: Hashable, table: BlockTable, hashes: Sequence[BlockHash] | None = None) -> None:
+        """Adopt ``table`` (and its block references) as a request's table. ``hashes``: the radix hashes
+        of its leading full blocks when its KV is token-exact; None keeps its blocks out of the radix cache."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already holds blocks")
+        self._requests[request_id] = _RequestBlocks(table, list(hashes or ()), cacheable=hashes is not None)
+
+    def detach(self, request_id: Hashable) -> tuple[BlockTable, tuple[BlockHash, ...] | None]:
+        """Hand a request's table (and its references) to the caller, with its radix hashes when exact."""
+        req = self._requests.pop(request_id)
+        exact = req.cacheable and self.enable_prefix_caching
+        return req.table, tuple(req.hashes) if exact else None
+
+    def resume_chain(
+        self, request_id: Hashable, chain_id: str, token_ids: Sequence[int], *, create: bool = True
+    ) -> ChainCheckout:
+        """Check chain ``chain_id`` out for a request whose full prompt is ``token_ids``; when it is
+        resumed, the request now holds the retained table. Raises the chain cache's errors."""
+        checkout = self.chains.checkout(chain_id, token_ids, self.salt, request_id, create=create)
+        if checkout.table is not None:
+            self.attach(request_id, checkout.table, checkout.hashes)
+        return checkout
+
+    def save_chain(
+        self, request_id: Hashable, chain_id: str, token_ids: Sequence[int], kv_lens: Sequence[int], state=None
+    ) -> None:
+        """The request's turn on the chain ended: the chain takes its table (KV of ``token_ids``, each
+        layer holding ``kv_lens`` slots) and ``state``; a request holding no blocks leaves no KV."""
+        if request_id not in self._requests:
+            self.chains.checkin(chain_id, request_id, (), None)
+            return
+        if kv_lens and len(self.table(request_id).block_ids) > -(-max(kv_lens) // self.block_size):
+            self.shrink(request_id, max(kv_lens))
+        table, hashes = self.detach(request_id)
+        self.chains.checkin(chain_id, request_id, token_ids, table, kv_lens, state, hashes)
+
+    def add_pruned_chain(
+        self, chain_id: str | None, token_ids: Sequence[int], source: PrefixMatch, plan: PrunePlan, num_layers: int
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """Register the pruned copy of a cached history as a degraded chain.
+
+        ``source``: the history's cached blocks (the caller holds them); ``plan``: what is retained.
+        The chain shares the source's unchanged leading blocks and gets fresh blocks for the rest.
+        Returns the chain id and the ``(source slot, destination slot)`` KV copies the caller must
+        make. Raises ValueError when the pool cannot supply the blocks, ``ChainError`` on capacity.
+        """
+        self.chains.check_room(chain_id)
+        bs = self.block_size
+        shared = list(source.block_ids[: plan.num_shared_blocks])
+        num_fresh = -(-plan.num_retained // bs) - len(shared)
+        if not self._ensure_free(num_fresh):
+            raise ValueError(f"pruning needs {num_fresh} free KV blocks; the pool has {self.num_free_blocks}")
+        self.pool.acquire(shared)
+        fresh = self.pool.allocate(num_fresh)
+        assert fresh is not None  # checked above
+        table = BlockTable(bs, shared + fresh, plan.num_retained)
+        try:
+            chain_id = self.chains.add(
+                chain_id,
+                self.salt,
+                token_ids[: plan.num_tokens],
+                table,
+                [plan.num_retained] * num_layers,
+                degraded=True,
+            )
+        except Exception:
+            self.pool.release(reversed(table.block_ids))
+            raise
+        src = [source.block_ids[p // bs] * bs + p % bs for p in plan.copied_positions()]
+        dst = [table.slot(i) for i in range(plan.first_copied_slot, plan.num_retained)]
+        return chain_id, list(zip(src, dst, strict=True))
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
