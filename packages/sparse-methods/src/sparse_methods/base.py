@@ -12,6 +12,11 @@ frozen records, never engine objects, so another engine can host the same classe
    whole blocks that no layer uses any more.
 4. ``release(request_id)`` when a request finishes, is aborted or is preempted.
 
+Chains (a conversation whose retained KV the next turn resumes) carry a method's per-request state
+across requests: ``save_state(request_id)`` when a turn ends (before ``release``) returns an opaque
+snapshot, and ``restore_state(request_id, state)`` hands it to the request of the next turn (or to
+each fork of the chain) before its first step. Methods without per-request state keep the defaults.
+
 Slot order is the order of a request's table: slot ``i`` of layer ``l`` holds the ``i``-th
 retained token of that layer (in arrival order). Keys are stored after RoPE with their original
 positions, so compaction never re-rotates anything.
@@ -257,3 +262,13 @@ class SparseMethod(ABC):
     def release(self, request_id: Hashable) -> None:  # noqa: B027
         """Forget a request's state (finished, aborted or preempted)."""
 
+    def save_state(self, request_id: Hashable) -> object | None:
+        """A snapshot of the request's state that the next turn of its chain needs (None: nothing).
+
+        The snapshot must not alias anything the method mutates later: it may be restored more than
+        once (forks of a chain), and the method keeps running other requests meanwhile.
+        """
+        return None
+
+    def restore_state(self, request_id: Hashable, state: object) -> None:  # noqa: B027
+        """Give a new request a snapshot from ``save_state`` (its KV is the chain's retained KV)."""

@@ -142,3 +142,15 @@ class H2O(EvictionMethod):
     def release(self, request_id: Hashable) -> None:
         self._scores.pop(request_id, None)
         self._decoded.pop(request_id, None)
+
+    def save_state(self, request_id: Hashable) -> object | None:
+        # Score tensors are replaced, never written in place once stored, so a tuple is a safe snapshot.
+        scores = self._scores.get(request_id)
+        return (tuple(scores) if scores is not None else None, self._decoded.get(request_id, 0))
+
+    def restore_state(self, request_id: Hashable, state: object) -> None:
+        scores, decoded = state
+        if scores is not None:
+            self._scores[request_id] = list(scores)
+        if decoded:
+            self._decoded[request_id] = decoded

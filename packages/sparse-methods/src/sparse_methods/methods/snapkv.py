@@ -155,3 +155,15 @@ class SnapKV(EvictionMethod):
     def release(self, request_id: Hashable) -> None:
         self._window.pop(request_id, None)
         self._decoded.pop(request_id, None)
+
+    def save_state(self, request_id: Hashable) -> object | None:
+        # Tensors are never written in place here, so a tuple of them is a safe snapshot.
+        window = self._window.get(request_id)
+        return (tuple(window) if window is not None else None, self._decoded.get(request_id, 0))
+
+    def restore_state(self, request_id: Hashable, state: object) -> None:
+        window, decoded = state
+        if window is not None:
+            self._window[request_id] = list(window)
+        if decoded:
+            self._decoded[request_id] = decoded
