@@ -143,3 +143,33 @@ def test_omnikv_reads_its_budget_after_filter_layers_with_prefix_caching():
     assert selective.num_selections > 0
     assert selective.max_list_pages == 8 + 40 + 24  # slot lists hold exactly the budget
     assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_batched_device_selection_equals_the_host_path():
+    """The GPU path (pages picked on the device and written into the Triton kernel's index buffer; run
+    here under Triton's interpreter) reads the same pages and gives the same attention as the host path."""
+    from sparse_serve.selective_decode import SelectiveDecode
+    from sparse_serve.step_metadata import build_step_metadata
+
+    llm = _llm(**SMALL)
+    engine = llm.engine
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(p, SamplingParams(max_tokens=40, temperature=0.0), request_id=str(i))
+    while any(r.num_computed_tokens < r.prefill_len for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    batch = engine.scheduler.schedule()
+    meta = build_step_metadata(batch, engine.kv.table, engine.config.block_size)
+    attention, pool = engine.runner.attention, engine.runner.kv
+    assert meta.num_decode_tokens == 3 and len(meta.groups) == 1
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
+    layer = 3
+    args = (pool.k[layer], pool.v[layer], pool.kmin[layer], pool.kmax[layer])
+    host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
+    expected = host.run(engine.method, layer, q, *args, meta, meta.groups[0], torch.empty_like(q))
+    fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
+    fast.plan_step(engine.method, meta, meta.groups[0])
+    assert fast.batched
+    got = fast.run_batched(engine.method, layer, q, *args, torch.empty_like(q))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # A prompt within its page budget: the host path 'selects' all its pages, the batched path reads it whole.
+    assert 1 <= fast.num_selections <= host.num_selections

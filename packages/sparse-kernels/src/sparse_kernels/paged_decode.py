@@ -176,6 +176,18 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             self._list_tiles = build_list_plan(layout, *self._csr, self.max_tile_elements, self.device)
         return run_list_decode(layout, self._list_tiles, q, k_cache, v_cache, out, scores_out)
 
+    def planned_kv_indices(self) -> torch.Tensor:
+        """Triton backend: the device buffer of this plan's ``kv_indices`` (its first ``nnz`` entries).
+
+        ``run`` reads it at launch, so a caller may rewrite entries in place between ``plan`` and
+        ``run`` (for example pages chosen on the device per layer) as long as the lists keep their
+        lengths and ``kv_last_len`` stays right. The reference backend copies indices at ``plan``, so
+        it has no such buffer.
+        """
+        if self.backend != "triton" or self._layout is None:
+            raise RuntimeError("planned_kv_indices needs a plan on the Triton backend")
+        return self._buffers.indices
+
     def _dense_reference_plan(self, layout: DecodeLayout) -> PagedPlan:
         kv_indptr, kv_indices, kv_last_len = self._csr
         num_blocks = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)

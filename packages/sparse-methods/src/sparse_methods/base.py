@@ -255,6 +255,28 @@ class SparseMethod(ABC):
         """What one decode query reads in ``layer``, or None to read every slot."""
         return None
 
+    batched_selection: ClassVar[bool] = False
+    """Whether the method also selects pages for a whole batch on the device (``select_batched``),
+    which the engine uses on GPU kernels so that no layer waits for the host."""
+
+    def selection_size(self, kv_len: int, page_size: int) -> int | None:
+        """Pages of ``page_size`` slots that ``select_batched`` picks per KV head for a context of
+        ``kv_len``, or None when the query reads everything (must agree with ``decode_selection``)."""
+        return None
+
+    def select_batched(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        page_min: torch.Tensor,
+        page_max: torch.Tensor,
+        num_pages: torch.Tensor,
+        page_size: int,
+    ) -> torch.Tensor:
+        """``[B, num_kv_heads, size]`` ascending page indices (the newest page last) for a batch whose
+        requests all select ``size`` pages: the same choice ``decode_selection`` makes, on the device."""
+        raise NotImplementedError(f"{self.name} has no batched selection")
+
     def finish_step(self) -> Mapping[Hashable, Compaction]:
         """Evictions decided this step, by request id (applied before the next step)."""
         return {}

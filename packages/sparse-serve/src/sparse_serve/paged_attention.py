@@ -96,6 +96,8 @@ class PagedAttention:
             plan.plan(group, meta, self.shape, self.sm_scale)
         if self.pool.kmin is not None:
             self._touched = [self._touched_blocks(group, meta) for group in meta.groups]
+        if self.method is not None and len(meta.groups) == 1:
+            self.selective.plan_step(self.method, meta, meta.groups[0])
 
     def _touched_blocks(self, group: LayerGroupMetadata, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks this step writes in the group's layers, and how many valid tokens each then holds."""

@@ -7,8 +7,11 @@ per KV head, or None (read everything). The answers become one head-sparse CSR (
 request and KV head, the newest page last) that the decode kernel reads, so the bytes a step reads
 scale with the budget rather than the context.
 
-The choices are brought to the host to build the lists (one sync per layer); a device-side list
-builder writing the kernel's fixed buffers would make this graph-capturable.
+Two paths choose the same lists. The host path asks ``decode_selection`` per query and builds the
+lists on the host (one sync per layer; any method, any kernel backend). The batched path, for
+methods with ``batched_selection`` on the Triton kernels, plans the list structure once per step
+(lengths are known from ``selection_size``) and, per layer, writes the pages the method picks on the
+device straight into the kernel's index buffer: no host sync inside the forward.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_s
 
 
 class SelectiveDecode:
-    def __init__(self, device: torch.device, shape: dict, sm_scale: float):
+    def __init__(self, device: torch.device, shape: dict, sm_scale: float, backend: str = "auto"):
+        self.backend = backend
         self.decode = {}  # page size -> wrapper (a plan's page size is fixed per wrapper)
         self.device = device
         self.shape = shape
@@ -31,9 +35,77 @@ class SelectiveDecode:
         self.max_list_pages = 0  # longest (request, KV head) list so far, in its page size
         self.num_selections = 0  # decode queries whose method chose a subset (not None)
 
+        self._batched = None  # this step's batched plan, or None (host path)
+
+    def plan_step(self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata) -> None:
+        """Plan the batched path for this step's decode rows, or fall back to the host path (None)."""
+        self._batched = None
+        nd = meta.num_decode_tokens
+        wrapper = self._wrapper(self.shape["block_size"])
+        if not nd or not method.batched_selection or wrapper.backend != "triton":
+            return
+        bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
+        kv_lens = [group.kv_lens[i] + 1 for i in range(nd)]
+        sizes = [method.selection_size(n, bs) for n in kv_lens]
+        chosen_sizes = {s for s in sizes if s is not None}
+        if len(chosen_sizes) > 1:
+            return  # rows would pick different numbers of pages: host path
+        size = chosen_sizes.pop() if chosen_sizes else 0
+        indptr, indices, last_len, positions, rows, tables = [0], [], [], [], [], []
+        for i, (kv_len, sel) in enumerate(zip(kv_lens, sizes, strict=True)):
+            blocks = meta.tables[i].block_ids[: -(-kv_len // bs)]
+            tail = kv_len - (len(blocks) - 1) * bs
+            if sel is not None:
+                rows.append(i)
+                tables.append(blocks)
+            for _ in range(num_kv_heads):
+                if sel is None:
+                    indices.extend(blocks)
+                else:
+                    positions.extend(range(len(indices), len(indices) + sel))
+                    indices.extend([blocks[-1]] * sel)  # placeholders, written per layer on the device
+                indptr.append(len(indices))
+                last_len.append(tail)
+        wrapper.plan(
+            torch.tensor(indptr, dtype=torch.int32),
+            torch.tensor(indices, dtype=torch.int32),
+            torch.tensor(last_len, dtype=torch.int32),
+            head_sparse=True,
+            sm_scale=self.sm_scale,
+            **self.shape,
+        )
+        width = max((len(t) for t in tables), default=0)
+        padded = [t + [t[-1]] * (width - len(t)) for t in tables]
+        dev = self.device
+        self._batched = (
+            torch.tensor(rows, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            torch.tensor(padded, dtype=torch.int64, device=dev).view(len(rows), width),
+            torch.tensor([len(t) for t in tables], dtype=torch.int64, device=dev),
+            size,
+        )
+        self.max_list_pages = max(self.max_list_pages, size)
+
+    @property
+    def batched(self) -> bool:
+        return self._batched is not None
+
+    def run_batched(self, method, layer, q, k_cache, v_cache, kmin, kmax, out) -> torch.Tensor:
+        """The batched path for one layer: pick pages on the device, write them into the plan, attend."""
+        rows, positions, table, num_pages, size = self._batched
+        wrapper = self._wrapper(self.shape["block_size"])
+        if rows.numel():
+            chosen = method.select_batched(
+                layer, q[rows], kmin[table], kmax[table], num_pages, self.shape["block_size"]
+            )  # [n, Hkv, size]
+            blocks = torch.gather(table.unsqueeze(1).expand(-1, chosen.shape[1], -1), 2, chosen)
+            wrapper.planned_kv_indices()[positions] = blocks.reshape(-1).to(torch.int32)
+            self.num_selections += rows.numel()
+        return wrapper.run(q, k_cache, v_cache, out=out)
+
     def _wrapper(self, page_size: int) -> BatchDecodeWithPagedKVCache:
         if page_size not in self.decode:
-            self.decode[page_size] = BatchDecodeWithPagedKVCache(self.device)
+            self.decode[page_size] = BatchDecodeWithPagedKVCache(self.device, backend=self.backend)
         return self.decode[page_size]
 
     def _view(self, method, layer, q_row, kv_len, blocks, kmin, kmax, k_cache) -> DecodeView:

@@ -47,6 +47,32 @@ def select_pages(
     return keep_indices(scores, kv_len=page_min.shape[0], sink=sink, recent=recent, num_middle=keep)
 
 
+def select_pages_batched(
+    query: torch.Tensor,
+    page_min: torch.Tensor,
+    page_max: torch.Tensor,
+    num_pages: torch.Tensor,
+    *,
+    sink: int,
+    keep: int,
+    recent: int,
+) -> torch.Tensor:
+    """``select_pages`` for a batch on the device, no host sync: ``[B, num_kv_heads, sink + keep + recent]``.
+
+    ``query`` ``[B, Hq, D]``; summaries ``[B, M, Hkv, D]`` (rows past ``num_pages[b]`` are padding);
+    every request must have more than ``sink + keep + recent`` pages. Same choice as ``select_pages``
+    (ties go to the earlier page).
+    """
+    batch, max_pages = page_min.shape[0], page_min.shape[1]
+    bounds = torch.stack([page_upper_bounds(query[b], page_min[b], page_max[b]) for b in range(batch)])
+    page = torch.arange(max_pages, device=bounds.device).view(1, 1, -1)
+    n = num_pages.view(-1, 1, 1)
+    always = (page < sink) | ((page >= n - recent) & (page < n))
+    bounds = bounds.masked_fill(always, float("inf")).masked_fill(page >= n, float("-inf"))
+    order = torch.sort(bounds, dim=-1, descending=True, stable=True).indices[..., : sink + keep + recent]
+    return torch.sort(order, dim=-1).values
+
+
 @register
 class Quest(SparseMethod):
     name = "quest"
@@ -69,6 +95,25 @@ class Quest(SparseMethod):
 
     def selects_decode(self, layer: int) -> bool:
         return layer >= self.config.quest_skip_layers
+
+    batched_selection = True
+
+    def _pages(self, page: int) -> tuple[int, int, int]:
+        c = self.config
+        return (
+            math.ceil(c.sink_keep_tokens / page),
+            c.decode_keep_tokens // page,
+            max(1, math.ceil(c.recent_keep_tokens / page)),
+        )
+
+    def selection_size(self, kv_len: int, page_size: int) -> int | None:
+        if kv_len <= self.budget or -(-kv_len // page_size) <= sum(self._pages(page_size)):
+            return None
+        return sum(self._pages(page_size))
+
+    def select_batched(self, layer, query, page_min, page_max, num_pages, page_size: int) -> torch.Tensor:
+        sink, keep, recent = self._pages(page_size)
+        return select_pages_batched(query, page_min, page_max, num_pages, sink=sink, keep=keep, recent=recent)
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
         if view.kv_len <= self.budget:
