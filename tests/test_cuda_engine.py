@@ -65,3 +65,19 @@ def test_cuda_bf16_mostly_agrees_with_cpu_fp32():
         for r, g in zip(ref, got, strict=True)
     ]
     assert sum(agree) / sum(len(r) for r in ref) >= 0.5, agree
+
+
+@pytest.mark.parametrize("method", ["quest", "omnikv"])
+def test_query_aware_methods_on_cuda_equal_cpu(method):
+    """Quest runs its batched device selection on CUDA (Triton); OmniKV its host path; both equal the CPU path."""
+    cfg = dict(sparse_method=method, sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16)
+    prompts = ["def parse(text):" * 25, "Return the number of" * 20]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+    def run(device):
+        llm = LLM(str(DEFAULT_MODEL), device=device, dtype="float32", max_model_len=512, num_kv_blocks=64, **cfg)
+        out = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.engine.runner.attention.selective.num_selections > 0
+        return out
+
+    assert run("cuda") == run("cpu")

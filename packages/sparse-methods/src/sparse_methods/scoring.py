@@ -161,16 +161,20 @@ def pyramid_budgets(mean_kept: int, window: int, kv_len: int, num_layers: int, b
 
 
 def page_upper_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
-    """Quest's bound on ``q.k`` over each page: ``[num_kv_heads, num_pages]``.
+    """Quest's bound on ``q.k`` over each page: ``[num_kv_heads, num_pages]`` (batched: ``[B, ...]``).
 
     Per query head, ``U_p = sum_d max(q_d * max_pd, q_d * min_pd)`` (no key in the page can score
-    higher); a KV head's bound is the maximum over its query group (a page matters if any head of
-    the group may need it). ``query``: ``[num_q_heads, D]``; summaries ``[num_pages, num_kv_heads, D]``.
+    higher), computed as ``relu(q) . max_p + min(q, 0) . min_p`` (two matmuls, summaries read once);
+    a KV head's bound is the maximum over its query group (a page matters if any head of the group
+    may need it). ``query``: ``[(B,) num_q_heads, D]``; summaries ``[(B,) num_pages, num_kv_heads, D]``.
     """
-    num_kv_heads = page_min.shape[1]
-    g = query.shape[0] // num_kv_heads
-    q = query.float().view(num_kv_heads, g, 1, -1)  # [Hkv, g, 1, D]
-    lo = page_min.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, P, D]
-    hi = page_max.float().permute(1, 0, 2).unsqueeze(1)
-    bound = torch.maximum(q * hi, q * lo).sum(-1)  # [Hkv, g, P]
-    return bound.amax(1)
+    batched = query.dim() == 3
+    if not batched:
+        query, page_min, page_max = query[None], page_min[None], page_max[None]
+    b, num_q_heads, d = query.shape
+    num_kv_heads = page_min.shape[2]
+    q = query.float().view(b, num_kv_heads, num_q_heads // num_kv_heads, d)  # [B, Hkv, g, D]
+    hi = page_max.float().permute(0, 2, 3, 1)  # [B, Hkv, D, P]
+    lo = page_min.float().permute(0, 2, 3, 1)
+    bound = (q.clamp(min=0) @ hi + q.clamp(max=0) @ lo).amax(2)  # [B, Hkv, P]
+    return bound if batched else bound[0]

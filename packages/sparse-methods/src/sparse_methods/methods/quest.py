@@ -63,8 +63,8 @@ def select_pages_batched(
     every request must have more than ``sink + keep + recent`` pages. Same choice as ``select_pages``
     (ties go to the earlier page).
     """
-    batch, max_pages = page_min.shape[0], page_min.shape[1]
-    bounds = torch.stack([page_upper_bounds(query[b], page_min[b], page_max[b]) for b in range(batch)])
+    max_pages = page_min.shape[1]
+    bounds = page_upper_bounds(query, page_min, page_max)  # [B, Hkv, M]
     page = torch.arange(max_pages, device=bounds.device).view(1, 1, -1)
     n = num_pages.view(-1, 1, 1)
     always = (page < sink) | ((page >= n - recent) & (page < n))

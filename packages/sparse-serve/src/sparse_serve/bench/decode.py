@@ -94,9 +94,21 @@ def _graph_replays(engine: LLMEngine) -> int:
 
 
 def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
-    """(KV slots all layers of all running requests read this step, running requests)."""
+    """(KV slots all layers of all running requests read this step, running requests).
+
+    A layer where the method selects what a decode query reads counts the selected pages (and,
+    with block summaries, one slot-equivalent per page for its min/max keys) instead of every slot.
+    """
     running = engine.scheduler.running
-    return sum(sum(r.kv_lens) + len(r.kv_lens) for r in running), len(running)
+    method, bs = engine.method, engine.config.block_size
+    summaries = getattr(engine.runner.kv, "kmin", None) is not None
+    total = 0
+    for r in running:
+        for layer, kv_len in enumerate(r.kv_lens):
+            n = kv_len + 1
+            size = method.selection_size(n, bs) if method.selects_decode(layer) else None
+            total += n if size is None else size * bs + (-(-n // bs) if summaries else 0)
+    return total, len(running)
 
 
 def run_decode_case(
