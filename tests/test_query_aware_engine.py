@@ -173,3 +173,31 @@ def test_batched_device_selection_equals_the_host_path():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     # A prompt within its page budget: the host path 'selects' all its pages, the batched path reads it whole.
     assert 1 <= fast.num_selections <= host.num_selections
+
+
+def test_engine_takes_the_batched_path_when_the_kernels_can(monkeypatch):
+    """Wiring: once a step is planned on the batched path, every selecting layer goes through
+    ``run_batched`` and none through the host path (the spy computes its rows with the host path)."""
+    llm = _llm(**SMALL)
+    attention = llm.engine.runner.attention
+    selective = attention.selective
+    calls = {"batched": 0, "host": 0}
+    real_plan, real_run = selective.plan_step, selective.run
+
+    def plan_step(method, meta, group):  # the CPU kernels have no index buffer: mark the plan batched
+        real_plan(method, meta, group)
+        selective._batched = "planned" if meta.num_decode_tokens else None
+
+    def run_batched(method, layer, q, k, v, kmin, kmax, out):
+        calls["batched"] += 1
+        return real_run(method, layer, q, k, v, kmin, kmax, attention._meta, attention._meta.groups[0], out)
+
+    def run(*args):
+        calls["host"] += 1
+        return real_run(*args)
+
+    monkeypatch.setattr(selective, "plan_step", plan_step)
+    monkeypatch.setattr(selective, "run_batched", run_batched)
+    monkeypatch.setattr(selective, "run", run)
+    llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert calls["batched"] > 0 and calls["host"] == 0

@@ -137,7 +137,12 @@ class PagedAttention:
                 summaries = self.pool.kmin is not None
                 kmin = self.pool.kmin[layer_idx] if summaries else None
                 kmax = self.pool.kmax[layer_idx] if summaries else None
-                self.selective.run(self.method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
+                if self.selective.batched:  # pages picked on the device, no host sync
+                    self.selective.run_batched(self.method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
+                else:
+                    self.selective.run(
+                        self.method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd]
+                    )
             else:
                 plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
             if meta.num_prefill_requests:
