@@ -68,10 +68,12 @@ def test_evicted_chain_keeps_tokens_and_is_recreated():
     pool = BlockPool(4)
     c = ChainCache(pool)
     c.checkout("a", [1, 2, 3], b"", owner=1)
-    c.checkin("a", 1, [1, 2, 3], _table(pool, 2, 3), [3])
+    c.checkin("a", 1, [1, 2, 3], _table(pool, 2, 3), [3], pending=[4])
+    assert c.token_ids("a") == (1, 2, 3) and c.history("a") == (1, 2, 3, 4)
     assert c.num_reclaimable_blocks() == 2
     assert not c.reclaim(5) and c.info("a").num_blocks == 2  # hopeless: evicts nothing
     assert c.reclaim(4) and pool.num_free_blocks == 4 and c.num_kv_evictions == 1
+    assert c.history(c.fork("a")) == c.history("a") == (1, 2, 3, 4)
     with pytest.raises(ChainPrefixMismatchError):
         c.checkout("a", [1, 2], b"", owner=2)
     co = c.checkout("a", [1, 2, 3, 7], b"", owner=2)

@@ -74,6 +74,7 @@ class ChainStatus(enum.StrEnum):
 class _Chain:
     fingerprint: bytes
     token_ids: tuple[int, ...] = ()
+    pending: tuple[int, ...] = ()  # known tokens after them whose KV is not computed (the last sampled one)
     table: BlockTable | None = None
     kv_lens: tuple[int, ...] = ()
     state: object | None = None
@@ -151,7 +152,14 @@ class ChainCache:
         return ChainInfo(chain_id, len(c.token_ids), c.kv_lens, blocks, c.owner is not None, c.degraded)
 
     def token_ids(self, chain_id: str) -> tuple[int, ...]:
+        """The tokens whose KV the chain's history computed (what a prompt must extend)."""
         return self._get(chain_id).token_ids
+
+    def history(self, chain_id: str) -> tuple[int, ...]:
+        """Every token of the chain's history: the processed ones, then any not computed yet (the last
+        sampled token), which a prompt given as an append (``chain_append_start``) continues."""
+        chain = self._get(chain_id)
+        return chain.token_ids + chain.pending
 
     def held_tables(self) -> dict[str, BlockTable]:
         """Tables of the chains that hold KV now (idle chains only: a busy one's table is its request's)."""
@@ -206,8 +214,10 @@ class ChainCache:
         kv_lens: Sequence[int] = (),
         state: object | None = None,
         hashes: Sequence[BlockHash] | None = None,
+        pending: Sequence[int] = (),
     ) -> None:
-        """The owner's turn ended: the chain now holds its table (and the references) for ``token_ids``.
+        """The owner's turn ended: the chain now holds its table (and the references) for ``token_ids``,
+        followed by ``pending`` tokens whose KV is not computed.
 
         An empty history or table leaves the chain without KV (its blocks are released).
         """
@@ -216,7 +226,7 @@ class ChainCache:
             raise ChainBusyError(f"chain {chain_id!r} is not checked out by {owner!r}")
         chain.owner = None
         chain.last_used = self._tick()
-        chain.token_ids = tuple(token_ids)
+        chain.token_ids, chain.pending = tuple(token_ids), tuple(pending)
         if table is not None and (not token_ids or not table.block_ids):
             self.pool.release(reversed(table.block_ids))
             table = None
@@ -241,7 +251,7 @@ class ChainCache:
         chain_id = self._new_id(chain_id)
         self._make_room()
         self._chains[chain_id] = _Chain(
-            fingerprint, tuple(token_ids), table, tuple(kv_lens), state, None, degraded, last_used=self._tick()
+            fingerprint, tuple(token_ids), (), table, tuple(kv_lens), state, None, degraded, last_used=self._tick()
         )
         return chain_id
 
@@ -257,7 +267,16 @@ class ChainCache:
             table = BlockTable(src.table.block_size, list(src.table.block_ids), src.table.num_tokens)
         src.last_used = self._tick()
         self._chains[new_chain_id] = _Chain(
-            src.fingerprint, src.token_ids, table, src.kv_lens, src.state, src.hashes, src.degraded, None, self._tick()
+            src.fingerprint,
+            src.token_ids,
+            src.pending,
+            table,
+            src.kv_lens,
+            src.state,
+            src.hashes,
+            src.degraded,
+            None,
+            self._tick(),
         )
         return new_chain_id
 

@@ -275,17 +275,24 @@ class KVCacheManager:
         return checkout
 
     def save_chain(
-        self, request_id: Hashable, chain_id: str, token_ids: Sequence[int], kv_lens: Sequence[int], state=None
+        self,
+        request_id: Hashable,
+        chain_id: str,
+        token_ids: Sequence[int],
+        kv_lens: Sequence[int],
+        state=None,
+        pending: Sequence[int] = (),
     ) -> None:
         """The request's turn on the chain ended: the chain takes its table (KV of ``token_ids``, each
-        layer holding ``kv_lens`` slots) and ``state``; a request holding no blocks leaves no KV."""
+        layer holding ``kv_lens`` slots), ``state`` and the ``pending`` tokens after them whose KV is
+        not computed; a request holding no blocks leaves no KV (its tokens all become pending)."""
         if request_id not in self._requests:
-            self.chains.checkin(chain_id, request_id, (), None)
+            self.chains.checkin(chain_id, request_id, (), None, pending=[*token_ids, *pending])
             return
         if kv_lens and len(self.table(request_id).block_ids) > -(-max(kv_lens) // self.block_size):
             self.shrink(request_id, max(kv_lens))
         table, hashes = self.detach(request_id)
-        self.chains.checkin(chain_id, request_id, token_ids, table, kv_lens, state, hashes)
+        self.chains.checkin(chain_id, request_id, token_ids, table, kv_lens, state, hashes, pending)
 
     def add_pruned_chain(
         self, chain_id: str | None, token_ids: Sequence[int], source: PrefixMatch, plan: PrunePlan, num_layers: int
