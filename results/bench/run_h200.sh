@@ -25,3 +25,11 @@ DENSE_MAX=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['inv
 "${BENCH[@]}" --out "$OUT/snapkv" --append --sparse-method snapkv --sink-keep-tokens 64 \
   --decode-keep-tokens 7616 --recent-keep-tokens 512 --prompt-len 131072 --batch-size "$DENSE_MAX,max" \
   --output-len 2048 --timed-steps 2040 --profile-steps 5
+
+# 4. Issue 5: Quest, budget 2048 = 64 sink + 1472 + 512 recent, at dense's largest batch, 128K prompt,
+#    next to dense in the same invocation folder (pages picked on the device per layer; block summaries).
+"${BENCH[@]}" --out "$OUT/quest" --prompt-len 131072 --batch-size max --output-len 2048 \
+  --timed-steps 64 --max-num-seqs 8
+"${BENCH[@]}" --out "$OUT/quest" --append --sparse-method quest --sink-keep-tokens 64 \
+  --decode-keep-tokens 1472 --recent-keep-tokens 512 --prompt-len 131072 --batch-size max \
+  --output-len 2048 --timed-steps 64 --max-num-seqs 8

@@ -9,19 +9,24 @@ from pathlib import Path
 
 import torch
 
-from sparse_cache import KVCacheManager
+from sparse_cache import ChainInfo, KVCacheManager
 from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, build_method
 from sparse_models import read_model_config
+from sparse_serve.chains import EngineChains
 from sparse_serve.config import EngineConfig
 from sparse_serve.detokenizer import IncrementalDetokenizer
 from sparse_serve.kv_compaction import apply_compaction
 from sparse_serve.model_runner import ModelRunner
 from sparse_serve.outputs import RequestOutput
+from sparse_serve.prune import PruneResult, prune_history
 from sparse_serve.request import Request, RequestStatus
 from sparse_serve.sampling_params import SamplingParams
 from sparse_serve.scheduler import Scheduler
 from sparse_serve.step_metadata import build_step_metadata
 from sparse_serve.tokenizer import Tokenizer
+
+# Chain records kept (busy ones included); idle ones past it are forgotten least recently used first.
+DEFAULT_MAX_NUM_CHAINS = 4096
 
 
 class LLMEngine:
@@ -64,7 +69,9 @@ class LLMEngine:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching and exact_kv,
             salt=self._cache_salt(),
+            max_chains=getattr(config, "max_num_chains", None) or DEFAULT_MAX_NUM_CHAINS,
         )
+        self.chains = EngineChains(self.kv, self.method, self.runner.kv)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -105,6 +112,8 @@ class LLMEngine:
         return self.method.memory_plan(req.num_tokens, remaining, self.config.max_num_batched_tokens)
 
     def _prefill_peak(self, req: Request) -> int:
+        if req.resumed:  # a chain's retained KV plus the suffix still to compute
+            return req.kv_len + max(0, req.num_tokens - req.num_computed_tokens)
         return max(self.memory_plan(req).prefill_peak_tokens)
 
     def _full_prefill(self, req: Request) -> bool:
@@ -112,11 +121,27 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(
-        self, prompt: str | list[int], sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        chain_id: str | None = None,
+        chain_append_start: int | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        """Validate and queue a request; returns its id. Raises ValueError on bad input.
+
+        ``chain_id``: continue (or create) that chain: when the prompt extends the chain's processed
+        tokens, their retained KV is reused and only the rest is computed. ``chain_append_start``:
+        the prompt holds only what follows the chain's first ``chain_append_start`` tokens. Chain
+        problems raise ``sparse_cache.ChainError`` subclasses (a ValueError), queuing nothing.
+        """
         params = sampling_params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
+        if chain_id is not None:
+            token_ids = self.chains.logical_prompt(chain_id, chain_append_start, token_ids)
+        elif chain_append_start is not None:
+            raise ValueError("chain_append_start needs a chain_id")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
@@ -125,12 +150,15 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this model has none")
         req = Request(request_id, token_ids, params, arrival=self.num_steps, prompt=text, kv_lens=[0] * self.num_layers)
+        if chain_id is not None:
+            req.chain_id = chain_id
+            self.chains.open(req)  # last check that can fail: nothing to undo before it
         self._requests[request_id] = req
         if self.tokenizer is not None:
             self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
-        elif params.stop:
-            raise ValueError("stop strings need a tokenizer; this model has none")
         self.scheduler.add(req)
         return request_id
 
@@ -200,6 +228,7 @@ class LLMEngine:
             return []
         for req in batch.preempted:
             self.method.release(req.request_id)
+        self.chains.copy_pending()  # blocks shared with a fork, copied before this step writes them
         meta = build_step_metadata(batch, self.kv.table, self.config.block_size)
         sampled = dict(zip((r.request_id for r in meta.sampled), self.runner.run(meta), strict=True))
         compactions = self.method.finish_step()
@@ -209,19 +238,26 @@ class LLMEngine:
             req.num_computed_tokens += n
             req.kv_lens = [kv_len + n for kv_len in req.kv_lens]
             compaction = compactions.get(req.request_id)
-            if compaction is not None:
-                self._compact(req, compaction)
-            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            if compaction is not None and not self._compact(req, compaction):
+                # No blocks to copy a fork's shared blocks into: recompute this one later instead.
+                self.scheduler.preempt(req)
+                self.method.release(req.request_id)
+            if self.kv.has_request(req.request_id):
+                self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
             token = sampled.get(req.request_id)
             if token is not None:
                 outputs.append(self._append_token(req, token))
         return outputs
 
-    def _compact(self, req: Request, compaction) -> None:
-        """Move the kept KV to the front of each layer and give whole free blocks back to the pool."""
+    def _compact(self, req: Request, compaction) -> bool:
+        """Move the kept KV to the front of each layer and give whole free blocks back to the pool.
+        False (nothing changed) when blocks shared with a fork cannot be copied first."""
+        if not self.chains.make_writable(req, compaction):
+            return False
         table = self.kv.table(req.request_id)
         req.kv_lens = apply_compaction(self.runner.kv, table.block_ids, req.kv_lens, compaction, self.config.block_size)
         self.kv.shrink(req.request_id, req.kv_len)
+        return True
 
     def _append_token(self, req: Request, token: int) -> RequestOutput:
         req.append_token(token)
@@ -244,6 +280,7 @@ class LLMEngine:
         return out
 
     def _finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        self.chains.close(req)  # the chain takes the request's KV before the scheduler would free it
         self.scheduler.finish(req, reason)
         self.method.release(req.request_id)
         req.stop_reason = stop_reason
@@ -267,6 +304,39 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             num_cached_tokens=req.num_cached_prompt_tokens,
+            chain_id=req.chain_id,
+            chain_status=req.chain_status,
+            reused_tokens=req.num_reused_tokens,
+        )
+
+    # -- chains and pruning ---------------------------------------------------------------------
+    def fork_chain(self, chain_id: str, new_chain_id: str | None = None) -> str:
+        """A new chain sharing ``chain_id``'s retained KV copy-on-write; returns its id (generated when
+        not given). The source must be idle."""
+        return self.kv.chains.fork(chain_id, new_chain_id)
+
+    def drop_chain(self, chain_id: str) -> None:
+        """Forget an idle chain and free its KV."""
+        self.kv.chains.drop(chain_id)
+
+    def chain_info(self, chain_id: str) -> ChainInfo:
+        return self.kv.chains.info(chain_id)
+
+    def prune(
+        self,
+        prompt: str | list[int],
+        ranges,
+        keep_tokens: int,
+        *,
+        policy: str = "snapkv_global",
+        observation_window_size: int = 32,
+        chain_id: str | None = None,
+    ) -> PruneResult:
+        """Compress token ranges of the cached history ``prompt`` into a new degraded chain (see
+        ``prune.prune_history``); resume it by naming its ``chain_id`` in the next request."""
+        _, token_ids = self._tokenize(prompt)
+        return prune_history(
+            self, token_ids, ranges, keep_tokens, policy=policy, window=observation_window_size, chain_id=chain_id
         )
 
     # -- stats ----------------------------------------------------------------------------------

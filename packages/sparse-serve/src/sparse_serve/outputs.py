@@ -13,6 +13,9 @@ class RequestOutput:
     ``finished``); ``delta_token_ids`` and ``delta_text`` are what this update added.
     ``finish_reason`` is ``"stop"`` (EOS, a stop token or a stop string, named by
     ``stop_reason``), ``"length"`` (max_tokens or max_model_len) or ``"abort"``.
+    ``num_cached_tokens``: prompt tokens served by the radix prefix cache. For a request on a chain,
+    ``chain_status`` is ``created``, ``resumed`` or ``recreated`` and ``reused_tokens`` counts the
+    prompt tokens whose retained KV it resumed from (not computed again).
     """
 
     request_id: str
@@ -26,3 +29,6 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    chain_id: str | None = None
+    chain_status: str | None = None
+    reused_tokens: int = 0

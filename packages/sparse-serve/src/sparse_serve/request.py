@@ -41,6 +41,13 @@ class Request:
     # Tokens present when the request was (re)admitted: what this admission prefills. Equals the
     # prompt, or prompt + output so far after a preemption (recompute).
     prefill_len: int = 0
+    # The chain this request continues (None: none), how it started on it, and how many prompt
+    # tokens it took from the chain's retained KV instead of computing them.
+    chain_id: str | None = None
+    chain_status: str | None = None
+    num_reused_tokens: int = 0
+    # Holds a chain's retained KV from before its admission (cleared when preempted: it recomputes).
+    resumed: bool = False
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

@@ -9,6 +9,10 @@ Admission follows each request's memory plan (from its sparse method): a waiting
 only when the pool can hold its prefill peak on top of what the running prefills are still planned
 to take, so methods that evict admit more requests and long prefills do not thrash. Requests whose
 method needs the whole prompt at once (``full_prefill``) are prefilled alone in one pass.
+
+Idle chains' KV counts as available memory: the KV manager reclaims it (least recently used chain
+first) before an allocation fails, so it goes before any running request is preempted. A request
+resuming a chain already holds the chain's retained KV while it waits and computes only the rest.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class Scheduler:
         while queue and budget > 0:
             req = queue.popleft()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while self.kv.allocate(req.request_id, req.kv_len + n) is None:
+            while self.kv.allocate(req.request_id, req.kv_len + n, write_from=min(req.kv_lens)) is None:
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
                 preempted.append(victim)
@@ -99,48 +103,72 @@ class Scheduler:
     def _blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.kv.block_size)
 
+    def _held_blocks(self, req: Request) -> int:
+        """Blocks a request holds towards its plan; a resumed chain's shared blocks do not count, since
+        compacting them means copying them first."""
+        if not self.kv.has_request(req.request_id):
+            return 0
+        if req.resumed:
+            return self.kv.num_exclusive_blocks(req.request_id)
+        return len(self.kv.table(req.request_id).block_ids)
+
     def _reserved_blocks(self) -> int:
         """Blocks the running prefills are planned to take beyond what they hold now."""
         reserved = 0
         for req in self.running:
             if req.num_computed_tokens < req.prefill_len:
-                held = len(self.kv.table(req.request_id).block_ids) if self.kv.has_request(req.request_id) else 0
-                reserved += max(0, self._blocks(self.prefill_peak(req)) - held)
+                reserved += max(0, self._blocks(self.prefill_peak(req)) - self._held_blocks(req))
         return reserved
+
+    def _fits(self, blocks: int) -> bool:
+        return blocks <= self.kv.num_free_blocks or blocks <= self.kv.num_available_blocks
 
     def _admit_waiting(self, items: list[tuple[Request, int]], budget: int) -> int:
         reserved = self._reserved_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            prefix = self.kv.match_prefix(req.token_ids)
-            remaining = req.num_tokens - prefix.num_tokens
+            if req.resumed:  # holds its chain's retained KV already
+                prefix, done, held = None, req.num_computed_tokens, self._held_blocks(req)
+            else:
+                prefix = self.kv.match_prefix(req.token_ids)
+                done, held = prefix.num_tokens, len(prefix.block_ids)
+            remaining = req.num_tokens - done
             full = self.full_prefill(req) and remaining > budget
             if full and any(n > 1 for _, n in items):
                 break  # a whole-prompt prefill runs alone (decodes may share its step)
             n = remaining if full else min(remaining, budget)
-            peak = self._blocks(max(self.prefill_peak(req), prefix.num_tokens + n)) - len(prefix.block_ids)
-            if peak > self.kv.num_free_blocks - reserved:
+            kv_tokens = (req.kv_len if req.resumed else done) + n
+            peak = self._blocks(max(self.prefill_peak(req), kv_tokens)) - held
+            if not self._fits(peak + reserved):
                 break
-            if self.kv.allocate(req.request_id, prefix.num_tokens + n, prefix=prefix) is None:
+            write_from = min(req.kv_lens) if req.resumed else None
+            if self.kv.allocate(req.request_id, kv_tokens, prefix=prefix, write_from=write_from) is None:
                 break
             self.waiting.popleft()
-            req.num_computed_tokens = prefix.num_tokens
             req.prefill_len = req.num_tokens
-            req.reset_kv(prefix.num_tokens)
-            if req.num_preemptions == 0:
-                req.num_cached_prompt_tokens = prefix.num_tokens
+            if not req.resumed:
+                req.num_computed_tokens = done
+                req.reset_kv(done)
+                if req.num_preemptions == 0:
+                    req.num_cached_prompt_tokens = done
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             items.append((req, n))
             budget -= n
-            reserved += max(0, peak - len(self.kv.table(req.request_id).block_ids) + len(prefix.block_ids))
+            reserved += max(0, peak - self._held_blocks(req) + held)
             if full:
                 return 0
         return budget
 
+    def preempt(self, req: Request) -> None:
+        """Preempt a running request outside ``schedule`` (its blocks are freed; it recomputes later)."""
+        self.running.remove(req)
+        self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.resumed = False
         req.reset_kv(0)
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -1,0 +1,123 @@
+"""Requests on chains: a conversation's next turn resumes the retained KV of the previous ones.
+
+A request that names a ``chain_id`` checks the chain out when it is added (the chain cache checks
+busy, fingerprint and prefix, see ``sparse_cache.chain_cache``): when the chain retains KV, the
+request takes over its block table, each layer's KV length and the method's saved state, so its
+logical positions continue after the chain's processed tokens while its slots continue after the
+retained ones, and only the suffix is computed. When the request ends (finished, stopped or
+aborted) the chain takes back the request's table and state for the tokens whose KV was computed
+(the last sampled token has none yet: the next turn's prompt carries it).
+
+Blocks shared with a fork are copied before anything writes to them: the KV manager swaps them for
+fresh blocks and this module copies their contents, for appends when a step is scheduled and for
+compactions just before they rewrite slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sparse_cache import ChainStatus, KVCacheManager, UnknownChainError
+from sparse_methods import Compaction, SparseMethod
+from sparse_serve.kv_pool import KVPool
+from sparse_serve.request import Request
+
+
+def copy_blocks(pool: KVPool, copies: Sequence[tuple[int, int]]) -> None:
+    """``block[dst] = block[src]`` in every layer's K and V (and key summaries, where the store keeps
+    them), for each ``(src, dst)`` pair.
+
+    Every source is read before any destination is written (a gather, then a scatter), so a block
+    given back and reused as a destination within the same batch of copies is read first.
+    """
+    if not copies:
+        return
+    device = pool.k[0].device
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
+    for cache in (*pool.k, *pool.v, *(pool.kmin or ()), *(pool.kmax or ())):
+        cache[dst] = cache[src]
+
+
+def rewritten_slots(compaction: Compaction) -> tuple[int, int] | None:
+    """``(first, end)``: compaction writes only slots in ``[first, end)`` of any layer (kept slots
+    already in place are not rewritten); None when it only drops trailing slots."""
+    first, end = None, 0
+    for keep in compaction.keep:
+        if keep is None:
+            continue
+        n = keep.shape[1]
+        in_place = (keep == torch.arange(n, device=keep.device)).all(0)
+        moved = (~in_place).nonzero()
+        if moved.numel():
+            first = int(moved[0]) if first is None else min(first, int(moved[0]))
+            end = max(end, n)
+    return None if first is None else (first, end)
+
+
+class EngineChains:
+    """The engine's side of the chain cache (``kv.chains``): opening and closing requests on chains."""
+
+    def __init__(self, kv: KVCacheManager, method: SparseMethod, pool: KVPool):
+        self.kv = kv
+        self.method = method
+        self.pool = pool
+
+    @property
+    def cache(self):
+        return self.kv.chains
+
+    def logical_prompt(self, chain_id: str, append_start: int | None, token_ids: list[int]) -> list[int]:
+        """The full prompt of a request on ``chain_id``: ``token_ids`` itself, or with ``append_start``
+        set, the first ``append_start`` tokens of the chain's history (its prompts and outputs so far)
+        followed by ``token_ids``."""
+        if append_start is None:
+            return token_ids
+        if chain_id not in self.cache:
+            raise UnknownChainError(f"no chain {chain_id!r} to append to")
+        history = self.cache.history(chain_id)
+        if not 0 <= append_start <= len(history):
+            raise ValueError(
+                f"chain_append_start={append_start} is outside chain {chain_id!r}'s history of {len(history)} tokens"
+            )
+        return [*history[:append_start], *token_ids]
+
+    def open(self, req: Request) -> None:
+        """Check ``req.chain_id`` out for ``req``; a resumed chain's KV and state become the request's."""
+        checkout = self.kv.resume_chain(req.request_id, req.chain_id, req.token_ids)
+        req.chain_status = checkout.status.value
+        if checkout.status is not ChainStatus.RESUMED:
+            return
+        req.resumed = True
+        req.num_computed_tokens = req.num_reused_tokens = checkout.num_reused_tokens
+        req.kv_lens = list(checkout.kv_lens)
+        if checkout.state is not None:
+            self.method.restore_state(req.request_id, checkout.state)
+
+    def close(self, req: Request) -> None:
+        """Hand the request's computed history back to its chain (before its blocks would be freed)."""
+        if req.chain_id is None:
+            return
+        rid = req.request_id
+        state = self.method.save_state(rid) if self.kv.has_request(rid) else None
+        n = req.num_computed_tokens
+        self.kv.save_chain(rid, req.chain_id, req.token_ids[:n], req.kv_lens, state, req.token_ids[n:])
+
+    def copy_pending(self) -> None:
+        """Perform the block copies the KV manager queued (before the step writes anything)."""
+        copy_blocks(self.pool, self.kv.take_copies())
+
+    def make_writable(self, req: Request, compaction: Compaction) -> bool:
+        """Copy the shared blocks a compaction is about to rewrite; False when the pool is too short."""
+        if not req.resumed:
+            return True  # only a resumed chain's table can hold blocks shared with a fork
+        span = rewritten_slots(compaction)
+        if span is None:
+            return True
+        bs = self.kv.block_size
+        if not self.kv.make_exclusive(req.request_id, span[0] // bs, -(-span[1] // bs)):
+            return False
+        self.copy_pending()
+        return True

@@ -1,0 +1,206 @@
+"""Prefix-cache pruning: compress chosen ranges of an idle cached history into a degraded chain.
+
+For an exact (radix) cache, an agent's old tool outputs can be compressed without touching the
+rest of the history: each chosen range keeps its ``keep_tokens`` best tokens, every token outside
+the ranges stays. The result is a new chain (its KV no longer matches its tokens one to one), so
+only a request naming that chain resumes from it; the radix cache keeps the exact blocks, and a
+request that did not ask for pruning never sees the pruned KV.
+
+Policy ``snapkv_global`` (SnapKV's observation window, reduced to one mask for all layers and
+heads): the ``observation_window_size`` queries right after a range are recomputed over the cached
+KV before them (a scratch forward into scratch blocks; the cached blocks are only read), each
+range token scores the attention probability those queries give it, summed over window queries,
+query heads and layers, then max-pooled along tokens (kernel 7, as SnapKV) and the top
+``keep_tokens`` are kept. Kept KV is the cached KV itself, copied to fresh blocks after the first
+changed slot; the unchanged leading blocks are shared with the cache.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from sparse_cache import BlockTable, PrefixMatch, PruneRange, check_ranges, plan_prune
+from sparse_kernels import block_summary
+from sparse_methods import (
+    Category,
+    LayerAttention,
+    MemoryPlan,
+    MethodConfig,
+    ModelShape,
+    PrefixCacheMode,
+    RequestStep,
+    SparseMethod,
+)
+from sparse_methods.scoring import causal_probabilities, pool_scores
+from sparse_serve.paged_attention import PagedAttention
+from sparse_serve.request import Request
+from sparse_serve.sampling_params import SamplingParams
+from sparse_serve.scheduler import ScheduledBatch
+from sparse_serve.step_metadata import build_step_metadata, to_device
+
+if TYPE_CHECKING:
+    from sparse_serve.engine import LLMEngine
+
+PRUNE_POLICIES = ("snapkv_global",)
+_POOL_KERNEL = 7
+_SCRATCH_ID = "__prune__"
+
+
+@dataclass(frozen=True, slots=True)
+class PruneResult:
+    """``chain_id``: the degraded chain holding the pruned history of ``num_tokens`` logical tokens
+    in ``num_retained_tokens`` KV slots; ``kept[j]``: the positions kept inside range ``j``."""
+
+    chain_id: str
+    num_tokens: int
+    num_retained_tokens: int
+    kept: tuple[tuple[int, ...], ...]
+
+
+class _WindowScorer(SparseMethod):
+    """The method of a scratch forward (dense attention): sums the attention that the queries at
+    positions ``rows`` give to ``target`` positions, over query heads and layers."""
+
+    name = "prune_window_scorer"
+    category = Category.DENSE
+    prefix_cache_mode = PrefixCacheMode.RADIX
+    Config = MethodConfig
+
+    def __init__(self, shape: ModelShape, target: PruneRange, rows: range):
+        super().__init__(MethodConfig(), shape)
+        self.target, self.rows, self.num_kv_heads = target, rows, shape.num_kv_heads
+        self.scores = torch.zeros(len(target), dtype=torch.float32)
+
+    def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
+        raise NotImplementedError("a scratch scorer is never scheduled")
+
+    def attention_requests(self, layer: int) -> tuple[Hashable, ...]:
+        return (_SCRATCH_ID,)
+
+    def on_attention_end(self, layer: int, step: RequestStep, view: LayerAttention) -> None:
+        lo, hi = max(self.rows.start, step.start), min(self.rows.stop, step.end)
+        if lo >= hi:
+            return
+        q = view.queries[lo - step.start : hi - step.start]
+        slots = torch.arange(lo, hi, device=view.keys.device)  # the scratch table is exact: slot = position
+        for h in range(self.num_kv_heads):
+            probs = causal_probabilities(q, view.keys, view.scale, slots, h)  # [g, n, L]
+            self.scores += probs[..., self.target.start : self.target.end].sum((0, 1)).cpu()
+
+
+def prune_history(
+    engine: LLMEngine,
+    token_ids: list[int],
+    ranges: Sequence[tuple[int, int]],
+    keep_tokens: int,
+    *,
+    policy: str = "snapkv_global",
+    window: int = 32,
+    chain_id: str | None = None,
+) -> PruneResult:
+    """Prune the cached history of ``token_ids`` (its leading full blocks in the radix cache).
+
+    ``ranges`` ([start, end) positions inside that cached history, each followed by at least one
+    token of ``token_ids`` to score it) keep ``keep_tokens`` tokens each. Returns the new chain.
+    Raises ValueError when the method is not exact, nothing is cached, or the pool is too full.
+    """
+    if policy not in PRUNE_POLICIES:
+        raise ValueError(f"unknown prune policy {policy!r}; known: {', '.join(PRUNE_POLICIES)}")
+    if engine.method.prefix_cache_mode is not PrefixCacheMode.RADIX or not engine.kv.enable_prefix_caching:
+        raise ValueError("pruning compresses the exact radix cache; it needs a radix method and prefix caching")
+    if keep_tokens < 0 or window < 1:
+        raise ValueError(f"keep_tokens must be >= 0 and the window >= 1, got {keep_tokens} and {window}")
+    kv = engine.kv
+    kv.chains.check_room(chain_id)  # before any work: the id is free and a chain record fits
+    match = kv.cached_prefix(token_ids)
+    if match.num_tokens == 0:
+        raise ValueError("no cached history of this prompt to prune (only full cached blocks can be pruned)")
+    checked = check_ranges(ranges, match.num_tokens)
+    if checked[-1].end >= len(token_ids):
+        raise ValueError("each range needs at least one token after it whose queries score it")
+    kv.pool.acquire(match.block_ids)  # pin the history while scratch blocks are taken
+    try:
+        kept = []
+        for r in checked:
+            rows = range(r.end, min(r.end + window, len(token_ids)))
+            scores = _score_range(engine, token_ids, match, r, rows)
+            kept.append(_top_positions(pool_scores(scores, _POOL_KERNEL, "max"), r, keep_tokens))
+        plan = plan_prune(match.num_tokens, checked, kept, kv.block_size)
+        new_id, copies = kv.add_pruned_chain(chain_id, token_ids, match, plan, engine.num_layers)
+        _copy_slots(engine, copies)
+    finally:
+        kv.pool.release(reversed(match.block_ids))
+    return PruneResult(new_id, match.num_tokens, plan.num_retained, tuple(tuple(k) for k in kept))
+
+
+def _top_positions(scores: torch.Tensor, r: PruneRange, keep: int) -> list[int]:
+    """The ``keep`` best-scored positions of ``r``, ascending (ties go to the earlier position)."""
+    order = torch.sort(scores, descending=True, stable=True).indices[: min(keep, len(r))]
+    return sorted(int(i) + r.start for i in order)
+
+
+def _take_blocks(engine: LLMEngine, n: int) -> list[int]:
+    kv = engine.kv
+    if n > kv.pool.num_free_blocks:
+        kv.chains.reclaim(n)
+    blocks = kv.pool.allocate(n)
+    if blocks is None:
+        raise ValueError(f"pruning needs {n} free KV blocks; the pool has {kv.pool.num_free_blocks} now")
+    return blocks
+
+
+def _score_range(engine: LLMEngine, token_ids: list[int], match: PrefixMatch, r: PruneRange, rows: range):
+    """Recompute the window rows after ``r`` over the cached KV before them; ``[len(r)]`` scores."""
+    bs, cfg = engine.kv.block_size, engine.runner.model_config
+    start = r.end // bs * bs  # cached full blocks before here are read in place; the rest is recomputed
+    scratch = _take_blocks(engine, -(-rows.stop // bs) - r.end // bs)
+    table = BlockTable(bs, [*match.block_ids[: r.end // bs], *scratch], rows.stop)
+    scorer = _WindowScorer(engine.method.shape, r, rows)
+    attention = PagedAttention(
+        engine.runner.kv,
+        num_q_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        block_size=bs,
+        method=scorer,
+    )
+    try:
+        chunk = engine.config.max_num_batched_tokens
+        for pos in range(start, rows.stop, chunk):
+            n = min(chunk, rows.stop - pos)
+            req = Request(_SCRATCH_ID, token_ids[: rows.stop], SamplingParams(), 0, kv_lens=[pos] * engine.num_layers)
+            req.num_computed_tokens, req.prefill_len = pos, rows.stop
+            meta = build_step_metadata(ScheduledBatch(((req, n),)), lambda _: table, bs)
+            attention.plan(meta)
+            device = engine.runner.device
+            with torch.inference_mode():
+                engine.runner.model(to_device(meta.input_ids, device), to_device(meta.positions, device), attention)
+    finally:
+        engine.kv.pool.release(reversed(scratch))
+    return scorer.scores
+
+
+def _copy_slots(engine: LLMEngine, copies: list[tuple[int, int]]) -> None:
+    """Copy the retained KV slots into the pruned table's fresh blocks (all layers), then summarize
+    those blocks' keys where the store keeps summaries (query-aware methods)."""
+    if not copies:
+        return
+    kv, bs = engine.runner.kv, engine.kv.block_size
+    device = kv.k[0].device
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
+    for cache in (*kv.k, *kv.v):
+        flat = cache.view(-1, cache.shape[2], cache.shape[3])
+        flat[dst] = flat[src]
+    if kv.kmin is not None:
+        # Destinations fill whole fresh blocks from their first slot on: count them per block.
+        filled = Counter(d // bs for _, d in copies)
+        ids = torch.tensor(list(filled), dtype=torch.int64, device=device)
+        valid = torch.tensor(list(filled.values()), dtype=torch.int64, device=device)
+        for layer in range(len(kv.k)):
+            block_summary(kv.k[layer], ids, valid, kv.kmin[layer], kv.kmax[layer])
