@@ -22,7 +22,7 @@ OMNI = dict(sparse_method="omnikv", sink_keep_tokens=8, decode_keep_tokens=40, r
 
 
 def _llm(**kw) -> LLM:
-    return LLM(str(DEFAULT_MODEL), device="cpu", max_model_len=1024, max_num_batched_tokens=128, **kw)
+    return LLM(str(DEFAULT_MODEL), **{"device": "cpu", "max_model_len": 1024, "max_num_batched_tokens": 128, **kw})
 
 
 def _tokens(llm: LLM, prompts=PROMPTS, params=GREEDY):
@@ -201,3 +201,39 @@ def test_engine_takes_the_batched_path_when_the_kernels_can(monkeypatch):
     monkeypatch.setattr(selective, "run", run)
     llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert calls["batched"] > 0 and calls["host"] == 0
+
+
+OMNI_PREFILL = dict(
+    sparse_method="omnikv",
+    prefill_sparse_method="omnikv_prefill",
+    prefill_sink_tokens=4,
+    prefill_keep_tokens=32,
+    prefill_recent_tokens=16,
+    decode_keep_tokens=4096,
+)
+
+
+def test_omnikv_prefill_at_large_budget_is_dense():
+    cfg = {**OMNI_PREFILL, "prefill_keep_tokens": 4096}
+    assert _tokens(_llm(**cfg, max_num_batched_tokens=64)) == _tokens(_llm(max_num_batched_tokens=64))
+
+
+def test_omnikv_prefill_reading_the_whole_history_equals_dense(monkeypatch):
+    """The slot-list prefill path (history then the chunk, one slot per page) is exact when it reads all."""
+    llm = _llm(**OMNI_PREFILL, max_num_batched_tokens=64)
+
+    def whole_history(layer, request, view):
+        return Selection(torch.arange(view.history_len).expand(2, view.history_len), 1)
+
+    monkeypatch.setattr(llm.engine.method, "prefill_selection", whole_history)
+    assert _tokens(llm) == _tokens(_llm(max_num_batched_tokens=64))
+    assert llm.engine.runner.attention.selective_prefill.num_selections > 0
+
+
+def test_omnikv_prefill_chunks_read_only_their_budget():
+    llm = _llm(**OMNI_PREFILL, max_num_batched_tokens=64)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    selective = llm.engine.runner.attention.selective_prefill
+    assert selective.num_selections > 0 and selective.max_history_read == 4 + 32 + 16
+    assert llm.engine.kv.pool.num_used_blocks == 0

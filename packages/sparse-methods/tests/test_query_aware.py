@@ -123,3 +123,12 @@ def test_omnikv_auto_layers_follow_the_paper_for_32_layers():
     assert sm.build_method("omnikv", sm.ModelShape(32, 32, 8, 128)).filter_layers == [2, 8, 18]
     with pytest.raises(ValueError):
         sm.make_config("omnikv", full_attention_layers="two")
+
+
+def test_omnikv_prefill_scores_are_the_mean_raw_qk_max_over_heads():
+    from sparse_methods.methods.omnikv import prefill_history_scores
+
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(5, 4, 8, generator=gen), torch.randn(30, 2, 8, generator=gen)
+    expected = [max(sum(float(q[i, h] @ k[t, h // 2]) for i in range(5)) / 5 for h in range(4)) for t in range(30)]
+    torch.testing.assert_close(prefill_history_scores(q, k), torch.tensor(expected))

@@ -184,6 +184,20 @@ class DecodeView:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillView:
+    """What a method sees to choose which history a prefill chunk reads, in one layer.
+
+    ``queries``: ``[num_new_tokens, num_q_heads, head_dim]`` (after RoPE); ``history_len``: slots
+    the request held before this chunk; ``keys``: ``[history_len, num_kv_heads, head_dim]`` the
+    layer's history keys in slot order when the method asked for them (``needs_prefill_keys``).
+    """
+
+    queries: torch.Tensor
+    history_len: int
+    keys: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Selection:
     """What one decode query reads: ``indices`` ``[num_kv_heads, n]`` ascending, in units of
     ``page_size`` slots of the request's table (``page_size=1``: single tokens). The newest slot's
@@ -253,6 +267,19 @@ class SparseMethod(ABC):
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
         """What one decode query reads in ``layer``, or None to read every slot."""
+        return None
+
+    def selects_prefill(self, layer: int) -> bool:
+        """Whether ``prefill_selection`` is asked which history this layer's prefill chunks read."""
+        return False
+
+    def needs_prefill_keys(self, layer: int) -> bool:
+        """Whether ``prefill_selection`` needs the layer's history keys (``PrefillView.keys``)."""
+        return False
+
+    def prefill_selection(self, layer: int, request: RequestStep, view: PrefillView) -> Selection | None:
+        """History slots (``page_size=1``, ``[num_kv_heads, n]`` ascending) a prefill chunk reads
+        besides its own tokens (causally), or None to read the whole history."""
         return None
 
     batched_selection: ClassVar[bool] = False

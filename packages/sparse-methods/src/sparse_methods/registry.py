@@ -61,13 +61,16 @@ def check_prefill_method(sparse_method: str, prefill_sparse_method: str | None) 
 
 
 def parameter_fields() -> dict[str, Any]:
-    """Every method parameter name -> its pydantic FieldInfo (first declaration wins for defaults).
+    """Every method parameter name -> its pydantic FieldInfo (first declaration wins for defaults),
+    except ``prefill_sparse_method``.
 
     Two methods declaring the same name must give it the same type (one vocabulary).
     """
     fields: dict[str, Any] = {}
     for cls in _METHODS.values():
         for name, info in cls.Config.model_fields.items():
+            if name == "prefill_sparse_method":  # an engine field of its own, checked by check_prefill_method
+                continue
             if name in fields and fields[name].annotation != info.annotation:
                 raise TypeError(f"parameter {name!r} has different types in different methods")
             fields.setdefault(name, info)

@@ -16,6 +16,7 @@ from sparse_kernels import BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVC
 from sparse_methods import LayerAttention, SparseMethod
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.selective_decode import SelectiveDecode
+from sparse_serve.selective_prefill import SelectivePrefill
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots, to_device
 
 
@@ -85,6 +86,7 @@ class PagedAttention:
         self._meta: StepMetadata | None = None
         self.sm_scale = head_dim**-0.5
         self.selective = SelectiveDecode(self.device, self.shape, self.sm_scale)
+        self.selective_prefill = SelectivePrefill(self.device, self.shape, self.sm_scale)
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def plan(self, meta: StepMetadata) -> None:
@@ -126,26 +128,29 @@ class PagedAttention:
             blocks, valid = self._touched[group_idx]
             block_summary(k_cache, blocks, valid, self.pool.kmin[layer_idx], self.pool.kmax[layer_idx])
         nd = meta.num_decode_tokens
-        selective = nd > 0 and self.method is not None and self.method.selects_decode(layer_idx)
-        if not meta.num_prefill_requests and not selective:
+        has_prefill = meta.num_prefill_requests > 0
+        method = self.method
+        select_decode = nd > 0 and method is not None and method.selects_decode(layer_idx)
+        select_prefill = has_prefill and method is not None and method.selects_prefill(layer_idx)
+        if not has_prefill and not select_decode:
             out = plan.decode.run(q, k_cache, v_cache)
-        elif nd == 0:
+        elif nd == 0 and not select_prefill:
             out = plan.prefill.run(q, k_cache, v_cache)
         else:
             out = torch.empty_like(q)  # both kernels write their rows in place: no concatenation copy
-            if selective:
+            if select_decode:
                 summaries = self.pool.kmin is not None
                 kmin = self.pool.kmin[layer_idx] if summaries else None
                 kmax = self.pool.kmax[layer_idx] if summaries else None
                 if self.selective.batched:  # pages picked on the device, no host sync
-                    self.selective.run_batched(self.method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
+                    self.selective.run_batched(method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
                 else:
-                    self.selective.run(
-                        self.method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd]
-                    )
-            else:
+                    self.selective.run(method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
+            elif nd:
                 plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
-            if meta.num_prefill_requests:
+            if select_prefill:
+                self.selective_prefill.run(method, layer_idx, q[nd:], k_cache, v_cache, meta, group, out[nd:])
+            elif has_prefill:
                 plan.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
         if self.method is not None:
             wanted = self.method.attention_requests(layer_idx)

@@ -9,11 +9,18 @@ tokens, generated ones included), shared by all KV heads. Layers before the firs
 the filter layers themselves read everything; contexts within the budget stay dense.
 ``full_attention_layers="auto"`` places filters at about 1/16, 1/4 and 9/16 of the depth (layers
 2, 8 and 18 of a 32-layer model, the paper's Llama-3-8B choice).
+
+``prefill_sparse_method="omnikv_prefill"`` (SE) applies the same structure to prefill chunks: at a
+filter layer the chunk's queries score the history by raw ``q.k`` averaged over the chunk's queries,
+maximum over heads, and the following layers let the chunk read only the ``prefill_sink_tokens``,
+best ``prefill_keep_tokens`` and last ``prefill_recent_tokens`` of the history, plus the chunk
+itself (causally).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -23,12 +30,13 @@ from sparse_methods.base import (
     DecodeView,
     MemoryPlan,
     MethodConfig,
+    PrefillView,
     PrefixCacheMode,
     RequestStep,
     Selection,
     SparseMethod,
 )
-from sparse_methods.registry import register
+from sparse_methods.registry import register, register_prefill_method
 from sparse_methods.scoring import keep_indices
 
 
@@ -39,6 +47,12 @@ class OmniKVConfig(MethodConfig):
     full_attention_layers: str = Field(
         "auto", description="Comma-separated filter layers (full attention + selection), or `auto`."
     )
+    prefill_sparse_method: Literal["omnikv_prefill"] | None = Field(
+        None, description="`omnikv_prefill`: prefill chunks after a filter layer read a selected history."
+    )
+    prefill_sink_tokens: int = Field(8, ge=0, description="omnikv_prefill: leading history tokens read.")
+    prefill_keep_tokens: int = Field(4096, ge=0, description="omnikv_prefill: best-scored history tokens read.")
+    prefill_recent_tokens: int = Field(128, ge=0, description="omnikv_prefill: last history tokens read.")
 
     @field_validator("full_attention_layers")
     @classmethod
@@ -61,6 +75,17 @@ def omnikv_token_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -
     return torch.softmax(logits, dim=-1).amax(0)
 
 
+def prefill_history_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[history_len]``: raw ``q.k`` averaged over the chunk's queries, then the maximum over heads."""
+    g = queries.shape[1] // keys.shape[1]
+    mean_q = queries.float().mean(0)  # [Hq, D]: the mean of q.k over queries is q-mean . k
+    k = keys.float().repeat_interleave(g, dim=1)  # [L, Hq, D]
+    return torch.einsum("hd,lhd->hl", mean_q, k).amax(0)
+
+
+register_prefill_method("omnikv_prefill", for_methods=frozenset({"omnikv"}))
+
+
 @register
 class OmniKV(SparseMethod):
     name = "omnikv"
@@ -77,6 +102,7 @@ class OmniKV(SparseMethod):
         if self.filter_layers[-1] >= shape.num_layers:
             raise ValueError(f"full_attention_layers {self.filter_layers} beyond the model's {shape.num_layers} layers")
         self._chosen: dict[Hashable, torch.Tensor | None] = {}  # request -> token indices of the last filter
+        self._history: dict[Hashable, torch.Tensor | None] = {}  # request -> history chosen for its chunk
 
     @property
     def budget(self) -> int:
@@ -112,5 +138,36 @@ class OmniKV(SparseMethod):
             return None
         return Selection(chosen.view(1, -1).expand(self.shape.num_kv_heads, -1), 1)
 
+    @property
+    def prefill_budget(self) -> int:
+        c = self.config
+        return c.prefill_sink_tokens + c.prefill_keep_tokens + c.prefill_recent_tokens
+
+    def selects_prefill(self, layer: int) -> bool:
+        return self.config.prefill_sparse_method == "omnikv_prefill" and layer >= self.filter_layers[0]
+
+    def needs_prefill_keys(self, layer: int) -> bool:
+        return self.selects_prefill(layer) and layer in self.filter_layers
+
+    def prefill_selection(self, layer: int, request: RequestStep, view: PrefillView) -> Selection | None:
+        rid = request.request_id
+        if layer in self.filter_layers:
+            self._history[rid] = None
+            if view.history_len > self.prefill_budget:
+                c = self.config
+                self._history[rid] = keep_indices(
+                    prefill_history_scores(view.queries, view.keys).view(1, -1),
+                    kv_len=view.history_len,
+                    sink=c.prefill_sink_tokens,
+                    recent=c.prefill_recent_tokens,
+                    num_middle=c.prefill_keep_tokens,
+                )[0]
+            return None
+        chosen = self._history.get(rid)
+        if chosen is None:
+            return None
+        return Selection(chosen.view(1, -1).expand(self.shape.num_kv_heads, -1), 1)
+
     def release(self, request_id: Hashable) -> None:
         self._chosen.pop(request_id, None)
+        self._history.pop(request_id, None)
