@@ -1,7 +1,8 @@
 """Apply a method's compactions to the pool: kept slots move to the front of each layer's table.
 
-The method decides what to keep (``sparse_methods.Compaction``); this moves the K/V rows (per KV
-head, since heads may keep different tokens) and reports each layer's new length. The caller then
+The method decides what to keep (``sparse_methods.Compaction``); ``sparse_kernels.compact_kv``
+moves the K/V rows (per KV head, since heads may keep different tokens; Triton on GPU, its
+reference on CPU) and this reports each layer's new length. The caller then
 shrinks the request's table, returning whole blocks to the pool.
 """
 
@@ -9,24 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from sparse_kernels import compact_kv
 from sparse_methods import Compaction
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.step_metadata import table_slots
-
-
-def compact_layer(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor) -> None:
-    """``cache[slots[i], h] = cache[slots[keep[h, i]], h]`` for every head ``h`` and ``i < n``.
-
-    ``slots``: ``[kv_len]`` int64 pool slots of the layer's table in order; ``keep``: ``[H, n]``
-    ascending indices into ``slots``. Every source row is read before any is written.
-    """
-    num_heads, n = keep.shape
-    heads = torch.arange(num_heads, device=keep.device).view(-1, 1)
-    src = slots[keep]  # [H, n]
-    dst = slots[:n].view(1, -1).expand(num_heads, n)
-    for cache in (k_cache, v_cache):
-        flat = cache.view(-1, cache.shape[2], cache.shape[3])
-        flat[dst, heads] = flat[src, heads]
 
 
 def apply_compaction(
@@ -45,7 +32,7 @@ def apply_compaction(
         if keep.numel() and (int(keep.max()) >= kv_len or int(keep.min()) < 0):
             raise ValueError(f"layer {layer}: kept index outside the layer's {kv_len} slots")
         if kv_len not in slots_of:
-            slots_of[kv_len] = table_slots(block_ids, kv_len, block_size).to(device)
-        compact_layer(pool.k[layer], pool.v[layer], slots_of[kv_len], keep.to(device))
+            slots_of[kv_len] = table_slots(block_ids, kv_len, block_size).to(device=device, dtype=torch.int32)
+        compact_kv(pool.k[layer], pool.v[layer], slots_of[kv_len], keep.to(device))
         new_lens[layer] = keep.shape[1]
     return new_lens
