@@ -107,6 +107,15 @@ def _check_blocks(llm: LLM) -> None:
     assert kv.pool.num_used_blocks == len(held)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one intra-op thread is several times faster than contending for a loaded box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_checkpoint):
     return tiny_checkpoint("llama")[0]
@@ -214,7 +223,7 @@ def test_errors_where_specified(llama):
     with pytest.raises(ChainCapacityError):
         engine.add_request(p, GREEDY, chain_id="b")
     engine.abort_request(rid)  # hands the chain back unchanged
-    assert engine.chain_info("a").num_tokens == len(history) - 1 and not engine.chain_info("a").busy
+    assert llm.chain_info("a").num_tokens == len(history) - 1 and not llm.chain_info("a").busy
     with pytest.raises(ChainPrefixMismatchError):
         llm.generate([history[0] + 1, *history[1:], 5], GREEDY, chain_id="a")
     with pytest.raises(ChainPrefixMismatchError):
@@ -288,3 +297,19 @@ def test_no_room_to_copy_before_compaction_recomputes_instead(llama, monkeypatch
     twin.generate(list(first.prompt_token_ids), GREEDY, chain_id="t")
     ours, theirs = llm.generate(prompt, GREEDY, chain_id=fork)[0], twin.generate(prompt, GREEDY, chain_id="t")[0]
     assert ours.chain_status == theirs.chain_status == "resumed" and ours.token_ids == theirs.token_ids
+
+
+def test_queued_requests_give_up_pinned_chain_kv_when_nothing_else_fits(llama):
+    """Waiting requests hold their chains' KV; when that leaves the oldest no room and nothing runs,
+    the newest give it up and recompute instead of stalling the engine."""
+    llm = _llm(llama, **METHODS["snapkv"], num_kv_blocks=16)
+    first = llm.generate(_tokens(40, 16), GREEDY, chain_id="a")[0]
+    fork = llm.fork_chain("a")
+    history = list(first.prompt_token_ids) + list(first.token_ids)
+    # Each resumed prompt's peak (retained + 60) leaves no room to copy the blocks both chains share.
+    outs = llm.generate([history + _tokens(60, 17), history + _tokens(60, 18)], GREEDY, chain_id=["a", fork])
+    assert llm.engine.scheduler.num_preemptions == 1
+    assert [o.chain_status for o in outs] == ["resumed", "recreated"]
+    assert outs[0].reused_tokens == len(history) - 1 and outs[1].reused_tokens == 0
+    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
+    _check_blocks(llm)

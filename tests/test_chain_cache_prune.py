@@ -57,6 +57,15 @@ def _hf_greedy_from_pruned(model, history: list[int], retained: list[int], suffi
     return out
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matrices: one intra-op thread is several times faster than contending for a loaded box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def llama(tiny_checkpoint):
     return tiny_checkpoint("llama")

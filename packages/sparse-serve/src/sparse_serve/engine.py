@@ -78,6 +78,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             prefill_peak=self._prefill_peak,
             full_prefill=self._full_prefill,
+            compacts=not exact_kv,
         )
         self._requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}

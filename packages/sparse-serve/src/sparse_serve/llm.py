@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 
 from tqdm import tqdm
 
+from sparse_cache import ChainInfo
 from sparse_serve.config import EngineConfig
 from sparse_serve.engine import LLMEngine
 from sparse_serve.outputs import RequestOutput
@@ -143,6 +144,10 @@ class LLM:
     def drop_chain(self, chain_id: str) -> None:
         """Forget an idle chain and free its KV."""
         self.engine.drop_chain(chain_id)
+
+    def chain_info(self, chain_id: str) -> ChainInfo:
+        """Processed tokens, retained KV per layer, blocks, busy and degraded flags of a chain."""
+        return self.engine.chain_info(chain_id)
 
     def prune(
         self,

@@ -12,7 +12,9 @@ method needs the whole prompt at once (``full_prefill``) are prefilled alone in 
 
 Idle chains' KV counts as available memory: the KV manager reclaims it (least recently used chain
 first) before an allocation fails, so it goes before any running request is preempted. A request
-resuming a chain already holds the chain's retained KV while it waits and computes only the rest.
+resuming a chain already holds the chain's retained KV while it waits and computes only the rest;
+when such held KV leaves the oldest waiting request no room and nothing runs, the newest waiting
+holders give theirs up and recompute, so queued chains never stall the engine.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Scheduler:
     ----------
     prefill_peak : tokens a request's table holds at most while its prompt is processed (memory plan).
     full_prefill : whether a request's prompt must be prefilled in one pass, alone (prefill policy).
+    compacts : whether the method may compact a request's KV in place: then the blocks a resumed chain
+        shares with a fork count as needed again (they are copied before a compaction rewrites them).
     """
 
     def __init__(
@@ -59,8 +63,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         prefill_peak: Callable[[Request], int] = _dense_prefill_peak,
         full_prefill: Callable[[Request], bool] = lambda req: False,
+        compacts: bool = False,
     ):
         self.kv = kv
+        self.compacts = compacts
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_peak = prefill_peak
@@ -97,6 +103,8 @@ class Scheduler:
         self.running = scheduled_running + list(queue)
         if not preempted:
             budget = self._admit_waiting(items, budget)
+        if not items and not self.running and self.waiting:
+            self._unpin_waiting(items, preempted)
         items.sort(key=lambda item: item[1] > 1)  # decodes first: the runner splits the batch there
         return ScheduledBatch(tuple(items), tuple(preempted))
 
@@ -108,7 +116,7 @@ class Scheduler:
         compacting them means copying them first."""
         if not self.kv.has_request(req.request_id):
             return 0
-        if req.resumed:
+        if req.resumed and self.compacts:
             return self.kv.num_exclusive_blocks(req.request_id)
         return len(self.kv.table(req.request_id).block_ids)
 
@@ -160,20 +168,38 @@ class Scheduler:
                 return 0
         return budget
 
+    def _unpin_waiting(self, items: list[tuple[Request, int]], preempted: list[Request]) -> None:
+        """Nothing runs and nothing fits while waiting requests hold their chains' KV: give that KV
+        up (they recompute, newest first) until the oldest waiting request can start."""
+        for req in reversed(self.waiting):
+            if not req.resumed:
+                continue
+            self._free_kv(req)
+            req.num_reused_tokens = 0
+            req.chain_status = "recreated"
+            preempted.append(req)
+            self._admit_waiting(items, self.max_num_batched_tokens)
+            if items:
+                return
+
     def preempt(self, req: Request) -> None:
         """Preempt a running request outside ``schedule`` (its blocks are freed; it recomputes later)."""
         self.running.remove(req)
         self._preempt(req)
 
     def _preempt(self, req: Request) -> None:
+        self._free_kv(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def _free_kv(self, req: Request) -> None:
+        """Free a request's blocks: it recomputes its tokens from the start when (re)admitted."""
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.resumed = False
         req.reset_kv(0)
         req.num_preemptions += 1
         self.num_preemptions += 1
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
         """Mark a running or waiting request finished and free its blocks."""
