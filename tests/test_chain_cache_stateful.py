@@ -155,7 +155,12 @@ class EngineChainMachine(RuleBasedStateMachine):
             return
         new = f"p{self.next_id}"
         self.next_id += 1
-        result = self.llm.prune(history, [(start, end)], keep_tokens=keep, observation_window_size=4, chain_id=new)
+        try:
+            result = self.llm.prune(history, [(start, end)], keep_tokens=keep, observation_window_size=4, chain_id=new)
+        except ValueError as e:  # everything after the range is copied: an early range may not fit now
+            assert "free KV blocks" in str(e)
+            self._sync()
+            return
         dropped = end - start - len(result.kept[0])
         assert result.num_tokens == cached and result.num_retained_tokens == cached - dropped
         self.chains[new] = {"history": history[:cached], "processed": cached, "has_kv": True, "degraded": True}

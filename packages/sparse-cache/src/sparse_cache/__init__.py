@@ -4,17 +4,14 @@ cache and prefix-cache pruning plans."""
 from sparse_cache.block_hash import BlockHash, hash_block, hash_full_blocks, root_hash
 from sparse_cache.block_pool import BlockPool
 from sparse_cache.block_table import BlockTable, LayerTables
-from sparse_cache.chain_cache import (
+from sparse_cache.chain_cache import ChainCache, ChainCheckout, ChainInfo, ChainStatus
+from sparse_cache.chain_errors import (
     ChainBusyError,
-    ChainCache,
     ChainCapacityError,
-    ChainCheckout,
     ChainError,
     ChainExistsError,
     ChainFingerprintError,
-    ChainInfo,
     ChainPrefixMismatchError,
-    ChainStatus,
     UnknownChainError,
 )
 from sparse_cache.kv_cache_manager import KVCacheManager, PrefixMatch

@@ -29,36 +29,14 @@ from dataclasses import dataclass
 from sparse_cache.block_hash import BlockHash
 from sparse_cache.block_pool import BlockPool
 from sparse_cache.block_table import BlockTable
-
-
-class ChainError(ValueError):
-    """Base of the chain cache's errors; ``code`` names the case for API layers."""
-
-    code = "chain_error"
-
-
-class UnknownChainError(ChainError):
-    code = "chain_not_found"
-
-
-class ChainExistsError(ChainError):
-    code = "chain_exists"
-
-
-class ChainBusyError(ChainError):
-    code = "chain_busy"
-
-
-class ChainPrefixMismatchError(ChainError):
-    code = "chain_prefix_mismatch"
-
-
-class ChainFingerprintError(ChainError):
-    code = "chain_fingerprint_mismatch"
-
-
-class ChainCapacityError(ChainError):
-    code = "chain_capacity"
+from sparse_cache.chain_errors import (
+    ChainBusyError,
+    ChainCapacityError,
+    ChainExistsError,
+    ChainFingerprintError,
+    ChainPrefixMismatchError,
+    UnknownChainError,
+)
 
 
 class ChainStatus(enum.StrEnum):
