@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import family_config
+
+
+@pytest.fixture(autouse=True)
+def _free_engines():
+    """Collect each test's engines right after it: an engine's object graph has cycles, and its KV pool
+    (up to ``cpu_kv_cache_gib``) would otherwise wait for a later cyclic collection, piling up GiBs."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -25,9 +25,6 @@ from sparse_serve.scheduler import Scheduler
 from sparse_serve.step_metadata import build_step_metadata
 from sparse_serve.tokenizer import Tokenizer
 
-# Chain records kept (busy ones included); idle ones past it are forgotten least recently used first.
-DEFAULT_MAX_NUM_CHAINS = 4096
-
 
 class LLMEngine:
     """Accepts requests and advances all of them one step at a time."""
@@ -69,7 +66,7 @@ class LLMEngine:
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching and exact_kv,
             salt=self._cache_salt(),
-            max_chains=getattr(config, "max_num_chains", None) or DEFAULT_MAX_NUM_CHAINS,
+            max_chains=config.max_num_chains,
         )
         self.chains = EngineChains(self.kv, self.method, self.runner.kv)
         self.scheduler = Scheduler(

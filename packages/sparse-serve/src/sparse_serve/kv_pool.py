@@ -39,8 +39,11 @@ def allocate_kv_pool(
 ) -> KVPool:
     shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     layers = range(cfg.num_hidden_layers)
-    k = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in layers)
-    v = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in layers)
+    # Kernels read only slots that were written. On CPU an uninitialised pool costs memory only as
+    # it fills (the OS maps pages on first touch); on GPU it is zeroed, so padded graph rows read zeros.
+    new = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+    k = tuple(new(shape, dtype=dtype, device=device) for _ in layers)
+    v = tuple(new(shape, dtype=dtype, device=device) for _ in layers)
     if not summaries:
         return KVPool(k, v)
     summary = (num_blocks, cfg.num_key_value_heads, cfg.head_dim)
