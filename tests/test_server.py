@@ -63,6 +63,21 @@ def test_token_id_prompt_and_engine_extensions(client, offline):
     assert out.choices[0].text == ref.text and out.usage.completion_tokens == 9
 
 
+def test_chain_turns_over_http_equal_offline_chains(client, offline):
+    """``chain_id`` / ``chain_append_start`` as extra body fields reach the engine's chain cache: two
+    turns over HTTP give what the same two turns give offline."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first, follow = offline.tokenizer.encode("def parse(text):"), offline.tokenizer.encode("\n    return")
+    ref1 = offline.generate([first], params, chain_id="ref")[0]
+    ref2 = offline.generate([follow], params, chain_id="ref", chain_append_start=len(first) + 6)[0]
+    body = {"ignore_eos": True, "chain_id": "http-1"}
+    out1 = client.completions.create(model=MODEL, prompt=first, max_tokens=6, temperature=0, extra_body=body)
+    body["chain_append_start"] = len(first) + 6
+    out2 = client.completions.create(model=MODEL, prompt=follow, max_tokens=6, temperature=0, extra_body=body)
+    assert [out1.choices[0].text, out2.choices[0].text] == [ref1.text, ref2.text]
+    assert ref2.chain_status == "resumed"
+
+
 def test_cached_tokens_reported(client):
     prompt = "class Parser:\n    def __init__(self, text):\n        self.text = text\n" * 2  # > 1 block
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)

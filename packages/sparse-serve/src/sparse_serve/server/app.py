@@ -27,7 +27,7 @@ from sparse_serve.config import EngineConfig
 from sparse_serve.engine import LLMEngine
 from sparse_serve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
 from sparse_serve.server.chat import ChatTemplate, ChatTemplateError
-from sparse_serve.server.errors import APIError, bad_request, from_validation_error, not_supported, server_error
+from sparse_serve.server.errors import APIError, bad_request, from_validation_error, server_error
 from sparse_serve.server.metrics import CONTENT_TYPE, ServerMetrics
 from sparse_serve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, unknown_model
 from sparse_serve.server.responses import ChatReply, CompletionReply
@@ -222,10 +222,15 @@ async def _parse(request: Request, model: type[T], state: _State) -> T:
 
 
 def _chain_extension(body: SamplingRequest) -> None:
-    """Extension point of the chain cache: ``chain_id`` / ``chain_append_start`` become engine
-    arguments here once the engine has a chain cache; until then they are refused."""
-    for name in body.chain_fields():
-        raise not_supported(name, "is not supported yet (the chain cache is not in this engine)")
+    """The chain cache's fields (``chain_id``, ``chain_append_start``) go to the engine as they are
+    (``_generate``); a ``chain_append_start`` needs the ``chain_id`` it applies to."""
+    fields = body.chain_fields()
+    if "chain_append_start" in fields and "chain_id" not in fields:
+        raise bad_request("`chain_append_start` needs a `chain_id`", param="chain_append_start")
+
+
+# Chain errors that are not plain bad input: an unknown chain (404) and a second writer (409).
+_CHAIN_STATUS = {"chain_not_found": 404, "chain_busy": 409}
 
 
 async def _encode(state: _State, text: str, add_special_tokens: bool) -> list[int]:
@@ -244,7 +249,7 @@ async def _generate(
 ) -> Response:
     params = body.sampling_params(len(prompt_ids), state.max_model_len, default_max_tokens)
     try:
-        stream = await state.engine.add(prompt_ids, params)
+        stream = await state.engine.add(prompt_ids, params, body.chain_fields())
     except QueueFullError as e:
         state.metrics.on_rejected("queue_full")
         message = f"The server is at capacity: {e}; retry later."
@@ -252,6 +257,9 @@ async def _generate(
     except EngineUnavailableError as e:
         raise server_error(503, str(e), code="engine_unavailable") from None
     except ValueError as e:
+        code = getattr(e, "code", None)  # the chain cache's errors name their case
+        if code is not None:
+            raise APIError(_CHAIN_STATUS.get(code, 400), str(e), param="chain_id", code=code) from None
         raise bad_request(str(e), param=body.prompt_field) from None
     if body.stream:
         return EventStreamResponse(sse_events(stream, reply, body.include_usage), on_close=stream.close)

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from sparse_serve.engine import LLMEngine
 from sparse_serve.outputs import RequestOutput
@@ -45,6 +45,7 @@ class _Add:
     outputs: asyncio.Queue
     accepted: asyncio.Future
     arrival: float
+    chain: dict = field(default_factory=dict)  # chain_id / chain_append_start, when the request names a chain
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,13 +127,24 @@ class AsyncEngine:
         with self._lock:
             return replace(self._snapshot, num_waiting=self._snapshot.num_waiting + self._num_queued)
 
-    async def add(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request and wait until the engine accepted it.
+    async def add(
+        self, prompt_token_ids: list[int], params: SamplingParams, chain: dict | None = None
+    ) -> RequestStream:
+        """Queue a request and wait until the engine accepted it (``chain``: ``chain_id`` /
+        ``chain_append_start`` for the engine's chain cache).
 
         Raises QueueFullError, EngineUnavailableError, or the engine's ValueError for bad input.
         """
         loop = asyncio.get_running_loop()
-        cmd = _Add(uuid.uuid4().hex, prompt_token_ids, params, asyncio.Queue(), loop.create_future(), time.monotonic())
+        cmd = _Add(
+            uuid.uuid4().hex,
+            prompt_token_ids,
+            params,
+            asyncio.Queue(),
+            loop.create_future(),
+            time.monotonic(),
+            dict(chain or {}),
+        )
         with self._lock:
             if self._unavailable is not None:
                 raise EngineUnavailableError(self._unavailable)
@@ -199,7 +211,7 @@ class AsyncEngine:
                 self.metrics.on_finished("abort", time.monotonic() - tracked.arrival)
             return
         try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id)
+            self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, **cmd.chain)
         except ValueError as e:
             error = e
         else:
