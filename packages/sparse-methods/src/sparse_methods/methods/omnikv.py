@@ -119,21 +119,28 @@ class OmniKV(SparseMethod):
         return layer in self.filter_layers
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        rid = request.request_id
+        c = self.config
+        return self._filtered(
+            self._chosen,
+            layer,
+            request.request_id,
+            view.kv_len,
+            lambda: omnikv_token_scores(view.query, view.keys, view.keys.shape[-1] ** -0.5),
+            (c.sink_keep_tokens, c.decode_keep_tokens, c.recent_keep_tokens),
+        )
+
+    def _filtered(self, store, layer, rid, length, scores, budget) -> Selection | None:
+        """A filter layer reads everything and stores the token set for the layers after it (None when
+        ``length`` fits the ``(sink, keep, recent)`` budget); other layers read the stored set."""
         if layer in self.filter_layers:
-            self._chosen[rid] = None
-            if view.kv_len > self.budget:
-                c = self.config
-                scores = omnikv_token_scores(view.query, view.keys, view.keys.shape[-1] ** -0.5)
-                self._chosen[rid] = keep_indices(
-                    scores.view(1, -1),
-                    kv_len=view.kv_len,
-                    sink=c.sink_keep_tokens,
-                    recent=c.recent_keep_tokens,
-                    num_middle=c.decode_keep_tokens,
+            sink, keep, recent = budget
+            store[rid] = None
+            if length > sink + keep + recent:
+                store[rid] = keep_indices(
+                    scores().view(1, -1), kv_len=length, sink=sink, recent=recent, num_middle=keep
                 )[0]
-            return None  # the filter layer itself attends to everything
-        chosen = self._chosen.get(rid)
+            return None
+        chosen = store.get(rid)
         if chosen is None:
             return None
         return Selection(chosen.view(1, -1).expand(self.shape.num_kv_heads, -1), 1)
@@ -150,23 +157,15 @@ class OmniKV(SparseMethod):
         return self.selects_prefill(layer) and layer in self.filter_layers
 
     def prefill_selection(self, layer: int, request: RequestStep, view: PrefillView) -> Selection | None:
-        rid = request.request_id
-        if layer in self.filter_layers:
-            self._history[rid] = None
-            if view.history_len > self.prefill_budget:
-                c = self.config
-                self._history[rid] = keep_indices(
-                    prefill_history_scores(view.queries, view.keys).view(1, -1),
-                    kv_len=view.history_len,
-                    sink=c.prefill_sink_tokens,
-                    recent=c.prefill_recent_tokens,
-                    num_middle=c.prefill_keep_tokens,
-                )[0]
-            return None
-        chosen = self._history.get(rid)
-        if chosen is None:
-            return None
-        return Selection(chosen.view(1, -1).expand(self.shape.num_kv_heads, -1), 1)
+        c = self.config
+        return self._filtered(
+            self._history,
+            layer,
+            request.request_id,
+            view.history_len,
+            lambda: prefill_history_scores(view.queries, view.keys),
+            (c.prefill_sink_tokens, c.prefill_keep_tokens, c.prefill_recent_tokens),
+        )
 
     def release(self, request_id: Hashable) -> None:
         self._chosen.pop(request_id, None)
