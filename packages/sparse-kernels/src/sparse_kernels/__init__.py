@@ -16,6 +16,11 @@ from sparse_kernels.compact import compact_kv
 from sparse_kernels.kv_store import store_kv
 from sparse_kernels.paged_decode import BatchDecodeWithPagedKVCache
 from sparse_kernels.paged_prefill import BatchPrefillWithPagedKVCache
+from sparse_kernels.rms_norm import fused_add_rms_norm, rms_norm
+from sparse_kernels.rope import rope_qk
+from sparse_kernels.silu_mul import silu_and_mul
+from sparse_kernels.page_bounds import page_bounds
+from sparse_kernels.summary_update import update_block_summaries
 
 __all__ = [
     "BACKEND_ENV",
@@ -25,6 +30,12 @@ __all__ = [
     "block_upper_bound",
     "causal_attention",
     "compact_kv",
+    "fused_add_rms_norm",
+    "page_bounds",
     "resolve_backend",
+    "rms_norm",
+    "rope_qk",
+    "silu_and_mul",
     "store_kv",
+    "update_block_summaries",
 ]

@@ -1,0 +1,87 @@
+"""Triton ``page_bounds``: one program per (row, KV head, tile of pages) reads summaries through the table."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_kernels._triton.launch import Kernel
+
+BLOCK_P = 32  # pages per program
+
+
+def _page_bounds_kernel(
+    q_ptr,
+    kmin_ptr,
+    kmax_ptr,
+    table_ptr,
+    indptr_ptr,
+    out_ptr,
+    stride_qb,
+    stride_qh,
+    max_pages,
+    sink,
+    recent,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    pages = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    start = tl.load(indptr_ptr + b).to(tl.int64)
+    num_pages = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
+    valid = pages < num_pages
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < HEAD_DIM
+    best = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+    if tl.program_id(2) * BLOCK_P < num_pages:
+        ids = tl.load(table_ptr + start + pages, mask=valid, other=0).to(tl.int64)
+        rows = (ids * NUM_KV_HEADS + h) * HEAD_DIM
+        m2 = valid[:, None] & dmask[None, :]
+        lo = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        hi = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
+        for g in tl.static_range(GROUP):
+            qh = tl.load(q_ptr + b * stride_qb + (h * GROUP + g) * stride_qh + offs_d, mask=dmask, other=0.0)
+            qh = qh.to(tl.float32)
+            bound = tl.sum(tl.maximum(qh, 0.0)[None, :] * hi + tl.minimum(qh, 0.0)[None, :] * lo, axis=1)
+            best = tl.maximum(best, bound)
+    forced = (pages < sink) | ((pages >= num_pages - recent) & valid)
+    best = tl.where(forced, float("inf"), best)
+    best = tl.where(valid, best, float("-inf"))
+    tl.store(out_ptr + (b * NUM_KV_HEADS + h) * max_pages + pages, best, mask=pages < max_pages)
+
+
+page_bounds_kernel = Kernel(_page_bounds_kernel)
+
+
+def page_bounds_triton(q, kmin, kmax, table_indices, table_indptr, out, sink: int, recent: int) -> torch.Tensor:
+    """Inputs already validated by ``sparse_kernels.page_bounds``; ``out`` must be contiguous."""
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = kmin.shape[1]
+    max_pages = out.shape[2]
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    page_bounds_kernel[(batch, num_kv_heads, triton.cdiv(max_pages, BLOCK_P))](
+        q,
+        kmin,
+        kmax,
+        table_indices,
+        table_indptr,
+        out,
+        q.stride(0),
+        q.stride(1),
+        max_pages,
+        sink,
+        recent,
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=num_qo_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_P=BLOCK_P,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,76 @@
+"""Quest's page upper bounds for a batch of decode queries, read through each row's block table.
+
+For row ``b``, KV head ``h`` and page ``p`` of the row's table, the bound of ``q . k`` over the
+page's keys is ``max over the query heads of h's group of sum_d max(q_d * kmax_d, q_d * kmin_d)``
+(a page matters if any head of the group may need it). Summaries are read in place through the
+table (no gathered copies); pages past the row's length get ``-inf``, pages always kept (the first
+``sink`` and the last ``recent`` of the row) get ``+inf``, so a plain top-k over the output picks a
+selection. Device-only with a fixed grid (``max_pages`` static), so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_kernels._backend import resolve_backend
+
+
+def page_bounds(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    table_indices: torch.Tensor,
+    table_indptr: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    sink: int = 0,
+    recent: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Write ``out[b, h, p]`` (float32 ``[B, num_kv_heads, max_pages]``) and return it.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``[B, num_qo_heads, head_dim]``, one decode query per row (rows may be strided).
+    kmin, kmax : torch.Tensor
+        ``[num_blocks, num_kv_heads, head_dim]`` block summaries (any float dtype).
+    table_indices : torch.Tensor
+        int32 ``[nnz]`` block ids; row ``b``'s table is ``table_indices[table_indptr[b]:table_indptr[b+1]]``
+        (non-empty, at most ``max_pages`` long).
+    table_indptr : torch.Tensor
+        int32 ``[B + 1]`` on the device.
+    out : torch.Tensor
+        float32 ``[B, num_kv_heads, max_pages]``, caller-owned.
+    sink, recent : int
+        Pages forced to ``+inf``: ``p < sink`` and ``num_pages - recent <= p < num_pages``.
+    """
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = kmin.shape[1]
+    if kmin.shape != kmax.shape or kmin.shape[2] != head_dim or num_qo_heads % num_kv_heads:
+        raise ValueError(f"incompatible q {list(q.shape)}, kmin {list(kmin.shape)}, kmax {list(kmax.shape)}")
+    if out.dim() != 3 or tuple(out.shape[:2]) != (batch, num_kv_heads) or out.dtype != torch.float32:
+        raise ValueError(f"out must be float32 [{batch}, {num_kv_heads}, max_pages], got {out.dtype} {list(out.shape)}")
+    if table_indptr.shape != (batch + 1,):
+        raise ValueError(f"table_indptr must be [B + 1] = [{batch + 1}], got {list(table_indptr.shape)}")
+    if batch == 0:
+        return out
+    if resolve_backend(backend, q.device) == "triton":
+        from sparse_kernels._triton.page_bounds import page_bounds_triton
+
+        return page_bounds_triton(q, kmin, kmax, table_indices, table_indptr, out, sink, recent)
+    max_pages = out.shape[2]
+    start = table_indptr[:-1].to(torch.int64)[:, None]
+    num_pages = (table_indptr[1:] - table_indptr[:-1]).to(torch.int64)[:, None]  # [B, 1]
+    page = torch.arange(max_pages, device=q.device)[None, :]
+    ids = table_indices.to(torch.int64)[start + torch.minimum(page, num_pages - 1)]  # [B, P]
+    group = num_qo_heads // num_kv_heads
+    qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    hi = kmax[ids].float().permute(0, 2, 3, 1)  # [B, Hkv, D, P]
+    lo = kmin[ids].float().permute(0, 2, 3, 1)
+    bound = (qg.clamp(min=0) @ hi + qg.clamp(max=0) @ lo).amax(2)  # [B, Hkv, P]
+    page, num_pages = page[:, None], num_pages[:, :, None]
+    forced = (page < sink) | ((page >= num_pages - recent) & (page < num_pages))
+    bound = bound.masked_fill(forced, float("inf")).masked_fill(page >= num_pages, float("-inf"))
+    out.copy_(bound)
+    return out
