@@ -1,0 +1,114 @@
+"""``sparse-serve bench-agent``: the agent workload (``bench.agent``) over several concurrency levels on
+one engine, one system per invocation (``--append`` collects systems in one folder)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from sparse_serve.bench.command import DEFAULT_BENCH_MODEL, _command_line, _ints
+
+
+def _range(text: str) -> tuple[int, int]:
+    values = _ints(text)
+    if len(values) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"expected N or MIN,MAX, got {text!r}")
+    return (values[0], values[-1])
+
+
+def add_agent_parser(sub, add_engine_flags: Callable, engine_config_from_args: Callable) -> None:
+    """Register ``bench-agent`` on the CLI's subparsers (the engine flags come from ``cli``)."""
+    p = sub.add_parser(
+        "bench-agent", help="concurrent multi-turn agent sessions end to end (chains vs radix prefix cache)"
+    )
+    p.add_argument("--model", default=str(DEFAULT_BENCH_MODEL), help="model folder (default: Qwen3-8B shape config)")
+    p.add_argument("--sessions", type=_ints, default=(4, 8, 16), help="comma-separated concurrency levels S")
+    p.add_argument("--turns", type=int, default=8, help="turns per session (the first is system + task)")
+    p.add_argument("--system-tokens", type=int, default=2048, help="system prompt shared by every session of a run")
+    p.add_argument("--task-tokens", type=int, default=512, help="each session's own task after the system prompt")
+    p.add_argument("--tool-tokens", type=_range, default=(2048, 4096), help="tool output per later turn: N or MIN,MAX")
+    p.add_argument("--output-tokens", type=int, default=256, help="tokens generated per turn (ignore_eos)")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the token ids (run i uses seed + 1 + i)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the small untimed run before the sweep")
+    p.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--out", type=Path, default=Path("results/agent/latest"), help="folder for agent.json/.md/.png")
+    p.add_argument("--append", action="store_true", help="add to the folder's agent.json instead of replacing it")
+    p.add_argument("--no-progress", action="store_true")
+    add_engine_flags(p)
+    p.set_defaults(func=lambda args: _bench_agent(args, engine_config_from_args), bench_parser=p)
+
+
+def run_agent_sweep(config, base, sessions: tuple[int, ...], *, warmup: bool, commit: str | None, progress: bool):
+    """One engine for ``config``; an untimed warm-up (unless not ``warmup``), then ``base`` at each S."""
+    from sparse_serve.bench.agent import run_agent_workload
+    from sparse_serve.bench.probes import environment
+    from sparse_serve.bench.suite import engine_settings
+    from sparse_serve.engine import LLMEngine
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(config)
+    load = time.perf_counter() - t0
+    invocation = {
+        "environment": environment(engine.runner.device, commit),
+        "settings": engine_settings(engine),
+        "load_seconds": load,
+        "warmup_seconds": 0.0,
+        "runs": [],
+    }
+    if warmup:  # compiles kernels and touches every path (compression too) before anything is timed
+        t0 = time.perf_counter()
+        small = dataclasses.replace(base, num_sessions=2, num_turns=min(base.num_turns, 3), output_tokens=8)
+        run_agent_workload(engine, small)
+        invocation["warmup_seconds"] = time.perf_counter() - t0
+    if progress:
+        print(f"engine load {load:.1f} s, warm-up {invocation['warmup_seconds']:.1f} s", file=sys.stderr)
+    for i, s in enumerate(sessions):
+        workload = dataclasses.replace(base, num_sessions=s, seed=base.seed + 1 + i)
+        try:
+            run = run_agent_workload(engine, workload)
+        except (RuntimeError, ValueError) as e:  # the engine's state is unknown after this: stop here
+            invocation["runs_failed"] = {"num_sessions": s, "error": f"{type(e).__name__}: {e}"[:500]}
+            break
+        invocation["runs"].append(run)
+        if progress:
+            m = run["summary"]
+            print(
+                f"{run['system']} S={s}: {m['wall_seconds']:.1f} s, {m['turns_per_s']:.2f} turns/s, "
+                f"prefilled {m['prefilled_tokens']}, preemptions {m['preemptions']}",
+                file=sys.stderr,
+            )
+    del engine
+    gc.collect()
+    return invocation
+
+
+def _bench_agent(args: argparse.Namespace, engine_config_from_args: Callable) -> int:
+    from sparse_serve.bench.agent import AgentWorkload
+    from sparse_serve.bench.agent_report import markdown_table, write_agent_report
+    from sparse_serve.config import EngineConfig
+
+    config = engine_config_from_args(args)
+    if "load_format" not in config.model_fields_set:  # benchmarks default to random weights
+        config = EngineConfig(**config.model_dump(exclude_unset=True), load_format="dummy")
+    base = AgentWorkload(
+        num_sessions=1,
+        num_turns=args.turns,
+        system_tokens=args.system_tokens,
+        task_tokens=args.task_tokens,
+        tool_tokens=args.tool_tokens,
+        output_tokens=args.output_tokens,
+        seed=args.workload_seed,
+    )
+    invocation = run_agent_sweep(
+        config, base, args.sessions, warmup=not args.no_warmup, commit=args.commit, progress=not args.no_progress
+    )
+    invocation["command"] = _command_line(args).replace("sparse-serve bench", "sparse-serve bench-agent", 1)
+    paths = write_agent_report(args.out, invocation, append=args.append)
+    print(markdown_table(invocation["runs"]))
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0 if "runs_failed" not in invocation else 1
