@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sparse_serve.bench.command import add_bench_parser
 
     add_bench_parser(sub, add_engine_flags, engine_config_from_args)
+    from sparse_serve.bench.agent_command import add_agent_parser
+
+    add_agent_parser(sub, add_engine_flags, engine_config_from_args)
     return parser
 
 
