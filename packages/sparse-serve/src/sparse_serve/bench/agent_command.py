@@ -77,9 +77,12 @@ def run_agent_sweep(config, base, sessions: tuple[int, ...], *, warmup: bool, co
         invocation["runs"].append(run)
         if progress:
             m = run["summary"]
+            secs = {k: round(v, 2) for k, v in m["run_seconds_by_kind"].items()}
             print(
                 f"{run['system']} S={s}: {m['wall_seconds']:.1f} s, {m['turns_per_s']:.2f} turns/s, "
-                f"prefilled {m['prefilled_tokens']}, preemptions {m['preemptions']}",
+                f"prefilled {m['prefilled_tokens']}, preemptions {m['preemptions']}, steps {m['steps_by_kind']}, "
+                f"run s {secs}, "
+                f"peak blocks {m['peak_kv_blocks_in_use']}/{m['num_kv_blocks']}",
                 file=sys.stderr,
             )
     del engine
