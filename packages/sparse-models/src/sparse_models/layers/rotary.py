@@ -12,7 +12,10 @@ import math
 import torch
 from torch import nn
 
+from sparse_kernels import rope_qk
+from sparse_kernels.rope import apply_rotary  # noqa: F401  (re-exported: the reference rotation)
 from sparse_models.config import RopeScaling
+from sparse_models.layers.norm import RMSNorm
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -39,20 +42,12 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tenso
     return torch.where(in_band, blended, scaled)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by per-token angles given as ``cos, sin [T, D/2]`` (computed in x's dtype)."""
-    cos = cos.to(x.dtype).unsqueeze(1)  # [T, 1, D/2], broadcast over heads
-    sin = sin.to(x.dtype).unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position up to ``max_position``, computed once in fp32.
 
-    One instance serves all layers: the model looks the step's positions up once per forward and
-    hands ``(cos, sin)`` to each layer. The table is a non-persistent buffer, so it never appears in
-    a checkpoint; positions must be ``< max_position``.
+    One instance serves all layers: the model hands it to each attention layer, which rotates its
+    q and k with it. The table is a non-persistent buffer, so it never appears in a checkpoint;
+    positions must be ``< max_position``.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None = None):
@@ -63,6 +58,22 @@ class RotaryEmbedding(nn.Module):
         angles = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
         self.register_buffer("cos_sin", torch.cat((angles.cos(), angles.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [T] int64 -> (cos, sin)``, each [T, D/2] fp32."""
-        return self.cos_sin[positions].chunk(2, dim=-1)
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]`` (int64), after the per-head
+        ``q_norm`` / ``k_norm`` when given (Qwen3). One fused kernel on CUDA, HF's sequence of ops on
+        CPU (see ``sparse_kernels.rope``); returns new contiguous tensors."""
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("pass both q_norm and k_norm, or neither")
+        weights = {}
+        if q_norm is not None:
+            if q_norm.eps != k_norm.eps:
+                raise ValueError(f"q_norm and k_norm must share eps, got {q_norm.eps} and {k_norm.eps}")
+            weights = dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=q_norm.eps)
+        return rope_qk(q, k, positions, self.cos_sin, **weights)

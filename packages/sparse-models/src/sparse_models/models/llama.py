@@ -7,6 +7,10 @@ Mistral slides a window over the KV (which the attention backend applies, not th
 
 Tensors are a flat varlen batch: the tokens of all sequences concatenated, ``T`` in total; which
 token belongs to which sequence is the attention backend's business alone.
+
+Each decoder layer returns its MLP output and the residual stream apart; the next layer's first norm
+adds them (vLLM's ``RMSNorm(x, residual)``), so on CUDA every residual add rides in a fused add+norm
+kernel, and q/k norm + RoPE, SiLU*mul are one kernel each. On CPU the same calls run HF's ops.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from sparse_models.layers import (
     RotaryEmbedding,
     SiluAndMul,
     VocabEmbedding,
-    apply_rotary,
 )
 from sparse_models.registry import register_model
 
@@ -46,16 +49,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: AttentionBackend
+    ) -> torch.Tensor:
+        # Views of the merged projection, no copies: the RoPE kernel and the KV store read strided rows.
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 norms each head first
         o = attn.forward(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
-        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))  # a view of the kernels' output
 
 
 class MLP(nn.Module):
@@ -80,9 +84,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp_out, h)``: this layer's output is ``h + mlp_out``, left for the next norm to add.
+
+        ``x`` is the previous layer's MLP output and ``residual`` its residual stream (None for the
+        first layer, whose ``x`` is the embedding).
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rotary, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -96,11 +117,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions)  # [T, D/2] each, shared by all layers
+        x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary_emb, attn)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 @register_model("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
