@@ -188,7 +188,7 @@ def test_engine_takes_the_batched_path_when_the_kernels_can(monkeypatch):
         real_plan(method, meta, group)
         selective._batched = "planned" if meta.num_decode_tokens else None
 
-    def run_batched(method, layer, q, k, v, kmin, kmax, out):
+    def run_batched(method, layer, q, k, v, kmin, kmax, out, dense=None):
         calls["batched"] += 1
         return real_run(method, layer, q, k, v, kmin, kmax, attention._meta, attention._meta.groups[0], out)
 
@@ -237,3 +237,87 @@ def test_omnikv_prefill_chunks_read_only_their_budget():
     selective = llm.engine.runner.attention.selective_prefill
     assert selective.num_selections > 0 and selective.max_history_read == 4 + 32 + 16
     assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+def _decode_step(llm, prompts, max_tokens=40):
+    """A decode-only step's metadata after the prompts' prefill."""
+    from sparse_serve.step_metadata import build_step_metadata
+
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0), request_id=str(i))
+    while any(r.num_computed_tokens < r.prefill_len for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    batch = engine.scheduler.schedule()
+    return build_step_metadata(batch, engine.kv.table, engine.config.block_size)
+
+
+def _dense_plan(attention, group, backend):
+    from sparse_kernels import BatchDecodeWithPagedKVCache
+
+    dense = BatchDecodeWithPagedKVCache("cpu", backend=backend)
+    dense.plan(
+        group.decode_kv_indptr,
+        group.decode_kv_indices,
+        group.decode_kv_last_len,
+        sm_scale=attention.sm_scale,
+        **attention.shape,
+    )
+    return dense
+
+
+@pytest.mark.parametrize("pad", [0, 2])
+def test_omnikv_device_set_equals_the_host_path(pad):
+    """OmniKV's batched path (the filter layer scores every row's tokens on the device, the next layer
+    reads the set through slot lists; Triton under the interpreter) equals the host path, with a CUDA
+    graph's padding rows beside the requests."""
+    from sparse_serve.cuda_graphs import pad_decode_metadata
+    from sparse_serve.selective_decode import SelectiveDecode
+
+    llm = _llm(sparse_method="omnikv", sink_keep_tokens=4, decode_keep_tokens=20, recent_keep_tokens=8)
+    meta = _decode_step(llm, PROMPTS[:3])
+    engine, attention, pool = llm.engine, llm.engine.runner.attention, llm.engine.runner.kv
+    method = engine.method
+    filt = method.filter_layers[0]
+    gen = torch.Generator().manual_seed(1)
+    q_filter, q_next = (torch.randn(3, 8, 64, generator=gen) for _ in range(2))
+    host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
+    group = meta.groups[0]
+    for layer, q in ((filt, q_filter), (filt + 1, q_next)):
+        args = (pool.k[layer], pool.v[layer], None, None)
+        expected = host.run(method, layer, q, *args, meta, group, torch.empty_like(q))
+    padded = pad_decode_metadata(meta, 3 + pad) if pad else meta
+    fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
+    fast.plan_step(method, padded, padded.groups[0])
+    assert fast.batched and fast.graph_key() is not None  # every row selects: graph-eligible
+    dense = _dense_plan(attention, padded.groups[0], "triton")
+    for layer, q in ((filt, q_filter), (filt + 1, q_next)):
+        q = torch.cat([q, torch.zeros(pad, *q.shape[1:])])
+        args = (pool.k[layer], pool.v[layer], None, None)
+        got = fast.run_batched(method, layer, q, *args, torch.empty_like(q), dense=dense)
+    torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=1e-5)
+    host_sets = [method._chosen[str(i)].tolist() for i in range(3)]
+    assert method._device_set[:3].tolist() == host_sets
+
+
+def test_quest_uniform_step_with_padding_rows_equals_the_host_path():
+    """Quest's batched path on a step where every request selects (the CUDA-graph case), plus padding rows."""
+    from sparse_serve.cuda_graphs import pad_decode_metadata
+    from sparse_serve.selective_decode import SelectiveDecode
+
+    llm = _llm(sparse_method="quest", sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16)
+    meta = _decode_step(llm, [PROMPTS[0], PROMPTS[1], PROMPTS[3]])
+    engine, attention, pool = llm.engine, llm.engine.runner.attention, llm.engine.runner.kv
+    q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
+    layer = 3
+    args = (pool.k[layer], pool.v[layer], pool.kmin[layer], pool.kmax[layer])
+    host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
+    expected = host.run(engine.method, layer, q, *args, meta, meta.groups[0], torch.empty_like(q))
+    assert host.num_selections == 3
+    padded = pad_decode_metadata(meta, 5)
+    fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
+    fast.plan_step(engine.method, padded, padded.groups[0])
+    assert fast.graph_key() is not None
+    q5 = torch.cat([q, torch.randn(2, 8, 64)])
+    got = fast.run_batched(engine.method, layer, q5, *args, torch.empty_like(q5))
+    torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=1e-5)

@@ -42,11 +42,12 @@ def test_bounds_equal_the_loop(backend, sink, recent, triton_device):
     tables = [perm[:7], perm[7:8], perm[8:45]]  # lengths 7, 1, 32
     q = torch.randn(3, hq, d, generator=gen).bfloat16()
     max_pages = 36
-    indptr = torch.tensor([0, 7, 8, 40], dtype=torch.int32)
+    start = torch.tensor([0, 7, 8], dtype=torch.int64)
+    num_pages = torch.tensor([7, 1, 32], dtype=torch.int32)
     indices = torch.tensor(sum(tables, []), dtype=torch.int32)
     out = torch.empty(3, hkv, max_pages, device=device)
     page_bounds(
-        q.to(device), kmin.to(device), kmax.to(device), indices.to(device), indptr.to(device), out,
+        q.to(device), kmin.to(device), kmax.to(device), indices.to(device), start.to(device), num_pages.to(device), out,
         sink=sink, recent=recent, backend=backend,
     )
     torch.testing.assert_close(out.cpu(), _loop(q, kmin, kmax, tables, max_pages, sink, recent), rtol=1e-5, atol=1e-4)

@@ -20,6 +20,7 @@ from sparse_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from sparse_kernels.rope import rope_qk
 from sparse_kernels.silu_mul import silu_and_mul
 from sparse_kernels.page_bounds import page_bounds
+from sparse_kernels.paged_logits import paged_logits
 from sparse_kernels.summary_update import update_block_summaries
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "compact_kv",
     "fused_add_rms_norm",
     "page_bounds",
+    "paged_logits",
     "resolve_backend",
     "rms_norm",
     "rope_qk",

@@ -20,7 +20,8 @@ def page_bounds(
     kmin: torch.Tensor,
     kmax: torch.Tensor,
     table_indices: torch.Tensor,
-    table_indptr: torch.Tensor,
+    table_start: torch.Tensor,
+    num_pages: torch.Tensor,
     out: torch.Tensor,
     *,
     sink: int = 0,
@@ -36,10 +37,10 @@ def page_bounds(
     kmin, kmax : torch.Tensor
         ``[num_blocks, num_kv_heads, head_dim]`` block summaries (any float dtype).
     table_indices : torch.Tensor
-        int32 ``[nnz]`` block ids; row ``b``'s table is ``table_indices[table_indptr[b]:table_indptr[b+1]]``
-        (non-empty, at most ``max_pages`` long).
-    table_indptr : torch.Tensor
-        int32 ``[B + 1]`` on the device.
+        int32 ``[nnz]`` block ids; row ``b``'s table is
+        ``table_indices[table_start[b] : table_start[b] + num_pages[b]]``.
+    table_start, num_pages : torch.Tensor
+        int32 or int64 ``[B]`` on the device; ``1 <= num_pages[b] <= max_pages``.
     out : torch.Tensor
         float32 ``[B, num_kv_heads, max_pages]``, caller-owned.
     sink, recent : int
@@ -51,17 +52,17 @@ def page_bounds(
         raise ValueError(f"incompatible q {list(q.shape)}, kmin {list(kmin.shape)}, kmax {list(kmax.shape)}")
     if out.dim() != 3 or tuple(out.shape[:2]) != (batch, num_kv_heads) or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 [{batch}, {num_kv_heads}, max_pages], got {out.dtype} {list(out.shape)}")
-    if table_indptr.shape != (batch + 1,):
-        raise ValueError(f"table_indptr must be [B + 1] = [{batch + 1}], got {list(table_indptr.shape)}")
+    if table_start.shape != (batch,) or num_pages.shape != (batch,):
+        raise ValueError(f"table_start and num_pages must be [B] = [{batch}]")
     if batch == 0:
         return out
     if resolve_backend(backend, q.device) == "triton":
         from sparse_kernels._triton.page_bounds import page_bounds_triton
 
-        return page_bounds_triton(q, kmin, kmax, table_indices, table_indptr, out, sink, recent)
+        return page_bounds_triton(q, kmin, kmax, table_indices, table_start, num_pages, out, sink, recent)
     max_pages = out.shape[2]
-    start = table_indptr[:-1].to(torch.int64)[:, None]
-    num_pages = (table_indptr[1:] - table_indptr[:-1]).to(torch.int64)[:, None]  # [B, 1]
+    start = table_start.to(torch.int64)[:, None]
+    num_pages = num_pages.to(torch.int64)[:, None]  # [B, 1]
     page = torch.arange(max_pages, device=q.device)[None, :]
     ids = table_indices.to(torch.int64)[start + torch.minimum(page, num_pages - 1)]  # [B, P]
     group = num_qo_heads // num_kv_heads

@@ -208,6 +208,39 @@ class Selection:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """A batch of decode queries, on the device, for selection without host sync (the batched path).
+
+    Every tensor lives on the device and every shape is fixed by host values known at plan time, so
+    a hook given one can run inside a CUDA graph (no ``.item()``, no data-dependent shapes).
+
+    ``query``: ``[B, num_q_heads, head_dim]``. ``kv_lens``: int64 ``[B]``, slots each row holds in
+    this layer (its newest included). ``table_indices`` / ``table_start``: row ``b``'s blocks in table
+    order are ``table_indices[table_start[b] : table_start[b] + ceil(kv_lens[b] / block_size)]``
+    (``table_start`` int64 ``[B]``). ``max_pages``: no row holds more blocks (a static width for
+    per-page or per-token outputs). ``page_min`` / ``page_max``: the pool's block summaries
+    ``[num_blocks, num_kv_heads, head_dim]`` when the store keeps them. ``key_cache``: the layer's
+    keys ``[num_blocks, block_size, num_kv_heads, head_dim]`` when the method asked for them
+    (``needs_decode_keys``). ``sm_scale``: the attention's softmax scale.
+    """
+
+    query: torch.Tensor
+    kv_lens: torch.Tensor
+    table_indices: torch.Tensor
+    table_start: torch.Tensor
+    max_pages: int
+    block_size: int
+    page_min: torch.Tensor | None = None
+    page_max: torch.Tensor | None = None
+    key_cache: torch.Tensor | None = None
+    sm_scale: float = 1.0
+
+    @property
+    def num_pages(self) -> torch.Tensor:
+        return (self.kv_lens + self.block_size - 1) // self.block_size
+
+
+@dataclass(frozen=True, slots=True)
 class Compaction:
     """Kept slots of one request: ``keep[l]`` is None (layer unchanged) or ``[num_kv_heads, n_l]``
     int64 indices into the layer's current slots, ascending in each row."""
@@ -283,25 +316,40 @@ class SparseMethod(ABC):
         return None
 
     batched_selection: ClassVar[bool] = False
-    """Whether the method also selects pages for a whole batch on the device (``select_batched``),
-    which the engine uses on GPU kernels so that no layer waits for the host."""
+    """Whether the method also selects for a whole batch on the device (``select_batched``), which
+    the engine uses on GPU kernels so that no layer waits for the host (and, when every row of a
+    decode step selects the same number of entries, replays the step as a CUDA graph)."""
+
+    def selection_page_size(self, block_size: int) -> int:
+        """Slots per entry of ``select_batched``'s answers: ``block_size`` (pages) or 1 (single slots)."""
+        return block_size
 
     def selection_size(self, kv_len: int, page_size: int) -> int | None:
-        """Pages of ``page_size`` slots that ``select_batched`` picks per KV head for a context of
+        """Entries of ``page_size`` slots that a selecting layer reads per KV head for a context of
         ``kv_len``, or None when the query reads everything (must agree with ``decode_selection``)."""
         return None
 
-    def select_batched(
-        self,
-        layer: int,
-        query: torch.Tensor,
-        page_min: torch.Tensor,
-        page_max: torch.Tensor,
-        num_pages: torch.Tensor,
-        page_size: int,
-    ) -> torch.Tensor:
-        """``[B, num_kv_heads, size]`` ascending page indices (the newest page last) for a batch whose
-        requests all select ``size`` pages: the same choice ``decode_selection`` makes, on the device."""
+    def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
+        """Tokens (per KV head) a decode query of a ``kv_len`` context reads in ``layer`` (reports)."""
+        if not self.selects_decode(layer):
+            return kv_len
+        size = self.selection_size(kv_len, self.selection_page_size(block_size))
+        return kv_len if size is None else size * self.selection_page_size(block_size)
+
+    def observes_decode_batch(self, layer: int) -> bool:
+        """Batched path: ``layer`` (a selecting one) reads every slot and hands the batch to
+        ``observe_decode_batch`` instead of calling ``select_batched`` (e.g. a filter layer that picks
+        what the next layers read)."""
+        return False
+
+    def observe_decode_batch(self, layer: int, batch: DecodeBatch) -> None:  # noqa: B027
+        """Batched path: look at an ``observes_decode_batch`` layer's batch, on the device, no host sync."""
+
+    def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
+        """``[B, num_kv_heads, size]`` ascending entry indices (units of ``selection_page_size``, in
+        table order, the newest last) for a batch whose rows all select ``size`` entries: the same
+        choice ``decode_selection`` makes, made on the device without host sync. Entries past a
+        row's length (padding rows of a CUDA graph) are allowed and read the row's last entry."""
         raise NotImplementedError(f"{self.name} has no batched selection")
 
     def finish_step(self) -> Mapping[Hashable, Compaction]:

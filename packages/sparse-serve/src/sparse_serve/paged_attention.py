@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from sparse_kernels import BatchDecodeWithPagedKVCache, BatchPrefillWithPagedKVCache, block_summary, store_kv
+from sparse_kernels import (
+    BatchDecodeWithPagedKVCache,
+    BatchPrefillWithPagedKVCache,
+    block_summary,
+    store_kv,
+    update_block_summaries,
+)
 from sparse_methods import LayerAttention, SparseMethod
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.selective_decode import SelectiveDecode
@@ -85,9 +91,11 @@ class PagedAttention:
         self._plans: list[_GroupPlan] = [_GroupPlan(self.device, max_num_tokens, max_batch_size, max_num_pages)]
         self._meta: StepMetadata | None = None
         self.sm_scale = head_dim**-0.5
-        self.selective = SelectiveDecode(self.device, self.shape, self.sm_scale)
+        self.selective = SelectiveDecode(
+            self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
+        )
         self.selective_prefill = SelectivePrefill(self.device, self.shape, self.sm_scale)
-        self._touched: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._touched: list[tuple[torch.Tensor, torch.Tensor]] | None = []  # None: summaries from slot mappings
 
     def plan(self, meta: StepMetadata) -> None:
         """Prepare one step: copy each layer group's slot mapping and plan its kernels."""
@@ -97,9 +105,14 @@ class PagedAttention:
         for plan, group in zip(self._plans, meta.groups, strict=False):
             plan.plan(group, meta, self.shape, self.sm_scale)
         if self.pool.kmin is not None:
-            self._touched = [self._touched_blocks(group, meta) for group in meta.groups]
+            # A decode-only step writes one token per request, each into its own block: the summaries
+            # follow from the slot mapping on the device (graph-safe). Prefill chunks recompute blocks.
+            decode_only = meta.num_prefill_requests == 0
+            self._touched = None if decode_only else [self._touched_blocks(group, meta) for group in meta.groups]
         if self.method is not None and len(meta.groups) == 1:
             self.selective.plan_step(self.method, meta, meta.groups[0])
+        else:
+            self.selective.reset()
 
     def _touched_blocks(self, group: LayerGroupMetadata, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks this step writes in the group's layers, and how many valid tokens each then holds."""
@@ -125,8 +138,12 @@ class PagedAttention:
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         group = meta.groups[group_idx]
         if self.pool.kmin is not None:
-            blocks, valid = self._touched[group_idx]
-            block_summary(k_cache, blocks, valid, self.pool.kmin[layer_idx], self.pool.kmax[layer_idx])
+            kmin, kmax = self.pool.kmin[layer_idx], self.pool.kmax[layer_idx]
+            if self._touched is None:
+                update_block_summaries(k_cache, plan.slot_mapping, kmin, kmax)
+            else:
+                blocks, valid = self._touched[group_idx]
+                block_summary(k_cache, blocks, valid, kmin, kmax)
         nd = meta.num_decode_tokens
         has_prefill = meta.num_prefill_requests > 0
         method = self.method
@@ -142,8 +159,12 @@ class PagedAttention:
                 summaries = self.pool.kmin is not None
                 kmin = self.pool.kmin[layer_idx] if summaries else None
                 kmax = self.pool.kmax[layer_idx] if summaries else None
-                if self.selective.batched:  # pages picked on the device, no host sync
-                    self.selective.run_batched(method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
+                if self.selective.reads_all:  # no row selects this step: the dense plan
+                    plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
+                elif self.selective.batched:  # picked on the device, no host sync
+                    self.selective.run_batched(
+                        method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd], dense=plan.decode
+                    )
                 else:
                     self.selective.run(method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
             elif nd:

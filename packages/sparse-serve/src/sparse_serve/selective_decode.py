@@ -10,98 +10,226 @@ scale with the budget rather than the context.
 Two paths choose the same lists. The host path asks ``decode_selection`` per query and builds the
 lists on the host (one sync per layer; any method, any kernel backend). The batched path, for
 methods with ``batched_selection`` on the Triton kernels, plans the list structure once per step
-(lengths are known from ``selection_size``) and, per layer, writes the pages the method picks on the
-device straight into the kernel's index buffer: no host sync inside the forward.
+(lengths are known from ``selection_size``) and, per layer, writes what the method picks on the
+device (``select_batched`` over a ``DecodeBatch`` that reads the step's block tables in place)
+straight into the kernel's index buffer: no host sync inside the forward. When every row selects
+the same number of entries (``uniform``) everything the forward reads lives in fixed buffers, so
+the step can be captured and replayed as a CUDA graph (``graph_key``); rows past the step's requests
+(a graph's padding) select too, on their one-token table, and their outputs are dropped.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from sparse_kernels import BatchDecodeWithPagedKVCache
 from sparse_methods import DecodeView, Selection, SparseMethod
+from sparse_methods.base import DecodeBatch
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots
+
+WIDTH_QUANTUM = 256  # static table width (pages) rounds up to this, so a graph serves many steps
+
+
+@dataclass(frozen=True, slots=True)
+class _BatchedStep:
+    """One step's batched plan (device tensors are views of fixed buffers when ``rows`` is None)."""
+
+    rows: torch.Tensor | None  # int64 [n] decode rows that select, None: all of them (uniform)
+    positions: torch.Tensor | None  # int64 [n * Hkv * size] index-buffer slots to fill, None: the first ones
+    starts: torch.Tensor  # int64 [n]: each selecting row's first entry in the table buffer
+    kv_lens: torch.Tensor  # int64 [n]
+    size: int  # entries each (row, KV head) list reads
+    unit: int  # slots per entry (block size, or 1)
+    max_pages: int  # static table width
 
 
 class SelectiveDecode:
-    def __init__(self, device: torch.device, shape: dict, sm_scale: float, backend: str = "auto"):
+    def __init__(
+        self,
+        device: torch.device,
+        shape: dict,
+        sm_scale: float,
+        backend: str = "auto",
+        *,
+        max_batch_size: int | None = None,
+        max_num_pages: int | None = None,
+    ):
         self.backend = backend
-        self.decode = {}  # page size -> wrapper (a plan's page size is fixed per wrapper)
+        self.decode = {}  # host path: page size -> wrapper (a plan's page size is fixed per wrapper)
         self.device = device
         self.shape = shape
         self.sm_scale = sm_scale
+        self.max_batch_size = max_batch_size
+        self.max_num_pages = max_num_pages  # of the step's dense tables (the table buffer's capacity)
         self.pages_read = 0  # list entries read by selective decodes so far, for reports
         self.tokens_read = 0  # KV tokens (per KV head) read by selective decodes so far
         self.max_list_pages = 0  # longest (request, KV head) list so far, in its page size
         self.num_selections = 0  # decode queries whose method chose a subset (not None)
 
-        self._batched = None  # this step's batched plan, or None (host path)
+        self._fast: dict[int, tuple[BatchDecodeWithPagedKVCache, int]] = {}  # unit -> (wrapper, entry capacity)
+        self._table = torch.zeros(max_num_pages or 0, dtype=torch.int32, device=device)
+        self._rows = torch.zeros(2 * (max_batch_size or 0), dtype=torch.int64, device=device)
+        self._batched: _BatchedStep | None = None  # this step's batched plan, or None (host path)
+        self.reads_all = False  # this step's decode rows all read everything: selecting layers run dense
 
     def plan_step(self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata) -> None:
         """Plan the batched path for this step's decode rows, or fall back to the host path (None)."""
-        self._batched = None
+        self.reset()
         nd = meta.num_decode_tokens
-        wrapper = self._wrapper(self.shape["block_size"])
-        if not nd or not method.batched_selection or wrapper.backend != "triton":
+        if not nd or not method.batched_selection or self._wrapper(self.shape["block_size"]).backend != "triton":
             return
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
+        unit = method.selection_page_size(bs)
+        size, uniform = self.uniform_size(method, meta, group)
+        if size is None:
+            self.reads_all = uniform  # every row reads everything: the dense plan serves them
+            return
+        real = min(nd, len(meta.steps))  # rows past the requests are a CUDA graph's padding
         kv_lens = [group.kv_lens[i] + 1 for i in range(nd)]
-        sizes = [method.selection_size(n, bs) for n in kv_lens]
-        chosen_sizes = {s for s in sizes if s is not None}
-        if len(chosen_sizes) > 1:
-            return  # rows would pick different numbers of pages: host path
-        size = chosen_sizes.pop() if chosen_sizes else 0
-        indptr, indices, last_len, positions, rows, tables = [0], [], [], [], [], []
-        for i, (kv_len, sel) in enumerate(zip(kv_lens, sizes, strict=True)):
-            blocks = meta.tables[i].block_ids[: -(-kv_len // bs)]
-            tail = kv_len - (len(blocks) - 1) * bs
-            if sel is not None:
-                rows.append(i)
-                tables.append(blocks)
-            for _ in range(num_kv_heads):
-                if sel is None:
-                    indices.extend(blocks)
-                else:
-                    positions.extend(range(len(indices), len(indices) + sel))
-                    indices.extend([blocks[-1]] * sel)  # placeholders, written per layer on the device
-                indptr.append(len(indices))
-                last_len.append(tail)
+        sizes = [method.selection_size(n, unit) if i < real else size for i, n in enumerate(kv_lens)]
+        if not uniform and unit != bs:
+            return  # rows that read everything need block lists beside slot lists: host path
+        indptr_h = group.decode_kv_indptr.to(torch.int64)
+        indices_h = group.decode_kv_indices
+        starts_h = indptr_h[:-1]
+        last_entry = indices_h[indptr_h[1:] - 1].to(torch.int64)  # each row's newest block
+        tails = torch.tensor(kv_lens, dtype=torch.int64) - (indptr_h[1:] - starts_h - 1) * bs
+        rows = [i for i in range(nd) if sizes[i] is not None]
+        if uniform:
+            placeholder = last_entry if unit == bs else last_entry * bs + tails - 1
+            kv_indices = placeholder.repeat_interleave(num_kv_heads * size).to(torch.int32)
+            kv_indptr = torch.arange(nd * num_kv_heads + 1, dtype=torch.int32) * size
+            last = tails if unit == bs else torch.ones(nd, dtype=torch.int64)
+            kv_last_len = last.repeat_interleave(num_kv_heads).to(torch.int32)
+            positions = None
+        else:  # some rows read every block (block lists only), the others their selected pages
+            indptr, indices, last_len, pos = [0], [], [], []
+            for i in range(nd):
+                blocks = indices_h[int(starts_h[i]) : int(indptr_h[i + 1])].tolist()
+                for _ in range(num_kv_heads):
+                    if sizes[i] is None:
+                        indices.extend(blocks)
+                    else:
+                        pos.extend(range(len(indices), len(indices) + size))
+                        indices.extend([blocks[-1]] * size)  # placeholders, written per layer on the device
+                    indptr.append(len(indices))
+                    last_len.append(int(tails[i]))
+            kv_indptr = torch.tensor(indptr, dtype=torch.int32)
+            kv_indices = torch.tensor(indices, dtype=torch.int32)
+            kv_last_len = torch.tensor(last_len, dtype=torch.int32)
+            positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
+        lists = (self.max_batch_size or nd) * num_kv_heads
+        wrapper = self._fast_wrapper(unit, kv_indices.numel(), lists * size if uniform else kv_indices.numel())
         wrapper.plan(
-            torch.tensor(indptr, dtype=torch.int32),
-            torch.tensor(indices, dtype=torch.int32),
-            torch.tensor(last_len, dtype=torch.int32),
+            kv_indptr,
+            kv_indices,
+            kv_last_len,
             head_sparse=True,
+            page_size=unit,
             sm_scale=self.sm_scale,
             **self.shape,
         )
-        width = max((len(t) for t in tables), default=0)
-        padded = [t + [t[-1]] * (width - len(t)) for t in tables]
-        dev = self.device
-        self._batched = (
-            torch.tensor(rows, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev),
-            torch.tensor(padded, dtype=torch.int64, device=dev).view(len(rows), width),
-            torch.tensor([len(t) for t in tables], dtype=torch.int64, device=dev),
-            size,
+        n = len(rows)
+        idx = torch.tensor(rows, dtype=torch.int64)
+        per_row = torch.cat([starts_h[idx], torch.tensor(kv_lens, dtype=torch.int64)[idx]])
+        self._load_table(indices_h)
+        self._rows = _fit(self._rows, 2 * n, self.max_batch_size and 2 * self.max_batch_size)
+        _copy_in(self._rows, per_row)
+        max_pages = int((indptr_h[1:] - starts_h)[idx].max())
+        self._batched = _BatchedStep(
+            rows=None if uniform else idx.to(self.device),
+            positions=positions,
+            starts=self._rows[:n],
+            kv_lens=self._rows[n : 2 * n],
+            size=size,
+            unit=unit,
+            max_pages=-(-max_pages // WIDTH_QUANTUM) * WIDTH_QUANTUM,
         )
         self.max_list_pages = max(self.max_list_pages, size)
+
+    def uniform_size(self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata) -> tuple[int | None, bool]:
+        """``(size, uniform)`` of a step's decode requests: the entries the selecting rows read (None
+        when no row selects) and whether every request selects alike (all ``size``, or all None)."""
+        nd = min(meta.num_decode_tokens, len(meta.steps))
+        unit = method.selection_page_size(self.shape["block_size"])
+        sizes = {method.selection_size(group.kv_lens[i] + 1, unit) for i in range(nd)}
+        chosen = {s for s in sizes if s is not None}
+        if len(chosen) > 1:
+            return None, False
+        return (chosen.pop() if chosen else None), len(sizes) == 1
+
+    def reset(self) -> None:
+        """No batched plan this step (host path for any selecting layer)."""
+        self._batched, self.reads_all = None, False
 
     @property
     def batched(self) -> bool:
         return self._batched is not None
 
-    def run_batched(self, method, layer, q, k_cache, v_cache, kmin, kmax, out) -> torch.Tensor:
-        """The batched path for one layer: pick pages on the device, write them into the plan, attend."""
-        rows, positions, table, num_pages, size = self._batched
-        wrapper = self._wrapper(self.shape["block_size"])
-        if rows.numel():
-            chosen = method.select_batched(
-                layer, q[rows], kmin[table], kmax[table], num_pages, self.shape["block_size"]
-            )  # [n, Hkv, size]
-            blocks = torch.gather(table.unsqueeze(1).expand(-1, chosen.shape[1], -1), 2, chosen)
-            wrapper.planned_kv_indices()[positions] = blocks.reshape(-1).to(torch.int32)
-            self.num_selections += rows.numel()
+    def graph_key(self) -> tuple | None:
+        """What a CUDA graph of this step's selecting layers depends on beyond its batch size (None:
+        the step is not a uniform batched one). Buffers that moved give another key."""
+        st = self._batched
+        if st is None or st.rows is not None:
+            return None
+        wrapper = self._fast[st.unit][0]
+        return (st.size, st.unit, st.max_pages, id(wrapper), self._table.data_ptr(), self._rows.data_ptr())
+
+    def run_batched(self, method, layer, q, k_cache, v_cache, kmin, kmax, out, dense=None) -> torch.Tensor:
+        """The batched path for one layer: pick on the device, write into the plan, attend.
+
+        A layer the method only observes (``observes_decode_batch``) reads everything through
+        ``dense`` (the step's dense decode plan) after handing the method the batch."""
+        st = self._batched
+        bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
+        batch = DecodeBatch(
+            query=q if st.rows is None else q[st.rows],
+            kv_lens=st.kv_lens,
+            table_indices=self._table,
+            table_start=st.starts,
+            max_pages=st.max_pages,
+            block_size=bs,
+            page_min=kmin,
+            page_max=kmax,
+            key_cache=k_cache if method.needs_decode_keys(layer) else None,
+            sm_scale=self.sm_scale,
+        )
+        if method.observes_decode_batch(layer):
+            method.observe_decode_batch(layer, batch)
+            return dense.run(q, k_cache, v_cache, out=out)
+        chosen = method.select_batched(layer, batch)  # [n, Hkv, size] entries in table order
+        n = chosen.shape[0]
+        if st.unit == bs:  # block ids; entries past a row (padding rows) read its last block
+            page = torch.minimum(chosen, batch.num_pages.view(-1, 1, 1) - 1)
+            ids = self._table[st.starts.view(-1, 1, 1) + page]
+        else:  # slot ids
+            tok = torch.minimum(chosen, st.kv_lens.view(-1, 1, 1) - 1)
+            ids = self._table[st.starts.view(-1, 1, 1) + tok // bs].to(torch.int64) * bs + tok % bs
+        wrapper = self._fast[st.unit][0]
+        if st.positions is None:
+            wrapper.planned_kv_indices()[: n * num_kv_heads * st.size].view(n, num_kv_heads, st.size).copy_(ids)
+        else:
+            wrapper.planned_kv_indices()[st.positions] = ids.reshape(-1).to(torch.int32)
+        self.num_selections += n
         return wrapper.run(q, k_cache, v_cache, out=out)
+
+    def _fast_wrapper(self, unit: int, entries: int, hint: int) -> BatchDecodeWithPagedKVCache:
+        """The batched path's wrapper for ``unit``: fixed capacities (graph replays need its buffers to
+        stay put), replaced by a larger one when a plan outgrows it."""
+        wrapper, capacity = self._fast.get(unit, (None, 0))
+        if wrapper is None or entries > capacity:
+            capacity = max(entries, hint, 2 * capacity)
+            wrapper = BatchDecodeWithPagedKVCache(
+                self.device, backend=self.backend, max_batch_size=self.max_batch_size, max_num_pages=capacity
+            )
+            self._fast[unit] = (wrapper, capacity)
+        return wrapper
+
+    def _load_table(self, indices: torch.Tensor) -> None:
+        self._table = _fit(self._table, indices.numel(), self.max_num_pages)
+        _copy_in(self._table, indices.to(torch.int32))
 
     def _wrapper(self, page_size: int) -> BatchDecodeWithPagedKVCache:
         if page_size not in self.decode:
@@ -177,6 +305,22 @@ class SelectiveDecode:
         if chosen.page_size != 1:
             raise ValueError(f"a selection's page_size must be the block size ({bs}) or 1, got {chosen.page_size}")
         return [([blocks[t // bs] * bs + t % bs for t in row], 1, 1) for row in chosen.indices.tolist()]
+
+
+def _fit(buf: torch.Tensor, needed: int, capacity: int | None) -> torch.Tensor:
+    """``buf`` if it holds ``needed`` entries, else a larger buffer (which moves: graphs re-capture)."""
+    if buf.numel() >= needed:
+        return buf
+    if capacity is not None and needed <= capacity:
+        return torch.zeros(capacity, dtype=buf.dtype, device=buf.device)
+    return torch.zeros(max(needed, 2 * buf.numel()), dtype=buf.dtype, device=buf.device)
+
+
+def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.device.type == "cuda":
+        dst[: src.numel()].copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst[: src.numel()].copy_(src)
 
 
 def _as_slots(entries: list[int], last: int, size: int) -> list[int]:

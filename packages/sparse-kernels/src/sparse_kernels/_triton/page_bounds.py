@@ -16,7 +16,8 @@ def _page_bounds_kernel(
     kmin_ptr,
     kmax_ptr,
     table_ptr,
-    indptr_ptr,
+    start_ptr,
+    num_pages_ptr,
     out_ptr,
     stride_qb,
     stride_qh,
@@ -32,8 +33,8 @@ def _page_bounds_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     pages = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    start = tl.load(indptr_ptr + b).to(tl.int64)
-    num_pages = tl.load(indptr_ptr + b + 1).to(tl.int64) - start
+    start = tl.load(start_ptr + b).to(tl.int64)
+    num_pages = tl.load(num_pages_ptr + b).to(tl.int64)
     valid = pages < num_pages
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < HEAD_DIM
@@ -58,7 +59,7 @@ def _page_bounds_kernel(
 page_bounds_kernel = Kernel(_page_bounds_kernel)
 
 
-def page_bounds_triton(q, kmin, kmax, table_indices, table_indptr, out, sink: int, recent: int) -> torch.Tensor:
+def page_bounds_triton(q, kmin, kmax, table_indices, table_start, num_pages, out, sink: int, recent: int) -> torch.Tensor:
     """Inputs already validated by ``sparse_kernels.page_bounds``; ``out`` must be contiguous."""
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -70,7 +71,8 @@ def page_bounds_triton(q, kmin, kmax, table_indices, table_indptr, out, sink: in
         kmin,
         kmax,
         table_indices,
-        table_indptr,
+        table_start,
+        num_pages,
         out,
         q.stride(0),
         q.stride(1),

@@ -25,8 +25,11 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
+from sparse_kernels import paged_logits
+
 from sparse_methods.base import (
     Category,
+    DecodeBatch,
     DecodeView,
     MemoryPlan,
     MethodConfig,
@@ -103,6 +106,7 @@ class OmniKV(SparseMethod):
             raise ValueError(f"full_attention_layers {self.filter_layers} beyond the model's {shape.num_layers} layers")
         self._chosen: dict[Hashable, torch.Tensor | None] = {}  # request -> token indices of the last filter
         self._history: dict[Hashable, torch.Tensor | None] = {}  # request -> history chosen for its chunk
+        self._device_set: torch.Tensor | None = None  # batched path: [B, budget] tokens of this step's filter
 
     @property
     def budget(self) -> int:
@@ -117,6 +121,48 @@ class OmniKV(SparseMethod):
 
     def needs_decode_keys(self, layer: int) -> bool:
         return layer in self.filter_layers
+
+    # -- batched path: the filter layer picks every row's set on the device; the next layers read it --
+    batched_selection = True
+
+    def selection_page_size(self, block_size: int) -> int:
+        return 1
+
+    def selection_size(self, kv_len: int, page_size: int) -> int | None:
+        return self.budget if kv_len > self.budget else None
+
+    def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
+        if not self.selects_decode(layer) or layer in self.filter_layers or kv_len <= self.budget:
+            return kv_len
+        return self.budget
+
+    def observes_decode_batch(self, layer: int) -> bool:
+        return layer in self.filter_layers
+
+    def observe_decode_batch(self, layer: int, batch: DecodeBatch) -> None:
+        """``omnikv_token_scores`` and ``keep_indices`` for every row at once: logits read through the
+        tables (``sparse_kernels.paged_logits``), softmax per query head, max over heads, sink and
+        recent forced in, top ``decode_keep_tokens`` of the rest. Rows must be over the budget."""
+        c = self.config
+        query = batch.query
+        width = batch.max_pages * batch.block_size
+        logits = torch.empty(query.shape[0], query.shape[1], width, dtype=torch.float32, device=query.device)
+        paged_logits(
+            query, batch.key_cache, batch.table_indices, batch.table_start, batch.kv_lens, logits, scale=batch.sm_scale
+        )
+        scores = torch.softmax(logits, dim=-1).amax(1)  # [B, width]
+        tok = torch.arange(width, device=query.device)[None, :]
+        lens = batch.kv_lens[:, None]
+        forced = (tok < c.sink_keep_tokens) | ((tok >= lens - c.recent_keep_tokens) & (tok < lens))
+        scores = scores.masked_fill(forced, float("inf")).masked_fill(tok >= lens, float("-inf"))
+        chosen = torch.topk(scores, min(self.budget, width), dim=-1, sorted=False).indices
+        self._device_set = torch.sort(chosen, dim=-1).values
+
+    def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
+        chosen = self._device_set
+        if chosen is None or chosen.shape[0] != batch.query.shape[0]:
+            raise RuntimeError("omnikv: a selecting layer ran before its filter layer on the batched path")
+        return chosen[:, None, :].expand(-1, self.shape.num_kv_heads, -1)
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
         c = self.config

@@ -16,8 +16,11 @@ import math
 import torch
 from pydantic import Field
 
+from sparse_kernels import page_bounds
+
 from sparse_methods.base import (
     Category,
+    DecodeBatch,
     DecodeView,
     MemoryPlan,
     MethodConfig,
@@ -45,32 +48,6 @@ def select_pages(
     """``[num_kv_heads, n]`` ascending pages: ``sink`` first, ``recent`` last and the ``keep`` best-bounded others."""
     scores = page_upper_bounds(query, page_min, page_max)
     return keep_indices(scores, kv_len=page_min.shape[0], sink=sink, recent=recent, num_middle=keep)
-
-
-def select_pages_batched(
-    query: torch.Tensor,
-    page_min: torch.Tensor,
-    page_max: torch.Tensor,
-    num_pages: torch.Tensor,
-    *,
-    sink: int,
-    keep: int,
-    recent: int,
-) -> torch.Tensor:
-    """``select_pages`` for a batch on the device, no host sync: ``[B, num_kv_heads, sink + keep + recent]``.
-
-    ``query`` ``[B, Hq, D]``; summaries ``[B, M, Hkv, D]`` (rows past ``num_pages[b]`` are padding);
-    every request must have more than ``sink + keep + recent`` pages. Same choice as ``select_pages``
-    (ties go to the earlier page).
-    """
-    max_pages = page_min.shape[1]
-    bounds = page_upper_bounds(query, page_min, page_max)  # [B, Hkv, M]
-    page = torch.arange(max_pages, device=bounds.device).view(1, 1, -1)
-    n = num_pages.view(-1, 1, 1)
-    always = (page < sink) | ((page >= n - recent) & (page < n))
-    bounds = bounds.masked_fill(always, float("inf")).masked_fill(page >= n, float("-inf"))
-    order = torch.sort(bounds, dim=-1, descending=True, stable=True).indices[..., : sink + keep + recent]
-    return torch.sort(order, dim=-1).values
 
 
 @register
@@ -111,9 +88,27 @@ class Quest(SparseMethod):
             return None
         return sum(self._pages(page_size))
 
-    def select_batched(self, layer, query, page_min, page_max, num_pages, page_size: int) -> torch.Tensor:
-        sink, keep, recent = self._pages(page_size)
-        return select_pages_batched(query, page_min, page_max, num_pages, sink=sink, keep=keep, recent=recent)
+    def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
+        """Bounds read through each row's table (``sparse_kernels.page_bounds``: sink and recent pages
+        forced to +inf, pages past the row to -inf), then the top ``sink + keep + recent`` per KV head."""
+        sink, keep, recent = self._pages(batch.block_size)
+        query = batch.query
+        bounds = torch.empty(
+            query.shape[0], self.shape.num_kv_heads, batch.max_pages, dtype=torch.float32, device=query.device
+        )
+        page_bounds(
+            query,
+            batch.page_min,
+            batch.page_max,
+            batch.table_indices,
+            batch.table_start,
+            batch.num_pages,
+            bounds,
+            sink=sink,
+            recent=recent,
+        )
+        chosen = torch.topk(bounds, min(sink + keep + recent, batch.max_pages), dim=-1, sorted=False).indices
+        return torch.sort(chosen, dim=-1).values
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
         if view.kv_len <= self.budget:
