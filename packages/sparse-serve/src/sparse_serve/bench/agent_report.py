@@ -16,13 +16,17 @@ from sparse_serve.bench.report import GIB, _fmt
 _SHAPE_KEYS = ("num_turns", "system_tokens", "task_tokens", "tool_tokens", "output_tokens")
 
 
-def write_agent_report(out_dir: str | Path, invocation: dict, *, append: bool = False) -> list[Path]:
-    """Add ``invocation`` to ``out_dir/agent.json`` (replacing it unless ``append``); rewrite the rest."""
+def read_invocations(out_dir: str | Path) -> list[dict]:
+    """The invocations already in ``out_dir/agent.json`` (none when there is no such file)."""
+    path = Path(out_dir) / "agent.json"
+    return json.loads(path.read_text())["invocations"] if path.exists() else []
+
+
+def write_agent_report(out_dir: str | Path, invocations: list[dict]) -> list[Path]:
+    """Write ``invocations`` as ``out_dir/agent.json`` (replacing it), ``agent.md`` and ``agent.png``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "agent.json"
-    invocations = json.loads(path.read_text())["invocations"] if append and path.exists() else []
-    invocations.append(invocation)
     path.write_text(json.dumps({"invocations": invocations}, indent=1))
     md = out / "agent.md"
     md.write_text(markdown_report(invocations))
@@ -31,7 +35,8 @@ def write_agent_report(out_dir: str | Path, invocation: dict, *, append: bool = 
 
 
 def all_runs(invocations: list[dict]) -> list[dict]:
-    return [run for inv in invocations for run in inv["runs"]]
+    """Every run, invocation by invocation, each invocation's by concurrency."""
+    return [run for inv in invocations for run in sorted(inv["runs"], key=lambda r: r["workload"]["num_sessions"])]
 
 
 def _shape(run: dict) -> tuple:
@@ -124,6 +129,13 @@ def markdown_report(invocations: list[dict]) -> str:
             f"{st['engine_config'].get('enable_prefix_caching', True)}; engine load {inv['load_seconds']:.1f} s, "
             f"warm-up {inv['warmup_seconds']:.1f} s\n"
         )
+        for skipped in inv.get("runs_skipped", []):
+            parts.append(
+                f"- S={skipped['num_sessions']} not run: estimated {skipped['estimate_s']:.0f} s, "
+                f"{skipped['left_s']:.0f} s of the invocation's {inv['max_seconds']:.0f} s budget left\n"
+            )
+        if "error" in inv:
+            parts.append(f"- stopped by an error: `{inv['error'][:300]}`\n")
     parts.append(markdown_table(runs))
     lines = ratios(runs)
     if lines:
