@@ -11,10 +11,16 @@ fork. Writes never reach a shared block: ``allocate(..., write_from=...)`` and `
 swap every shared block in the region about to be written for a fresh one and queue a
 ``(source, destination)`` copy, which the engine performs (``take_copies``) before the write.
 Idle chains' blocks are reclaimed, least recently used first, whenever an allocation falls short.
+
+Each held table also has a packed int32 copy of its block ids (``block_id_array``), kept in step
+with every change this manager makes, so that building a step's block lists costs a memory copy
+per request instead of converting Python ints: while a request holds a table, only this manager
+changes its block ids.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +45,10 @@ class _RequestBlocks:
     table: BlockTable
     hashes: list[BlockHash] = field(default_factory=list)  # hashes of the leading full blocks
     cacheable: bool = True  # False: the KV is not token-exact (resumed from a compressed chain)
+    ids: array = field(init=False)  # table.block_ids as packed int32, kept equal by the manager
+
+    def __post_init__(self) -> None:
+        self.ids = array("i", self.table.block_ids)
 
 
 class KVCacheManager:
@@ -93,6 +103,11 @@ class KVCacheManager:
     def has_request(self, request_id: Hashable) -> bool:
         return request_id in self._requests
 
+    def block_id_array(self, request_id: Hashable) -> array:
+        """The request's block ids as an ``array('i')`` equal to ``table(request_id).block_ids``
+        (the manager's own copy: read it, do not change it)."""
+        return self._requests[request_id].ids
+
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """Longest run of cached leading blocks, leaving at least the last token to compute.
 
@@ -140,6 +155,9 @@ class KVCacheManager:
         held = len(table.block_ids) + len(prefix.block_ids)
         needed = max(0, -(-num_tokens // self.block_size) - held)
         shared = self._shared(table, write_from // self.block_size) if write_from is not None else []
+        if req is not None and not needed and not shared:  # most decode steps: the table has room
+            table.num_tokens = max(table.num_tokens, min(num_tokens, table.capacity))
+            return []
         # Prefix blocks nobody holds sit in the free list; taking them costs free capacity too.
         if not self._ensure_free(needed + len(shared), prefix.block_ids):
             return None
@@ -149,23 +167,25 @@ class KVCacheManager:
         if prefix.block_ids:
             self.pool.acquire(prefix.block_ids)
             table.block_ids.extend(prefix.block_ids)
+            req.ids.extend(prefix.block_ids)
             req.hashes.extend(prefix.hashes)
             self.prefix_hit_tokens += prefix.num_tokens
-        self._swap_for_copies(table, shared)
+        self._swap_for_copies(req, shared)
         new_blocks = self.pool.allocate(needed)
         assert new_blocks is not None  # checked above
         table.block_ids.extend(new_blocks)
+        req.ids.extend(new_blocks)
         table.num_tokens = max(table.num_tokens, min(num_tokens, table.capacity))
         return new_blocks
 
     def make_exclusive(self, request_id: Hashable, first_block: int, end_block: int) -> bool:
         """Swap the shared blocks among ``block_ids[first_block:end_block]`` for copies before they are
         rewritten in place (compaction). False, changing nothing, when the pool cannot supply them."""
-        table = self._requests[request_id].table
-        shared = [i for i in self._shared(table, first_block) if i < end_block]
+        req = self._requests[request_id]
+        shared = [i for i in self._shared(req.table, first_block) if i < end_block]
         if not self._ensure_free(len(shared)):
             return False
-        self._swap_for_copies(table, shared)
+        self._swap_for_copies(req, shared)
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -193,12 +213,15 @@ class KVCacheManager:
                 return False
         return num_blocks + sum(1 for b in revive if self.pool.refcount(b) == 0) <= self.pool.num_free_blocks
 
-    def _swap_for_copies(self, table: BlockTable, indices: list[int]) -> None:
+    def _swap_for_copies(self, req: _RequestBlocks, indices: list[int]) -> None:
+        if not indices:
+            return
         fresh = self.pool.allocate(len(indices))
         assert fresh is not None  # the caller checked
+        table = req.table
         for i, new in zip(indices, fresh, strict=True):
             old = table.block_ids[i]
-            table.block_ids[i] = new
+            table.block_ids[i] = req.ids[i] = new
             self._copies.append((old, new))
             self.pool.release([old])  # still held by its other holders: the content stays until copied
 
@@ -212,9 +235,9 @@ class KVCacheManager:
             return
         start = len(req.hashes)
         parent = req.hashes[-1] if req.hashes else None
-        new_hashes = hash_full_blocks(
-            token_ids[: num_full * self.block_size], self.block_size, self.salt, start=start, parent=parent
-        )
+        bs = self.block_size
+        # Hash only the new blocks' tokens: slicing from 0 would copy the whole sequence every time.
+        new_hashes = hash_full_blocks(token_ids[start * bs : num_full * bs], bs, self.salt, parent=parent)
         for block_id, block_hash in zip(req.table.block_ids[start:num_full], new_hashes, strict=True):
             self.pool.register(block_id, block_hash)
         req.hashes.extend(new_hashes)
@@ -235,6 +258,7 @@ class KVCacheManager:
             raise ValueError("cannot shrink into blocks registered in the prefix cache")
         released = table.block_ids[keep_blocks:]
         del table.block_ids[keep_blocks:]
+        del req.ids[keep_blocks:]
         table.num_tokens = num_tokens
         self._release(released)
         return released

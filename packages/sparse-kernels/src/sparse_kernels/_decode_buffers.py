@@ -2,8 +2,12 @@
 
 A CUDA graph records buffer addresses, so ``plan`` copies each step's CSR into these tensors instead of
 allocating new ones. Capacities are fixed up front when the caller passes ``max_batch_size`` /
-``max_num_pages``; otherwise a buffer grows (to at least twice its size) when a plan needs more, which
-moves it and so invalidates graphs captured before.
+``max_num_pages``; otherwise the buffers grow (to at least twice their size) when a plan needs more,
+which moves them and so invalidates graphs captured before.
+
+The three CSR arrays are views of one device tensor, filled from one persistent pinned staging tensor
+of the same layout by a single non-blocking copy per plan (instead of a pinned allocation and a copy
+per array); before the staging tensor is rewritten, the host waits for the previous copy out of it.
 """
 
 from __future__ import annotations
@@ -11,8 +15,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-from sparse_kernels._backend import copy_host_into
 
 # Split-K sizing: aim for this many programs per SM (decode is bandwidth-bound; several resident
 # programs per SM hide load latency), with at most MAX_SPLITS chunks per (request, KV head). 8 was the
@@ -65,9 +67,11 @@ class DecodeBuffers:
         self.max_batch_size = max_batch_size
         self.max_num_pages = max_num_pages
         self.forced_splits = num_splits
-        self.indptr = self._int32(0)
-        self.indices = self._int32(0)
-        self.last_len = self._int32(0)
+        self._caps = (0, 0, 0)  # entries of indptr, last_len, indices in the packed buffer
+        self._packed = self._staging = self._int32(0)
+        self.indptr = self.last_len = self.indices = self._packed
+        self._copied: torch.cuda.Event | None = None  # the last copy out of the staging tensor
+        self._scratch_key: tuple | None = None
         self.o_part = torch.empty(0, device=device)  # float32 [rows * BLOCK_D]
         self.lse_part = torch.empty(0, device=device)  # float32 [rows], base-2 log-sum-exp per split
         self.lse = torch.empty(0, device=device)  # float32 [batch * num_qo_heads], final, base 2
@@ -75,28 +79,64 @@ class DecodeBuffers:
     def load(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_len: torch.Tensor, num_kv_heads: int):
         """Copy one step's CSR (validated host int32 tensors) into the persistent buffers."""
         list_cap = None if self.max_batch_size is None else self.max_batch_size * num_kv_heads
-        self.indptr = self._fit(
-            self.indptr, kv_indptr.numel(), None if list_cap is None else list_cap + 1, "kv_indptr entries"
+        caps = (
+            _capacity(kv_indptr.numel(), None if list_cap is None else list_cap + 1, "kv_indptr entries"),
+            _capacity(kv_last_len.numel(), list_cap, "lists"),
+            _capacity(kv_indices.numel(), self.max_num_pages, "kv_indices entries"),
         )
-        self.last_len = self._fit(self.last_len, kv_last_len.numel(), list_cap, "lists")
-        self.indices = self._fit(self.indices, kv_indices.numel(), self.max_num_pages, "kv_indices entries")
-        copy_host_into(self.indptr, kv_indptr)
-        copy_host_into(self.indices, kv_indices)
-        copy_host_into(self.last_len, kv_last_len)
+        if any(c > have for c, have in zip(caps, self._caps, strict=True)):
+            # A fixed capacity is allocated exactly; a growing one to at least twice its size.
+            fixed = (list_cap is not None, list_cap is not None, self.max_num_pages is not None)
+            grown = (c if f or c <= h else max(c, 2 * h) for c, h, f in zip(caps, self._caps, fixed, strict=True))
+            self._allocate(tuple(max(g, h) for g, h in zip(grown, self._caps, strict=True)))
+        o_last, o_indices = _offsets(self._caps)
+        end = o_indices + kv_indices.numel()
+        if self.device.type != "cuda":
+            host = self._packed
+        else:
+            if self._copied is not None:
+                self._copied.synchronize()  # the previous plan's copy has left the staging tensor
+            host = self._staging
+        host[: kv_indptr.numel()].copy_(kv_indptr)
+        host[o_last : o_last + kv_last_len.numel()].copy_(kv_last_len)
+        host[o_indices:end].copy_(kv_indices)
+        if self.device.type == "cuda":
+            self._packed[:end].copy_(host[:end], non_blocking=True)
+            if self._copied is None:
+                self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def _allocate(self, caps: tuple[int, int, int]) -> None:
+        """New packed buffers for ``caps`` entries (moves the views: graphs captured before are stale)."""
+        self._caps = caps
+        o_last, o_indices = _offsets(caps)
+        total = o_indices + caps[2]
+        self._packed = self._int32(total)
+        if self.device.type == "cuda":
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._staging = torch.empty(total, dtype=torch.int32, pin_memory=True)
+        self.indptr = self._packed[: caps[0]]
+        self.last_len = self._packed[o_last : o_last + caps[1]]
+        self.indices = self._packed[o_indices : o_indices + caps[2]]
 
     def reserve_scratch(self, batch: int, num_qo_heads: int, num_kv_heads: int, block_d: int) -> None:
         """Size the split-K scratch for ``batch`` (or for every batch up to ``max_batch_size``)."""
+        if self.max_batch_size is not None and batch > self.max_batch_size:
+            raise ValueError(f"batch {batch} exceeds the fixed capacity max_batch_size={self.max_batch_size}")
+        key = (num_qo_heads, num_kv_heads, block_d)
+        if self.max_batch_size is not None and key == self._scratch_key:
+            return  # sized for every batch up to the capacity already
         sizes = range(1, self.max_batch_size + 1) if self.max_batch_size is not None else (batch,)
         rows = max(b * num_qo_heads * self.num_splits(b, num_kv_heads) for b in sizes)
         lse_rows = max(sizes) * num_qo_heads
-        if self.max_batch_size is not None and batch > self.max_batch_size:
-            raise ValueError(f"batch {batch} exceeds the fixed capacity max_batch_size={self.max_batch_size}")
         if self.o_part.numel() < rows * block_d:
             self.o_part = torch.empty(_grown(self.o_part.numel(), rows * block_d), device=self.device)
         if self.lse_part.numel() < rows:
             self.lse_part = torch.empty(_grown(self.lse_part.numel(), rows), device=self.device)
         if self.lse.numel() < lse_rows:
             self.lse = torch.empty(_grown(self.lse.numel(), lse_rows), device=self.device)
+        self._scratch_key = key
 
     def num_splits(self, batch: int, num_kv_heads: int) -> int:
         return self.forced_splits or choose_num_splits(batch, num_kv_heads, self.device)
@@ -104,12 +144,20 @@ class DecodeBuffers:
     def _int32(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int32, device=self.device)
 
-    def _fit(self, buf: torch.Tensor, needed: int, capacity: int | None, what: str) -> torch.Tensor:
-        if capacity is not None:
-            if needed > capacity:
-                raise ValueError(f"plan needs {needed} {what} but the fixed capacity is {capacity}")
-            return buf if buf.numel() >= capacity else self._int32(capacity)
-        return buf if buf.numel() >= needed else self._int32(_grown(buf.numel(), needed))
+
+def _capacity(needed: int, capacity: int | None, what: str) -> int:
+    """Entries a buffer must have: its fixed capacity (checked), or what this plan needs."""
+    if capacity is None:
+        return needed
+    if needed > capacity:
+        raise ValueError(f"plan needs {needed} {what} but the fixed capacity is {capacity}")
+    return capacity
+
+
+def _offsets(caps: tuple[int, int, int]) -> tuple[int, int]:
+    """Starts of ``last_len`` and ``indices`` in the packed buffer, 16-entry (64-byte) aligned."""
+    o_last = -(-caps[0] // 16) * 16
+    return o_last, o_last + -(-caps[1] // 16) * 16
 
 
 def _grown(current: int, needed: int) -> int:

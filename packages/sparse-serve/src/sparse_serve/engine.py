@@ -227,25 +227,41 @@ class LLMEngine:
         for req in batch.preempted:
             self.method.release(req.request_id)
         self.chains.copy_pending()  # blocks shared with a fork, copied before this step writes them
-        meta = build_step_metadata(batch, self.kv.table, self.config.block_size)
-        sampled = dict(zip((r.request_id for r in meta.sampled), self.runner.run(meta), strict=True))
+        meta = build_step_metadata(batch, self.kv.table, self.config.block_size, self.kv.block_id_array)
+        pending = self.runner.run(meta)  # queued on the device; the tokens reach the host later
         compactions = self.method.finish_step()
         self.num_steps += 1
-        outputs = []
-        for req, n in batch.items:
-            req.num_computed_tokens += n
-            req.kv_lens = [kv_len + n for kv_len in req.kv_lens]
-            compaction = compactions.get(req.request_id)
-            if compaction is not None and not self._compact(req, compaction):
-                # No blocks to copy a fork's shared blocks into: recompute this one later instead.
-                self.scheduler.preempt(req)
-                self.method.release(req.request_id)
-            if self.kv.has_request(req.request_id):
-                self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-            token = sampled.get(req.request_id)
-            if token is not None:
-                outputs.append(self._append_token(req, token))
+        outputs: list[RequestOutput] = []
+        if compactions:
+            # A compaction may need blocks that an earlier request's finish frees: keep that order.
+            sampled = dict(zip((r.request_id for r in meta.sampled), pending.tolist(), strict=True))
+            for req, n in batch.items:
+                self._advance(req, n, compactions)
+                self._emit(req, sampled, outputs)
+            return outputs
+        for req, n in batch.items:  # while the device still runs the step
+            self._advance(req, n, compactions)
+        sampled = dict(zip((r.request_id for r in meta.sampled), pending.tolist(), strict=True))
+        for req, _ in batch.items:
+            self._emit(req, sampled, outputs)
         return outputs
+
+    def _advance(self, req: Request, n: int, compactions: dict) -> None:
+        """Account for the step's ``n`` computed tokens: KV lengths, compaction, prefix-cache blocks."""
+        req.num_computed_tokens += n
+        req.kv_lens = [kv_len + n for kv_len in req.kv_lens]
+        compaction = compactions.get(req.request_id)
+        if compaction is not None and not self._compact(req, compaction):
+            # No blocks to copy a fork's shared blocks into: recompute this one later instead.
+            self.scheduler.preempt(req)
+            self.method.release(req.request_id)
+        if self.kv.has_request(req.request_id):
+            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+
+    def _emit(self, req: Request, sampled: dict[str, int], outputs: list[RequestOutput]) -> None:
+        token = sampled.get(req.request_id)
+        if token is not None:
+            outputs.append(self._append_token(req, token))
 
     def _compact(self, req: Request, compaction) -> bool:
         """Move the kept KV to the front of each layer and give whole free blocks back to the pool.

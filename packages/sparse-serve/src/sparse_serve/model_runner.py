@@ -10,7 +10,7 @@ from sparse_serve.config import EngineConfig
 from sparse_serve.cuda_graphs import DecodeGraphs
 from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget
 from sparse_serve.paged_attention import PagedAttention
-from sparse_serve.sampler import Sampler
+from sparse_serve.sampler import SampledTokens, Sampler
 from sparse_serve.step_metadata import StepMetadata, to_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,8 +105,9 @@ class ModelRunner:
         return bytes_per_block(self.model_config, self.block_size, self.dtype, self.summaries)
 
     @torch.inference_mode()
-    def run(self, meta: StepMetadata) -> list[int]:
-        """Forward the step's tokens; return one sampled token per ``meta.sampled`` request."""
+    def run(self, meta: StepMetadata) -> SampledTokens:
+        """Queue the step's forward and sampling on the device; returns one token per ``meta.sampled``
+        request, which ``tolist()`` fetches (the host may do other work before that)."""
         if self.method is not None:
             self.method.prepare_step(StepContext(meta.steps))
         if self.graphs is not None and self.graphs.eligible(meta, self.method):
@@ -118,7 +119,7 @@ class ModelRunner:
             self.attention.plan(meta)
             hidden = self.model(input_ids, positions, self.attention)
             if not meta.sampled:
-                return []
+                return SampledTokens.empty()
             logits = self.model.compute_logits(hidden[to_device(meta.logits_indices, self.device)])
         requests = meta.sampled
-        return self.sampler(logits, [r.request_id for r in requests], [r.sampling_params for r in requests])
+        return self.sampler.sample(logits, [r.request_id for r in requests], [r.sampling_params for r in requests])

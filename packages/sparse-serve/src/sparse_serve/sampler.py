@@ -42,14 +42,46 @@ class Sampler:
         self._request_gens.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """logits: [N, vocab] float32 -> N token ids."""
-        greedy = logits.argmax(dim=-1).tolist()
-        out = []
+        """logits: [N, vocab] float32 -> N token ids (waits for the device)."""
+        return self.sample(logits, request_ids, params).tolist()
+
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SampledTokens:
+        """logits: [N, vocab] float32 -> N token ids, computed on the device without waiting for it.
+
+        Rows draw from their generators in row order, as ``__call__`` always did, so outputs match.
+        """
+        tokens = logits.argmax(dim=-1)
         for i, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
             if p.greedy:
-                out.append(greedy[i])
                 continue
             row = _filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(row, dim=-1)
-            out.append(int(torch.multinomial(probs, 1, generator=self._generator(rid, p)).item()))
-        return out
+            tokens[i : i + 1] = torch.multinomial(probs, 1, generator=self._generator(rid, p))
+        return SampledTokens(tokens)
+
+
+class SampledTokens:
+    """A step's sampled token ids on their way to the host.
+
+    On CUDA the copy into pinned host memory is queued behind the step's kernels and ``tolist`` waits
+    only for it, so the host can do other work (bookkeeping of the step) while the device runs.
+    """
+
+    def __init__(self, tokens: torch.Tensor):
+        self._event = None
+        if tokens.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            tokens = host
+        self._tokens = tokens
+
+    @classmethod
+    def empty(cls) -> SampledTokens:
+        return cls(torch.zeros(0, dtype=torch.int64))
+
+    def tolist(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._tokens.tolist()

@@ -82,31 +82,42 @@ class StepMetadata:
         return self.groups[self.layer_group[0]].slot_mapping
 
 
-def _i32(x: list[int]) -> torch.Tensor:
-    # array() converts a list in C, several times faster than torch.tensor(list) for long block lists.
-    return torch.frombuffer(array("i", x), dtype=torch.int32) if x else torch.zeros(0, dtype=torch.int32)
+def _i32(x) -> torch.Tensor:
+    """int32 tensor of a list (converted in C by ``array``, several times faster than torch.tensor for
+    long lists) or of an ``array('i')`` (shared, not copied: the caller never changes it again)."""
+    if not isinstance(x, array):
+        x = array("i", x)
+    return torch.frombuffer(x, dtype=torch.int32) if x else torch.zeros(0, dtype=torch.int32)
 
 
-def _csr(tables: list[BlockTable], kv_lens: list[int], block_size: int) -> tuple[list[int], list[int], list[int]]:
-    indptr, indices, last_len = [0], [], []
-    for table, kv_len in zip(tables, kv_lens, strict=True):
+def _csr(block_ids: list[array], kv_lens: list[int], block_size: int) -> tuple[list[int], array, list[int]]:
+    """CSR over each list's first ``ceil(kv_len / block_size)`` block ids: one memory copy per request."""
+    indptr, indices, last_len = [0], array("i"), []
+    for ids, kv_len in zip(block_ids, kv_lens, strict=True):
         num_blocks = -(-kv_len // block_size)
-        indices.extend(table.block_ids[:num_blocks])
+        indices += ids[:num_blocks]
         indptr.append(len(indices))
         last_len.append(kv_len - (num_blocks - 1) * block_size)
     return indptr, indices, last_len
 
 
+def _slots(ids: array, start: int, end: int, block_size: int) -> list[int]:
+    """Pool slots of positions ``[start, end)`` of a table with block ids ``ids``."""
+    if start < 0 or end > len(ids) * block_size:
+        raise IndexError(f"positions [{start}, {end}) outside the table's {len(ids) * block_size} slots")
+    return [ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
 def _group(
-    layers: tuple[int, ...], kv_lens: tuple[int, ...], items, tables: list[BlockTable], num_decode: int, block_size: int
+    layers: tuple[int, ...], kv_lens: tuple[int, ...], items, block_ids: list[array], num_decode: int, block_size: int
 ) -> LayerGroupMetadata:
     slots: list[int] = []
     ends: list[int] = []
-    for (_, n), table, kv_len in zip(items, tables, kv_lens, strict=True):
-        slots.extend(table.slot(p) for p in range(kv_len, kv_len + n))
+    for (_, n), ids, kv_len in zip(items, block_ids, kv_lens, strict=True):
+        slots += _slots(ids, kv_len, kv_len + n, block_size)
         ends.append(kv_len + n)
-    d_indptr, d_indices, d_last = _csr(tables[:num_decode], ends[:num_decode], block_size)
-    p_indptr, p_indices, p_last = _csr(tables[num_decode:], ends[num_decode:], block_size)
+    d_indptr, d_indices, d_last = _csr(block_ids[:num_decode], ends[:num_decode], block_size)
+    p_indptr, p_indices, p_last = _csr(block_ids[num_decode:], ends[num_decode:], block_size)
     qo_indptr = [0]
     for _, n in items[num_decode:]:
         qo_indptr.append(qo_indptr[-1] + n)
@@ -125,9 +136,17 @@ def _group(
 
 
 def build_step_metadata(
-    batch: ScheduledBatch, table_of: Callable[[Hashable], BlockTable], block_size: int
+    batch: ScheduledBatch,
+    table_of: Callable[[Hashable], BlockTable],
+    block_size: int,
+    block_ids_of: Callable[[Hashable], array] | None = None,
 ) -> StepMetadata:
-    """Lay out a scheduled batch (decodes first, as the scheduler orders it) as step tensors."""
+    """Lay out a scheduled batch (decodes first, as the scheduler orders it) as step tensors.
+
+    ``block_ids_of``: each request's block ids as an ``array('i')`` equal to its table's ``block_ids``
+    (``KVCacheManager.block_id_array``), which saves converting every listed block id each step;
+    without it they are converted from the tables (same result).
+    """
     input_ids: list[int] = []
     positions: list[int] = []
     logits_indices: list[int] = []
@@ -135,13 +154,16 @@ def build_step_metadata(
     steps: list[RequestStep] = []
     row_starts: list[int] = []
     tables: list[BlockTable] = []
+    block_ids: list[array] = []
     num_decode = 0
     for req, n in batch.items:
         start = req.num_computed_tokens
         row_starts.append(len(input_ids))
-        input_ids.extend(req.token_ids[start : start + n])
-        positions.extend(range(start, start + n))
-        tables.append(table_of(req.request_id))
+        input_ids += req.token_ids[start : start + n]
+        positions += range(start, start + n)
+        table = table_of(req.request_id)
+        tables.append(table)
+        block_ids.append(array("i", table.block_ids) if block_ids_of is None else block_ids_of(req.request_id))
         steps.append(RequestStep(req.request_id, start, n, req.prefill_len, tuple(req.kv_lens)))
         if n == 1:
             if num_decode != len(steps) - 1:
@@ -151,12 +173,14 @@ def build_step_metadata(
             logits_indices.append(len(input_ids) - 1)
             sampled.append(req)
     num_layers = len(batch.items[0][0].kv_lens) if batch.items else 1
+    # Column ``layer`` of the requests' KV lengths; layers with equal columns share a group.
+    columns = zip(*(s.kv_lens for s in steps), strict=True) if steps else [()] * num_layers
     by_lens: dict[tuple[int, ...], list[int]] = {}
-    for layer in range(num_layers):
-        by_lens.setdefault(tuple(s.kv_lens[layer] for s in steps), []).append(layer)
+    for layer, kv_lens in enumerate(columns):
+        by_lens.setdefault(kv_lens, []).append(layer)
     groups, layer_group = [], [0] * num_layers
     for g, (kv_lens, layers) in enumerate(by_lens.items()):
-        groups.append(_group(tuple(layers), kv_lens, batch.items, tables, num_decode, block_size))
+        groups.append(_group(tuple(layers), kv_lens, batch.items, block_ids, num_decode, block_size))
         for layer in layers:
             layer_group[layer] = g
     return StepMetadata(

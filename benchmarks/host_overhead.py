@@ -1,0 +1,219 @@
+"""Host time of a decode step, part by part, on the CPU (the model forward is stubbed out).
+
+Builds an engine on a Qwen3-shaped config with many layers (36) but a tiny hidden size, adds
+synthetic requests (their KV is never touched, so the lazily mapped CPU pool stays small) and
+times each part of ``LLMEngine.step()`` that is not the forward: scheduler, step metadata, the
+method's prepare/finish hooks, the graph path's input staging, ``attention.plan`` (the Triton decode
+plan: validation and buffer loads) and the sampler; ``postprocess`` is what remains of the step
+(per-request bookkeeping, ``cache_blocks``, outputs).
+
+The step takes the CUDA-graph path as on a GPU: a ``DecodeGraphs`` without capture whose replay
+is a no-op, the decode wrapper on its Triton backend (its plan only copies into buffers), and
+``Tensor.pin_memory`` as the identity (there is no CUDA here). So the numbers are the host work
+that the GPU waits for, serially, before each replay.
+
+    uv run python benchmarks/host_overhead.py                   # the default shapes
+    uv run python benchmarks/host_overhead.py --case 23x32768 --profile 10   # plus a cProfile top list
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("SPARSE_KERNELS_BACKEND", "triton")  # the GPU's plan path (no kernel runs here)
+
+from sparse_serve import cuda_graphs  # noqa: E402
+from sparse_serve import engine as engine_module  # noqa: E402
+from sparse_serve.config import EngineConfig  # noqa: E402
+from sparse_serve.engine import LLMEngine  # noqa: E402
+from sparse_serve.sampling_params import SamplingParams  # noqa: E402
+
+DEFAULT_CASES = ("1x32768", "23x32768", "5x131072", "76x10240")
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+
+
+def tiny_config(num_layers: int, vocab: int) -> str:
+    """A Qwen3-8B-shaped config with a tiny hidden size, written to a temporary folder."""
+    src = Path(__file__).resolve().parents[1] / "packages/sparse-serve/src/sparse_serve/bench/configs/qwen3-8b"
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(TINY, num_hidden_layers=num_layers, max_window_layers=num_layers, vocab_size=vocab)
+    cfg.update(torch_dtype="float32", bos_token_id=0, eos_token_id=1)
+    folder = Path(tempfile.mkdtemp(prefix="host_overhead_"))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+class _StubModel:
+    """Stands in for the model: zeros of the right shapes, no compute."""
+
+    def __init__(self, hidden: int, vocab: int):
+        self.hidden, self.vocab = hidden, vocab
+
+    def __call__(self, input_ids, positions, attention):
+        return torch.zeros(input_ids.numel(), self.hidden)
+
+    def compute_logits(self, hidden):
+        logits = torch.zeros(hidden.shape[0], self.vocab)
+        logits[:, 7] = 1.0  # greedy picks token 7 (not EOS)
+        return logits
+
+
+class _NoopGraph:
+    def replay(self) -> None:
+        pass
+
+
+def install_fake_graphs(engine: LLMEngine, max_batch: int) -> None:
+    """Route decode steps through ``DecodeGraphs.run`` with no-op replays (the GPU's host path)."""
+    runner = engine.runner
+    cfg = runner.model_config
+    runner.model = _StubModel(cfg.hidden_size, cfg.vocab_size)
+    graphs = cuda_graphs.DecodeGraphs(runner.model, runner.attention, cfg.num_hidden_layers, max_batch, runner.device)
+    for bs in graphs.sizes:
+        graphs.graphs[bs] = _NoopGraph()
+        graphs.outputs[bs] = torch.zeros(bs, cfg.hidden_size)
+    runner.graphs = graphs
+    if not torch.cuda.is_available():
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # no CUDA: staging copies stay plain
+
+
+class Timers:
+    """Accumulates wall time per part by wrapping callables."""
+
+    def __init__(self):
+        self.ms: dict[str, list[float]] = defaultdict(list)
+        self.active = False
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if self.active:
+                    self.ms[name].append((time.perf_counter() - t0) * 1e3)
+
+        return timed
+
+
+def instrument(engine: LLMEngine, timers: Timers) -> None:
+    runner = engine.runner
+    engine.scheduler.schedule = timers.wrap("schedule", engine.scheduler.schedule)
+    engine_module.build_step_metadata = timers.wrap("step_metadata", engine_module.build_step_metadata)
+    runner.method.prepare_step = timers.wrap("method.prepare_step", runner.method.prepare_step)
+    engine.method.finish_step = timers.wrap("method.finish_step", engine.method.finish_step)
+    runner.attention.plan = timers.wrap("attention.plan", runner.attention.plan)
+    sampler = runner.sampler
+    if hasattr(sampler, "sample"):  # sample(): queued on the device; tolist() is timed as the fetch
+        sampler.sample = timers.wrap("sampler", sampler.sample)
+    else:
+        runner.sampler = timers.wrap("sampler", sampler)
+    runner.graphs.run = timers.wrap("graphs.run (incl. plan)", runner.graphs.run)
+    runner.run = timers.wrap("runner.run", runner.run)
+
+
+def build(batch: int, prompt_len: int, output_len: int, num_layers: int, vocab: int) -> LLMEngine:
+    blocks_each = -(-(prompt_len + output_len + 16) // 16)
+    config = EngineConfig(
+        model=tiny_config(num_layers, vocab),
+        device="cpu",
+        load_format="dummy",
+        num_kv_blocks=batch * blocks_each + 16,
+        max_num_seqs=256,  # as the GPU bench: sizes the decode buffers' capacities
+    )
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_synthetic_request(prompt_len, params)
+    install_fake_graphs(engine, 256)
+    return engine
+
+
+def run_case(case: str, steps: int, warmup: int, num_layers: int, vocab: int, profile: int) -> dict:
+    batch, prompt_len = (int(x) for x in case.split("x"))
+    engine = build(batch, prompt_len, warmup + steps + profile + 2, num_layers, vocab)
+    timers = Timers()
+    instrument(engine, timers)
+    for _ in range(warmup):
+        engine.step()
+    timers.active = True
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        timers.ms["step"].append((time.perf_counter() - t0) * 1e3)
+    timers.active = False
+    if engine.runner.graphs.num_replays < warmup + steps:
+        raise RuntimeError("steps did not take the graph path")
+    stats = {"median_ms": statistics.median, "min_ms": min}  # min: robust on a shared, loaded host
+    result_stats = {}
+    for stat, fn in stats.items():
+        med = {k: fn(v) for k, v in timers.ms.items()}
+        parts = ("schedule", "step_metadata", "method.finish_step", "runner.run")
+        med["graph inputs + pad (graphs.run - plan)"] = med["graphs.run (incl. plan)"] - med["attention.plan"]
+        med["runner other (run - graphs.run - sampler - prepare)"] = (
+            med["runner.run"] - med["graphs.run (incl. plan)"] - med["sampler"] - med["method.prepare_step"]
+        )
+        med["postprocess (step - the rest)"] = med["step"] - sum(med[p] for p in parts)
+        result_stats[stat] = med
+    blocks = sum(len(engine.kv.table(r.request_id).block_ids) for r in engine.scheduler.running)
+    result = {"case": case, "batch": batch, "prompt_len": prompt_len, "blocks_listed": blocks, **result_stats}
+    if profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(profile):
+            engine.step()
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--case", action="append", help="BATCHxPROMPT_LEN (repeatable); default: " + ", ".join(DEFAULT_CASES)
+    )
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--num-layers", type=int, default=36)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--profile", type=int, default=0, help="also cProfile this many steps per case")
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    results = []
+    order = (
+        "step",
+        "schedule",
+        "step_metadata",
+        "attention.plan",
+        "graph inputs + pad (graphs.run - plan)",
+        "sampler",
+        "method.prepare_step",
+        "method.finish_step",
+        "runner other (run - graphs.run - sampler - prepare)",
+        "postprocess (step - the rest)",
+    )
+    for case in args.case or DEFAULT_CASES:
+        r = run_case(case, args.steps, args.warmup, args.num_layers, args.vocab, args.profile)
+        results.append(r)
+        print(f"\n{case}: {r['blocks_listed']} blocks listed; ms per step: median, min over {args.steps} steps")
+        for k in order:
+            print(f"  {k:55s} {r['median_ms'][k]:8.3f} {r['min_ms'][k]:8.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

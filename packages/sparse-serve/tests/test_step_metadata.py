@@ -1,0 +1,86 @@
+"""Step metadata: the packed block-id path equals the one converting the tables, and both equal a
+plain per-position computation (slots, CSR lists, layer groups)."""
+
+import random
+
+import pytest
+import torch
+
+from sparse_cache import KVCacheManager
+from sparse_serve.request import Request
+from sparse_serve.sampling_params import SamplingParams
+from sparse_serve.scheduler import ScheduledBatch
+from sparse_serve.step_metadata import LayerGroupMetadata, build_step_metadata
+
+BS = 4
+
+
+def _batch(seed: int, num_layers: int = 3):
+    rng = random.Random(seed)
+    kv = KVCacheManager(num_blocks=400, block_size=BS)
+    items = []
+    for i in range(rng.randint(1, 9)):
+        decode = i < 5 and rng.random() < 0.7
+        n = 1 if decode else rng.randint(2, 11)
+        done = rng.randint(1 if decode else 0, 40)
+        req = Request(str(i), [rng.randrange(50) for _ in range(done + n)], SamplingParams(), arrival=0)
+        req.num_computed_tokens = done
+        evict = rng.random() < 0.3  # some layers hold fewer slots: several layer groups
+        req.kv_lens = [done - (rng.randint(0, done) if evict and layer % 2 else 0) for layer in range(num_layers)]
+        kv.allocate(req.request_id, rng.randint(0, 3))  # a table grown over several steps
+        assert kv.allocate(req.request_id, req.kv_len + n) is not None
+        items.append((req, n))
+    items.sort(key=lambda item: item[1] > 1)
+    return ScheduledBatch(tuple(items)), kv
+
+
+def _plain_group(batch: ScheduledBatch, kv: KVCacheManager, layer: int) -> dict:
+    """Slots and CSR lists of one layer, position by position."""
+    slots, lists = [], []
+    for req, n in batch.items:
+        table = kv.table(req.request_id)
+        start = req.kv_lens[layer]
+        slots += [table.slot(p) for p in range(start, start + n)]
+        lists.append((table.block_ids[: -(-(start + n) // BS)], (start + n - 1) % BS + 1))
+    return {"slots": slots, "lists": lists}
+
+
+def _csr_lists(indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor):
+    ptr = indptr.tolist()
+    return [(indices[ptr[b] : ptr[b + 1]].tolist(), int(last[b])) for b in range(len(ptr) - 1)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_packed_block_ids_equal_tables_and_plain_layout(seed):
+    batch, kv = _batch(seed)
+    fast = build_step_metadata(batch, kv.table, BS, kv.block_id_array)
+    slow = build_step_metadata(batch, kv.table, BS)
+    assert fast.layer_group == slow.layer_group and len(fast.groups) == len(slow.groups)
+    for a, b in zip(fast.groups, slow.groups, strict=True):
+        for name in LayerGroupMetadata.__slots__:
+            x, y = getattr(a, name), getattr(b, name)
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y), name
+            else:
+                assert x == y, name
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name))
+    nd = fast.num_decode_tokens
+    for layer in range(3):
+        group = fast.groups[fast.layer_group[layer]]
+        assert layer in group.layers
+        plain = _plain_group(batch, kv, layer)
+        assert group.slot_mapping.tolist() == plain["slots"]
+        decode = _csr_lists(group.decode_kv_indptr, group.decode_kv_indices, group.decode_kv_last_len)
+        prefill = _csr_lists(group.prefill_kv_indptr, group.prefill_kv_indices, group.prefill_kv_last_len)
+        assert decode + prefill == plain["lists"] and len(decode) == nd
+
+
+def test_a_position_outside_the_table_raises():
+    kv = KVCacheManager(num_blocks=4, block_size=BS)
+    req = Request("r", list(range(BS + 1)), SamplingParams(), arrival=0, kv_lens=[BS] * 3)
+    req.num_computed_tokens = BS
+    kv.allocate("r", BS)  # one block: no room for the step's token at position BS
+    for block_ids_of in (None, kv.block_id_array):
+        with pytest.raises(IndexError):
+            build_step_metadata(ScheduledBatch(((req, 1),)), kv.table, BS, block_ids_of)
