@@ -81,3 +81,24 @@ def test_query_aware_methods_on_cuda_equal_cpu(method):
         return out
 
     assert run("cuda") == run("cpu")
+
+
+@pytest.mark.parametrize("method", ["quest", "omnikv"])
+def test_selecting_decode_steps_replay_cuda_graphs(method):
+    """Steps where every request selects are captured (per bucket and selection) and replayed, with
+    block summaries updated inside the graph; tokens equal eager steps and the CPU path."""
+    cfg = dict(sparse_method=method, sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16)
+    prompts = ["def parse(text):" * 25, "Return the number of" * 20, "class Queue:" * 30]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+    def run(device, **kw):
+        llm = LLM(
+            str(DEFAULT_MODEL), device=device, dtype="float32", max_model_len=512, num_kv_blocks=96, **cfg, **kw
+        )
+        return llm, [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    graphed, got = run("cuda")
+    graphs = graphed.engine.runner.graphs
+    assert graphs.selecting_graphs, "uniform selecting steps should be captured"
+    assert graphs.num_replays >= 16
+    assert got == run("cuda", enforce_eager=True)[1] == run("cpu")[1]

@@ -6,6 +6,15 @@ store skips it) and a one-token KV list on block 0 (read, never written; their o
 dropped). The graph reads its inputs from static buffers that each step fills in place: the token
 ids and positions here, the slot mapping and the decode kernel's CSR inside the attention backend
 (whose plan copies into fixed-capacity buffers). Logits and sampling run eagerly on the real rows.
+
+Block summaries (query-aware stores) are updated inside the graph from the static slot mapping.
+Steps of a method that selects what decode reads are eligible when the method selects on the device
+(``batched_selection``) and every request of the step selects alike: all read everything (the plain
+bucket graph, captured without the method, serves them), or all read the same number of entries.
+The latter are captured lazily, per (bucket, the selective plan's ``graph_key``), from the first
+such step: one eager warm-up forward of that step (a real run: replaying it rewrites the same KV and
+summaries), then the capture, then the replay. The selecting layers' plan lives in fixed buffers
+(see ``SelectiveDecode``); the graph's padding rows select on a one-token table and are dropped.
 """
 
 from __future__ import annotations
@@ -99,6 +108,8 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.selecting_graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, graph_key) -> graph
+        self.selecting_outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
         self.num_replays = 0
 
@@ -134,12 +145,15 @@ class DecodeGraphs:
             return False
         if len(meta.sampled) != meta.num_tokens:  # a one-token prefill chunk that samples nothing
             return False
-        if self.attention.pool.kmin is not None:  # block summaries are updated outside graphs
+        if method is None:
+            return True
+        if any(method.attention_requests(layer) for layer in range(self.num_layers)):
             return False
-        if method is not None and any(
-            method.attention_requests(layer) or method.selects_decode(layer) for layer in range(self.num_layers)
-        ):
-            return False
+        if any(method.selects_decode(layer) for layer in range(self.num_layers)):
+            if not method.batched_selection:
+                return False
+            _, uniform = self.attention.selective.uniform_size(method, meta, meta.groups[0])
+            return uniform
         return True
 
     def run(self, meta: StepMetadata) -> torch.Tensor:
@@ -150,6 +164,25 @@ class DecodeGraphs:
         self.input_ids[:bs].copy_(padded.input_ids.pin_memory(), non_blocking=True)
         self.positions[:bs].copy_(padded.positions.pin_memory(), non_blocking=True)
         self.attention.plan(padded)
-        self.graphs[bs].replay()
+        key = self.attention.selective.graph_key() if self.attention.method is not None else None
+        if key is None:  # no row selects (or no method): the bucket's plain graph
+            self.graphs[bs].replay()
+            self.num_replays += 1
+            return self.outputs[bs][:n]
+        key = (bs, *key)
+        if key not in self.selecting_graphs:
+            self._capture_selecting(key, bs)
+        self.selecting_graphs[key].replay()
         self.num_replays += 1
-        return self.outputs[bs][:n]
+        return self.selecting_outputs[key][:n]
+
+    @torch.inference_mode()
+    def _capture_selecting(self, key: tuple, bs: int) -> None:
+        """Capture the planned selecting step (inputs already in the static buffers)."""
+        ids, pos = self.input_ids[:bs], self.positions[:bs]
+        self.model(ids, pos, self.attention)  # warm-up: Triton compiles; a real, repeatable run of the step
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.selecting_outputs[key] = self.model(ids, pos, self.attention)
+        self.selecting_graphs[key] = graph
