@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over an ``AsyncEngine``.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON, or
-server-sent events with ``stream: true``), ``GET /health`` and ``GET /metrics`` (Prometheus).
+server-sent events with ``stream: true``), ``GET /health``, ``GET /metrics`` (Prometheus) and the
+chain cache's ``/v1/chains/...`` (``chains.py``).
 Every error is answered in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 A client that goes away, mid-stream or while waiting for a whole response, has its request
 aborted in the engine, which frees its KV blocks.
@@ -19,17 +20,22 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from sparse_serve.config import EngineConfig
 from sparse_serve.engine import LLMEngine
+from sparse_serve.server import chains
 from sparse_serve.server.async_engine import AsyncEngine, EngineUnavailableError, QueueFullError
 from sparse_serve.server.chat import ChatTemplate, ChatTemplateError
-from sparse_serve.server.errors import APIError, bad_request, from_validation_error, server_error
+from sparse_serve.server.errors import APIError, bad_request, from_engine_error, server_error
 from sparse_serve.server.metrics import CONTENT_TYPE, ServerMetrics
-from sparse_serve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, unknown_model
+from sparse_serve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    parse_body,
+    unknown_model,
+)
 from sparse_serve.server.responses import ChatReply, CompletionReply
 from sparse_serve.server.streaming import EventStreamResponse, final_output, sse_events
 from sparse_serve.tokenizer import Tokenizer
@@ -114,6 +120,7 @@ def build_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
+    app.include_router(chains.router)
     return app
 
 
@@ -200,18 +207,7 @@ def _model_card(state: _State) -> dict[str, Any]:
 
 async def _parse(request: Request, model: type[T], state: _State) -> T:
     """Read, size-limit and validate the body, then the checks every generation request shares."""
-    raw = bytearray()
-    try:
-        async for part in request.stream():
-            raw += part
-            if len(raw) > state.max_body_bytes:
-                raise APIError(413, f"The request body exceeds {state.max_body_bytes} bytes.", code="body_too_large")
-    except ClientDisconnect:  # gone before sending the whole body: nothing to answer, nothing to log
-        raise APIError(499, "The client disconnected.", code="client_disconnected") from None
-    try:
-        body = model.model_validate_json(bytes(raw))
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    body = await parse_body(request, model, state.max_body_bytes)
     if body.model != state.model_name:
         raise unknown_model(body.model)
     body.check_supported()
@@ -227,10 +223,6 @@ def _chain_extension(body: SamplingRequest) -> None:
     fields = body.chain_fields()
     if "chain_append_start" in fields and "chain_id" not in fields:
         raise bad_request("`chain_append_start` needs a `chain_id`", param="chain_append_start")
-
-
-# Chain errors that are not plain bad input: an unknown chain (404) and a second writer (409).
-_CHAIN_STATUS = {"chain_not_found": 404, "chain_busy": 409}
 
 
 async def _encode(state: _State, text: str, add_special_tokens: bool) -> list[int]:
@@ -257,10 +249,7 @@ async def _generate(
     except EngineUnavailableError as e:
         raise server_error(503, str(e), code="engine_unavailable") from None
     except ValueError as e:
-        code = getattr(e, "code", None)  # the chain cache's errors name their case
-        if code is not None:
-            raise APIError(_CHAIN_STATUS.get(code, 400), str(e), param="chain_id", code=code) from None
-        raise bad_request(str(e), param=body.prompt_field) from None
+        raise from_engine_error(e, param=body.prompt_field) from None
     if body.stream:
         return EventStreamResponse(sse_events(stream, reply, body.include_usage), on_close=stream.close)
     try:

@@ -1,14 +1,15 @@
 """The synchronous engine on its own thread, fed by a command queue, streaming into asyncio queues.
 
-``LLMEngine`` is single-threaded, so one thread owns it: it takes commands (add, abort, stop) from
-a thread-safe inbox, runs ``step()`` while any request is unfinished and sleeps on the inbox when
+``LLMEngine`` is single-threaded, so one thread owns it: it takes commands (add, abort, call, stop)
+from a thread-safe inbox, runs ``step()`` while any request is unfinished and sleeps on the inbox when
 none is, and hands each step's outputs to the event loop in one ``call_soon_threadsafe``. The
 event loop never touches the engine; it reads an ``EngineSnapshot`` the thread publishes.
 
 ``add`` waits until the engine thread has accepted the request (the engine validates it), so a
 bad request fails before an HTTP response starts. The waiting queue is bounded: requests sent
 but not yet taken by the thread, plus those the scheduler holds waiting, are at most
-``max_waiting_requests``; one more is a ``QueueFullError``.
+``max_waiting_requests``; one more is a ``QueueFullError``. ``call(fn)`` runs ``fn(engine)`` on the
+engine thread between two steps (chain forks, drops, info, pruning) and returns what it returns.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from sparse_serve.engine import LLMEngine
 from sparse_serve.outputs import RequestOutput
@@ -27,6 +30,7 @@ from sparse_serve.sampling_params import SamplingParams
 from sparse_serve.server.metrics import EngineSnapshot, ServerMetrics
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 class QueueFullError(RuntimeError):
@@ -51,6 +55,12 @@ class _Add:
 @dataclass(frozen=True, slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: asyncio.Future
 
 
 _STOP = object()
@@ -159,6 +169,16 @@ class AsyncEngine:
             raise
         return RequestStream(self, cmd.request_id, cmd.outputs)
 
+    async def call(self, fn: Callable[[LLMEngine], R]) -> R:
+        """``fn(engine)``, run on the engine thread between steps; raises what ``fn`` raised, or
+        EngineUnavailableError. Once queued it runs even if the caller stops waiting."""
+        cmd = _Call(fn, asyncio.get_running_loop().create_future())
+        with self._lock:
+            if self._unavailable is not None:
+                raise EngineUnavailableError(self._unavailable)
+            self._inbox.put(cmd)
+        return await cmd.done
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             if self._unavailable is None:
@@ -210,6 +230,9 @@ class AsyncEngine:
             if tracked is not None:
                 self.metrics.on_finished("abort", time.monotonic() - tracked.arrival)
             return
+        if isinstance(cmd, _Call):
+            self._run_call(cmd)
+            return
         try:
             self.engine.add_request(cmd.prompt_token_ids, cmd.params, cmd.request_id, **cmd.chain)
         except ValueError as e:
@@ -221,6 +244,15 @@ class AsyncEngine:
             self._num_queued -= 1
             self._snapshot = self._take_snapshot()
         self._settle(cmd.accepted, error)
+
+    def _run_call(self, cmd: _Call) -> None:
+        # Errors go back to the caller: chain operations check their input before changing anything.
+        try:
+            result, error = cmd.fn(self.engine), None
+        except Exception as e:
+            result, error = None, e
+        self._snapshot = self._take_snapshot()
+        self._call_in_loop(_settle_future, cmd.done, error, result)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -255,6 +287,8 @@ class AsyncEngine:
                 if isinstance(cmd, _Add):
                     self._num_queued -= 1
                     self._settle(cmd.accepted, error)
+                elif isinstance(cmd, _Call):
+                    self._settle(cmd.done, error)
         if deliveries:
             self._call_in_loop(_deliver, deliveries)
         self._snapshot = self._take_snapshot()
@@ -286,10 +320,10 @@ def _deliver(deliveries: list[tuple[asyncio.Queue, RequestOutput | Exception]]) 
         outputs.put_nowait(item)
 
 
-def _settle_future(future: asyncio.Future, error: Exception | None) -> None:
+def _settle_future(future: asyncio.Future, error: Exception | None, result: Any = None) -> None:
     if future.done():  # the waiter was cancelled
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)

@@ -7,6 +7,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from sparse_cache import ChainError
+
 # pydantic names union members in an error's location (``("prompt", "list[int]", 0)``); a client
 # knows the field, not our type annotations, so those parts are left out of ``param``.
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
@@ -51,6 +53,18 @@ def not_supported(param: str, detail: str = "is not supported by this server") -
 def server_error(status: int, message: str, code: str | None = None, retry_after_s: int | None = None) -> APIError:
     headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
     return APIError(status, message, type="server_error", code=code, headers=headers)
+
+
+# Chain errors that are not plain bad input: an unknown chain (404) and a second writer (409).
+_CHAIN_STATUS = {"chain_not_found": 404, "chain_busy": 409}
+
+
+def from_engine_error(error: ValueError, param: str | None = None, chain_param: str = "chain_id") -> APIError:
+    """An engine's ValueError for bad input: a chain error keeps its ``code`` (404 for an unknown chain,
+    409 for a busy one, 400 otherwise; ``param`` is ``chain_param``), anything else is a 400."""
+    if isinstance(error, ChainError):
+        return APIError(_CHAIN_STATUS.get(error.code, 400), str(error), param=chain_param, code=error.code)
+    return bad_request(str(error), param=param)
 
 
 def from_validation_error(error: ValidationError) -> APIError:

@@ -6,25 +6,46 @@ fields that the engine does not implement are accepted only at their neutral val
 that asks for the feature gets a 400 naming the field instead of a silently different answer.
 
 Engine extensions are extra body fields named as in ``SamplingParams`` (``top_k``, ``ignore_eos``,
-``stop_token_ids``) and ``EngineConfig`` (``chain_id``, ``chain_append_start``: the chain cache,
-not served yet).
+``stop_token_ids``) and ``LLMEngine.add_request`` (``chain_id``, ``chain_append_start``: the chain
+cache). ``parse_body`` reads and validates any body of this server.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import ClientDisconnect
 
 from sparse_serve.sampling_params import SamplingParams
-from sparse_serve.server.errors import APIError, bad_request, not_supported
+from sparse_serve.server.errors import APIError, bad_request, from_validation_error, not_supported
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, protected_namespaces=())
 
 
-class StreamOptions(_Strict):
+B = TypeVar("B", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[B], max_body_bytes: int) -> B:
+    """Read the body (413 beyond ``max_body_bytes``) and validate it as ``model`` (400 naming the field)."""
+    raw = bytearray()
+    try:
+        async for part in request.stream():
+            raw += part
+            if len(raw) > max_body_bytes:
+                raise APIError(413, f"The request body exceeds {max_body_bytes} bytes.", code="body_too_large")
+    except ClientDisconnect:  # gone before sending the whole body: nothing to answer, nothing to log
+        raise APIError(499, "The client disconnected.", code="client_disconnected") from None
+    try:
+        return model.model_validate_json(bytes(raw))
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+class StreamOptions(StrictBody):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # OpenAI pads chunks against side channels; nothing to pad here
 
@@ -34,7 +55,7 @@ def _neutral(value: Any) -> bool:
     return value is None or value is False or value == 0 or value == "" or value == [] or value == {}
 
 
-class SamplingRequest(_Strict):
+class SamplingRequest(StrictBody):
     """Fields shared by completions and chat completions."""
 
     model: str
@@ -51,7 +72,7 @@ class SamplingRequest(_Strict):
     top_k: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
-    # Engine extensions, named as in EngineConfig: the chain cache (a later issue).
+    # Engine extensions, named as in LLMEngine.add_request: the chain cache.
     chain_id: str | None = None
     chain_append_start: int | None = None
     # Standard OpenAI fields accepted only when neutral (see unsupported_fields).
@@ -151,12 +172,12 @@ class CompletionRequest(SamplingRequest):
         return prompt
 
 
-class TextPart(_Strict):
+class TextPart(StrictBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictBody):
     """One message; the fields an OpenAI client echoes back from a response are accepted when empty."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]

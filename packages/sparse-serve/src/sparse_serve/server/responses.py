@@ -4,6 +4,11 @@ Plain dicts rather than pydantic models: a stream builds one per token per reque
 shapes are fixed by OpenAI's API reference (completions, chat completions, their chunk objects).
 A streamed update becomes one chunk even when its text is empty (a token that completes no
 character yet), so clients see every token's timing.
+
+Chain extension: ``usage.reused_tokens`` counts the prompt tokens resumed from a chain's retained KV
+(0 off chains), and a request on a chain gets ``chain_id`` and ``chain_status`` (``created``,
+``resumed`` or ``recreated``) beside ``usage`` in its response, its last content chunk and its
+usage chunk.
 """
 
 from __future__ import annotations
@@ -30,7 +35,15 @@ def usage(out: RequestOutput) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "reused_tokens": out.reused_tokens,
     }
+
+
+def chain_fields(out: RequestOutput) -> dict[str, Any]:
+    """``chain_id`` and ``chain_status`` of a request on a chain (empty otherwise)."""
+    if out.chain_id is None:
+        return {}
+    return {"chain_id": out.chain_id, "chain_status": out.chain_status}
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
@@ -59,11 +72,12 @@ class CompletionReply:
         return {"index": 0, "text": out.delta_text, "logprobs": None, "finish_reason": _finish_reason(out)}
 
     def chunk(self, out: RequestOutput) -> dict[str, Any]:
-        return {**self._base(self.chunk_object), "choices": [self._choice_delta(out)], "usage": None}
+        body = {**self._base(self.chunk_object), "choices": [self._choice_delta(out)], "usage": None}
+        return {**body, **chain_fields(out)} if out.finished else body
 
     def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
         """The final chunk of a stream asked for with ``stream_options.include_usage``."""
-        return {**self._base(self.chunk_object), "choices": [], "usage": usage(out)}
+        return {**self._base(self.chunk_object), "choices": [], "usage": usage(out), **chain_fields(out)}
 
     def _choice(self, out: RequestOutput) -> dict[str, Any]:
         return {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
@@ -71,7 +85,8 @@ class CompletionReply:
     def response(self, out: RequestOutput) -> dict[str, Any]:
         # stop_reason (an extension, as in vLLM): the stop string or token id that ended generation.
         choice = {**self._choice(out), "stop_reason": out.stop_reason}
-        return {**self._base(self.object), "choices": [choice], "usage": usage(out), "system_fingerprint": None}
+        body = {**self._base(self.object), "choices": [choice], "usage": usage(out), "system_fingerprint": None}
+        return {**body, **chain_fields(out)}
 
 
 class ChatReply(CompletionReply):
