@@ -203,6 +203,38 @@ def test_busy_chain_is_409_and_the_server_recovers(dense):
     assert httpx.get(url + "/health").json() == {"status": "ok"}
 
 
+def test_chain_calls_run_on_the_engine_thread(dense, monkeypatch):
+    """Fork, info, drop and prune reach the engine only from its own thread; an unexpected error in one
+    is a 500 and the engine keeps serving."""
+    engine, url, threads = dense.engine, dense.url, []
+
+    def recording(real):
+        def call(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        return call
+
+    for name in ("fork_chain", "chain_info", "drop_chain", "prune"):
+        monkeypatch.setattr(engine, name, recording(getattr(engine, name)))
+    fork = httpx.post(url + "/v1/chains/fork", json={"chain_id": "known"}).json()["chain_id"]
+    assert httpx.get(url + "/v1/chains/" + fork).json()["num_tokens"] > 0
+    assert httpx.delete(url + "/v1/chains/" + fork).json()["deleted"]
+    pruned = httpx.post(url + "/v1/chains/prune", json={"prompt": HISTORY, "ranges": [[5, 20]], "keep_tokens": 2})
+    assert httpx.delete(url + "/v1/chains/" + pruned.json()["chain_id"]).json()["deleted"]
+    assert len(threads) == 7 and set(threads) == {"sparse-engine"}
+
+    def broken(chain_id):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine, "chain_info", broken)
+    r = httpx.get(url + "/v1/chains/known")
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    assert httpx.get(url + "/v1/chains/known").json()["chain_id"] == "known"
+    assert dense.complete([5, 6, 7], max_tokens=1)["usage"]["completion_tokens"] == 1
+
+
 @pytest.mark.parametrize("keep", [3, 0])
 def test_prune_over_http_equals_offline(dense, keep):
     """Same kept positions and retained count, a degraded chain, and a resumed turn with the same tokens."""
