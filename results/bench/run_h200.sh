@@ -33,3 +33,14 @@ DENSE_MAX=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['inv
 "${BENCH[@]}" --out "$OUT/quest" --append --sparse-method quest --sink-keep-tokens 64 \
   --decode-keep-tokens 1472 --recent-keep-tokens 512 --prompt-len 131072 --batch-size max \
   --output-len 2048 --timed-steps 64 --max-num-seqs 8
+
+# 5. Issue 5, GPU paths: Quest (page bounds read through the block tables, summaries folded in the
+#    step) and OmniKV (filter layers pick the set on the device) in CUDA graphs, budget 2048 =
+#    64 sink + 1472 + 512 recent, at dense's largest batch, 128K prompt, next to dense.
+"${BENCH[@]}" --out "$OUT/query_aware" --prompt-len 131072 --batch-size max --output-len 2048 \
+  --timed-steps 64 --max-num-seqs 8
+for METHOD in quest omnikv; do
+  "${BENCH[@]}" --out "$OUT/query_aware" --append --sparse-method "$METHOD" --sink-keep-tokens 64 \
+    --decode-keep-tokens 1472 --recent-keep-tokens 512 --prompt-len 131072 --batch-size "$DENSE_MAX" \
+    --output-len 2048 --timed-steps 64 --max-num-seqs 8
+done
