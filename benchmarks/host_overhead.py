@@ -58,14 +58,14 @@ def tiny_config(num_layers: int, vocab: int) -> str:
 class _StubModel:
     """Stands in for the model: zeros of the right shapes, no compute."""
 
-    def __init__(self, hidden: int, vocab: int):
-        self.hidden, self.vocab = hidden, vocab
+    def __init__(self, hidden: int, vocab: int, device: torch.device):
+        self.hidden, self.vocab, self.device = hidden, vocab, device
 
     def __call__(self, input_ids, positions, attention):
-        return torch.zeros(input_ids.numel(), self.hidden)
+        return torch.zeros(input_ids.numel(), self.hidden, device=self.device)
 
     def compute_logits(self, hidden):
-        logits = torch.zeros(hidden.shape[0], self.vocab)
+        logits = torch.zeros(hidden.shape[0], self.vocab, device=self.device)
         logits[:, 7] = 1.0  # greedy picks token 7 (not EOS)
         return logits
 
@@ -79,11 +79,11 @@ def install_fake_graphs(engine: LLMEngine, max_batch: int) -> None:
     """Route decode steps through ``DecodeGraphs.run`` with no-op replays (the GPU's host path)."""
     runner = engine.runner
     cfg = runner.model_config
-    runner.model = _StubModel(cfg.hidden_size, cfg.vocab_size)
+    runner.model = _StubModel(cfg.hidden_size, cfg.vocab_size, runner.device)
     graphs = cuda_graphs.DecodeGraphs(runner.model, runner.attention, cfg.num_hidden_layers, max_batch, runner.device)
     for bs in graphs.sizes:
         graphs.graphs[bs] = _NoopGraph()
-        graphs.outputs[bs] = torch.zeros(bs, cfg.hidden_size)
+        graphs.outputs[bs] = torch.zeros(bs, cfg.hidden_size, device=runner.device)
     runner.graphs = graphs
     if not torch.cuda.is_available():
         torch.Tensor.pin_memory = lambda self, *args, **kwargs: self  # no CUDA: staging copies stay plain
@@ -124,11 +124,12 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
     runner.run = timers.wrap("runner.run", runner.run)
 
 
-def build(batch: int, prompt_len: int, output_len: int, num_layers: int, vocab: int) -> LLMEngine:
+def build(batch: int, prompt_len: int, output_len: int, num_layers: int, vocab: int, device: str = "cpu") -> LLMEngine:
     blocks_each = -(-(prompt_len + output_len + 16) // 16)
     config = EngineConfig(
         model=tiny_config(num_layers, vocab),
-        device="cpu",
+        device=device,
+        enforce_eager=True,  # no capture: the fake graphs below replay nothing
         load_format="dummy",
         num_kv_blocks=batch * blocks_each + 16,
         max_num_seqs=256,  # as the GPU bench: sizes the decode buffers' capacities
@@ -141,9 +142,9 @@ def build(batch: int, prompt_len: int, output_len: int, num_layers: int, vocab: 
     return engine
 
 
-def run_case(case: str, steps: int, warmup: int, num_layers: int, vocab: int, profile: int) -> dict:
+def run_case(case: str, steps: int, warmup: int, num_layers: int, vocab: int, profile: int, device: str) -> dict:
     batch, prompt_len = (int(x) for x in case.split("x"))
-    engine = build(batch, prompt_len, warmup + steps + profile + 2, num_layers, vocab)
+    engine = build(batch, prompt_len, warmup + steps + profile + 2, num_layers, vocab, device)
     timers = Timers()
     instrument(engine, timers)
     for _ in range(warmup):
@@ -189,6 +190,7 @@ def main() -> None:
     ap.add_argument("--num-layers", type=int, default=36)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--profile", type=int, default=0, help="also cProfile this many steps per case")
+    ap.add_argument("--device", default="cpu", help="cuda: real pinned copies and syncs (the stub model still)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -206,7 +208,7 @@ def main() -> None:
         "postprocess (step - the rest)",
     )
     for case in args.case or DEFAULT_CASES:
-        r = run_case(case, args.steps, args.warmup, args.num_layers, args.vocab, args.profile)
+        r = run_case(case, args.steps, args.warmup, args.num_layers, args.vocab, args.profile, args.device)
         results.append(r)
         print(f"\n{case}: {r['blocks_listed']} blocks listed; ms per step: median, min over {args.steps} steps")
         for k in order:

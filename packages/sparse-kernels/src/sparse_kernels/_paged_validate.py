@@ -37,9 +37,10 @@ def check_indptr(name: str, indptr: torch.Tensor, what: str) -> torch.Tensor:
     if int(indptr[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(indptr[0])}")
     lengths = (indptr[1:] - indptr[:-1]).to(torch.int64)
-    if bool((lengths < 0).any()):
+    shortest = int(lengths.min())  # one reduction: plan runs every step on long lists
+    if shortest < 0:
         raise ValueError(f"{name} must be non-decreasing")
-    if bool((lengths == 0).any()):
+    if shortest == 0:
         bad = int(torch.nonzero(lengths == 0)[0])
         raise ValueError(f"request {bad} has no {what}; every request needs at least one")
     return lengths
@@ -66,11 +67,13 @@ def check_paged_kv(
     batch = num_blocks.numel()
     if int(kv_indptr[-1]) != kv_indices.numel():
         raise ValueError(f"kv_indptr[-1] ({int(kv_indptr[-1])}) must equal len(kv_indices) ({kv_indices.numel()})")
-    if bool((kv_indices < 0).any()):
+    # min / max reductions: several times cheaper than elementwise compares on 10^4-10^5 entries.
+    if kv_indices.numel() and int(kv_indices.min()) < 0:
         raise ValueError("kv_indices must be non-negative block ids")
     if kv_last_len.numel() != batch:
         raise ValueError(f"kv_last_len must have B = {batch} entries, got {kv_last_len.numel()}")
-    if bool(((kv_last_len < 1) | (kv_last_len > block_size)).any()):
+    lo, hi = (int(x) for x in kv_last_len.aminmax())
+    if lo < 1 or hi > block_size:
         raise ValueError(f"kv_last_len entries must be in [1, block_size={block_size}]")
     kv_lens = (num_blocks - 1) * block_size + kv_last_len.to(torch.int64)
     return num_blocks, kv_lens
