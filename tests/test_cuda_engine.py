@@ -92,9 +92,7 @@ def test_selecting_decode_steps_replay_cuda_graphs(method):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
     def run(device, **kw):
-        llm = LLM(
-            str(DEFAULT_MODEL), device=device, dtype="float32", max_model_len=512, num_kv_blocks=96, **cfg, **kw
-        )
+        llm = LLM(str(DEFAULT_MODEL), device=device, dtype="float32", max_model_len=512, num_kv_blocks=96, **cfg, **kw)
         return llm, [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
     graphed, got = run("cuda")

@@ -47,7 +47,15 @@ def test_bounds_equal_the_loop(backend, sink, recent, triton_device):
     indices = torch.tensor(sum(tables, []), dtype=torch.int32)
     out = torch.empty(3, hkv, max_pages, device=device)
     page_bounds(
-        q.to(device), kmin.to(device), kmax.to(device), indices.to(device), start.to(device), num_pages.to(device), out,
-        sink=sink, recent=recent, backend=backend,
+        q.to(device),
+        kmin.to(device),
+        kmax.to(device),
+        indices.to(device),
+        start.to(device),
+        num_pages.to(device),
+        out,
+        sink=sink,
+        recent=recent,
+        backend=backend,
     )
     torch.testing.assert_close(out.cpu(), _loop(q, kmin, kmax, tables, max_pages, sink, recent), rtol=1e-5, atol=1e-4)

@@ -164,8 +164,11 @@ class DecodeGraphs:
         self.input_ids[:bs].copy_(padded.input_ids.pin_memory(), non_blocking=True)
         self.positions[:bs].copy_(padded.positions.pin_memory(), non_blocking=True)
         self.attention.plan(padded)
-        key = self.attention.selective.graph_key() if self.attention.method is not None else None
-        if key is None:  # no row selects (or no method): the bucket's plain graph
+        selective = self.attention.selective
+        key = selective.graph_key() if self.attention.method is not None else None
+        if key is None and selective.batched:  # planned off the graph path after all: run it eagerly
+            return self.model(self.input_ids[:bs], self.positions[:bs], self.attention)[:n]
+        if key is None:  # no row selects, or no method: the bucket's plain graph
             self.graphs[bs].replay()
             self.num_replays += 1
             return self.outputs[bs][:n]

@@ -149,7 +149,9 @@ class SelectiveDecode:
         )
         self.max_list_pages = max(self.max_list_pages, size)
 
-    def uniform_size(self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata) -> tuple[int | None, bool]:
+    def uniform_size(
+        self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata
+    ) -> tuple[int | None, bool]:
         """``(size, uniform)`` of a step's decode requests: the entries the selecting rows read (None
         when no row selects) and whether every request selects alike (all ``size``, or all None)."""
         nd = min(meta.num_decode_tokens, len(meta.steps))

@@ -59,7 +59,9 @@ def _page_bounds_kernel(
 page_bounds_kernel = Kernel(_page_bounds_kernel)
 
 
-def page_bounds_triton(q, kmin, kmax, table_indices, table_start, num_pages, out, sink: int, recent: int) -> torch.Tensor:
+def page_bounds_triton(
+    q, kmin, kmax, table_indices, table_start, num_pages, out, sink: int, recent: int
+) -> torch.Tensor:
     """Inputs already validated by ``sparse_kernels.page_bounds``; ``out`` must be contiguous."""
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]

@@ -26,7 +26,6 @@ import torch
 from pydantic import Field, field_validator
 
 from sparse_kernels import paged_logits
-
 from sparse_methods.base import (
     Category,
     DecodeBatch,

@@ -17,7 +17,6 @@ import torch
 from pydantic import Field
 
 from sparse_kernels import page_bounds
-
 from sparse_methods.base import (
     Category,
     DecodeBatch,
