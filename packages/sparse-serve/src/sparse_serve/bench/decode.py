@@ -106,8 +106,8 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
     for r in running:
         for layer, kv_len in enumerate(r.kv_lens):
             n = kv_len + 1
-            size = method.selection_size(n, bs) if method.selects_decode(layer) else None
-            total += n if size is None else size * bs + (-(-n // bs) if summaries else 0)
+            read = method.decode_read_tokens(layer, n, bs)
+            total += read + (-(-n // bs) if summaries and read < n else 0)
     return total, len(running)
 
 
