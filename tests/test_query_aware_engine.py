@@ -300,8 +300,10 @@ def test_omnikv_device_set_equals_the_host_path(pad):
     assert method._device_set[:3].tolist() == host_sets
 
 
-def test_quest_uniform_step_with_padding_rows_equals_the_host_path():
-    """Quest's batched path on a step where every request selects (the CUDA-graph case), plus padding rows."""
+@pytest.mark.parametrize("kernels", ["auto", "triton"])
+def test_quest_uniform_step_with_padding_rows_equals_the_host_path(kernels, monkeypatch):
+    """Quest's batched path on a step where every request selects (the CUDA-graph case), plus padding
+    rows; with ``triton`` the method's kernels (page bounds, ascending top-k) run under the interpreter."""
     from sparse_serve.cuda_graphs import pad_decode_metadata
     from sparse_serve.selective_decode import SelectiveDecode
 
@@ -315,6 +317,7 @@ def test_quest_uniform_step_with_padding_rows_equals_the_host_path():
     expected = host.run(engine.method, layer, q, *args, meta, meta.groups[0], torch.empty_like(q))
     assert host.num_selections == 3
     padded = pad_decode_metadata(meta, 5)
+    monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
     fast.plan_step(engine.method, padded, padded.groups[0])
     assert fast.graph_key() is not None

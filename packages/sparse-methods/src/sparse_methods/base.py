@@ -221,7 +221,9 @@ class DecodeBatch:
     per-page or per-token outputs). ``page_min`` / ``page_max``: the pool's block summaries
     ``[num_blocks, num_kv_heads, head_dim]`` when the store keeps them. ``key_cache``: the layer's
     keys ``[num_blocks, block_size, num_kv_heads, head_dim]`` when the method asked for them
-    (``needs_decode_keys``). ``sm_scale``: the attention's softmax scale.
+    (``needs_decode_keys``). ``sm_scale``: the attention's softmax scale. ``page_counts``: int64
+    ``[B]`` pages each row holds (``ceil(kv_lens / block_size)``) when the caller has them already
+    (saves two launches per layer); ``num_pages`` computes them otherwise.
     """
 
     query: torch.Tensor
@@ -234,9 +236,12 @@ class DecodeBatch:
     page_max: torch.Tensor | None = None
     key_cache: torch.Tensor | None = None
     sm_scale: float = 1.0
+    page_counts: torch.Tensor | None = None
 
     @property
     def num_pages(self) -> torch.Tensor:
+        if self.page_counts is not None:
+            return self.page_counts
         return (self.kv_lens + self.block_size - 1) // self.block_size
 
 

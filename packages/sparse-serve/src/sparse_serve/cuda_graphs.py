@@ -25,8 +25,12 @@ from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata
 
 
 def graph_batch_sizes(max_batch_size: int) -> list[int]:
-    """Captured sizes: 1, 2, 4, then every multiple of 8 up to ``max_batch_size`` (and it)."""
-    sizes = [s for s in (1, 2, 4) if s <= max_batch_size] + list(range(8, max_batch_size + 1, 8))
+    """Captured sizes: every size up to 8, then every multiple of 8 up to ``max_batch_size`` (and it).
+
+    Small batches get their own graph: a padding row costs little on the dense path (a one-token
+    list) but as much as a real row's selection and sparse read on a selecting one (a batch of 5 in
+    a graph of 8 selected and read 8 rows' budgets per layer)."""
+    sizes = list(range(1, min(8, max_batch_size) + 1)) + list(range(16, max_batch_size + 1, 8))
     if sizes[-1] != max_batch_size:
         sizes.append(max_batch_size)
     return sizes

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_kernels import BatchDecodeWithPagedKVCache
+from sparse_kernels.selection_entries import selection_entries
 from sparse_methods import DecodeView, Selection, SparseMethod
 from sparse_methods.base import DecodeBatch
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots
@@ -40,6 +41,7 @@ class _BatchedStep:
     positions: torch.Tensor | None  # int64 [n * Hkv * size] index-buffer slots to fill, None: the first ones
     starts: torch.Tensor  # int64 [n]: each selecting row's first entry in the table buffer
     kv_lens: torch.Tensor  # int64 [n]
+    num_pages: torch.Tensor  # int64 [n]: ceil(kv_lens / block_size)
     size: int  # entries each (row, KV head) list reads
     unit: int  # slots per entry (block size, or 1)
     max_pages: int  # static table width
@@ -70,7 +72,7 @@ class SelectiveDecode:
 
         self._fast: dict[int, tuple[BatchDecodeWithPagedKVCache, int]] = {}  # unit -> (wrapper, entry capacity)
         self._table = torch.zeros(max_num_pages or 0, dtype=torch.int32, device=device)
-        self._rows = torch.zeros(2 * (max_batch_size or 0), dtype=torch.int64, device=device)
+        self._rows = torch.zeros(3 * (max_batch_size or 0), dtype=torch.int64, device=device)
         self._batched: _BatchedStep | None = None  # this step's batched plan, or None (host path)
         self.reads_all = False  # this step's decode rows all read everything: selecting layers run dense
 
@@ -133,9 +135,10 @@ class SelectiveDecode:
         )
         n = len(rows)
         idx = torch.tensor(rows, dtype=torch.int64)
-        per_row = torch.cat([starts_h[idx], torch.tensor(kv_lens, dtype=torch.int64)[idx]])
+        row_lens = torch.tensor(kv_lens, dtype=torch.int64)[idx]
+        per_row = torch.cat([starts_h[idx], row_lens, (row_lens + bs - 1) // bs])
         self._load_table(indices_h)
-        self._rows = _fit(self._rows, 2 * n, self.max_batch_size and 2 * self.max_batch_size)
+        self._rows = _fit(self._rows, 3 * n, self.max_batch_size and 3 * self.max_batch_size)
         _copy_in(self._rows, per_row)
         max_pages = int((indptr_h[1:] - starts_h)[idx].max())
         self._batched = _BatchedStep(
@@ -143,6 +146,7 @@ class SelectiveDecode:
             positions=positions,
             starts=self._rows[:n],
             kv_lens=self._rows[n : 2 * n],
+            num_pages=self._rows[2 * n : 3 * n],
             size=size,
             unit=unit,
             max_pages=-(-max_pages // WIDTH_QUANTUM) * WIDTH_QUANTUM,
@@ -197,23 +201,25 @@ class SelectiveDecode:
             page_max=kmax,
             key_cache=k_cache if method.needs_decode_keys(layer) else None,
             sm_scale=self.sm_scale,
+            page_counts=st.num_pages,
         )
         if method.observes_decode_batch(layer):
             method.observe_decode_batch(layer, batch)
             return dense.run(q, k_cache, v_cache, out=out)
         chosen = method.select_batched(layer, batch)  # [n, Hkv, size] entries in table order
         n = chosen.shape[0]
-        if st.unit == bs:  # block ids; entries past a row (padding rows) read its last block
-            page = torch.minimum(chosen, batch.num_pages.view(-1, 1, 1) - 1)
-            ids = self._table[st.starts.view(-1, 1, 1) + page]
-        else:  # slot ids
-            tok = torch.minimum(chosen, st.kv_lens.view(-1, 1, 1) - 1)
-            ids = self._table[st.starts.view(-1, 1, 1) + tok // bs].to(torch.int64) * bs + tok % bs
         wrapper = self._fast[st.unit][0]
-        if st.positions is None:
-            wrapper.planned_kv_indices()[: n * num_kv_heads * st.size].view(n, num_kv_heads, st.size).copy_(ids)
+        # Block ids (unit = block) or slot ids (unit = 1), through the tables, in one launch; entries
+        # past a row (padding rows) read its last block / slot.
+        if st.positions is None:  # straight into the plan's index list
+            ids = wrapper.planned_kv_indices()[: n * num_kv_heads * st.size].view(n, num_kv_heads, st.size)
         else:
-            wrapper.planned_kv_indices()[st.positions] = ids.reshape(-1).to(torch.int32)
+            ids = torch.empty(n, num_kv_heads, st.size, dtype=torch.int32, device=q.device)
+        selection_entries(
+            chosen, self._table, st.starts, st.kv_lens, ids, block_size=bs, page_size=st.unit, backend=self.backend
+        )
+        if st.positions is not None:
+            wrapper.planned_kv_indices()[st.positions] = ids.view(-1)
         self.num_selections += n
         return wrapper.run(q, k_cache, v_cache, out=out)
 

@@ -17,6 +17,7 @@ import torch
 from pydantic import Field
 
 from sparse_kernels import page_bounds
+from sparse_kernels.top_k_ascending import top_k_ascending
 from sparse_methods.base import (
     Category,
     DecodeBatch,
@@ -89,7 +90,8 @@ class Quest(SparseMethod):
 
     def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
         """Bounds read through each row's table (``sparse_kernels.page_bounds``: sink and recent pages
-        forced to +inf, pages past the row to -inf), then the top ``sink + keep + recent`` per KV head."""
+        forced to +inf, pages past the row to -inf), then the top ``sink + keep + recent`` per KV head in
+        ascending page order (``top_k_ascending``: ties to the earlier page, as ``keep_indices``)."""
         sink, keep, recent = self._pages(batch.block_size)
         query = batch.query
         bounds = torch.empty(
@@ -106,8 +108,7 @@ class Quest(SparseMethod):
             sink=sink,
             recent=recent,
         )
-        chosen = torch.topk(bounds, min(sink + keep + recent, batch.max_pages), dim=-1, sorted=False).indices
-        return torch.sort(chosen, dim=-1).values
+        return top_k_ascending(bounds, min(sink + keep + recent, batch.max_pages))
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
         if view.kv_len <= self.budget:

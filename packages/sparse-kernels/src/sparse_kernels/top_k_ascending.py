@@ -1,0 +1,52 @@
+"""The ``k`` largest entries of each row, returned as ascending column indices (no sort pass).
+
+A query-aware method that keeps "the best ``k`` pages" and then needs them in table order (the
+decode kernel reads a list's newest page last) would run a top-k and then a sort. Here one program
+per row finds the ``k``-th largest value by a binary search over the values' ordered bit patterns
+(32 counting passes over the row, held in registers), then writes the chosen columns in ascending
+order through a prefix sum of the chosen mask. Ties at the threshold go to the lower column, as in a
+stable descending sort (``sparse_methods.scoring.keep_indices``' rule); ``-0.0`` equals ``0.0``.
+Fixed grid, no host sync: graph-safe. Rows wider than ``MAX_TRITON_COLUMNS`` use the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_kernels._backend import resolve_backend
+
+MAX_TRITON_COLUMNS = 32768  # one program holds its whole row
+
+
+def top_k_ascending(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *, backend: str = "auto"):
+    """Indices ``[..., k]`` (int64, ascending per row) of the ``k`` largest of ``scores[..., N]``.
+
+    Parameters
+    ----------
+    scores : torch.Tensor
+        float32 ``[..., N]`` with ``N >= k``, no NaN.
+    k : int
+        Entries per row, ``1 <= k <= N``.
+    out : torch.Tensor, optional
+        int64 ``[..., k]``, contiguous, written in place.
+    """
+    n = scores.shape[-1]
+    if scores.dtype != torch.float32:
+        raise ValueError(f"scores must be float32, got {scores.dtype}")
+    if not 1 <= k <= n:
+        raise ValueError(f"k must be in [1, {n}], got {k}")
+    shape = (*scores.shape[:-1], k)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.int64, device=scores.device)
+    elif tuple(out.shape) != shape or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous int64 {list(shape)}, got {out.dtype} {list(out.shape)}")
+    if out.numel() == 0:
+        return out
+    if resolve_backend(backend, scores.device) == "triton" and n <= MAX_TRITON_COLUMNS:
+        from sparse_kernels._triton.top_k_ascending import top_k_ascending_triton
+
+        top_k_ascending_triton(scores.reshape(-1, n), k, out.view(-1, k))
+        return out
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+    out.copy_(torch.sort(order, dim=-1).values)
+    return out
