@@ -266,11 +266,12 @@ def _dense_plan(attention, group, backend):
     return dense
 
 
-@pytest.mark.parametrize("pad", [0, 2])
-def test_omnikv_device_set_equals_the_host_path(pad):
-    """OmniKV's batched path (the filter layer scores every row's tokens on the device, the next layer
-    reads the set through slot lists; Triton under the interpreter) equals the host path, with a CUDA
-    graph's padding rows beside the requests."""
+@pytest.mark.parametrize(("pad", "kernels"), [(0, "auto"), (2, "auto"), (2, "triton")])
+def test_omnikv_device_set_equals_the_host_path(pad, kernels, monkeypatch):
+    """OmniKV's batched path (the filter layer's logits through the tables, attention from them, the
+    set scored and picked on the device; the next layer reads it through slot lists; Triton under the
+    interpreter) equals the host path, with a CUDA graph's padding rows beside the requests; with
+    ``triton`` the method's own kernels (head max probabilities, ascending top-k) are Triton too."""
     from sparse_serve.cuda_graphs import pad_decode_metadata
     from sparse_serve.selective_decode import SelectiveDecode
 
@@ -283,19 +284,21 @@ def test_omnikv_device_set_equals_the_host_path(pad):
     q_filter, q_next = (torch.randn(3, 8, 64, generator=gen) for _ in range(2))
     host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
     group = meta.groups[0]
+    expected = []  # the filter layer's output (all tokens), then the next layer's (the set)
     for layer, q in ((filt, q_filter), (filt + 1, q_next)):
         args = (pool.k[layer], pool.v[layer], None, None)
-        expected = host.run(method, layer, q, *args, meta, group, torch.empty_like(q))
+        expected.append(host.run(method, layer, q, *args, meta, group, torch.empty_like(q)))
     padded = pad_decode_metadata(meta, 3 + pad) if pad else meta
+    monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
     fast.plan_step(method, padded, padded.groups[0])
     assert fast.batched and fast.graph_key() is not None  # every row selects: graph-eligible
     dense = _dense_plan(attention, padded.groups[0], "triton")
-    for layer, q in ((filt, q_filter), (filt + 1, q_next)):
+    for (layer, q), want in zip(((filt, q_filter), (filt + 1, q_next)), expected, strict=True):
         q = torch.cat([q, torch.zeros(pad, *q.shape[1:])])
         args = (pool.k[layer], pool.v[layer], None, None)
         got = fast.run_batched(method, layer, q, *args, torch.empty_like(q), dense=dense)
-    torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
     host_sets = [method._chosen[str(i)].tolist() for i in range(3)]
     assert method._device_set[:3].tolist() == host_sets
 

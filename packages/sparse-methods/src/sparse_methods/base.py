@@ -224,6 +224,13 @@ class DecodeBatch:
     (``needs_decode_keys``). ``sm_scale``: the attention's softmax scale. ``page_counts``: int64
     ``[B]`` pages each row holds (``ceil(kv_lens / block_size)``) when the caller has them already
     (saves two launches per layer); ``num_pages`` computes them otherwise.
+
+    At a layer the method observes (``observes_decode_batch``) the engine may have computed the
+    layer's raw logits already, because it attends from them: ``logits`` float32 ``[B, num_q_heads,
+    max_pages * block_size]``, ``sm_scale * q . k`` of every row's tokens in table order (``-inf``
+    past a row), with ``logit_max`` / ``logit_sum`` float32 ``[B, num_q_heads]``, each row's max and
+    sum of ``exp(logit - max)`` (so a token's probability under head ``h`` is
+    ``exp(logits - logit_max) / logit_sum``). None when not computed.
     """
 
     query: torch.Tensor
@@ -237,6 +244,9 @@ class DecodeBatch:
     key_cache: torch.Tensor | None = None
     sm_scale: float = 1.0
     page_counts: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    logit_max: torch.Tensor | None = None
+    logit_sum: torch.Tensor | None = None
 
     @property
     def num_pages(self) -> torch.Tensor:

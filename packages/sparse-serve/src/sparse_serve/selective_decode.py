@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_kernels import BatchDecodeWithPagedKVCache
+from sparse_kernels import BatchDecodeWithPagedKVCache, paged_logits
+from sparse_kernels.logits_attention import logits_attention, softmax_stats
 from sparse_kernels.selection_entries import selection_entries
 from sparse_methods import DecodeView, Selection, SparseMethod
 from sparse_methods.base import DecodeBatch
@@ -190,6 +191,10 @@ class SelectiveDecode:
         ``dense`` (the step's dense decode plan) after handing the method the batch."""
         st = self._batched
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
+        observed = method.observes_decode_batch(layer)
+        logits = logit_max = logit_sum = None
+        if observed and st.rows is None:  # every row observed: attend from the logits the method reads
+            logits, logit_max, logit_sum = self._logits(q, k_cache, st)
         batch = DecodeBatch(
             query=q if st.rows is None else q[st.rows],
             kv_lens=st.kv_lens,
@@ -202,10 +207,17 @@ class SelectiveDecode:
             key_cache=k_cache if method.needs_decode_keys(layer) else None,
             sm_scale=self.sm_scale,
             page_counts=st.num_pages,
+            logits=logits,
+            logit_max=logit_max,
+            logit_sum=logit_sum,
         )
-        if method.observes_decode_batch(layer):
+        if observed:
             method.observe_decode_batch(layer, batch)
-            return dense.run(q, k_cache, v_cache, out=out)
+            if logits is None:  # some rows are not in the batch: the dense plan serves every row
+                return dense.run(q, k_cache, v_cache, out=out)
+            # K was read once, for the logits; the output reads V only.
+            args = (v_cache, self._table, st.starts, st.kv_lens, out)
+            return logits_attention(logits, logit_max, logit_sum, *args, backend=self.backend)
         chosen = method.select_batched(layer, batch)  # [n, Hkv, size] entries in table order
         n = chosen.shape[0]
         wrapper = self._fast[st.unit][0]
@@ -222,6 +234,15 @@ class SelectiveDecode:
             wrapper.planned_kv_indices()[st.positions] = ids.view(-1)
         self.num_selections += n
         return wrapper.run(q, k_cache, v_cache, out=out)
+
+    def _logits(self, q: torch.Tensor, k_cache: torch.Tensor, st: _BatchedStep):
+        """Raw logits of every row over its tokens (through the tables) and their softmax statistics."""
+        shape = (q.shape[0], q.shape[1])
+        logits = torch.empty(*shape, st.max_pages * self.shape["block_size"], dtype=torch.float32, device=q.device)
+        paged_logits(q, k_cache, self._table, st.starts, st.kv_lens, logits, scale=self.sm_scale, backend=self.backend)
+        logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2))
+        softmax_stats(logits, logit_max, logit_sum, backend=self.backend)
+        return logits, logit_max, logit_sum
 
     def _fast_wrapper(self, unit: int, entries: int, hint: int) -> BatchDecodeWithPagedKVCache:
         """The batched path's wrapper for ``unit``: fixed capacities (graph replays need its buffers to

@@ -26,6 +26,9 @@ import torch
 from pydantic import Field, field_validator
 
 from sparse_kernels import paged_logits
+from sparse_kernels.head_max_probs import head_max_probs
+from sparse_kernels.logits_attention import softmax_stats
+from sparse_kernels.top_k_ascending import top_k_ascending
 from sparse_methods.base import (
     Category,
     DecodeBatch,
@@ -140,22 +143,33 @@ class OmniKV(SparseMethod):
 
     def observe_decode_batch(self, layer: int, batch: DecodeBatch) -> None:
         """``omnikv_token_scores`` and ``keep_indices`` for every row at once: logits read through the
-        tables (``sparse_kernels.paged_logits``), softmax per query head, max over heads, sink and
-        recent forced in, top ``decode_keep_tokens`` of the rest. Rows must be over the budget."""
+        tables (``sparse_kernels.paged_logits``, or the batch's own when the engine computed them),
+        softmax per query head and max over heads with sink and recent forced in (``head_max_probs``),
+        then the top ``budget`` in token order (``top_k_ascending``: ties to the earlier token, as
+        ``keep_indices``). Rows must be over the budget."""
         c = self.config
         query = batch.query
         width = batch.max_pages * batch.block_size
-        logits = torch.empty(query.shape[0], query.shape[1], width, dtype=torch.float32, device=query.device)
-        paged_logits(
-            query, batch.key_cache, batch.table_indices, batch.table_start, batch.kv_lens, logits, scale=batch.sm_scale
+        logits, logit_max, logit_sum = batch.logits, batch.logit_max, batch.logit_sum
+        if logits is None:
+            shape = (query.shape[0], query.shape[1])
+            logits = torch.empty(*shape, width, dtype=torch.float32, device=query.device)
+            paged_logits(
+                query,
+                batch.key_cache,
+                batch.table_indices,
+                batch.table_start,
+                batch.kv_lens,
+                logits,
+                scale=batch.sm_scale,
+            )
+            logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=query.device) for _ in range(2))
+            softmax_stats(logits, logit_max, logit_sum)
+        scores = torch.empty(query.shape[0], width, dtype=torch.float32, device=query.device)
+        head_max_probs(
+            logits, logit_max, logit_sum, batch.kv_lens, scores, sink=c.sink_keep_tokens, recent=c.recent_keep_tokens
         )
-        scores = torch.softmax(logits, dim=-1).amax(1)  # [B, width]
-        tok = torch.arange(width, device=query.device)[None, :]
-        lens = batch.kv_lens[:, None]
-        forced = (tok < c.sink_keep_tokens) | ((tok >= lens - c.recent_keep_tokens) & (tok < lens))
-        scores = scores.masked_fill(forced, float("inf")).masked_fill(tok >= lens, float("-inf"))
-        chosen = torch.topk(scores, min(self.budget, width), dim=-1, sorted=False).indices
-        self._device_set = torch.sort(chosen, dim=-1).values
+        self._device_set = top_k_ascending(scores, min(self.budget, width))
 
     def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
         chosen = self._device_set

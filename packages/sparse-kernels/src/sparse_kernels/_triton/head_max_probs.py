@@ -1,0 +1,41 @@
+"""Triton ``head_max_probs``: one program per (row, tile of tokens), looping over the query heads."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sparse_kernels._triton.launch import Kernel
+
+BLOCK = 1024  # tokens per program
+
+
+def _head_max_probs_kernel(
+    logits_ptr, max_ptr, sum_ptr, lens_ptr, out_ptr, width, sink, recent, HEADS: tl.constexpr, BLOCK: tl.constexpr
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    kv_len = tl.load(lens_ptr + b).to(tl.int64)
+    valid = offs < kv_len
+    best = tl.zeros([BLOCK], tl.float32)
+    for h in range(HEADS):
+        m = tl.load(max_ptr + b * HEADS + h)
+        inv = 1.0 / tl.load(sum_ptr + b * HEADS + h)
+        x = tl.load(logits_ptr + (b * HEADS + h) * width + offs, mask=valid, other=float("-inf"))
+        best = tl.maximum(best, tl.exp(x - m) * inv)
+    forced = (offs < sink) | ((offs >= kv_len - recent) & valid)
+    best = tl.where(forced, float("inf"), best)
+    best = tl.where(valid, best, float("-inf"))
+    tl.store(out_ptr + b * width + offs, best, mask=offs < width)
+
+
+head_max_probs_kernel = Kernel(_head_max_probs_kernel)
+
+
+def head_max_probs_triton(logits, logit_max, logit_sum, kv_lens, out, sink: int, recent: int):
+    batch, heads, width = logits.shape
+    block = min(BLOCK, max(16, triton.next_power_of_2(width)))
+    head_max_probs_kernel[(batch, triton.cdiv(width, block))](
+        logits, logit_max, logit_sum, kv_lens, out, width, sink, recent, HEADS=heads, BLOCK=block, num_warps=4
+    )
+    return out
