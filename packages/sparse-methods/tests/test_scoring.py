@@ -9,12 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparse_methods import scoring
 from sparse_methods.scoring import (
     attention_column_sums,
+    attention_column_sums_reference,
     keep_indices,
     pool_scores,
     pyramid_budgets,
     window_scores,
+    window_scores_reference,
 )
 
 
@@ -103,3 +106,29 @@ def test_window_scores_and_column_sums_match_naive_loops():
     raw = torch.einsum("nhd,lhd->hnl", q, k.repeat_interleave(3, dim=1)) * scale
     torch.testing.assert_close(logits, raw[..., :8].view(2, 3, 4, 8).amax(dim=(1, 2)))
     assert math.isclose(float(probs[0, 0].sum()), 1.0, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_elements", [None, 1, 200])  # all heads at once, one head, a few heads
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_scores_equal_the_per_head_reference(monkeypatch, chunk_elements, dtype):
+    """The batched computation over KV heads (in head chunks when large) equals the per-head loop, for
+    every score mode, pooling and group reduction, at awkward sizes and in bf16 (queries non-contiguous,
+    as a slice of a fused projection)."""
+    if chunk_elements is not None:
+        monkeypatch.setattr(scoring, "MAX_SCORE_ELEMENTS", chunk_elements)
+    g = torch.Generator().manual_seed(7)
+    for hq, hkv, n, length in [(6, 2, 5, 37), (32, 8, 9, 97), (4, 4, 1, 17)]:
+        fused = torch.randn(n, hq + 3, 16, generator=g).to(dtype)
+        q, k = fused[:, :hq], torch.randn(length, hkv, 16, generator=g).to(dtype)
+        slots = torch.arange(length - n, length)
+        scored = length - n
+        for mode in ("probability", "logits"):
+            for pooling, kernel in (("max", 7), ("avg", 5), ("none", 1)):
+                for reduce in ("mean", "max", "sum"):
+                    kw = dict(query_slots=slots, num_scored=scored, score_mode=mode, kernel_size=kernel)
+                    kw.update(pooling=pooling, group_reduce=reduce)
+                    got = window_scores(q, k, 0.25, **kw)
+                    torch.testing.assert_close(got, window_scores_reference(q, k, 0.25, **kw), rtol=1e-5, atol=1e-6)
+        sums = attention_column_sums(q, k, 0.25, query_slots=slots)
+        ref = attention_column_sums_reference(q, k, 0.25, query_slots=slots)
+        torch.testing.assert_close(sums, ref, rtol=1e-5, atol=1e-6)

@@ -2,8 +2,12 @@
 
 Shapes follow the engine's NHD layout: queries ``[n, num_q_heads, D]``, keys ``[L, num_kv_heads, D]``
 (post-RoPE, slot order). Query heads ``h * g .. h * g + g - 1`` share KV head ``h`` (GQA, ``g``
-query heads per KV head). Everything is computed in float32 and per KV head, so memory stays
-``O(g * n * L)`` however many heads there are.
+query heads per KV head). Everything is computed in float32.
+
+``window_scores`` and ``attention_column_sums`` batch all KV heads into one computation (a dozen
+device ops per call however many heads), in head chunks of at most ``MAX_SCORE_ELEMENTS`` logits,
+so a long prompt scored by many queries (chunked H2O) still falls back to a head at a time. Their
+``*_reference`` twins are the plain per-head loops; tests hold them equal.
 """
 
 from __future__ import annotations
@@ -68,6 +72,40 @@ def _reduce(x: torch.Tensor, how: GroupReduce, dim: int) -> torch.Tensor:
     raise ValueError(f"unknown reduction {how!r}")
 
 
+MAX_SCORE_ELEMENTS = 1 << 27  # float32 logits per head chunk (512 MiB; softmax holds a second copy)
+
+
+def _head_chunks(num_kv_heads: int, per_head: int) -> list[slice]:
+    """KV head ranges of at most ``MAX_SCORE_ELEMENTS // per_head`` heads (at least one)."""
+    step = max(1, min(num_kv_heads, MAX_SCORE_ELEMENTS // max(1, per_head)))
+    return [slice(h, min(h + step, num_kv_heads)) for h in range(0, num_kv_heads, step)]
+
+
+def _heads_logits(queries: torch.Tensor, keys: torch.Tensor, heads: slice, scale: float) -> torch.Tensor:
+    """Raw ``q.k * scale`` of the query groups of KV heads ``heads``: ``[h, g, n, L]`` float32."""
+    n, num_q_heads, d = queries.shape
+    num_kv_heads = keys.shape[1]
+    g = num_q_heads // num_kv_heads
+    q = queries.reshape(n, num_kv_heads, g, d)[:, heads].float().permute(1, 2, 0, 3)  # [h, g, n, D]
+    k = keys[:, heads].float().permute(1, 2, 0)  # [h, D, L]
+    return torch.matmul(q, k.unsqueeze(1)) * scale
+
+
+def _heads_probabilities(
+    queries: torch.Tensor, keys: torch.Tensor, heads: slice, scale: float, future: torch.Tensor
+) -> torch.Tensor:
+    """Causal softmax of KV heads ``heads``' query groups: ``[h, g, n, L]``; ``future`` ``[n, L]``
+    marks the slots each query does not see."""
+    logits = _heads_logits(queries, keys, heads, scale)
+    logits.masked_fill_(future, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+def _future(query_slots: torch.Tensor, num_keys: int) -> torch.Tensor:
+    cols = torch.arange(num_keys, device=query_slots.device)
+    return cols.view(1, -1) > query_slots.view(-1, 1)  # [n, L]
+
+
 def window_scores(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -86,7 +124,58 @@ def window_scores(
     queries, pooled, then reduced over the query heads of each KV group (kvpress: mean).
     ``logits``: the raw ``q.k * scale``, maximum over window queries and over the group's heads,
     then pooled (``group_reduce`` is not used: the maximum is the reduction).
+    All KV heads at once (see the module docstring); ``window_scores_reference`` loops over them.
     """
+    if score_mode not in ("probability", "logits"):
+        raise ValueError(f"unknown score_mode {score_mode!r}")
+    n, num_q_heads, _ = queries.shape
+    num_kv_heads, num_keys = keys.shape[1], keys.shape[0]
+    g = num_q_heads // num_kv_heads
+    length = num_keys if score_mode == "probability" else num_scored
+    chunks = _head_chunks(num_kv_heads, g * n * length)
+    future = _future(query_slots, num_keys) if score_mode == "probability" else None
+    parts = []
+    for heads in chunks:
+        if score_mode == "probability":
+            probs = _heads_probabilities(queries, keys, heads, scale, future)[..., :num_scored]  # [h, g, n, M]
+            pooled = pool_scores(probs.mean(2), kernel_size, pooling)  # [h, g, M]
+            parts.append(_reduce(pooled, group_reduce, 1))
+        else:
+            logits = _heads_logits(queries, keys[:num_scored], heads, scale)  # [h, g, n, M]
+            parts.append(pool_scores(logits.amax(dim=(1, 2)), kernel_size, pooling))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def attention_column_sums(
+    queries: torch.Tensor, keys: torch.Tensor, scale: float, *, query_slots: torch.Tensor
+) -> torch.Tensor:
+    """H2O's accumulated attention: ``[num_q_heads, L]``, column sums of each query head's causal
+    softmax over the given queries (what each key received from them). All KV heads at once;
+    ``attention_column_sums_reference`` loops over them."""
+    n, num_q_heads, _ = queries.shape
+    num_kv_heads, num_keys = keys.shape[1], keys.shape[0]
+    g = num_q_heads // num_kv_heads
+    future = _future(query_slots, num_keys)
+    parts = [
+        _heads_probabilities(queries, keys, heads, scale, future).sum(2).flatten(0, 1)  # [h * g, L]
+        for heads in _head_chunks(num_kv_heads, g * n * num_keys)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def window_scores_reference(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scale: float,
+    *,
+    query_slots: torch.Tensor,
+    num_scored: int,
+    score_mode: Literal["probability", "logits"] = "probability",
+    kernel_size: int = 5,
+    pooling: Pooling = "avg",
+    group_reduce: GroupReduce = "mean",
+) -> torch.Tensor:
+    """``window_scores`` one KV head at a time (the plain reference of the batched computation)."""
     num_kv_heads = keys.shape[1]
     out = torch.empty(num_kv_heads, num_scored, dtype=torch.float32, device=keys.device)
     for h in range(num_kv_heads):
@@ -102,11 +191,10 @@ def window_scores(
     return out
 
 
-def attention_column_sums(
+def attention_column_sums_reference(
     queries: torch.Tensor, keys: torch.Tensor, scale: float, *, query_slots: torch.Tensor
 ) -> torch.Tensor:
-    """H2O's accumulated attention: ``[num_q_heads, L]``, column sums of each query head's causal
-    softmax over the given queries (what each key received from them)."""
+    """``attention_column_sums`` one KV head at a time (the plain reference)."""
     g = queries.shape[1] // keys.shape[1]
     out = torch.empty(queries.shape[1], keys.shape[0], dtype=torch.float32, device=keys.device)
     for h in range(keys.shape[1]):

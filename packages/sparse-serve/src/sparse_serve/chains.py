@@ -43,7 +43,28 @@ def copy_blocks(pool: KVPool, copies: Sequence[tuple[int, int]]) -> None:
 
 def rewritten_slots(compaction: Compaction) -> tuple[int, int] | None:
     """``(first, end)``: compaction writes only slots in ``[first, end)`` of any layer (kept slots
-    already in place are not rewritten); None when it only drops trailing slots."""
+    already in place are not rewritten); None when it only drops trailing slots.
+
+    One device reduction per layer and one host read for all of them (``rewritten_slots_reference``
+    reads each layer)."""
+    keeps = [keep for keep in compaction.keep if keep is not None and keep.numel()]
+    if not keeps:
+        return None
+    firsts = []
+    for keep in keeps:
+        n = keep.shape[1]
+        moved = (keep != torch.arange(n, device=keep.device)).any(0)  # [n]
+        # the first moved column, or n when none moved (argmax of all-False is 0: pad one True)
+        firsts.append(torch.cat([moved, moved.new_ones(1)]).to(torch.uint8).argmax())
+    first_of = torch.stack(firsts).tolist()  # the one wait for the device
+    moved_layers = [(f, keep.shape[1]) for f, keep in zip(first_of, keeps, strict=True) if f < keep.shape[1]]
+    if not moved_layers:
+        return None
+    return min(f for f, _ in moved_layers), max(n for _, n in moved_layers)
+
+
+def rewritten_slots_reference(compaction: Compaction) -> tuple[int, int] | None:
+    """``rewritten_slots`` one layer at a time (the plain reference)."""
     first, end = None, 0
     for keep in compaction.keep:
         if keep is None:
@@ -113,11 +134,14 @@ class EngineChains:
         """Copy the shared blocks a compaction is about to rewrite; False when the pool is too short."""
         if not req.resumed:
             return True  # only a resumed chain's table can hold blocks shared with a fork
+        rid = req.request_id
+        if self.kv.num_exclusive_blocks(rid) == len(self.kv.table(rid).block_ids):
+            return True  # nothing shared (no fork holds these blocks): nothing to read on the device
         span = rewritten_slots(compaction)
         if span is None:
             return True
         bs = self.kv.block_size
-        if not self.kv.make_exclusive(req.request_id, span[0] // bs, -(-span[1] // bs)):
+        if not self.kv.make_exclusive(rid, span[0] // bs, -(-span[1] // bs)):
             return False
         self.copy_pending()
         return True

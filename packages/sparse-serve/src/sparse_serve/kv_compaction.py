@@ -4,6 +4,10 @@ The method decides what to keep (``sparse_methods.Compaction``); ``sparse_kernel
 moves the K/V rows (per KV head, since heads may keep different tokens; Triton on GPU, its
 reference on CPU) and this reports each layer's new length. The caller then
 shrinks the request's table, returning whole blocks to the pool.
+
+Per compacted request the host waits on the device once (the bounds check of every layer's kept
+indices, in one reduction) and copies its inputs once (every slot list and CSR offset, packed, pinned
+and non-blocking); each layer is then one ``compact_kv`` launch.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 from sparse_kernels import compact_kv
 from sparse_methods import Compaction
 from sparse_serve.kv_pool import KVPool
-from sparse_serve.step_metadata import table_slots
+from sparse_serve.step_metadata import table_slots, to_device
 
 
 def apply_compaction(
@@ -23,16 +27,53 @@ def apply_compaction(
     if len(compaction.keep) != len(kv_lens):
         raise ValueError(f"compaction covers {len(compaction.keep)} layers, the model has {len(kv_lens)}")
     device = pool.k[0].device
+    layers = [(layer, keep.to(device)) for layer, keep in enumerate(compaction.keep) if keep is not None]
     new_lens = list(kv_lens)
-    slots_of: dict[int, torch.Tensor] = {}
-    for layer, keep in enumerate(compaction.keep):
-        if keep is None:
-            continue
-        kv_len = kv_lens[layer]
-        if keep.numel() and (int(keep.max()) >= kv_len or int(keep.min()) < 0):
-            raise ValueError(f"layer {layer}: kept index outside the layer's {kv_len} slots")
-        if kv_len not in slots_of:
-            slots_of[kv_len] = table_slots(block_ids, kv_len, block_size).to(device=device, dtype=torch.int32)
-        compact_kv(pool.k[layer], pool.v[layer], slots_of[kv_len], keep.to(device))
+    if not layers:
+        return new_lens
+    for layer, keep in layers:
+        if keep.dim() != 2 or keep.shape[1] > kv_lens[layer]:
+            raise ValueError(f"layer {layer}: keeps {tuple(keep.shape)} of the layer's {kv_lens[layer]} slots")
+    _check_bounds(layers, kv_lens)
+    inputs = _device_inputs(block_ids, [(kv_lens[layer], keep.shape[1]) for layer, keep in layers], block_size, device)
+    for layer, keep in layers:
+        slots, slot_indptr, keep_indptr = inputs[kv_lens[layer], keep.shape[1]]
+        compact_kv(pool.k[layer], pool.v[layer], slots, keep, slot_indptr=slot_indptr, keep_indptr=keep_indptr)
         new_lens[layer] = keep.shape[1]
     return new_lens
+
+
+def _check_bounds(layers: list[tuple[int, torch.Tensor]], kv_lens: list[int]) -> None:
+    """Every kept index lies in its layer's slots: one reduction over all layers, one host read."""
+    keeps = [keep for _, keep in layers if keep.numel()]
+    if not keeps:
+        return
+    if all(k.shape == keeps[0].shape for k in keeps):  # the usual case: one budget for every layer
+        lo, hi = torch.stack(keeps).flatten(1).aminmax(dim=1)
+    else:
+        lo, hi = (torch.stack(t) for t in zip(*(k.aminmax() for k in keeps), strict=True))
+    bounds = torch.stack([lo, hi]).tolist()  # the one wait for the device
+    nonempty = [layer for layer, keep in layers if keep.numel()]
+    for layer, low, high in zip(nonempty, *bounds, strict=True):
+        if low < 0 or high >= kv_lens[layer]:
+            raise ValueError(f"layer {layer}: kept index outside the layer's {kv_lens[layer]} slots")
+
+
+def _device_inputs(
+    block_ids: list[int], sizes: list[tuple[int, int]], block_size: int, device: torch.device
+) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(kv_len, num_kept) -> (slots, slot_indptr, keep_indptr)`` on ``device``, int32, from one copy."""
+    distinct = sorted(set(sizes))
+    lengths = sorted({kv_len for kv_len, _ in distinct})
+    host = [table_slots(block_ids, kv_len, block_size).to(torch.int32) for kv_len in lengths]
+    host.append(torch.tensor([x for kv_len, n in distinct for x in (0, kv_len, 0, n)], dtype=torch.int32))
+    packed = to_device(torch.cat(host), device)
+    slots, offset = {}, 0
+    for kv_len in lengths:
+        slots[kv_len] = packed[offset : offset + kv_len]
+        offset += kv_len
+    out = {}
+    for kv_len, n in distinct:
+        out[kv_len, n] = (slots[kv_len], packed[offset : offset + 2], packed[offset + 2 : offset + 4])
+        offset += 4
+    return out
