@@ -184,8 +184,8 @@ def test_engine_takes_the_batched_path_when_the_kernels_can(monkeypatch):
     calls = {"batched": 0, "host": 0}
     real_plan, real_run = selective.plan_step, selective.run
 
-    def plan_step(method, meta, group):  # the CPU kernels have no index buffer: mark the plan batched
-        real_plan(method, meta, group)
+    def plan_step(method, meta, group, table=None):  # the CPU kernels have no index buffer: mark it batched
+        real_plan(method, meta, group, table)
         selective._batched = "planned" if meta.num_decode_tokens else None
 
     def run_batched(method, layer, q, k, v, kmin, kmax, out, dense=None):
@@ -293,6 +293,12 @@ def test_omnikv_device_set_equals_the_host_path(pad, kernels, monkeypatch):
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
     fast.plan_step(method, padded, padded.groups[0])
     assert fast.batched and fast.graph_key() is not None  # every row selects: graph-eligible
+    # Planned again (a next step of the same layout): the head-sparse plan stays, the table is read in
+    # place from the caller's device buffer (the dense plan's, with spare capacity).
+    table = torch.cat([padded.groups[0].decode_kv_indices, torch.full((7,), -1, dtype=torch.int32)])
+    kept = fast._planned
+    fast.plan_step(method, padded, padded.groups[0], table=table)
+    assert fast._table is table and fast._planned is kept
     dense = _dense_plan(attention, padded.groups[0], "triton")
     for (layer, q), want in zip(((filt, q_filter), (filt + 1, q_next)), expected, strict=True):
         q = torch.cat([q, torch.zeros(pad, *q.shape[1:])])

@@ -110,7 +110,9 @@ class PagedAttention:
             decode_only = meta.num_prefill_requests == 0
             self._touched = None if decode_only else [self._touched_blocks(group, meta) for group in meta.groups]
         if self.method is not None and len(meta.groups) == 1:
-            self.selective.plan_step(self.method, meta, meta.groups[0])
+            dense = self._plans[0].decode
+            table = dense.planned_kv_indices() if meta.num_decode_tokens and dense.backend == "triton" else None
+            self.selective.plan_step(self.method, meta, meta.groups[0], table=table)
         else:
             self.selective.reset()
 

@@ -75,10 +75,16 @@ class SelectiveDecode:
         self._table = torch.zeros(max_num_pages or 0, dtype=torch.int32, device=device)
         self._rows = torch.zeros(3 * (max_batch_size or 0), dtype=torch.int64, device=device)
         self._batched: _BatchedStep | None = None  # this step's batched plan, or None (host path)
+        self._planned: tuple | None = None  # the last uniform plan: (wrapper, kv_indptr, kv_last_len)
         self.reads_all = False  # this step's decode rows all read everything: selecting layers run dense
 
-    def plan_step(self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata) -> None:
-        """Plan the batched path for this step's decode rows, or fall back to the host path (None)."""
+    def plan_step(
+        self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata, table: torch.Tensor | None = None
+    ) -> None:
+        """Plan the batched path for this step's decode rows, or fall back to the host path (None).
+
+        ``table``: the group's ``decode_kv_indices`` already on the device (the dense decode plan's
+        buffer, at a fixed address), read in place instead of copied again."""
         self.reset()
         nd = meta.num_decode_tokens
         if not nd or not method.batched_selection or self._wrapper(self.shape["block_size"]).backend != "triton":
@@ -101,8 +107,7 @@ class SelectiveDecode:
         tails = torch.tensor(kv_lens, dtype=torch.int64) - (indptr_h[1:] - starts_h - 1) * bs
         rows = [i for i in range(nd) if sizes[i] is not None]
         if uniform:
-            placeholder = last_entry if unit == bs else last_entry * bs + tails - 1
-            kv_indices = placeholder.repeat_interleave(num_kv_heads * size).to(torch.int32)
+            kv_indices = None  # placeholders (written per layer on the device), built if the plan changes
             kv_indptr = torch.arange(nd * num_kv_heads + 1, dtype=torch.int32) * size
             last = tails if unit == bs else torch.ones(nd, dtype=torch.int64)
             kv_last_len = last.repeat_interleave(num_kv_heads).to(torch.int32)
@@ -124,21 +129,38 @@ class SelectiveDecode:
             kv_last_len = torch.tensor(last_len, dtype=torch.int32)
             positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
         lists = (self.max_batch_size or nd) * num_kv_heads
-        wrapper = self._fast_wrapper(unit, kv_indices.numel(), lists * size if uniform else kv_indices.numel())
-        wrapper.plan(
-            kv_indptr,
-            kv_indices,
-            kv_last_len,
-            head_sparse=True,
-            page_size=unit,
-            sm_scale=self.sm_scale,
-            **self.shape,
+        entries = int(kv_indptr[-1])
+        wrapper = self._fast_wrapper(unit, entries, lists * size if uniform else entries)
+        planned = self._planned
+        same = (
+            uniform
+            and planned is not None
+            and planned[0] is wrapper
+            and torch.equal(planned[1], kv_indptr)
+            and torch.equal(planned[2], kv_last_len)
         )
+        if not same:  # a uniform plan whose lists and last lengths did not change is still in place
+            if kv_indices is None:
+                placeholder = last_entry if unit == bs else last_entry * bs + tails - 1
+                kv_indices = placeholder.repeat_interleave(num_kv_heads * size).to(torch.int32)
+            wrapper.plan(
+                kv_indptr,
+                kv_indices,
+                kv_last_len,
+                head_sparse=True,
+                page_size=unit,
+                sm_scale=self.sm_scale,
+                **self.shape,
+            )
+            self._planned = (wrapper, kv_indptr, kv_last_len) if uniform else None
         n = len(rows)
         idx = torch.tensor(rows, dtype=torch.int64)
         row_lens = torch.tensor(kv_lens, dtype=torch.int64)[idx]
         per_row = torch.cat([starts_h[idx], row_lens, (row_lens + bs - 1) // bs])
-        self._load_table(indices_h)
+        if table is not None and table.device == self.device and table.numel() >= indices_h.numel():
+            self._table = table
+        else:
+            self._load_table(indices_h)
         self._rows = _fit(self._rows, 3 * n, self.max_batch_size and 3 * self.max_batch_size)
         _copy_in(self._rows, per_row)
         max_pages = int((indptr_h[1:] - starts_h)[idx].max())
