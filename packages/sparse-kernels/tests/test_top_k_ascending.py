@@ -31,7 +31,7 @@ def _rows(n: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 5), (300, 128), (300, 300), (1000, 999)])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 5), (300, 128), (300, 300), (1000, 999), (8448, 128)])
 def test_top_k_ascending_equals_a_stable_sort(backend, n, k, triton_device):
     device = triton_device if backend == "triton" else "cpu"
     scores = _rows(n, seed=n + k)

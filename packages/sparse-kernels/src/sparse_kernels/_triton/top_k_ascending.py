@@ -1,4 +1,4 @@
-"""Triton ``top_k_ascending``: one program per row; binary search for the k-th largest, then a prefix sum."""
+"""Triton ``top_k_ascending``: one program per row; the k-th largest bit by bit, then a prefix sum."""
 
 from __future__ import annotations
 
@@ -25,18 +25,17 @@ def _top_k_ascending_kernel(
     # Ordered keys: non-negative floats keep their bits, negative ones flip the magnitude bits, so
     # integer order is float order; -0.0 maps to 0.0's key.
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = tl.where(x == 0.0, 0, key).to(tl.int64)
-    # The largest t with count(key >= t) >= k is the k-th largest key.
-    lo = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0) - 2147483648
-    hi = -lo - 1  # 2**31 - 1 (no literal outside int32)
-    for _ in range(32):
-        mid = lo + (hi - lo + 1) // 2
-        count = tl.sum(((key >= mid) & valid).to(tl.int32), axis=0)
-        enough = count >= k
-        lo = tl.where(enough, mid, lo)
-        hi = tl.where(enough, hi, mid - 1)
-    above = (key > lo) & valid
-    at = (key == lo) & valid
+    key = tl.where(x == 0.0, 0, key)
+    # The largest t with count(key >= t) >= k is the k-th largest key: its sign first, then its other
+    # 31 bits from the top (within one sign, int32 order is the order of those bits). int32 only.
+    nonneg = tl.sum(((key >= 0) & valid).to(tl.int32), axis=0)
+    t = tl.where(nonneg >= k, 0, -2147483648)
+    for i in range(31):
+        cand = t | (1 << (30 - i))
+        count = tl.sum(((key >= cand) & valid).to(tl.int32), axis=0)
+        t = tl.where(count >= k, cand, t)
+    above = (key > t) & valid
+    at = (key == t) & valid
     need = k - tl.sum(above.to(tl.int32), axis=0)
     chosen = above | (at & (tl.cumsum(at.to(tl.int32), axis=0) <= need))
     pos = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
