@@ -160,12 +160,17 @@ class DecodeGraphs:
             return uniform
         return True
 
-    def run(self, meta: StepMetadata) -> torch.Tensor:
-        """Replay the bucket's graph for an eligible step; returns hidden states of the real rows."""
+    def run(self, meta: StepMetadata, feed=None) -> torch.Tensor:
+        """Replay the bucket's graph for an eligible step; returns hidden states of the real rows.
+
+        ``feed`` (a ``sampler.TokenFeed``): rows whose token the previous step sampled on the device,
+        copied into the static ids after the host ids (same stream, so after that step's sampling)."""
         n = meta.num_tokens
         bs = self.bucket(n)
         padded = pad_decode_metadata(meta, bs)
         self.input_ids[:bs].copy_(padded.input_ids.pin_memory(), non_blocking=True)
+        if feed is not None:
+            feed.apply_(self.input_ids)
         self.positions[:bs].copy_(padded.positions.pin_memory(), non_blocking=True)
         self.attention.plan(padded)
         selective = self.attention.selective
