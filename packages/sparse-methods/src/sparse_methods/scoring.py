@@ -87,8 +87,9 @@ def _heads_logits(queries: torch.Tensor, keys: torch.Tensor, heads: slice, scale
     num_kv_heads = keys.shape[1]
     g = num_q_heads // num_kv_heads
     q = queries.reshape(n, num_kv_heads, g, d)[:, heads].float().permute(1, 2, 0, 3)  # [h, g, n, D]
-    k = keys[:, heads].float().permute(1, 2, 0)  # [h, D, L]
-    return torch.matmul(q, k.unsqueeze(1)) * scale
+    h = q.shape[0]
+    k = keys[:, heads].float().permute(1, 2, 0)  # [h, D, L], read in place (no copy per query head)
+    return torch.bmm(q.reshape(h, g * n, d), k).view(h, g, n, -1).mul_(scale)
 
 
 def _heads_probabilities(

@@ -55,7 +55,7 @@ def rewritten_slots(compaction: Compaction) -> tuple[int, int] | None:
         n = keep.shape[1]
         moved = (keep != torch.arange(n, device=keep.device)).any(0)  # [n]
         # the first moved column, or n when none moved (argmax of all-False is 0: pad one True)
-        firsts.append(torch.cat([moved, moved.new_ones(1)]).to(torch.uint8).argmax())
+        firsts.append(torch.cat([moved, moved.new_ones(1)]).int().argmax())
     first_of = torch.stack(firsts).tolist()  # the one wait for the device
     moved_layers = [(f, keep.shape[1]) for f, keep in zip(first_of, keeps, strict=True) if f < keep.shape[1]]
     if not moved_layers:
