@@ -49,3 +49,29 @@ def test_out_is_written_in_place_and_checked(triton_device):
         top_k_ascending(scores, 51)
     with pytest.raises(ValueError):
         top_k_ascending(scores, 3, torch.empty(4, 3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(("n", "k"), [(300, 10), (300, 16), (257, 28)])
+def test_wide_rows_in_two_stages_equal_a_stable_sort(n, k, triton_device, monkeypatch):
+    """Rows wider than one program (here made small): per-tile candidates, then the row's pick; short
+    last tiles (fewer columns than k) and ties across tiles included."""
+    from sparse_kernels._triton import top_k_ascending as kernel
+
+    monkeypatch.setattr(kernel, "MAX_COLUMNS", 256)
+    monkeypatch.setattr(kernel, "TILE", 32)
+    assert n > kernel.MAX_COLUMNS and kernel.fits(n, k)
+    scores = _rows(n, seed=7 * n + k)
+    got = top_k_ascending(scores.to(triton_device), k, backend="triton")
+    assert torch.equal(got.cpu(), _expected(scores, k))
+
+
+def test_omnikv_bench_width_equals_the_reference(triton_device):
+    """OmniKV's bench shape (2048 of 135168 tokens, sink/recent forced, tokens past the row -inf), two stages."""
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.rand(2, 135168, generator=gen)
+    scores[:, :64] = float("inf")
+    scores[0, 131073 - 512 : 131073] = float("inf")
+    scores[0, 131073:] = float("-inf")
+    scores[1, 5000:8000] = 0.99  # a run of ties at the threshold
+    got = top_k_ascending(scores.to(triton_device), 2048, backend="triton")
+    assert torch.equal(got.cpu(), top_k_ascending(scores, 2048, backend="reference"))

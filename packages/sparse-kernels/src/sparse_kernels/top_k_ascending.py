@@ -6,7 +6,8 @@ per row finds the ``k``-th largest value by a binary search over the values' ord
 (32 counting passes over the row, held in registers), then writes the chosen columns in ascending
 order through a prefix sum of the chosen mask. Ties at the threshold go to the lower column, as in a
 stable descending sort (``sparse_methods.scoring.keep_indices``' rule); ``-0.0`` equals ``0.0``.
-Fixed grid, no host sync: graph-safe. Rows wider than ``MAX_TRITON_COLUMNS`` use the reference.
+Rows wider than one program holds go through per-tile candidates first (see the Triton module);
+rows the kernel cannot take (``fits``) use the reference. Fixed grids, no host sync: graph-safe.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._backend import resolve_backend
-
-MAX_TRITON_COLUMNS = 32768  # one program holds its whole row
 
 
 def top_k_ascending(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *, backend: str = "auto"):
@@ -42,11 +41,12 @@ def top_k_ascending(scores: torch.Tensor, k: int, out: torch.Tensor | None = Non
         raise ValueError(f"out must be contiguous int64 {list(shape)}, got {out.dtype} {list(out.shape)}")
     if out.numel() == 0:
         return out
-    if resolve_backend(backend, scores.device) == "triton" and n <= MAX_TRITON_COLUMNS:
-        from sparse_kernels._triton.top_k_ascending import top_k_ascending_triton
+    if resolve_backend(backend, scores.device) == "triton":
+        from sparse_kernels._triton.top_k_ascending import fits, top_k_ascending_triton
 
-        top_k_ascending_triton(scores.reshape(-1, n), k, out.view(-1, k))
-        return out
+        if fits(n, k):
+            top_k_ascending_triton(scores.reshape(-1, n), k, out.view(-1, k))
+            return out
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     out.copy_(torch.sort(order, dim=-1).values)
     return out
