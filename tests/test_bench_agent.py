@@ -116,3 +116,12 @@ def test_report_has_the_fields(report):
     assert "sparse-serve bench-agent" in md and "matched S=3" in md and "best S" in md
     pytest.importorskip("matplotlib")
     assert (out / "agent.png").stat().st_size > 0
+
+
+def test_time_estimate_scales_prefill_with_sessions_and_decode_weakly():
+    from sparse_serve.bench.agent_command import estimate_seconds
+
+    last = {"workload": {"num_sessions": 8}, "summary": {"wall_seconds": 30.0, "run_seconds_by_kind": {"decode": 10.0}}}
+    assert estimate_seconds(last, 32) == pytest.approx(20.0 * 4 + 10.0 * 2)
+    assert estimate_seconds(last, 4) == pytest.approx(20.0 * 0.5 + 10.0)
+    assert estimate_seconds(last, 8) == pytest.approx(30.0)

@@ -26,6 +26,8 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 from sparse_methods import PrefixCacheMode
 from sparse_serve.engine import LLMEngine
 from sparse_serve.sampling_params import SamplingParams
@@ -105,24 +107,49 @@ def make_sessions(workload: AgentWorkload, vocab_size: int, chains: bool) -> lis
 
 
 class _PrefillCounter:
-    """Wraps ``engine.runner.run`` for the run: prompt rows computed per request, and step counts."""
+    """Wraps ``engine.runner.run`` for the run: prompt rows computed per request, step counts, and time
+    by step kind.
+
+    ``run`` only queues a step on a GPU (its sampled tokens are read later), so on CUDA the time of a
+    step is taken between two events recorded around the call, read once when the run is over
+    (``device_seconds``): the device's time from the step's first queued work to its last, compaction
+    and block copies between steps excluded. ``host_seconds`` is the time spent inside the call.
+    """
 
     def __init__(self, engine: LLMEngine):
         self.engine, self.run = engine, engine.runner.run
         self.prefill: Counter = Counter()
         self.steps: Counter = Counter()
-        self.seconds: Counter = Counter()  # forward + sampling time by step kind (sampling syncs the device)
+        self.host_seconds: Counter = Counter()
+        self._cuda = engine.runner.device.type == "cuda"
+        self._events: list[tuple[str, object, object]] = []
 
-    def __call__(self, meta):
+    def __call__(self, meta, *args, **kwargs):
         prefill = [s for s in meta.steps if not s.is_decode]
         for s in prefill:
             self.prefill[s.request_id] += s.num_new_tokens
         kind = "mixed" if prefill and meta.num_decode_tokens else "prefill" if prefill else "decode"
+        if self._cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
         start = time.perf_counter()
-        sampled = self.run(meta)
-        self.seconds[kind] += time.perf_counter() - start
+        sampled = self.run(meta, *args, **kwargs)
+        self.host_seconds[kind] += time.perf_counter() - start
+        if self._cuda:
+            end.record()
+            self._events.append((kind, begin, end))
         self.steps[kind] += 1
         return sampled
+
+    def device_seconds(self) -> dict[str, float]:
+        """Seconds by step kind on the device (CUDA events; on CPU the host time, which is the work)."""
+        if not self._cuda:
+            return dict(self.host_seconds)
+        torch.cuda.synchronize(self.engine.runner.device)
+        out: Counter = Counter()
+        for kind, begin, end in self._events:
+            out[kind] += begin.elapsed_time(end) / 1000
+        return dict(out)
 
     def __enter__(self):
         self.engine.runner.run = self
@@ -183,7 +210,8 @@ def run_agent_workload(engine: LLMEngine, workload: AgentWorkload) -> dict:
     engine_counts = {
         "steps": num_steps,
         "steps_by_kind": dict(counter.steps),
-        "run_seconds_by_kind": dict(counter.seconds),  # the rest of the wall time is host-side engine work
+        "run_seconds_by_kind": counter.device_seconds(),  # forward + sampling, by step kind (see _PrefillCounter)
+        "run_host_seconds_by_kind": dict(counter.host_seconds),  # inside runner.run on the host
         "preemptions": sched.num_preemptions - before[0],
         "prefix_cache_evicted_blocks": kv.pool.num_evictions - before[1],
         "prefix_hit_tokens_engine": kv.prefix_hit_tokens - before[2],

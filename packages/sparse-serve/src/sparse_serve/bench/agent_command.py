@@ -64,7 +64,7 @@ def run_agent_sweep(
     the order given (run seed = ``base.seed + S``: the same S gets the same tokens on every system).
 
     ``max_seconds`` (from the engine's load on): a run is skipped when the time left is less than an
-    estimate of it (the last run's wall time, scaled up by the ratio of sessions). ``on_update`` gets
+    estimate of it from the last run (``estimate_seconds``). ``on_update`` gets
     the invocation after each run, so a report survives a later crash or kill.
     """
     from sparse_serve.bench.agent import run_agent_workload
@@ -91,17 +91,17 @@ def run_agent_sweep(
             run_agent_workload(engine, small)
             invocation["warmup_seconds"] = time.perf_counter() - t0
         _log(progress, f"engine load {load:.1f} s, warm-up {invocation['warmup_seconds']:.1f} s")
-        last: tuple[int, float] | None = None
+        last: dict | None = None
         for s in sessions:
             left = None if max_seconds is None else max_seconds - (time.perf_counter() - start)
-            estimate = None if last is None else last[1] * max(1.0, s / last[0])
+            estimate = None if last is None else estimate_seconds(last, s)
             if left is not None and estimate is not None and estimate > left:
                 invocation["runs_skipped"].append({"num_sessions": s, "estimate_s": estimate, "left_s": left})
                 _log(progress, f"S={s} skipped: needs ~{estimate:.0f} s, {left:.0f} s left")
                 continue
             run = run_agent_workload(engine, dataclasses.replace(base, num_sessions=s, seed=base.seed + s))
             invocation["runs"].append(run)
-            last = (s, run["summary"]["wall_seconds"])
+            last = run
             on_update(invocation)
             _log(progress, _run_line(run))
     except Exception as e:  # noqa: BLE001 - recorded in the report; the engine's state is unknown after it
@@ -111,6 +111,16 @@ def run_agent_sweep(
     del engine
     gc.collect()
     return invocation
+
+
+def estimate_seconds(last: dict, num_sessions: int) -> float:
+    """Wall time of a run at ``num_sessions`` from the ``last`` run's: the work outside decode-only
+    steps (prefill, mixed) scales with the sessions; decode-only steps number about turns x output
+    tokens whatever S is, each longer with a larger batch (taken as the square root of the ratio)."""
+    m = last["summary"]
+    ratio = num_sessions / last["workload"]["num_sessions"]
+    decode = min(m["run_seconds_by_kind"].get("decode", 0.0), m["wall_seconds"])
+    return (m["wall_seconds"] - decode) * ratio + decode * max(1.0, ratio) ** 0.5
 
 
 def _log(progress: bool, line: str) -> None:
