@@ -32,7 +32,7 @@ def test_cuda_graphs_equal_eager_fp32():
 
 
 def test_cuda_graphs_with_staggered_batches():
-    """Requests join and leave mid-generation, so decode batches change size (buckets 1, 2, 4, 8)."""
+    """Requests join and leave mid-generation, so decode batches change size (a graph per size up to 8)."""
     llm = LLM(str(DEFAULT_MODEL), device="cuda", dtype="float32", max_model_len=512, num_kv_blocks=128)
     ref = LLM(str(DEFAULT_MODEL), device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=128)
     prompts = [f"def f{i}(x):" * (1 + i % 3) for i in range(7)]
@@ -69,7 +69,8 @@ def test_cuda_bf16_mostly_agrees_with_cpu_fp32():
 
 @pytest.mark.parametrize("method", ["quest", "omnikv"])
 def test_query_aware_methods_on_cuda_equal_cpu(method):
-    """Quest runs its batched device selection on CUDA (Triton); OmniKV its host path; both equal the CPU path."""
+    """Both select on the device on CUDA (Triton: Quest's page bounds and top-k; OmniKV's filter-layer logits,
+    attention from them and token set); both equal the CPU path."""
     cfg = dict(sparse_method=method, sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16)
     prompts = ["def parse(text):" * 25, "Return the number of" * 20]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
