@@ -50,6 +50,11 @@ class _EngineFields(BaseModel):
     max_cuda_graph_batch_size: int = Field(
         256, ge=1, description="Largest decode batch captured as a CUDA graph (capped at max_num_seqs)."
     )
+    async_scheduling: bool | None = Field(
+        None,
+        description="Pipeline decode steps: schedule and prepare step N+1 on the host while step N runs, "
+        "feeding N's sampled tokens to N+1 on the device. None: on for CUDA, off on CPU.",
+    )
     max_num_chains: int = Field(4096, ge=1, description="Conversation chains remembered at once (LRU beyond).")
     sparse_method: str = Field(
         "dense", description=f"Sparse attention / KV compression method: {', '.join(sparse_methods.method_names())}."

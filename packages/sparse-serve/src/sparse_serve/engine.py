@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,14 +22,46 @@ from sparse_serve.model_runner import ModelRunner
 from sparse_serve.outputs import RequestOutput
 from sparse_serve.prune import PruneResult, prune_history
 from sparse_serve.request import Request, RequestStatus
+from sparse_serve.sampler import SampledTokens, TokenFeed
 from sparse_serve.sampling_params import SamplingParams
-from sparse_serve.scheduler import Scheduler
-from sparse_serve.step_metadata import build_step_metadata
+from sparse_serve.scheduler import ScheduledBatch, Scheduler
+from sparse_serve.step_metadata import StepMetadata, build_step_metadata
 from sparse_serve.tokenizer import Tokenizer
+
+# Stands in a request's token list for a token still on the device (pipelined decode, never emitted).
+_PLACEHOLDER = -1
+
+
+@dataclass(slots=True)
+class _LaunchedStep:
+    """A step queued on the device whose sampled tokens the host has not taken yet.
+
+    pipelined : the next step may be scheduled and launched before these tokens are known.
+    placeholders : its sampled requests hold ``_PLACEHOLDER`` for the token (the next step is built).
+    """
+
+    batch: ScheduledBatch
+    meta: StepMetadata
+    pending: SampledTokens
+    compactions: Mapping
+    pipelined: bool
+    placeholders: bool = False
 
 
 class LLMEngine:
-    """Accepts requests and advances all of them one step at a time."""
+    """Accepts requests and advances all of them one step at a time.
+
+    With ``async_scheduling`` decode steps are pipelined: ``step()`` schedules, plans and launches
+    step N+1 while step N runs on the device (N+1's input ids are N's sampled tokens, copied on the
+    device), then takes N's tokens and returns N's outputs, so each call still returns one step's
+    outputs and each request gets the tokens it gets without pipelining (a request added meanwhile
+    joins at N+2). Only decode-only steps of methods that never compact, with no request observed
+    or on a chain, are pipelined; anything else runs synchronously. A request that stops at N
+    (EOS, stop ids or strings, abort) was already in N+1: that row is dropped, never emitted; its
+    blocks are freed at once on the host, which is safe because every later device use of them is
+    queued behind N+1 on the same stream. Requests whose token at N reaches their length limit sit
+    N+1 out.
+    """
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -81,6 +115,12 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.runner.device.type == "cuda"
+        )
+        self._inflight: _LaunchedStep | None = None  # launched, tokens not yet taken (pipelined only)
+        self._stashed: list[RequestOutput] = []  # outputs of a step drained outside ``step()``
+        self.num_pipelined_steps = 0  # steps launched before the previous step's tokens were known
 
     def _resolve_max_model_len(self, model_max_len: int) -> int:
         capacity = self.runner.num_blocks * self.config.block_size
@@ -210,6 +250,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         req = self._requests.get(request_id)
         if req is not None and not req.is_finished:
+            self._unlaunch(req)
             self._finish(req, "abort")
             self._forget(req)
 
@@ -219,32 +260,130 @@ class LLMEngine:
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns an update for every request that produced output or finished."""
-        batch = self.scheduler.schedule()
-        if not batch:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
-            return []
+        if self._stashed:
+            outputs, self._stashed = self._stashed, []
+            return outputs
+        if not self.async_scheduling:
+            launched = self._launch()
+            return [] if launched is None else self._complete(launched)
+        cur, self._inflight = self._inflight, None
+        if cur is None:
+            cur = self._launch()
+            if cur is None:
+                return []
+            if not cur.pipelined:
+                return self._complete(cur)
+            self._advance_all(cur)
+        elif not cur.pipelined:
+            return self._resolve(cur)  # its bookkeeping was done when it was launched
+        # Step N = cur runs on the device: schedule and launch N+1, then take N's tokens.
+        ending = self._hold_places(cur)
+        nxt = self._launch(exclude=ending, previous=cur)
+        self.num_pipelined_steps += nxt is not None
+        outputs = self._resolve(cur)
+        if nxt is not None:
+            self._advance_all(nxt)
+            if not all(req.is_finished for req, _ in nxt.batch.items):
+                self._inflight = nxt  # else every row was dropped: nothing to take from it
+        return outputs
+
+    def _launch(self, exclude: Collection[Request] = (), previous: _LaunchedStep | None = None) -> _LaunchedStep | None:
+        """Schedule a step and queue it on the device; None when nothing can run. ``previous``: the
+        step still running whose sampled tokens are placeholders in this one (fed on the device)."""
+        batch = self.scheduler.schedule(exclude) if exclude else self.scheduler.schedule()
         for req in batch.preempted:
             self.method.release(req.request_id)
+        if not batch:
+            if previous is None and self.scheduler.has_unfinished():
+                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+            return None
         self.chains.copy_pending()  # blocks shared with a fork, copied before this step writes them
         meta = build_step_metadata(batch, self.kv.table, self.config.block_size, self.kv.block_id_array)
-        pending = self.runner.run(meta)  # queued on the device; the tokens reach the host later
+        feed = None if previous is None else _token_feed(batch, meta, previous)
+        # Queued on the device; the tokens reach the host later.
+        pending = self.runner.run(meta) if feed is None else self.runner.run(meta, feed)
         compactions = self.method.finish_step()
         self.num_steps += 1
+        pipelined = self.async_scheduling and self._pipelinable(batch, meta, compactions)
+        return _LaunchedStep(batch, meta, pending, compactions, pipelined)
+
+    def _pipelinable(self, batch: ScheduledBatch, meta: StepMetadata, compactions: Mapping) -> bool:
+        """Whether the next step may be built before this one's tokens are known: a decode-only step
+        (one sampled token per request) of a method that never compacts, observing no attention,
+        preempting nobody and touching no chain (chains close on the exact tokens)."""
+        if self.scheduler.compacts or compactions or batch.preempted:
+            return False
+        if meta.num_prefill_requests or len(meta.sampled) != meta.num_tokens:
+            return False
+        if any(req.chain_id is not None for req in meta.sampled):
+            return False
+        return not any(self.method.attention_requests(layer) for layer in range(self.num_layers))
+
+    def _complete(self, launched: _LaunchedStep) -> list[RequestOutput]:
+        """Bookkeeping and outputs of a step launched synchronously (nothing launched after it)."""
+        batch, compactions = launched.batch, launched.compactions
         outputs: list[RequestOutput] = []
         if compactions:
             # A compaction may need blocks that an earlier request's finish frees: keep that order.
-            sampled = dict(zip((r.request_id for r in meta.sampled), pending.tolist(), strict=True))
+            sampled = self._sampled(launched)
             for req, n in batch.items:
                 self._advance(req, n, compactions)
                 self._emit(req, sampled, outputs)
             return outputs
-        for req, n in batch.items:  # while the device still runs the step
-            self._advance(req, n, compactions)
-        sampled = dict(zip((r.request_id for r in meta.sampled), pending.tolist(), strict=True))
-        for req, _ in batch.items:
-            self._emit(req, sampled, outputs)
+        self._advance_all(launched)  # while the device still runs the step
+        return self._resolve(launched)
+
+    def _advance_all(self, launched: _LaunchedStep) -> None:
+        for req, n in launched.batch.items:
+            if not req.is_finished:  # finished meanwhile (stopped at the step before, or aborted)
+                self._advance(req, n, launched.compactions)
+
+    def _hold_places(self, launched: _LaunchedStep) -> set[Request]:
+        """Give the step's sampled requests a placeholder token (their next decode is scheduled on it);
+        returns those the token ends by length, which the next step leaves out."""
+        ending = set()
+        for req in launched.meta.sampled:
+            if req.is_finished:
+                continue
+            req.append_token(_PLACEHOLDER)
+            if req.num_output_tokens >= req.sampling_params.max_tokens or req.num_tokens >= self.max_model_len:
+                ending.add(req)
+        launched.placeholders = True
+        return ending
+
+    def _resolve(self, launched: _LaunchedStep) -> list[RequestOutput]:
+        """Take a step's tokens (waits for the device) and emit them, skipping dropped rows."""
+        sampled = self._sampled(launched)
+        outputs: list[RequestOutput] = []
+        for req, _ in launched.batch.items:
+            if not req.is_finished:
+                self._emit(req, sampled, outputs, fill=launched.placeholders)
         return outputs
+
+    @staticmethod
+    def _sampled(launched: _LaunchedStep) -> dict[str, int]:
+        ids = (r.request_id for r in launched.meta.sampled)
+        return dict(zip(ids, launched.pending.tolist(), strict=True))
+
+    def _unlaunch(self, req: Request) -> None:
+        """Undo the bookkeeping of the in-flight step for a request leaving before its tokens are
+        taken (abort): its state is then the one the caller has seen, as without pipelining."""
+        inflight = self._inflight
+        if inflight is None:
+            return
+        for r, n in inflight.batch.items:
+            if r is req:
+                req.num_computed_tokens -= n
+                req.kv_lens = [kv_len - n for kv_len in req.kv_lens]
+        if all(r.is_finished or r is req for r, _ in inflight.batch.items):
+            self._inflight = None  # nothing left to take from it
+
+    def drain(self) -> None:
+        """Take the in-flight step's tokens now (their outputs come with the next ``step()``): the
+        engine's state is then that of a synchronous engine (used before pruning)."""
+        if self._inflight is not None:
+            inflight, self._inflight = self._inflight, None
+            self._stashed += self._resolve(inflight)
 
     def _advance(self, req: Request, n: int, compactions: dict) -> None:
         """Account for the step's ``n`` computed tokens: KV lengths, compaction, prefix-cache blocks."""
@@ -258,10 +397,10 @@ class LLMEngine:
         if self.kv.has_request(req.request_id):
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
 
-    def _emit(self, req: Request, sampled: dict[str, int], outputs: list[RequestOutput]) -> None:
+    def _emit(self, req: Request, sampled: dict[str, int], outputs: list[RequestOutput], fill: bool = False) -> None:
         token = sampled.get(req.request_id)
         if token is not None:
-            outputs.append(self._append_token(req, token))
+            outputs.append(self._append_token(req, token, fill))
 
     def _compact(self, req: Request, compaction) -> bool:
         """Move the kept KV to the front of each layer and give whole free blocks back to the pool.
@@ -273,8 +412,11 @@ class LLMEngine:
         self.kv.shrink(req.request_id, req.kv_len)
         return True
 
-    def _append_token(self, req: Request, token: int) -> RequestOutput:
-        req.append_token(token)
+    def _append_token(self, req: Request, token: int, fill: bool = False) -> RequestOutput:
+        if fill:  # the placeholder the next step was scheduled on
+            req.token_ids[-1] = token
+        else:
+            req.append_token(token)
         params = req.sampling_params
         delta_text, stop_str = "", None
         detok = self._detok.get(req.request_id)
@@ -349,6 +491,7 @@ class LLMEngine:
         """Compress token ranges of the cached history ``prompt`` into a new degraded chain (see
         ``prune.prune_history``); resume it by naming its ``chain_id`` in the next request."""
         _, token_ids = self._tokenize(prompt)
+        self.drain()
         return prune_history(
             self, token_ids, ranges, keep_tokens, policy=policy, window=observation_window_size, chain_id=chain_id
         )
@@ -361,6 +504,18 @@ class LLMEngine:
     @property
     def prefix_hit_tokens(self) -> int:
         return self.kv.prefix_hit_tokens
+
+
+def _token_feed(batch: ScheduledBatch, meta: StepMetadata, previous: _LaunchedStep) -> TokenFeed:
+    """Rows of ``meta`` whose last token is a placeholder for a token ``previous`` sampled."""
+    source = {id(req): j for j, req in enumerate(previous.meta.sampled)}
+    rows, sources = [], []
+    for (req, n), start in zip(batch.items, meta.row_starts, strict=True):
+        j = source.get(id(req))
+        if j is not None and req.token_ids[-1] == _PLACEHOLDER and req.num_computed_tokens + n == req.num_tokens:
+            rows.append(start + n - 1)
+            sources.append(j)
+    return TokenFeed(previous.pending.device_tokens, rows, sources)
 
 
 def _load_tokenizer(path: str, extra_eos) -> Tokenizer | None:

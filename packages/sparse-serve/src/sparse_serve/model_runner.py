@@ -10,7 +10,7 @@ from sparse_serve.config import EngineConfig
 from sparse_serve.cuda_graphs import DecodeGraphs
 from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget
 from sparse_serve.paged_attention import PagedAttention
-from sparse_serve.sampler import SampledTokens, Sampler
+from sparse_serve.sampler import SampledTokens, Sampler, TokenFeed
 from sparse_serve.step_metadata import StepMetadata, to_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -105,16 +105,22 @@ class ModelRunner:
         return bytes_per_block(self.model_config, self.block_size, self.dtype, self.summaries)
 
     @torch.inference_mode()
-    def run(self, meta: StepMetadata) -> SampledTokens:
+    def run(self, meta: StepMetadata, feed: TokenFeed | None = None) -> SampledTokens:
         """Queue the step's forward and sampling on the device; returns one token per ``meta.sampled``
-        request, which ``tolist()`` fetches (the host may do other work before that)."""
+        request, which ``tolist()`` fetches (the host may do other work before that).
+
+        ``feed``: rows of ``meta.input_ids`` that are placeholders for tokens the previous step
+        sampled and that are taken from its device tensor (pipelined decode, see ``LLMEngine.step``).
+        """
         if self.method is not None:
             self.method.prepare_step(StepContext(meta.steps))
         if self.graphs is not None and self.graphs.eligible(meta, self.method):
-            hidden = self.graphs.run(meta)  # decode-only: every row is sampled, in order
+            hidden = self.graphs.run(meta, feed)  # decode-only: every row is sampled, in order
             logits = self.model.compute_logits(hidden)
         else:
             input_ids = to_device(meta.input_ids, self.device)
+            if feed is not None:
+                feed.apply_(input_ids)
             positions = to_device(meta.positions, self.device)
             self.attention.plan(meta)
             hidden = self.model(input_ids, positions, self.attention)

@@ -68,6 +68,7 @@ class SampledTokens:
     """
 
     def __init__(self, tokens: torch.Tensor):
+        self.device_tokens = tokens  # [N] int64 on the step's device: what a pipelined next step reads
         self._event = None
         if tokens.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
@@ -85,3 +86,41 @@ class SampledTokens:
         if self._event is not None:
             self._event.synchronize()
         return self._tokens.tolist()
+
+
+class TokenFeed:
+    """Input-id rows of a step that take the previous step's sampled tokens without a host round trip.
+
+    ``rows[i]`` of the step's flat ids gets ``tokens[sources[i]]`` (``tokens``: the previous step's
+    ``SampledTokens.device_tokens``). The copy is queued on the current stream after the host ids'
+    copy, so it runs after the previous step's sampling and before this step's forward.
+    """
+
+    def __init__(self, tokens: torch.Tensor, rows: list[int], sources: list[int]):
+        self.tokens = tokens
+        self.rows, self.sources = rows, sources
+        n = len(rows)
+        self._prefix = n if rows == sources == list(range(n)) else None  # the common case: same order
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def apply_(self, input_ids: torch.Tensor) -> None:
+        """Write the fed rows of ``input_ids`` ([>= max(rows) + 1] int64, on the tokens' device) in place."""
+        if not self.rows:
+            return
+        if self._prefix is not None:
+            input_ids[: self._prefix].copy_(self.tokens[: self._prefix])
+            return
+        if self._index is None:
+            device = self.tokens.device
+            rows = torch.tensor(self.rows, dtype=torch.int64)
+            sources = torch.tensor(self.sources, dtype=torch.int64)
+            if device.type == "cuda":
+                rows, sources = (t.pin_memory().to(device, non_blocking=True) for t in (rows, sources))
+            self._index = rows, sources
+        rows, sources = self._index
+        input_ids.index_copy_(0, rows, self.tokens.index_select(0, sources))
+
+    def apply_reference(self, input_ids: torch.Tensor) -> None:
+        """``apply_`` row by row (tests hold them equal)."""
+        for row, source in zip(self.rows, self.sources, strict=True):
+            input_ids[row] = self.tokens[source]

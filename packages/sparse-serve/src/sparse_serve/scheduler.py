@@ -20,7 +20,7 @@ holders give theirs up and recompute, so queued chains never stall the engine.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from sparse_cache import KVCacheManager
@@ -81,12 +81,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, exclude: Collection[Request] = ()) -> ScheduledBatch:
+        """The next step's work. ``exclude``: running requests that sit this step out (they stay
+        running; a pipelined engine passes those whose in-flight token ends them by length)."""
         budget = self.max_num_batched_tokens
         items: list[tuple[Request, int]] = []
         preempted: list[Request] = []
         scheduled_running: list[Request] = []
-        queue = deque(self.running)  # not yet scheduled this step, oldest first
+        held = [r for r in self.running if r in exclude] if exclude else []
+        queue = deque(r for r in self.running if r not in exclude) if exclude else deque(self.running)
         while queue and budget > 0:
             req = queue.popleft()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -100,7 +103,7 @@ class Scheduler:
                 items.append((req, n))
                 scheduled_running.append(req)
                 budget -= n
-        self.running = scheduled_running + list(queue)
+        self.running = scheduled_running + list(queue) + held
         if not preempted:
             budget = self._admit_waiting(items, budget)
         if not items and not self.running and self.waiting:

@@ -18,6 +18,7 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
+from sparse_methods import SparseMethod
 from sparse_serve.bench.probes import peak_memory, profile_device, reset_peak_memory
 from sparse_serve.engine import LLMEngine
 from sparse_serve.sampling_params import SamplingParams
@@ -98,7 +99,29 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
 
     A layer where the method selects what a decode query reads counts the selected pages (and,
     with block summaries, one slot-equivalent per page for its min/max keys) instead of every slot.
+    Layers that read everything (the base ``decode_read_tokens`` of a non-selecting layer) are summed
+    directly: this runs between timed steps, so it must stay cheap (``_step_kv_tokens_reference``).
     """
+    running = engine.scheduler.running
+    if not running:
+        return 0, 0
+    method, bs = engine.method, engine.config.block_size
+    summaries = getattr(engine.runner.kv, "kmin", None) is not None
+    plain = type(method).decode_read_tokens is SparseMethod.decode_read_tokens
+    layers = range(len(running[0].kv_lens))
+    special = [layer for layer in layers if not plain or method.selects_decode(layer)]
+    total = 0
+    for r in running:
+        total += sum(r.kv_lens) + len(r.kv_lens)  # every layer reads kv_len + 1 slots ...
+        for layer in special:  # ... except those that select (or count their reads themselves)
+            n = r.kv_lens[layer] + 1
+            read = method.decode_read_tokens(layer, n, bs)
+            total += read - n + (-(-n // bs) if summaries and read < n else 0)
+    return total, len(running)
+
+
+def _step_kv_tokens_reference(engine: LLMEngine) -> tuple[int, int]:
+    """``_step_kv_tokens`` layer by layer through the method (tests hold them equal)."""
     running = engine.scheduler.running
     method, bs = engine.method, engine.config.block_size
     summaries = getattr(engine.runner.kv, "kmin", None) is not None
@@ -156,37 +179,57 @@ def run_decode_case(
 
 
 def _time_decode(engine: LLMEngine, case: DecodeCase, desc: str, progress: bool) -> dict:
-    """Step the running batch: ``warmup_steps`` untimed, then up to ``timed_steps`` timed ones."""
+    """Step the running batch: ``warmup_steps`` untimed, then up to ``timed_steps`` timed ones.
+
+    The timed steps run back to back, the device synchronized only before the first and after the
+    last: ``wall_seconds`` over the steps is the step time (a pipelined engine overlaps a step's
+    host work with the previous step's device work, which per-step synchronization would hide).
+    ``step_seconds`` (each ``step()`` call alone, unsynchronized) and ``step_end_unix`` (wall-clock
+    ends, to match against a GPU clock log) are diagnostics of how the time spreads.
+    """
     remaining = case.output_len - (1 if case.prefill == "real" else 0)
     planned = remaining if case.timed_steps is None else min(remaining, case.warmup_steps + case.timed_steps)
-    raw = {"step_seconds": [], "kv_slots_read": [], "tokens": [], "running": []}
+    raw = {"step_seconds": [], "kv_slots_read": [], "tokens": [], "running": [], "step_end_unix": []}
     used_blocks, graph_steps = 0, 0
-    cuda = engine.runner.device.type == "cuda"
+    device = engine.runner.device
+    wall_start, pipelined = None, engine.num_pipelined_steps
     for i in tqdm(range(planned), desc=desc, leave=False, disable=not progress, unit="step"):
         if not engine.has_unfinished_requests():
             break
+        if i == case.warmup_steps:
+            _synchronize(device)
+            wall_start = time.perf_counter()
         kv_slots, n_running = _step_kv_tokens(engine)
         replays = _graph_replays(engine)
-        if cuda:
-            torch.cuda.synchronize(engine.runner.device)
         start = time.perf_counter()
-        outputs = engine.step()  # returns host ints: the step's device work is done
+        outputs = engine.step()  # host ints of one step; a pipelined engine has the next one queued
         elapsed = time.perf_counter() - start
         if i < case.warmup_steps:
             continue
         graph_steps += _graph_replays(engine) > replays
         raw["step_seconds"].append(elapsed)
+        raw["step_end_unix"].append(time.time())
         raw["kv_slots_read"].append(kv_slots)
         raw["running"].append(n_running)
         raw["tokens"].append(sum(len(o.delta_token_ids) for o in outputs))
         used_blocks = max(used_blocks, engine.runner.num_blocks - engine.num_free_blocks)
+    if wall_start is not None:
+        _synchronize(device)
+        raw["wall_seconds"] = time.perf_counter() - wall_start
+    raw["async_scheduling"] = engine.async_scheduling
+    raw["pipelined_steps"] = engine.num_pipelined_steps - pipelined  # warm-up included
     return {**raw, "kv_blocks_in_use": used_blocks, "cuda_graph_steps": graph_steps}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def summarize(raw: dict, weight_bytes: int, copy_bytes_per_s: float | None) -> dict:
     """Step-time and bandwidth metrics of one run from its raw timings."""
     times, slots = raw["step_seconds"], raw["kv_slots_read"]
-    total = sum(times)
+    total = raw.get("wall_seconds") or sum(times)  # end to end where measured (HF: per step, synchronized)
     kv_bytes = statistics.fmean(slots) * raw["kv_bytes_per_slot"]
     step_bytes = weight_bytes + kv_bytes
     seconds = total / len(times)

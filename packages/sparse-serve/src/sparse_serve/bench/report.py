@@ -49,7 +49,7 @@ def all_runs(invocations: list[dict]) -> list[dict]:
 def _label(run: dict) -> str:
     if run["engine"] == "hf-transformers":
         return "HF transformers"
-    return run["sparse_method"]
+    return run["sparse_method"] + (" (async)" if run.get("async_scheduling") else "")
 
 
 def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
@@ -58,20 +58,21 @@ def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
 
 def markdown_table(runs: list[dict]) -> str:
     head = (
-        "| engine / method | prefill | prompt | output | batch | steps | ms/step | tok/s | GB/step (W+KV) "
-        "| GB/s | % copy BW | bytes-bound ms | GPU busy ms | peak GiB | KV in use GiB |"
+        "| engine / method | prefill | prompt | output | batch | steps | ms/step | median ms | tok/s "
+        "| GB/step (W+KV) | GB/s | % copy BW | bytes-bound ms | GPU busy ms | peak GiB | KV in use GiB |"
     )
-    lines = [head, "|---" * 15 + "|"]
+    lines = [head, "|---" * 16 + "|"]
     for r in runs:
         batch = f"{r['batch_size']} (max)" if r.get("batch_size_arg") == "max" else str(r["batch_size"])
         cells = [_label(r), r["prefill"], str(r["prompt_len"]), str(r["output_len"]), batch]
         if "error" in r:
-            lines.append("| " + " | ".join(cells) + f" | error: {r['error'][:80]} |" + " |" * 9)
+            lines.append("| " + " | ".join(cells) + f" | error: {r['error'][:80]} |" + " |" * 10)
             continue
         m, raw = r["metrics"], r["raw"]
         cells += [
             str(m["steps_timed"]),
             _fmt(m["ms_per_step"], digits=2),
+            _fmt(m.get("ms_per_step_median"), digits=2),
             _fmt(m["tokens_per_s"]),
             _fmt(m["bytes_per_step"], GB, 2),
             _fmt(m["achieved_bytes_per_s"], GB, 0),
@@ -127,7 +128,10 @@ def markdown_report(invocations: list[dict]) -> str:
     if lines:
         parts.append("\nAggregate decode tok/s ratios (measured in the runs above):\n\n" + "\n".join(lines) + "\n")
     parts.append(
-        "\nms/step is the mean over the timed steady-state steps (warm-up skipped). GB/step counts weights read "
+        "\nms/step is the mean over the timed steady-state steps (warm-up skipped): their end-to-end wall time "
+        "(device synchronized before the first and after the last) over their number; median ms is the median "
+        "of the single step() calls (unsynchronized: a diagnostic of outliers). (async): pipelined decode "
+        "steps (async_scheduling). GB/step counts weights read "
         "once (the input embedding only by its rows) plus every resident KV slot read once per layer and request; "
         "% copy BW is that over the step time, against the device copy bandwidth measured in the same process. "
         "bytes-bound ms = GB/step / copy bandwidth; GPU busy ms (profiled steps, when asked) is the union of the "
@@ -146,7 +150,8 @@ def _settings_line(run: dict) -> str:
         f"sparse_method `{run['sparse_method']}` ({params or 'no parameters'}), prefill_policy "
         f"`{run['prefill_policy']}`, chunk_size (max_num_batched_tokens) {run['chunk_size']}, block_size "
         f"{run['block_size']}, {run['num_kv_blocks']} KV blocks, gpu_memory_utilization "
-        f"{run['gpu_memory_utilization']}, enforce_eager {run['enforce_eager']}\n"
+        f"{run['gpu_memory_utilization']}, enforce_eager {run['enforce_eager']}, async_scheduling "
+        f"{run.get('async_scheduling', False)}\n"
     )
 
 

@@ -166,6 +166,7 @@ def engine_settings(engine: LLMEngine) -> dict:
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "max_num_seqs": config.max_num_seqs,
         "enforce_eager": getattr(config, "enforce_eager", None),  # None: this engine has no CUDA graphs yet
+        "async_scheduling": getattr(engine, "async_scheduling", False),  # pipelined decode steps
         "engine_config": config.model_dump(exclude_defaults=True) | {"model": _display_path(config.model)},
     }
 
