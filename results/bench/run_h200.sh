@@ -34,13 +34,18 @@ DENSE_MAX=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['inv
   --decode-keep-tokens 1472 --recent-keep-tokens 512 --prompt-len 131072 --batch-size max \
   --output-len 2048 --timed-steps 64 --max-num-seqs 8
 
-# 5. Issue 5, GPU paths: Quest (page bounds read through the block tables, summaries folded in the
-#    step) and OmniKV (filter layers pick the set on the device) in CUDA graphs, budget 2048 =
-#    64 sink + 1472 + 512 recent, at dense's largest batch, 128K prompt, next to dense.
+# 5. Issue 5, GPU paths: Quest (page bounds read through the block tables, one ascending top-k kernel,
+#    summaries folded in the step) and OmniKV (filter layers: logits through the tables, attention from
+#    them reading V only, token scores and the set picked on the device) in CUDA graphs (every batch
+#    size up to 8 captured), budget 2048 = 64 sink + 1472 + 512 recent, at dense's largest batch,
+#    128K prompt (memory planned for 2048 output tokens), next to dense; 48 steps timed, 3 profiled.
+#    benchmarks/qa_device_run.sh runs this part alone (with the CUDA tests) as it was measured.
 "${BENCH[@]}" --out "$OUT/query_aware" --prompt-len 131072 --batch-size max --output-len 2048 \
-  --timed-steps 64 --max-num-seqs 8
+  --timed-steps 48 --profile-steps 3 --max-num-seqs 8
+QA_MAX=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['invocations'][0]['runs'][0]['batch_size'])" \
+  "$OUT/query_aware/bench.json")
 for METHOD in quest omnikv; do
   "${BENCH[@]}" --out "$OUT/query_aware" --append --sparse-method "$METHOD" --sink-keep-tokens 64 \
-    --decode-keep-tokens 1472 --recent-keep-tokens 512 --prompt-len 131072 --batch-size "$DENSE_MAX" \
-    --output-len 2048 --timed-steps 64 --max-num-seqs 8
+    --decode-keep-tokens 1472 --recent-keep-tokens 512 --prompt-len 131072 --batch-size "$QA_MAX" \
+    --output-len 2048 --timed-steps 48 --profile-steps 3 --max-num-seqs 8
 done
