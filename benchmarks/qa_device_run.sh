@@ -13,7 +13,9 @@ LOG="$OUT/log.txt"
 say() { echo "[$(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$LOG"; }
 cap() { local left=$((BUDGET_S - SECONDS - 5)); echo $((left < $1 ? left : $1)); }  # a step's timeout
 
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv >>"$LOG" 2>&1
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
+  >"$OUT/clocks.csv" 2>&1 &
+SMI=$!
 say "kernel tests (CUDA, Triton compiled)"
 timeout "$(cap 60)" python3 -m pytest -q -p no:cacheprovider \
   packages/sparse-kernels/tests/test_page_bounds.py packages/sparse-kernels/tests/test_paged_logits.py \
@@ -36,13 +38,14 @@ for METHOD in quest omnikv; do
     --output-len 2048 --timed-steps 48 --profile-steps 3 --max-num-seqs 8 >>"$LOG" 2>&1
   say "$METHOD rc=$?"
 done
-nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv >>"$LOG" 2>&1
 
 LEFT=$((BUDGET_S - SECONDS))
 say "engine tests (CUDA) with ${LEFT}s left"
 if [ "$LEFT" -gt 15 ]; then
   timeout "$LEFT" python3 -m pytest -q -p no:cacheprovider tests/test_cuda_engine.py \
+    tests/test_async_scheduling.py::test_cuda_query_aware_pipelined_equal_cpu \
     -k "query_aware or selecting or staggered or graphs_equal" >"$OUT/tests_cuda_engine.txt" 2>&1
   say "engine tests rc=$? ($(tail -1 "$OUT/tests_cuda_engine.txt"))"
 fi
+kill "$SMI" 2>/dev/null
 say "done"
