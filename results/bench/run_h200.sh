@@ -49,3 +49,18 @@ for METHOD in quest omnikv; do
     --decode-keep-tokens 1472 --recent-keep-tokens 512 --prompt-len 131072 --batch-size "$QA_MAX" \
     --output-len 2048 --timed-steps 48 --profile-steps 3 --max-num-seqs 8
 done
+
+# 6. Issue 3's final measurement, pipelined decode (async scheduling): dense at 32K and 128K, batch 1
+#    and the largest batch, 256 output tokens, 200 steps timed end to end (3 warm-up, 3 more profiled),
+#    async on, then the same with async off; max-num-seqs 32 keeps graph capture short (both largest
+#    batches, 23 and 5, fit). results/bench/h200/dense_async/run_device.sh ran this part as measured
+#    (after the CUDA tests, nothing else on the GPU, with a GPU clock log).
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 500 \
+  > "$OUT/dense_async_clocks.csv" 2>&1 &
+SMI=$!
+for ASYNC in --async-scheduling --no-async-scheduling; do
+  "${BENCH[@]}" --out "$OUT/dense_async/dense" $([ "$ASYNC" = --no-async-scheduling ] && echo --append) \
+    --prompt-len 32768,131072 --batch-size 1,max --output-len 256 --timed-steps 200 --profile-steps 3 \
+    --max-num-seqs 32 "$ASYNC"
+done
+kill "$SMI"
