@@ -333,3 +333,14 @@ def test_quest_uniform_step_with_padding_rows_equals_the_host_path(kernels, monk
     q5 = torch.cat([q, torch.randn(2, 8, 64)])
     got = fast.run_batched(engine.method, layer, q5, *args, torch.empty_like(q5))
     torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_synthetic_kv_noise_keeps_block_summaries_true():
+    """Benchmarks' synthetic prefill (``randomize_kv``) fills K with noise; Quest's block summaries must
+    bound the noise, or its page bounds tie and it reads the first pages whatever the query."""
+    llm = _llm(**SMALL, num_kv_blocks=64)
+    runner = llm.engine.runner
+    runner.randomize_kv(seed=3)
+    for k, kmin, kmax in zip(runner.kv.k, runner.kv.kmin, runner.kv.kmax, strict=True):
+        assert torch.equal(kmin, k.amin(dim=1)) and torch.equal(kmax, k.amax(dim=1))
+        assert not torch.equal(kmin, kmax)

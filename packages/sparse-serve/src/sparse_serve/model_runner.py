@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_kernels import block_summary
 from sparse_methods import SparseMethod, StepContext, StoreKind
 from sparse_models import ModelConfig, load_model
 from sparse_serve.config import EngineConfig
@@ -99,6 +100,11 @@ class ModelRunner:
         g = torch.Generator(self.device).manual_seed(seed)
         for cache in (*self.kv.k, *self.kv.v):
             cache.normal_(generator=g)
+        if self.kv.kmin is not None:  # block summaries follow the noise (Quest's bounds see real keys)
+            blocks = torch.arange(self.num_blocks, dtype=torch.int32, device=self.device)
+            full = torch.full_like(blocks, self.block_size)
+            for k, kmin, kmax in zip(self.kv.k, self.kv.kmin, self.kv.kmax, strict=True):
+                block_summary(k, blocks, full, kmin, kmax)
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -96,10 +96,12 @@ class PagedAttention:
         )
         self.selective_prefill = SelectivePrefill(self.device, self.shape, self.sm_scale)
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] | None = []  # None: summaries from slot mappings
+        self._observed_slots: dict[tuple[int, int], torch.Tensor] = {}  # (step row, kv_len) -> slots, this step
 
     def plan(self, meta: StepMetadata) -> None:
         """Prepare one step: copy each layer group's slot mapping and plan its kernels."""
         self._meta = meta
+        self._observed_slots = {}
         while len(self._plans) < len(meta.groups):
             self._plans.append(_GroupPlan(self.device))
         for plan, group in zip(self._plans, meta.groups, strict=False):
@@ -189,6 +191,9 @@ class PagedAttention:
             if step.request_id not in wanted:
                 continue
             kv_len = group.kv_lens[i] + step.num_new_tokens
-            slots = table_slots(meta.tables[i].block_ids, kv_len, self.block_size).to(self.device)
+            slots = self._observed_slots.get((i, kv_len))
+            if slots is None:  # once per request and step (every layer of a group has the same table)
+                host = table_slots(meta.tables[i].block_ids, kv_len, self.block_size)
+                slots = self._observed_slots[i, kv_len] = to_device(host, self.device)  # pinned, no wait
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
             self.method.on_attention_end(layer_idx, step, LayerAttention(rows, flat_k[slots], self.sm_scale))
