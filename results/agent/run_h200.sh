@@ -38,8 +38,9 @@ elif [ "$RUN" = long ]; then
   # tokens per turn keep the six runs inside the device time (decode steps = turns x output tokens).
   # Order: the runs that matter most first; the guard skips the last one of each system if short.
   AGENT=("${COMMON[@]}" --turns 10 --system-tokens 1024 --task-tokens 512 --tool-tokens 3072,3840 --output-tokens 128)
-  timeout 105 "${AGENT[@]}" --sessions 4,8,2 --max-seconds 95 2>&1 | grep -v Warning | tee "$OUT/log-dense.txt"
-  timeout 145 "${AGENT[@]}" --append --sessions 8,16,32 --max-seconds 135 "${SNAPKV[@]}" 2>&1 | grep -v Warning \
+  # Dense at S=8 (matched with SnapKV) first, then 4-6 around its best concurrency.
+  timeout 175 "${AGENT[@]}" --sessions 8,4,5,6 --max-seconds 165 2>&1 | grep -v Warning | tee "$OUT/log-dense.txt"
+  timeout 150 "${AGENT[@]}" --append --sessions 8,16,32 --max-seconds 140 "${SNAPKV[@]}" 2>&1 | grep -v Warning \
     | tee "$OUT/log-snapkv.txt"
 else
   echo "unknown run $RUN (short or long)" >&2
