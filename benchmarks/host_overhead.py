@@ -55,7 +55,7 @@ def tiny_config(num_layers: int, vocab: int) -> str:
     return str(folder)
 
 
-class _StubModel:
+class StubModel:
     """Stands in for the model: zeros of the right shapes, no compute."""
 
     def __init__(self, hidden: int, vocab: int, device: torch.device):
@@ -79,7 +79,7 @@ def install_fake_graphs(engine: LLMEngine, max_batch: int) -> None:
     """Route decode steps through ``DecodeGraphs.run`` with no-op replays (the GPU's host path)."""
     runner = engine.runner
     cfg = runner.model_config
-    runner.model = _StubModel(cfg.hidden_size, cfg.vocab_size, runner.device)
+    runner.model = StubModel(cfg.hidden_size, cfg.vocab_size, runner.device)
     graphs = cuda_graphs.DecodeGraphs(runner.model, runner.attention, cfg.num_hidden_layers, max_batch, runner.device)
     for bs in graphs.sizes:
         graphs.graphs[bs] = _NoopGraph()

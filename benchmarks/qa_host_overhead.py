@@ -20,7 +20,6 @@ import os
 import pstats
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -35,31 +34,10 @@ from sparse_serve.config import EngineConfig  # noqa: E402
 from sparse_serve.engine import LLMEngine  # noqa: E402
 from sparse_serve.sampling_params import SamplingParams  # noqa: E402
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_overhead import StubModel, tiny_config  # noqa: E402  (the same stub engine as host_overhead.py)
+
 BUDGET = dict(sink_keep_tokens=64, decode_keep_tokens=1472, recent_keep_tokens=512)
-
-
-def tiny_config(num_layers: int, vocab: int) -> str:
-    src = Path(__file__).resolve().parents[1] / "packages/sparse-serve/src/sparse_serve/bench/configs/qwen3-8b"
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(TINY, num_hidden_layers=num_layers, max_window_layers=num_layers, vocab_size=vocab)
-    cfg.update(torch_dtype="float32", bos_token_id=0, eos_token_id=1)
-    folder = Path(tempfile.mkdtemp(prefix="qa_host_overhead_"))
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return str(folder)
-
-
-class _StubModel:
-    def __init__(self, hidden: int, vocab: int, device: torch.device):
-        self.hidden, self.vocab, self.device = hidden, vocab, device
-
-    def __call__(self, input_ids, positions, attention):
-        return torch.zeros(input_ids.numel(), self.hidden, device=self.device)
-
-    def compute_logits(self, hidden):
-        logits = torch.zeros(hidden.shape[0], self.vocab, device=self.device)
-        logits[:, 7] = 1.0
-        return logits
 
 
 class _NoopGraph:
@@ -84,7 +62,7 @@ class _AnyKey(dict):
 def install_fake_graphs(engine: LLMEngine, max_batch: int) -> None:
     runner = engine.runner
     cfg = runner.model_config
-    runner.model = _StubModel(cfg.hidden_size, cfg.vocab_size, runner.device)
+    runner.model = StubModel(cfg.hidden_size, cfg.vocab_size, runner.device)
     graphs = cuda_graphs.DecodeGraphs(runner.model, runner.attention, cfg.num_hidden_layers, max_batch, runner.device)
     for bs in graphs.sizes:
         graphs.graphs[bs] = _NoopGraph()
