@@ -171,13 +171,18 @@ def run_case(case: str, steps: int, warmup: int, num_layers: int, vocab: int, pr
     blocks = sum(len(engine.kv.table(r.request_id).block_ids) for r in engine.scheduler.running)
     result = {"case": case, "batch": batch, "prompt_len": prompt_len, "blocks_listed": blocks, **result_stats}
     if profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(profile):
-            engine.step()
-        prof.disable()
-        pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(25)
+        profile_steps(engine, profile, top=25)
     return result
+
+
+def profile_steps(engine, steps: int, top: int) -> None:
+    """Print a cProfile of ``steps`` engine steps, ``top`` entries by cumulative time."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(top)
 
 
 def main() -> None:

@@ -14,10 +14,8 @@ selective plan (``SelectiveDecode.plan_step``).
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import statistics
 import sys
 import time
@@ -35,7 +33,7 @@ from sparse_serve.engine import LLMEngine  # noqa: E402
 from sparse_serve.sampling_params import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import StubModel, tiny_config  # noqa: E402  (the same stub engine as host_overhead.py)
+from host_overhead import StubModel, profile_steps, tiny_config  # noqa: E402  (the same stub engine as host_overhead.py)
 
 BUDGET = dict(sink_keep_tokens=64, decode_keep_tokens=1472, recent_keep_tokens=512)
 
@@ -132,12 +130,7 @@ def run_case(method: str, case: str, steps: int, warmup: int, num_layers: int, v
         "min_ms": {k: min(v) for k, v in ms.items()},
     }
     if profile:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(profile):
-            engine.step()
-        prof.disable()
-        pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
+        profile_steps(engine, profile, top=30)
     return result
 
 

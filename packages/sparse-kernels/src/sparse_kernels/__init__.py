@@ -14,13 +14,13 @@ from sparse_kernels.attention_reference import causal_attention
 from sparse_kernels.block_summary import block_summary, block_upper_bound
 from sparse_kernels.compact import compact_kv
 from sparse_kernels.kv_store import store_kv
+from sparse_kernels.page_bounds import page_bounds
 from sparse_kernels.paged_decode import BatchDecodeWithPagedKVCache
+from sparse_kernels.paged_logits import paged_logits
 from sparse_kernels.paged_prefill import BatchPrefillWithPagedKVCache
 from sparse_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from sparse_kernels.rope import rope_qk
 from sparse_kernels.silu_mul import silu_and_mul
-from sparse_kernels.page_bounds import page_bounds
-from sparse_kernels.paged_logits import paged_logits
 from sparse_kernels.summary_update import update_block_summaries
 
 __all__ = [

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_kernels._paged_validate import check_heads, check_paged_kv, check_sm_scale
+from sparse_kernels._paged_validate import check_heads, check_paged_kv, check_run_tensors, check_sm_scale
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,19 +81,13 @@ def check_decode_run(
     scores_out: torch.Tensor | None,
 ) -> None:
     """Shape checks against the layout; they read host metadata only, so they stay graph-safe."""
-    expected_q = (layout.batch, layout.num_qo_heads, layout.head_dim)
-    if tuple(q.shape) != expected_q:
-        raise ValueError(f"q must be {list(expected_q)} as planned, got {list(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache/v_cache must be equal [num_blocks, block_size, Hkv, D]; got "
-            f"{list(k_cache.shape)} and {list(v_cache.shape)}"
-        )
-    expected_kv = (layout.block_size, layout.num_kv_heads, layout.head_dim)
-    if tuple(k_cache.shape[1:]) != expected_kv:
-        raise ValueError(f"cache block shape must be {list(expected_kv)} as planned, got {list(k_cache.shape[1:])}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    check_run_tensors(
+        q,
+        (layout.batch, layout.num_qo_heads, layout.head_dim),
+        k_cache,
+        v_cache,
+        (layout.block_size, layout.num_kv_heads, layout.head_dim),
+    )
     if scores_out is not None:
         shape = layout.scores_shape()
         if tuple(scores_out.shape) != shape or scores_out.dtype != torch.float32:

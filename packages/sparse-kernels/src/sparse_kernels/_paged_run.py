@@ -5,23 +5,18 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._paged_plan import PagedPlan
+from sparse_kernels._paged_validate import check_run_tensors
 
 
 def check_run_inputs(plan: PagedPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """Shape checks against the plan; they read host metadata only, so they stay graph-safe."""
-    expected_q = (plan.num_qo_tokens, plan.num_qo_heads, plan.head_dim)
-    if tuple(q.shape) != expected_q:
-        raise ValueError(f"q must be {list(expected_q)} as planned, got {list(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache/v_cache must be equal [num_blocks, block_size, Hkv, D]; got "
-            f"{list(k_cache.shape)} and {list(v_cache.shape)}"
-        )
-    expected_kv = (plan.block_size, plan.num_kv_heads, plan.head_dim)
-    if tuple(k_cache.shape[1:]) != expected_kv:
-        raise ValueError(f"cache block shape must be {list(expected_kv)} as planned, got {list(k_cache.shape[1:])}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous")
+    check_run_tensors(
+        q,
+        (plan.num_qo_tokens, plan.num_qo_heads, plan.head_dim),
+        k_cache,
+        v_cache,
+        (plan.block_size, plan.num_kv_heads, plan.head_dim),
+    )
 
 
 def run_paged_attention(

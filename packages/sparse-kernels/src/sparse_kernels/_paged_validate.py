@@ -99,3 +99,24 @@ def check_sm_scale(sm_scale: float | None, head_dim: int) -> float:
     if not sm_scale > 0:
         raise ValueError(f"sm_scale must be positive, got {sm_scale!r}")
     return float(sm_scale)
+
+
+def check_run_tensors(
+    q: torch.Tensor,
+    expected_q: tuple[int, int, int],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    expected_block: tuple[int, int, int],
+) -> None:
+    """A run's query and cache shapes against its plan (host metadata only, so graph-safe)."""
+    if tuple(q.shape) != expected_q:
+        raise ValueError(f"q must be {list(expected_q)} as planned, got {list(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must be equal [num_blocks, block_size, Hkv, D]; got "
+            f"{list(k_cache.shape)} and {list(v_cache.shape)}"
+        )
+    if tuple(k_cache.shape[1:]) != expected_block:
+        raise ValueError(f"cache block shape must be {list(expected_block)} as planned, got {list(k_cache.shape[1:])}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
