@@ -21,7 +21,7 @@ import torch
 
 import sparse_kernels._decode_buffers as buffers
 from sparse_kernels import BatchDecodeWithPagedKVCache
-from sparse_kernels._triton import decode_launch
+from sparse_kernels._triton import decode_launch, launch
 
 HQ, HKV, DIM, BLOCK, KV_LEN = 32, 8, 128, 16, 32768
 
@@ -96,7 +96,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="default config only")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     args = parser.parse_args()
+    launch.PDL = not args.no_pdl
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")

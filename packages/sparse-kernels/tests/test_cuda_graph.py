@@ -157,3 +157,60 @@ def test_triton_decode_plan_and_run_make_no_host_sync(paged_batch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.testing.assert_close(out.cpu(), batch.reference(), atol=1e-5, rtol=1e-5)
+
+
+def test_pdl_chain_in_a_graph_equals_the_plain_launches(paged_batch, monkeypatch):
+    # A decode layer's chain of PDL kernels (norm, projection, store, attention, activation, projection),
+    # captured in a graph and replayed 20 times, must equal the same chain launched without PDL: each
+    # kernel waits for its predecessor before touching memory, whatever overlap the launches get.
+    from sparse_kernels import fused_add_rms_norm, linear, silu_and_mul
+    from sparse_kernels._triton import launch
+
+    batch = _to_cuda(
+        paged_batch(
+            [1] * 4,
+            [300, 1, 2000, 64],
+            block_size=16,
+            num_qo_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            dtype=torch.bfloat16,
+        )
+    )
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = 512
+    w_q = torch.randn(8 * 64, hidden, device="cuda", generator=g, dtype=torch.bfloat16) / hidden**0.5
+    w_up = torch.randn(2 * 1024, 8 * 64, device="cuda", generator=g, dtype=torch.bfloat16) / 23
+    w_down = torch.randn(hidden, 1024, device="cuda", generator=g, dtype=torch.bfloat16) / 32
+    norm_w = torch.rand(hidden, device="cuda", generator=g, dtype=torch.bfloat16) + 0.5
+    x = torch.randn(4, hidden, device="cuda", generator=g, dtype=torch.bfloat16)
+    res = torch.randn(4, hidden, device="cuda", generator=g, dtype=torch.bfloat16)
+    kv_new = torch.randn(4, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    slots = torch.tensor([5, -1, 7, 9], dtype=torch.int32, device="cuda")
+    wrapper = BatchDecodeWithPagedKVCache("cuda", backend="triton", max_batch_size=4)
+    batch.plan_decode(wrapper)
+
+    def layer():
+        k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+        h, r = fused_add_rms_norm(x, res, norm_w, 1e-6)
+        q = linear(h, w_q).view(4, 8, 64)
+        store_kv(kv_new, kv_new, k_cache, v_cache, slots)
+        o = wrapper.run(q, k_cache, v_cache).reshape(4, 8 * 64)
+        return linear(silu_and_mul(linear(o, w_up)), w_down) + r
+
+    monkeypatch.setattr(launch, "PDL", False)
+    expected = layer()
+    monkeypatch.setattr(launch, "PDL", True)
+    assert torch.equal(layer(), expected)  # eager PDL launches
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    for _ in range(20):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, expected)

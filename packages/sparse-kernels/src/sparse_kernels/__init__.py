@@ -14,6 +14,7 @@ from sparse_kernels.attention_reference import causal_attention
 from sparse_kernels.block_summary import block_summary, block_upper_bound
 from sparse_kernels.compact import compact_kv
 from sparse_kernels.kv_store import store_kv
+from sparse_kernels.linear import linear
 from sparse_kernels.page_bounds import page_bounds
 from sparse_kernels.paged_decode import BatchDecodeWithPagedKVCache
 from sparse_kernels.paged_logits import paged_logits
@@ -32,6 +33,7 @@ __all__ = [
     "causal_attention",
     "compact_kv",
     "fused_add_rms_norm",
+    "linear",
     "page_bounds",
     "paged_logits",
     "resolve_backend",

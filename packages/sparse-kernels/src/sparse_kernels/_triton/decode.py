@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
 
 
 def _decode_split_kernel(
@@ -41,7 +41,9 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -93,6 +95,7 @@ def _decode_split_kernel(
             mask=mask_g[:, None] & mask_d[None, :],
         )
         tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+        pdl_exit(USE_GDC)
 
 
 def _decode_reduce_kernel(
@@ -113,7 +116,9 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     if HEAD_SPARSE:
@@ -140,6 +145,7 @@ def _decode_reduce_kernel(
     o = tl.sum(o * w[:, None], 0) / denom
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
     tl.store(lse_ptr + b * (NUM_KV_HEADS * GROUP) + hq, m + tl.log2(denom))
+    pdl_exit(USE_GDC)
 
 
 def _decode_scores_kernel(

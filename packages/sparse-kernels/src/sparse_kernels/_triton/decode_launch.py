@@ -8,7 +8,7 @@ import triton
 from sparse_kernels._decode_buffers import DecodeBuffers
 from sparse_kernels._decode_layout import DecodeLayout
 from sparse_kernels._triton.decode import decode_reduce_kernel, decode_scores_kernel, decode_split_kernel
-from sparse_kernels._triton.launch import dot_args
+from sparse_kernels._triton.launch import dot_args, pdl_args
 
 LOG2_E = 1.4426950408889634
 # Tokens per inner step and launch shape of the split / scores passes: the best of a sweep over
@@ -62,6 +62,7 @@ def run_decode_triton(
         **shape,
         **dots,
         **launch,
+        **pdl_args(q.device),
     )
     decode_reduce_kernel[(layout.batch, layout.num_qo_heads)](
         bufs.o_part,
@@ -76,6 +77,7 @@ def run_decode_triton(
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         **shape,
         num_warps=4,
+        **pdl_args(q.device),
     )
     if scores_out is not None:
         decode_scores_kernel[grid](

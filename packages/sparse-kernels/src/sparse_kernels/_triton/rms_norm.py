@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
 def _rms_norm_kernel(
@@ -25,7 +25,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -39,6 +41,7 @@ def _rms_norm_kernel(
     y = (xf * inv_rms).to(x.dtype).to(tl.float32)  # cast back before the weight, as HF does
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    pdl_exit(USE_GDC)
 
 
 rms_norm_kernel = Kernel(_rms_norm_kernel)
@@ -67,6 +70,7 @@ def rms_norm_triton(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+        **pdl_args(x.device),
     )
     return out, h
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
 def _rope_qk_kernel(
@@ -34,7 +34,9 @@ def _rope_qk_kernel(
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if head < NUM_Q_HEADS:
@@ -64,6 +66,7 @@ def _rope_qk_kernel(
     o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     tl.store(dst + offs, o1.to(dtype), mask=mask)
     tl.store(dst + HALF + offs, o2.to(dtype), mask=mask)
+    pdl_exit(USE_GDC)
 
 
 rope_qk_kernel = Kernel(_rope_qk_kernel)
@@ -111,5 +114,6 @@ def rope_qk_triton(
         HAS_NORM=has_norm,
         BLOCK=triton.next_power_of_2(half),
         num_warps=1 if half <= 64 else 2,
+        **pdl_args(q.device),
     )
     return q_out, k_out

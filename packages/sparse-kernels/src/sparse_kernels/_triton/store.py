@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
 def _store_kv_kernel(
@@ -22,7 +22,9 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row).to(tl.int64)
     if slot >= 0:
@@ -34,6 +36,7 @@ def _store_kv_kernel(
         tl.store(k_cache_ptr + dst, k, mask=mask)
         v = tl.load(value_ptr + row * stride_vn + head * stride_vh + dim, mask=mask)
         tl.store(v_cache_ptr + dst, v, mask=mask)
+        pdl_exit(USE_GDC)
 
 
 store_kv_kernel = Kernel(_store_kv_kernel)
@@ -66,4 +69,5 @@ def store_kv_triton(
         HEAD_DIM=head_dim,
         BLOCK=triton.next_power_of_2(num_kv_heads * head_dim),
         num_warps=4,
+        **pdl_args(key.device),
     )
