@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sparse_kernels import linear
+
 
 class VocabEmbedding(nn.Module):
     """``input_ids [T] -> [T, hidden]``."""
@@ -21,7 +23,8 @@ class VocabEmbedding(nn.Module):
 class LMHead(nn.Module):
     """``hidden [N, hidden] -> logits [N, vocab]`` in fp32.
 
-    The matmul runs in the model's dtype (as HF does) and only the result is widened, so sampling
+    The matmul runs in the model's dtype (as HF does; ``sparse_kernels.linear``, so decode's few rows
+    take the small-M kernel on CUDA) and only the result is widened, so sampling
     and log-probs see fp32 without the cost of an fp32 matmul over the vocabulary. With tied
     embeddings the model points ``weight`` at the embedding's parameter: one tensor, loaded once.
     """
@@ -31,4 +34,4 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight).float()

@@ -8,14 +8,18 @@ shard owns; a checkpoint that already stores the fused tensor loads whole (shard
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from sparse_kernels import linear
 from sparse_models.weights import copy_checked
 
 
 class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with ``W [out, in]``, allocated uninitialised (the loader fills it)."""
+    """``y = x W^T (+ b)`` with ``W [out, in]``, allocated uninitialised (the loader fills it).
+
+    Decode's few-row inputs on CUDA run ``sparse_kernels.linear``'s single-launch small-M kernel;
+    everything else (and every CPU input) is ``F.linear``.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -33,7 +37,7 @@ class Linear(nn.Module):
         copy_checked(param.data, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class MergedLinear(Linear):
