@@ -110,6 +110,14 @@ def ratios(runs: list[dict]) -> list[str]:
     return lines
 
 
+def _kernels_note(env: dict) -> str:
+    kernels = env.get("kernels")
+    if not kernels:
+        return ""
+    pdl = "on" if kernels.get("pdl") else "off"
+    return f"; kernels: PDL {pdl}, small-M linear up to {kernels.get('small_m_linear_max_rows')} rows"
+
+
 def markdown_report(invocations: list[dict]) -> str:
     runs = all_runs(invocations)
     parts = ["# Decode throughput\n"]
@@ -119,7 +127,7 @@ def markdown_report(invocations: list[dict]) -> str:
             f"Invocation {i + 1}: `{inv.get('command', '')}`  \n"
             f"{env.get('gpu') or env.get('device')}, torch {env.get('torch')}, triton {env.get('triton')}, "
             f"transformers {env.get('transformers')}, commit `{env.get('commit')}`; copy bandwidth "
-            f"{copy['bytes_per_s'] / GB:.0f} GB/s ({copy['method']})\n"
+            f"{copy['bytes_per_s'] / GB:.0f} GB/s ({copy['method']}){_kernels_note(env)}\n"
         )
         for run in [r for r in inv["runs"] if r["engine"] == "sparse-engine"][:1]:
             parts.append(_settings_line(run))
