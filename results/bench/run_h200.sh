@@ -64,3 +64,11 @@ for ASYNC in --async-scheduling --no-async-scheduling; do
     --max-num-seqs 32 "$ASYNC"
 done
 kill "$SMI"
+
+# 7. Issue 3, session 4: small-M linear kernels (decode's projections and LM head in one Triton launch
+#    each) and programmatic dependent launch between the decode-path kernels. Dense at 32K and 128K,
+#    batch 1 and the largest batch, 256 output tokens, 200 steps timed end to end; HF transformers at
+#    batch 1 first in the same process; then PDL off and async off for side-by-side ratios.
+#    results/bench/h200/dense_pdl/run_device.sh ran this part as measured (after the CUDA tests).
+"${BENCH[@]}" --out "$OUT/dense_pdl/dense" --prompt-len 32768,131072 --batch-size 1,max --output-len 256 \
+  --timed-steps 200 --profile-steps 3 --max-num-seqs 32 --async-scheduling --hf-baseline --hf-steps 20
