@@ -40,7 +40,7 @@ def all_runs(invocations: list[dict]) -> list[dict]:
     runs = []
     for inv in invocations:
         env = inv["environment"]
-        extra = {"gpu": env.get("gpu") or env.get("device"), "commit": env.get("commit")}
+        extra = {"gpu": env.get("gpu") or env.get("device"), "commit": env.get("commit"), "kernels": env.get("kernels")}
         extra["copy_bytes_per_s"] = inv["copy_bandwidth"]["bytes_per_s"]
         runs.extend({**run, **extra} for run in inv["runs"])
     return runs
@@ -49,7 +49,10 @@ def all_runs(invocations: list[dict]) -> list[dict]:
 def _label(run: dict) -> str:
     if run["engine"] == "hf-transformers":
         return "HF transformers"
-    return run["sparse_method"] + (" (async)" if run.get("async_scheduling") else "")
+    label = run["sparse_method"] + (" (async)" if run.get("async_scheduling") else "")
+    if (run.get("kernels") or {}).get("pdl") is False:
+        label += " (PDL off)"
+    return label
 
 
 def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
@@ -95,7 +98,9 @@ def ratios(runs: list[dict]) -> list[str]:
         for r in engine:
             if r["sparse_method"] == "dense" and r["batch_size"] == 1 and r["prompt_len"] == hf["prompt_len"]:
                 x = r["metrics"]["tokens_per_s"] / hf["metrics"]["tokens_per_s"]
-                lines.append(f"- dense engine vs HF transformers, batch 1, prompt {r['prompt_len']}: **{x:.2f}x**")
+                lines.append(
+                    f"- {_label(r)} engine vs HF transformers, batch 1, prompt {r['prompt_len']}: **{x:.2f}x**"
+                )
     for dense in (r for r in engine if r["sparse_method"] == "dense" and r.get("batch_size_arg") == "max"):
         for r in engine:
             if r["sparse_method"] == "dense" or r["prompt_len"] != dense["prompt_len"]:
