@@ -6,9 +6,6 @@ streams them once in ``BLOCK_K`` tiles and keeps every row of ``x`` in registers
 grid is ``cdiv(N, BLOCK_N)`` programs and one launch writes the result (cuBLAS's small-M kernels add a
 separate split-K reduce per call).
 
-Under programmatic dependent launch the first weight tile is loaded before the kernel waits for its
-predecessor (weights are never written during a step; only ``x`` comes from the kernel before).
-
 ``USE_DOT`` picks ``tl.dot`` on a ``BLOCK_M >= 16`` tile (rows past M masked; tensor cores are idle
 anyway), else a broadcast multiply and a sum over K in fp32 (``BLOCK_M`` up to a few rows).
 """
@@ -20,23 +17,6 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
-
-
-@triton.jit
-def _weight_tile(w_rows, k, mask_n, K, USE_DOT: tl.constexpr):
-    """Weight rows x columns ``k``: ``[BLOCK_K, BLOCK_N]`` for ``tl.dot``, ``[BLOCK_N, BLOCK_K]`` otherwise."""
-    mask_k = k < K
-    if USE_DOT:
-        return tl.load(w_rows[None, :] + k[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0)
-    return tl.load(w_rows[:, None] + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-
-
-@triton.jit
-def _tile_product(x, w, USE_DOT: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """``x [BLOCK_M, BLOCK_K]`` times the weight tile: ``[BLOCK_M, BLOCK_N]`` in fp32."""
-    if USE_DOT:
-        return tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
-    return tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
 
 
 def _small_m_linear_kernel(
@@ -59,6 +39,7 @@ def _small_m_linear_kernel(
     PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,17 +48,18 @@ def _small_m_linear_kernel(
     mask_n = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn  # [BLOCK_N]: int64, large vocab heads
     x_rows = x_ptr + offs_m * stride_xm
-    # The first weight tile is loaded before waiting for the predecessor kernel (PDL): weights are not
-    # written during a step, only x is the predecessor's output. So the weight stream starts while the
-    # kernel before drains. The rest of K is a plain (software-pipelined) loop.
-    w = _weight_tile(w_rows, offs_k, mask_n, K, USE_DOT)
-    pdl_enter(USE_GDC)
-    x = tl.load(x_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)
-    acc = _tile_product(x, w, USE_DOT, DOT_DTYPE, PRECISION)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        x = tl.load(x_rows[:, None] + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0)
-        acc += _tile_product(x, _weight_tile(w_rows, k, mask_n, K, USE_DOT), USE_DOT, DOT_DTYPE, PRECISION)
+        mask_k = k < K
+        x = tl.load(x_rows[:, None] + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if USE_DOT:
+            w = tl.load(w_rows[None, :] + k[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0)
+            acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_K, BLOCK_N]
+        else:
+            w = tl.load(w_rows[:, None] + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]  # [BLOCK_M, BLOCK_N, BLOCK_K]
+            acc += tl.sum(prod, 2)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
