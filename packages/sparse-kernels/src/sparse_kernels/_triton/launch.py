@@ -8,6 +8,7 @@ its arguments need: ``triton.jit`` for CUDA tensors, Triton's ``InterpretedFunct
 tensors. While an interpreted launch runs, calls to compiled-mode library functions are routed
 through the interpreter too (and their language patches undone after each call), so the interpreter
 works whatever the import order. With ``TRITON_INTERPRET=1`` set, ``triton.jit`` interprets itself.
+Inside ``compile_check.compiling_for()``, interpreted launches are also compiled for a GPU target.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
+
+from sparse_kernels._triton import compile_check
 
 _interpreter_lock = threading.Lock()
 _rewritten: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -39,6 +42,8 @@ class Kernel:
         def launch(*args: Any, **meta: Any) -> None:
             device = next(a.device for a in args if isinstance(a, torch.Tensor))
             if device.type == "cpu":
+                if compile_check.active_target() is not None:
+                    compile_check.compile_launch(self.fn, args, meta)
                 with _interpreting():
                     self._interpreter()[grid](*args, **meta)
             else:
