@@ -15,37 +15,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
+from _timing import capture, copy_bandwidth, median_ms  # benchmarks/ (run as scripts)
 
 import sparse_kernels._decode_buffers as buffers
 from sparse_kernels import BatchDecodeWithPagedKVCache
 from sparse_kernels._triton import decode_launch, launch
 
 HQ, HKV, DIM, BLOCK, KV_LEN = 32, 8, 128, 16, 32768
-
-
-def median_ms(fn, iters: int = 20, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    src = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), iters=10)
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def make_step(batch: int, num_layers: int, seed: int = 0):
@@ -80,14 +58,7 @@ def time_decode(batch, pools, csr, q, with_scores=False):
         for (k, v), out in zip(pools, outs, strict=True):
             wrapper.run(q, k, v, out=out, scores_out=scores)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture(step)
     ms = median_ms(graph.replay) / len(pools)
     return ms, outs[0].clone(), wrapper._num_splits
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
+from _timing import capture, copy_bandwidth, median_ms  # benchmarks/ (run as scripts)
 
 from sparse_kernels._triton import launch
 from sparse_kernels._triton.linear import small_m_linear_triton
@@ -34,38 +34,8 @@ SHAPES = {
 LAYERS = {"qkv": 36, "o": 36, "gate_up": 16, "down": 16, "lm_head": 2}
 
 
-def median_ms(fn, iters: int = 10, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    src = torch.randn(2**30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
-
-
 def graph_ms_per_call(fn, calls: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay) / calls
+    return median_ms(capture(fn).replay, iters=10) / calls
 
 
 FMA_TILES = [(4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)]
