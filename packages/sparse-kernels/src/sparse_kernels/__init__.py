@@ -13,16 +13,20 @@ from sparse_kernels._backend import BACKEND_ENV, resolve_backend
 from sparse_kernels.attention_reference import causal_attention
 from sparse_kernels.block_summary import block_summary, block_upper_bound
 from sparse_kernels.compact import compact_kv
+from sparse_kernels.head_max_probs import head_max_probs
 from sparse_kernels.kv_store import store_kv
 from sparse_kernels.linear import linear
+from sparse_kernels.logits_attention import logits_attention, softmax_stats
 from sparse_kernels.page_bounds import page_bounds
 from sparse_kernels.paged_decode import BatchDecodeWithPagedKVCache
 from sparse_kernels.paged_logits import paged_logits
 from sparse_kernels.paged_prefill import BatchPrefillWithPagedKVCache
 from sparse_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from sparse_kernels.rope import rope_qk
+from sparse_kernels.selection_entries import selection_entries
 from sparse_kernels.silu_mul import silu_and_mul
 from sparse_kernels.summary_update import update_block_summaries
+from sparse_kernels.top_k_ascending import top_k_ascending
 
 __all__ = [
     "BACKEND_ENV",
@@ -33,13 +37,18 @@ __all__ = [
     "causal_attention",
     "compact_kv",
     "fused_add_rms_norm",
+    "head_max_probs",
     "linear",
+    "logits_attention",
     "page_bounds",
     "paged_logits",
     "resolve_backend",
     "rms_norm",
     "rope_qk",
+    "selection_entries",
     "silu_and_mul",
+    "softmax_stats",
     "store_kv",
+    "top_k_ascending",
     "update_block_summaries",
 ]
