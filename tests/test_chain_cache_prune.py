@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparse_serve import LLM, SamplingParams
+from sparse_serve import LLM, PruneError, SamplingParams
 
 BLOCK = 8
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -110,24 +110,32 @@ def test_pruned_history_matches_hf_and_stays_out_of_the_radix_cache(llama):
 
 
 def test_prune_errors(llama):
+    # Each engine-side error is a PruneError naming its case and the request field at fault.
     path, _ = llama
     llm = _llm(path)
     history = _tokens(40, 22)
-    with pytest.raises(ValueError, match="no cached history"):
-        llm.prune(history, [(2, 10)], keep_tokens=2)
-    llm.generate(history, SamplingParams(max_tokens=1))
-    with pytest.raises(ValueError, match="outside"):
-        llm.prune(history, [(2, 41)], keep_tokens=2)
-    with pytest.raises(ValueError, match="overlaps or precedes"):
-        llm.prune(history, [(12, 20), (2, 10)], keep_tokens=2)
-    with pytest.raises(ValueError, match="at least one token after"):
-        llm.prune(history[:32], [(2, 32)], keep_tokens=2)
-    with pytest.raises(ValueError, match="unknown prune policy"):
-        llm.prune(history, [(2, 10)], keep_tokens=2, policy="magic")
+
+    def fails(match, code, param, *args, **kwargs):
+        with pytest.raises(PruneError, match=match) as e:
+            llm.prune(*args, **kwargs)
+        assert (e.value.code, e.value.param) == (code, param)
+
+    fails("no cached history", "prune_nothing_cached", "prompt", history, [(2, 10)], keep_tokens=2)
+    llm.generate(history, SamplingParams(max_tokens=1))  # caches the history's full blocks
+    cached = llm.engine.kv.cached_prefix(history).num_tokens
+    fails("outside", "invalid_value", "ranges", history, [(2, 41)], keep_tokens=2)
+    longer = history + _tokens(8, 23)  # inside this prompt, past its cached part
+    fails("outside", "prune_range_not_cached", "ranges", longer, [(2, cached + 2)], keep_tokens=2)
+    fails("overlaps or precedes", "invalid_value", "ranges", history, [(12, 20), (2, 10)], keep_tokens=2)
+    fails("at least one token after", "invalid_value", "ranges", history[:32], [(2, 32)], keep_tokens=2)
+    fails("unknown prune policy", "invalid_value", "policy", history, [(2, 10)], keep_tokens=2, policy="magic")
+    fails("keep_tokens", "invalid_value", "keep_tokens", history, [(2, 10)], keep_tokens=-1)
+    fails("window", "invalid_value", "observation_window_size", history, [(2, 10)], 2, observation_window_size=0)
     llm.prune(history, [(2, 10)], keep_tokens=2, chain_id="p")
     with pytest.raises(ValueError, match="already exists"):
         llm.prune(history, [(2, 10)], keep_tokens=2, chain_id="p")
     assert llm.engine.kv.pool.num_used_blocks == len(llm.engine.kv.chains.held_tables()["p"].block_ids)
     snap = _llm(path, sparse_method="snapkv")
-    with pytest.raises(ValueError, match="radix"):
+    with pytest.raises(PruneError, match="radix") as e:
         snap.prune(history, [(2, 10)], keep_tokens=2)
+    assert (e.value.code, e.value.param) == ("prune_unsupported", None)

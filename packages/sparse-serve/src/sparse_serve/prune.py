@@ -51,6 +51,16 @@ _POOL_KERNEL = 7
 _SCRATCH_ID = "__prune__"
 
 
+class PruneError(ValueError):
+    """A prune request the engine cannot carry out: ``code`` names the case, ``param`` the request field
+    at fault (None for the engine's configuration), for API layers."""
+
+    def __init__(self, message: str, code: str, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
 @dataclass(frozen=True, slots=True)
 class PruneResult:
     """``chain_id``: the degraded chain holding the pruned history of ``num_tokens`` logical tokens
@@ -107,22 +117,43 @@ def prune_history(
 
     ``ranges`` ([start, end) positions inside that cached history, each followed by at least one
     token of ``token_ids`` to score it) keep ``keep_tokens`` tokens each. Returns the new chain.
-    Raises ValueError when the method is not exact, nothing is cached, or the pool is too full.
+    Raises ``PruneError`` (a ValueError with a ``code`` and the request field at fault) when the
+    method is not exact, nothing is cached, a range is past the cached blocks or the pool is too full;
+    a chain id already in use raises the chain cache's ``ChainExistsError``.
     """
     if policy not in PRUNE_POLICIES:
-        raise ValueError(f"unknown prune policy {policy!r}; known: {', '.join(PRUNE_POLICIES)}")
+        raise PruneError(
+            f"unknown prune policy {policy!r}; known: {', '.join(PRUNE_POLICIES)}", "invalid_value", "policy"
+        )
     if engine.method.prefix_cache_mode is not PrefixCacheMode.RADIX or not engine.kv.enable_prefix_caching:
-        raise ValueError("pruning compresses the exact radix cache; it needs a radix method and prefix caching")
-    if keep_tokens < 0 or window < 1:
-        raise ValueError(f"keep_tokens must be >= 0 and the window >= 1, got {keep_tokens} and {window}")
+        raise PruneError(
+            "pruning compresses the exact radix cache; it needs a radix method and prefix caching", "prune_unsupported"
+        )
+    if keep_tokens < 0:
+        raise PruneError(f"keep_tokens must be >= 0, got {keep_tokens}", "invalid_value", "keep_tokens")
+    if window < 1:
+        raise PruneError(
+            f"the observation window must be >= 1, got {window}", "invalid_value", "observation_window_size"
+        )
     kv = engine.kv
     kv.chains.check_room(chain_id)  # before any work: the id is free and a chain record fits
     match = kv.cached_prefix(token_ids)
     if match.num_tokens == 0:
-        raise ValueError("no cached history of this prompt to prune (only full cached blocks can be pruned)")
-    checked = check_ranges(ranges, match.num_tokens)
+        raise PruneError(
+            "no cached history of this prompt to prune (only full cached blocks can be pruned)",
+            "prune_nothing_cached",
+            "prompt",
+        )
+    try:
+        checked = check_ranges(ranges, match.num_tokens)
+    except ValueError as e:
+        inside_prompt = _valid_ranges(ranges, len(token_ids))  # then only the cached part is too short
+        code = "prune_range_not_cached" if inside_prompt else "invalid_value"
+        raise PruneError(f"{e} (cached: the first {match.num_tokens} tokens)", code, "ranges") from None
     if checked[-1].end >= len(token_ids):
-        raise ValueError("each range needs at least one token after it whose queries score it")
+        raise PruneError(
+            "each range needs at least one token after it whose queries score it", "invalid_value", "ranges"
+        )
     kv.pool.acquire(match.block_ids)  # pin the history while scratch blocks are taken
     try:
         kept = []
@@ -138,6 +169,14 @@ def prune_history(
     return PruneResult(new_id, match.num_tokens, plan.num_retained, tuple(tuple(k) for k in kept))
 
 
+def _valid_ranges(ranges: Sequence[tuple[int, int] | PruneRange], num_tokens: int) -> bool:
+    try:
+        check_ranges(ranges, num_tokens)
+    except ValueError:
+        return False
+    return True
+
+
 def _top_positions(scores: torch.Tensor, r: PruneRange, keep: int) -> list[int]:
     """The ``keep`` best-scored positions of ``r``, ascending (ties go to the earlier position)."""
     order = torch.sort(scores, descending=True, stable=True).indices[: min(keep, len(r))]
@@ -150,7 +189,9 @@ def _take_blocks(engine: LLMEngine, n: int) -> list[int]:
         kv.chains.reclaim(n)
     blocks = kv.pool.allocate(n)
     if blocks is None:
-        raise ValueError(f"pruning needs {n} free KV blocks; the pool has {kv.pool.num_free_blocks} now")
+        raise PruneError(
+            f"pruning needs {n} free KV blocks; the pool has {kv.pool.num_free_blocks} now", "prune_no_room"
+        )
     return blocks
 
 

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from sparse_cache import ChainError
+from sparse_serve.prune import PruneError
 
 # pydantic names union members in an error's location (``("prompt", "list[int]", 0)``); a client
 # knows the field, not our type annotations, so those parts are left out of ``param``.
@@ -57,13 +58,25 @@ def server_error(status: int, message: str, code: str | None = None, retry_after
 
 # Chain errors that are not plain bad input: an unknown chain (404) and a second writer (409).
 _CHAIN_STATUS = {"chain_not_found": 404, "chain_busy": 409}
+# Prune errors that are not bad input: the server's method cannot prune, the pool has no room now.
+_PRUNE_STATUS = {"prune_unsupported": 400, "prune_no_room": 503}
 
 
 def from_engine_error(error: ValueError, param: str | None = None, chain_param: str = "chain_id") -> APIError:
     """An engine's ValueError for bad input: a chain error keeps its ``code`` (404 for an unknown chain,
-    409 for a busy one, 400 otherwise; ``param`` is ``chain_param``), anything else is a 400."""
+    409 for a busy one, 400 otherwise; ``param`` is ``chain_param``), a prune error its code and field
+    (503 when the pool has no room), anything else is a 400."""
     if isinstance(error, ChainError):
         return APIError(_CHAIN_STATUS.get(error.code, 400), str(error), param=chain_param, code=error.code)
+    if isinstance(error, PruneError):
+        status = _PRUNE_STATUS.get(error.code, 400)
+        return APIError(
+            status,
+            str(error),
+            type="server_error" if status >= 500 else "invalid_request_error",
+            param=error.param,
+            code=error.code,
+        )
     return bad_request(str(error), param=param)
 
 
