@@ -43,7 +43,6 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    pdl_enter(USE_GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -51,12 +50,15 @@ def _decode_split_kernel(
         lst = b * NUM_KV_HEADS + h
     else:
         lst = b
+    # The list offsets and lengths come from the host before the step: read before the wait (the
+    # entries may be written on the device by a selecting method, so they are read after it).
     page_lo = tl.load(indptr_ptr + lst)
     page_hi = tl.load(indptr_ptr + lst + 1)
     kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
     chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     if lo < kv_len:
+        pdl_enter(USE_GDC)
         hi = tl.minimum(lo + chunk, kv_len)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, BLOCK_D)
@@ -118,18 +120,18 @@ def _decode_reduce_kernel(
     BLOCK_N: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    pdl_enter(USE_GDC)
     b = tl.program_id(0)
     hq = tl.program_id(1)
     if HEAD_SPARSE:
         lst = b * NUM_KV_HEADS + hq // GROUP
     else:
         lst = b
-    page_lo = tl.load(indptr_ptr + lst)
+    page_lo = tl.load(indptr_ptr + lst)  # host metadata: read before the wait, as in the split kernel
     page_hi = tl.load(indptr_ptr + lst + 1)
     kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
     chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     live = tl.cdiv(kv_len, chunk)  # splits that wrote a partial result
+    pdl_enter(USE_GDC)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_s = offs_s < live

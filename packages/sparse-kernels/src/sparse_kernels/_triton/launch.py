@@ -114,11 +114,16 @@ def dot_args(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
 # Programmatic dependent launch (Hopper and newer). A kernel launched with ``launch_pdl`` may be
 # scheduled before the kernel ahead of it in the stream has finished. The kernels that take part
 # (``USE_GDC``) wait for their predecessor (``gdc_wait``: its completion and memory flush) before
-# touching memory, and let their dependent launch once their last store is issued
-# (``gdc_launch_dependents``), so a decode step's chain of small kernels overlaps each launch with the
-# tail of the kernel before it. Releasing at the start of each program instead was measured 20% slower
-# on an H200 (the waiting grids' blocks crowd the running one), so release is at the end only.
-# Benchmarks flip this switch to measure the difference.
+# touching memory a kernel of the step may write, and let their dependent launch once their last store
+# is issued (``gdc_launch_dependents``), so a decode step's chain of small kernels overlaps each launch
+# with the tail of the kernel before it. Only data no kernel of the step writes is read before the
+# wait: weights and tables, and step metadata copied from the host before the step's first kernel
+# (positions, slot mapping, the decode lists' offsets and lengths; a selecting method writes the list
+# entries on the device, so those are read after it). Every kernel in the stream starts after that
+# copy, the first one by plain stream order and each later one after its predecessor started.
+# Releasing at the start of each program instead was measured 20% slower on an H200 (the waiting
+# grids' blocks crowd the running one), so release is at the end only. Benchmarks flip this switch
+# to measure the difference.
 PDL = True
 
 

@@ -36,7 +36,6 @@ def _rope_qk_kernel(
     BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    pdl_enter(USE_GDC)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     if head < NUM_Q_HEADS:
@@ -49,19 +48,22 @@ def _rope_qk_kernel(
         w_ptr = kw_ptr
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
-    a = tl.load(src + offs, mask=mask, other=0.0)
-    dtype = a.dtype
-    x1 = a.to(tl.float32)
-    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        inv_rms = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
-        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = (w1 * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    dtype = src.dtype.element_ty
+    # Positions (step metadata from the host), the angle table and the norm weights are read before
+    # waiting for the kernel that wrote q and k.
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * stride_cs + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    if HAS_NORM:
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    pdl_enter(USE_GDC)
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv_rms = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        x1 = (w1 * (x1 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x2 = (w2 * (x2 * inv_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     o1 = (x1 * cos).to(dtype).to(tl.float32) - (x2 * sin).to(dtype).to(tl.float32)
     o2 = (x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)
     tl.store(dst + offs, o1.to(dtype), mask=mask)

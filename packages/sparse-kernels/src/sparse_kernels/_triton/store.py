@@ -24,10 +24,10 @@ def _store_kv_kernel(
     BLOCK: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    pdl_enter(USE_GDC)
     row = tl.program_id(0)
-    slot = tl.load(slot_ptr + row).to(tl.int64)
+    slot = tl.load(slot_ptr + row).to(tl.int64)  # step metadata from the host: read before the wait
     if slot >= 0:
+        pdl_enter(USE_GDC)
         offs = tl.arange(0, BLOCK)  # flattened (head, dim) of one row
         mask = offs < NUM_KV_HEADS * HEAD_DIM
         head, dim = offs // HEAD_DIM, offs % HEAD_DIM
