@@ -29,7 +29,7 @@ def linear(
     x : torch.Tensor
         ``[..., K]``.
     weight : torch.Tensor
-        ``[N, K]`` in ``x.dtype``, unit stride along K.
+        ``[N, K]`` in ``x.dtype``; unit stride along K where the kernel runs.
     bias : torch.Tensor, optional
         ``[N]`` in ``x.dtype``.
     backend : str
@@ -47,6 +47,8 @@ def linear(
     backend = check_backend(backend)
     if not rows or not _use_triton(backend, x, rows):
         return F.linear(x, weight, bias)
+    if weight.stride(1) != 1:
+        raise ValueError("the Triton path needs the weight with unit stride along K")
     config = linear_config(rows, weight.shape[0], weight.shape[1])
     from sparse_kernels._triton.linear import small_m_linear_triton
 
@@ -92,7 +94,5 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [N] = [{weight.shape[0]}], got {list(bias.shape)}")
-    if weight.stride(1) != 1:
-        raise ValueError("weight must have unit stride along K")
     if x.device != weight.device or (bias is not None and bias.device != x.device):
         raise ValueError("x, weight and bias must be on one device")
