@@ -58,8 +58,8 @@ def server_error(status: int, message: str, code: str | None = None, retry_after
 
 # Chain errors that are not plain bad input: an unknown chain (404) and a second writer (409).
 _CHAIN_STATUS = {"chain_not_found": 404, "chain_busy": 409}
-# Prune errors that are not bad input: the server's method cannot prune, the pool has no room now.
-_PRUNE_STATUS = {"prune_unsupported": 400, "prune_no_room": 503}
+# Prune errors that are not bad input: the pool has no room for the pruned copy now.
+_PRUNE_STATUS = {"prune_no_room": 503}
 
 
 def from_engine_error(error: ValueError, param: str | None = None, chain_param: str = "chain_id") -> APIError:
