@@ -107,3 +107,12 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="unit stride"):
         linear(x, transposed, backend="triton")
     assert torch.equal(linear(x, transposed), F.linear(x, transposed))  # the reference takes any layout
+
+
+def test_launch_settings_follow_the_switches(monkeypatch):
+    from sparse_kernels import launch_settings
+    from sparse_kernels._triton import launch
+
+    monkeypatch.setattr(launch, "PDL", False)
+    monkeypatch.setattr(sys.modules["sparse_kernels.linear"], "SMALL_M_MAX", 4)
+    assert launch_settings() == {"pdl": False, "small_m_linear_max_rows": 4}

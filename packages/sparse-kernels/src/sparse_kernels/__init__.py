@@ -24,6 +24,7 @@ from sparse_kernels.paged_prefill import BatchPrefillWithPagedKVCache
 from sparse_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from sparse_kernels.rope import rope_qk
 from sparse_kernels.selection_entries import selection_entries
+from sparse_kernels.settings import launch_settings
 from sparse_kernels.silu_mul import silu_and_mul
 from sparse_kernels.summary_update import update_block_summaries
 from sparse_kernels.top_k_ascending import top_k_ascending
@@ -38,6 +39,7 @@ __all__ = [
     "compact_kv",
     "fused_add_rms_norm",
     "head_max_probs",
+    "launch_settings",
     "linear",
     "logits_attention",
     "page_bounds",

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from sparse_kernels import launch_settings
+
 
 def weight_bytes_per_step(model: nn.Module) -> int:
     """Parameter bytes a decode step reads: all of them, except an input embedding table that no
@@ -97,7 +99,7 @@ def environment(device: torch.device, commit: str | None) -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    env["kernels"] = kernel_settings()
+    env["kernels"] = launch_settings()
     try:
         import transformers
 
@@ -105,16 +107,6 @@ def environment(device: torch.device, commit: str | None) -> dict:
     except ImportError:
         env["transformers"] = None
     return env
-
-
-def kernel_settings() -> dict:
-    """Launch settings of sparse_kernels that change decode timings (recorded with every run)."""
-    import sys
-
-    import sparse_kernels.linear  # noqa: F401  (the package attribute of that name is the function)
-    from sparse_kernels._triton import launch
-
-    return {"pdl": launch.PDL, "small_m_linear_max_rows": sys.modules["sparse_kernels.linear"].SMALL_M_MAX}
 
 
 def git_commit() -> str | None:
