@@ -26,21 +26,16 @@ import torch
 
 os.environ.setdefault("SPARSE_KERNELS_BACKEND", "triton")  # the GPU's plan path (no kernel runs here)
 
-from sparse_serve import cuda_graphs  # noqa: E402
 from sparse_serve import engine as engine_module  # noqa: E402
 from sparse_serve.config import EngineConfig  # noqa: E402
 from sparse_serve.engine import LLMEngine  # noqa: E402
 from sparse_serve.sampling_params import SamplingParams  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import StubModel, profile_steps, tiny_config  # noqa: E402  (the same stub engine as host_overhead.py)
+import host_overhead  # noqa: E402  (the same stub engine as host_overhead.py)
+from host_overhead import profile_steps, tiny_config  # noqa: E402
 
 BUDGET = dict(sink_keep_tokens=64, decode_keep_tokens=1472, recent_keep_tokens=512)
-
-
-class _NoopGraph:
-    def replay(self) -> None:
-        pass
 
 
 class _AnyKey(dict):
@@ -58,18 +53,11 @@ class _AnyKey(dict):
 
 
 def install_fake_graphs(engine: LLMEngine, max_batch: int) -> None:
-    runner = engine.runner
-    cfg = runner.model_config
-    runner.model = StubModel(cfg.hidden_size, cfg.vocab_size, runner.device)
-    graphs = cuda_graphs.DecodeGraphs(runner.model, runner.attention, cfg.num_hidden_layers, max_batch, runner.device)
-    for bs in graphs.sizes:
-        graphs.graphs[bs] = _NoopGraph()
-        graphs.outputs[bs] = torch.zeros(bs, cfg.hidden_size, device=runner.device)
-    graphs.selecting_graphs = _AnyKey(_NoopGraph())
-    graphs.selecting_outputs = _AnyKey(torch.zeros(max_batch, cfg.hidden_size, device=runner.device))
-    runner.graphs = graphs
-    if not torch.cuda.is_available():
-        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    """host_overhead's no-op decode graphs, plus selecting graphs 'captured' for every key."""
+    host_overhead.install_fake_graphs(engine, max_batch)
+    graphs, cfg = engine.runner.graphs, engine.runner.model_config
+    graphs.selecting_graphs = _AnyKey(host_overhead._NoopGraph())
+    graphs.selecting_outputs = _AnyKey(torch.zeros(max_batch, cfg.hidden_size, device=engine.runner.device))
 
 
 def _wrap(ms: dict, name: str, fn, active: list):
