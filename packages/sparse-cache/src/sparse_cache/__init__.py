@@ -1,5 +1,5 @@
 """Method-agnostic KV-cache structures: block pool, block tables, the radix prefix cache, the chain
-cache and prefix-cache pruning plans."""
+cache, prefix-cache pruning plans and the store kinds that describe a layer's KV storage."""
 
 from sparse_cache.block_hash import BlockHash, hash_block, hash_full_blocks, root_hash
 from sparse_cache.block_pool import BlockPool
@@ -16,6 +16,8 @@ from sparse_cache.chain_errors import (
 )
 from sparse_cache.kv_cache_manager import KVCacheManager, PrefixMatch
 from sparse_cache.pruning import PrunePlan, PruneRange, check_ranges, plan_prune
+from sparse_cache.store_kind import StoreKind, TensorSpec, paged, quantized_paged
+from sparse_cache.tail_rows import TailRows
 
 __all__ = [
     "BlockHash",
@@ -36,10 +38,15 @@ __all__ = [
     "PrefixMatch",
     "PrunePlan",
     "PruneRange",
+    "StoreKind",
+    "TailRows",
+    "TensorSpec",
     "UnknownChainError",
     "check_ranges",
     "hash_block",
     "hash_full_blocks",
+    "paged",
     "plan_prune",
+    "quantized_paged",
     "root_hash",
 ]

@@ -1,0 +1,71 @@
+"""Store kinds: tensor lists, bytes per token and the validation of quantized layouts."""
+
+import pytest
+
+from sparse_cache import StoreKind, paged, quantized_paged
+
+
+def test_plain_paged_is_k_and_v_in_the_model_dtype():
+    kind = paged(16, 8, 128)
+    assert [t.name for t in kind.block_tensors] == ["k", "v"]
+    assert kind.bytes_per_block(2) == 2 * 16 * 8 * 128 * 2
+    assert kind.bytes_per_token(2) == 2 * 8 * 128 * 2
+    assert not kind.quantized and not kind.has_tail and kind.tail_bytes(2) == 0
+
+
+def test_summaries_add_two_rows_per_block():
+    kind = paged(16, 8, 128, summaries=True)
+    assert kind.summaries
+    assert kind.bytes_per_block(2) == (2 * 16 + 2) * 8 * 128 * 2
+
+
+@pytest.mark.parametrize(
+    ("scheme", "bits", "per_token_head"),
+    [
+        # (codes + per-token scale) for K and V, in bytes per (token, KV head), head_dim 128
+        ("fp8", 8, 2 * (128 + 4)),
+        ("turboquant", 4, 2 * (16 * 4 + 4)),
+        ("turboquant", 3, 2 * (13 * 4 + 4)),  # 10 codes per word: 13 words
+        ("turboquant", 2, 2 * (8 * 4 + 4)),
+        # KIVI, page 32: K codes + K stats (2 x fp16 x 128 per page of 32) + V codes + V stats (2 x fp16 x 4 groups)
+        ("kivi", 4, 64 + 2 * 2 * 128 // 32 + 64 + 2 * 2 * 4),
+        ("kivi", 2, 32 + 2 * 2 * 128 // 32 + 32 + 2 * 2 * 4),
+    ],
+)
+def test_quantized_bytes_per_token(scheme, bits, per_token_head):
+    kind = quantized_paged(scheme, bits, 32, 8, 128)
+    assert kind.quantized
+    assert kind.bytes_per_token(2) == per_token_head * 8
+    assert kind.has_tail == (scheme == "kivi")
+    if scheme == "kivi":
+        assert kind.tail_bytes(2) == 2 * 32 * 8 * 128 * 2
+
+
+def test_compression_ratios_against_bf16():
+    bf16 = paged(32, 8, 128).bytes_per_token(2)
+    assert bf16 / quantized_paged("fp8", 8, 32, 8, 128).bytes_per_token(2) == pytest.approx(1.94, abs=0.01)
+    assert bf16 / quantized_paged("kivi", 4, 32, 8, 128).bytes_per_token(2) == pytest.approx(3.2)
+    assert bf16 / quantized_paged("kivi", 2, 32, 8, 128).bytes_per_token(2) == pytest.approx(5.33, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        (("int3", 3, 16, 2, 64), {}, "unknown KV quantization scheme"),
+        (("kivi", 3, 16, 2, 64), {}, "2 or 4 bits"),
+        (("fp8", 4, 16, 2, 64), {}, "8 bits"),
+        (("kivi", 4, 16, 2, 64), {"group": 32}, "must equal block_size"),
+        (("kivi", 4, 32, 2, 48), {}, "divisible by the page size"),
+        (("fp8", 8, 0, 2, 64), {}, "positive"),
+    ],
+)
+def test_bad_layouts_are_clear_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantized_paged(*args, **kwargs)
+
+
+def test_store_kind_is_frozen():
+    kind = paged(16, 2, 64)
+    assert isinstance(kind, StoreKind)
+    with pytest.raises(AttributeError):
+        kind.block_size = 32
