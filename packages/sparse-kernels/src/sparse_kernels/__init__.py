@@ -14,6 +14,18 @@ from sparse_kernels.attention_reference import causal_attention
 from sparse_kernels.block_summary import block_summary, block_upper_bound
 from sparse_kernels.compact import compact_kv
 from sparse_kernels.head_max_probs import head_max_probs
+from sparse_kernels.kv_quant import (
+    allocate_quantized_kv,
+    decode_kivi_pages,
+    decode_rows,
+    dequantize_blocks,
+    encode_kivi_pages,
+    encode_rows,
+    lloyd_max_codebook,
+    pack_codes,
+    turboquant_rotation,
+    unpack_codes,
+)
 from sparse_kernels.kv_store import store_kv
 from sparse_kernels.linear import linear
 from sparse_kernels.logits_attention import logits_attention, softmax_stats
@@ -53,4 +65,14 @@ __all__ = [
     "store_kv",
     "top_k_ascending",
     "update_block_summaries",
+    "allocate_quantized_kv",
+    "decode_kivi_pages",
+    "decode_rows",
+    "dequantize_blocks",
+    "encode_kivi_pages",
+    "encode_rows",
+    "lloyd_max_codebook",
+    "pack_codes",
+    "turboquant_rotation",
+    "unpack_codes",
 ]
