@@ -33,6 +33,7 @@ from sparse_kernels.page_bounds import page_bounds
 from sparse_kernels.paged_decode import BatchDecodeWithPagedKVCache
 from sparse_kernels.paged_logits import paged_logits
 from sparse_kernels.paged_prefill import BatchPrefillWithPagedKVCache
+from sparse_kernels.quantized_store import store_kv_quantized
 from sparse_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from sparse_kernels.rope import rope_qk
 from sparse_kernels.selection_entries import selection_entries
@@ -75,4 +76,5 @@ __all__ = [
     "pack_codes",
     "turboquant_rotation",
     "unpack_codes",
+    "store_kv_quantized",
 ]
