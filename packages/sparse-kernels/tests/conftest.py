@@ -3,6 +3,7 @@ Triton tests run on (CUDA natively where present, else the CPU through Triton's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -245,3 +246,115 @@ def compiled_for_hopper():
         return
     with compiling_for("cuda", 90, 32):
         yield
+
+
+@dataclass
+class QuantizedBatch:
+    """A decode/prefill step over a quantized pool (``sparse_kernels.quantized_kv``), with its truth.
+
+    ``k_seqs`` / ``v_seqs`` are each request's dequantized K/V in the original (unrotated) space: what
+    attention over the quantized pool must equal. Stats and scales of every block no request owns are
+    NaN (KIVI: also each incomplete page's block, which lives in the tail), so a stray read poisons
+    the output.
+    """
+
+    kv: object  # QuantizedKV
+    kv_indptr: torch.Tensor  # int32 [B + 1]
+    kv_indices: torch.Tensor  # int32 [nnz], block ids
+    kv_last_len: torch.Tensor  # int32 [B]
+    tail_index: torch.Tensor | None  # int32 [B] (KIVI), None otherwise
+    k_seqs: list[torch.Tensor]  # per request float32 [kv_len, Hkv, D]
+    v_seqs: list[torch.Tensor]
+
+    def layout(self) -> dict[str, int]:
+        return dict(num_kv_heads=self.kv.num_kv_heads, head_dim=self.kv.head_dim, block_size=self.kv.block_size)
+
+    def kv_on(self, device: str | torch.device):
+        """The ``QuantizedKV`` with every tensor on ``device``."""
+        fields = {f.name: getattr(self.kv, f.name) for f in dataclasses.fields(self.kv)}
+        return type(self.kv)(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()})
+
+
+def make_quantized_batch(
+    kv_lens: list[int],
+    *,
+    scheme: str,
+    bits: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    tail_dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> QuantizedBatch:
+    """Random K/V per request, encoded into shuffled blocks of a larger pool by ``kv_quant``'s encoders."""
+    from sparse_kernels.kv_quant import (
+        allocate_quantized_kv,
+        decode_kivi_pages,
+        decode_rows,
+        encode_kivi_pages,
+        encode_rows,
+    )
+
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = [-(-n // block_size) for n in kv_lens]
+    pool_blocks = sum(num_blocks) + spare_blocks
+    kv = allocate_quantized_kv(
+        scheme, bits, pool_blocks, block_size, num_kv_heads, head_dim, tail_dtype, "cpu",
+        num_tails=len(kv_lens) + 2, seed=seed,
+    )  # fmt: skip
+    for t in (kv.k_scale, kv.v_scale, kv.k_min, kv.v_min, kv.k_tail, kv.v_tail):
+        if t is not None:
+            t.fill_(float("nan"))
+    perm = torch.randperm(pool_blocks, generator=gen)
+    tails = torch.randperm(len(kv_lens) + 2, generator=gen)[: len(kv_lens)]
+    k_seqs, v_seqs, indices, start = [], [], [], 0
+    for b, (n, nb) in enumerate(zip(kv_lens, num_blocks, strict=True)):
+        blocks = perm[start : start + nb]
+        start += nb
+        indices.append(blocks)
+        # Spread per channel (keys) and per token (values), as real K/V have.
+        k = torch.randn(n, num_kv_heads, head_dim, generator=gen) * (1 + 3 * torch.rand(head_dim, generator=gen))
+        v = torch.randn(n, num_kv_heads, head_dim, generator=gen) * (0.5 + torch.rand(n, 1, 1, generator=gen))
+        if scheme == "kivi":
+            full = n // block_size
+            pages = (x[: full * block_size].view(full, block_size, num_kv_heads, head_dim) for x in (k, v))
+            k_codes, v_codes, k_scale, k_min, v_scale, v_min = encode_kivi_pages(*pages, bits, block_size)
+            ids = blocks[:full]
+            kv.k[ids], kv.v[ids], kv.k_scale[ids], kv.k_min[ids] = k_codes, v_codes, k_scale, k_min
+            kv.v_scale[ids], kv.v_min[ids] = v_scale, v_min
+            kd, vd = decode_kivi_pages(k_codes, v_codes, k_scale, k_min, v_scale, v_min, bits, head_dim)
+            rest = n - full * block_size
+            kv.k_tail[tails[b], :rest], kv.v_tail[tails[b], :rest] = k[full * block_size :], v[full * block_size :]
+            k_tail = kv.k_tail[tails[b], :rest].float()
+            v_tail = kv.v_tail[tails[b], :rest].float()
+            k_seqs.append(torch.cat([kd.reshape(-1, num_kv_heads, head_dim), k_tail]))
+            v_seqs.append(torch.cat([vd.reshape(-1, num_kv_heads, head_dim), v_tail]))
+            continue
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:n]
+        k_flat = kv.k.view(-1, num_kv_heads, kv.k.shape[-1])
+        v_flat = kv.v.view(-1, num_kv_heads, kv.v.shape[-1])
+        rotation = kv.rotation if scheme == "turboquant" else torch.eye(head_dim)
+        deq = []
+        for x, flat, scale in ((k, k_flat, kv.k_scale), (v, v_flat, kv.v_scale)):
+            codes, s = encode_rows(x @ rotation, scheme, bits, codebook=kv.codebook)
+            flat[slots] = codes
+            scale.view(-1, num_kv_heads)[slots] = s
+            deq.append(decode_rows(codes, s, scheme, bits, head_dim, codebook=kv.codebook) @ rotation.T)
+        k_seqs.append(deq[0])
+        v_seqs.append(deq[1])
+    last_len = [n - (nb - 1) * block_size for n, nb in zip(kv_lens, num_blocks, strict=True)]
+    return QuantizedBatch(
+        kv=kv,
+        kv_indptr=_indptr(num_blocks),
+        kv_indices=torch.cat(indices).to(torch.int32),
+        kv_last_len=torch.tensor(last_len, dtype=torch.int32),
+        tail_index=tails.to(torch.int32) if scheme == "kivi" else None,
+        k_seqs=k_seqs,
+        v_seqs=v_seqs,
+    )
+
+
+@pytest.fixture
+def quantized_batch() -> Callable[..., QuantizedBatch]:
+    return make_quantized_batch

@@ -5,7 +5,8 @@ allocating new ones. Capacities are fixed up front when the caller passes ``max_
 ``max_num_pages``; otherwise the buffers grow (to at least twice their size) when a plan needs more,
 which moves them and so invalidates graphs captured before.
 
-The three CSR arrays are views of one device tensor, filled from one persistent pinned staging tensor
+The three CSR arrays (and KIVI's per-request tail rows, ``tail_index``) are views of one device tensor,
+filled from one persistent pinned staging tensor
 of the same layout by a single non-blocking copy per plan (instead of a pinned allocation and a copy
 per array); before the staging tensor is rewritten, the host waits for the previous copy out of it.
 """
@@ -39,7 +40,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 
 class DecodeBuffers:
-    """``indptr``/``indices``/``last_len`` (int32, copied in by ``load``) plus the split-K scratch.
+    """``indptr``/``indices``/``last_len``/``tail_index`` (int32, copied in by ``load``) plus the split-K scratch.
 
     Parameters
     ----------
@@ -67,30 +68,39 @@ class DecodeBuffers:
         self.max_batch_size = max_batch_size
         self.max_num_pages = max_num_pages
         self.forced_splits = num_splits
-        self._caps = (0, 0, 0)  # entries of indptr, last_len, indices in the packed buffer
+        self._caps = (0, 0, 0, 0)  # entries of indptr, last_len, indices, tail_index in the packed buffer
         self._packed = self._staging = self._int32(0)
-        self.indptr = self.last_len = self.indices = self._packed
+        self.indptr = self.last_len = self.indices = self.tail_index = self._packed
         self._copied: torch.cuda.Event | None = None  # the last copy out of the staging tensor
         self._scratch_key: tuple | None = None
         self.o_part = torch.empty(0, device=device)  # float32 [rows * BLOCK_D]
         self.lse_part = torch.empty(0, device=device)  # float32 [rows], base-2 log-sum-exp per split
         self.lse = torch.empty(0, device=device)  # float32 [batch * num_qo_heads], final, base 2
 
-    def load(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_len: torch.Tensor, num_kv_heads: int):
-        """Copy one step's CSR (validated host int32 tensors) into the persistent buffers."""
+    def load(
+        self,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        kv_last_len: torch.Tensor,
+        num_kv_heads: int,
+        tail_index: torch.Tensor | None = None,
+    ):
+        """Copy one step's CSR (validated host int32 tensors; ``tail_index`` ``[B]`` or None) into the buffers."""
         list_cap = None if self.max_batch_size is None else self.max_batch_size * num_kv_heads
+        tails = torch.zeros(0, dtype=torch.int32) if tail_index is None else tail_index
         caps = (
             _capacity(kv_indptr.numel(), None if list_cap is None else list_cap + 1, "kv_indptr entries"),
             _capacity(kv_last_len.numel(), list_cap, "lists"),
             _capacity(kv_indices.numel(), self.max_num_pages, "kv_indices entries"),
+            _capacity(tails.numel(), self.max_batch_size, "tail_index entries"),
         )
         if any(c > have for c, have in zip(caps, self._caps, strict=True)):
             # A fixed capacity is allocated exactly; a growing one to at least twice its size.
-            fixed = (list_cap is not None, list_cap is not None, self.max_num_pages is not None)
+            fixed = (list_cap is not None, list_cap is not None, self.max_num_pages is not None, list_cap is not None)
             grown = (c if f or c <= h else max(c, 2 * h) for c, h, f in zip(caps, self._caps, fixed, strict=True))
             self._allocate(tuple(max(g, h) for g, h in zip(grown, self._caps, strict=True)))
-        o_last, o_indices = _offsets(self._caps)
-        end = o_indices + kv_indices.numel()
+        o_last, o_indices, o_tails = _offsets(self._caps)
+        end = o_tails + tails.numel() if tails.numel() else o_indices + kv_indices.numel()
         if self.device.type != "cuda":
             host = self._packed
         else:
@@ -99,18 +109,19 @@ class DecodeBuffers:
             host = self._staging
         host[: kv_indptr.numel()].copy_(kv_indptr)
         host[o_last : o_last + kv_last_len.numel()].copy_(kv_last_len)
-        host[o_indices:end].copy_(kv_indices)
+        host[o_indices : o_indices + kv_indices.numel()].copy_(kv_indices)
+        host[o_tails : o_tails + tails.numel()].copy_(tails)
         if self.device.type == "cuda":
             self._packed[:end].copy_(host[:end], non_blocking=True)
             if self._copied is None:
                 self._copied = torch.cuda.Event()
             self._copied.record()
 
-    def _allocate(self, caps: tuple[int, int, int]) -> None:
+    def _allocate(self, caps: tuple[int, int, int, int]) -> None:
         """New packed buffers for ``caps`` entries (moves the views: graphs captured before are stale)."""
         self._caps = caps
-        o_last, o_indices = _offsets(caps)
-        total = o_indices + caps[2]
+        o_last, o_indices, o_tails = _offsets(caps)
+        total = o_tails + caps[3]
         self._packed = self._int32(total)
         if self.device.type == "cuda":
             if self._copied is not None:
@@ -119,6 +130,7 @@ class DecodeBuffers:
         self.indptr = self._packed[: caps[0]]
         self.last_len = self._packed[o_last : o_last + caps[1]]
         self.indices = self._packed[o_indices : o_indices + caps[2]]
+        self.tail_index = self._packed[o_tails : o_tails + caps[3]]
 
     def reserve_scratch(self, batch: int, num_qo_heads: int, num_kv_heads: int, block_d: int) -> None:
         """Size the split-K scratch for ``batch`` (or for every batch up to ``max_batch_size``)."""
@@ -154,10 +166,11 @@ def _capacity(needed: int, capacity: int | None, what: str) -> int:
     return capacity
 
 
-def _offsets(caps: tuple[int, int, int]) -> tuple[int, int]:
-    """Starts of ``last_len`` and ``indices`` in the packed buffer, 16-entry (64-byte) aligned."""
+def _offsets(caps: tuple[int, int, int, int]) -> tuple[int, int, int]:
+    """Starts of ``last_len``, ``indices`` and ``tail_index`` in the packed buffer, 16-entry (64-byte) aligned."""
     o_last = -(-caps[0] // 16) * 16
-    return o_last, o_last + -(-caps[1] // 16) * 16
+    o_indices = o_last + -(-caps[1] // 16) * 16
+    return o_last, o_indices, o_indices + -(-caps[2] // 16) * 16
 
 
 def _grown(current: int, needed: int) -> int:

@@ -10,6 +10,8 @@ from sparse_kernels._decode_reference import build_list_plan, run_list_decode
 from sparse_kernels._paged_plan import PagedPlan, build_plan
 from sparse_kernels._paged_run import run_paged_attention
 from sparse_kernels._paged_wrapper import DEFAULT_MAX_TILE_ELEMENTS, PagedAttentionWrapper, output_buffer
+from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, compact_pool, dequantize_pool, rotate
+from sparse_kernels.quantized_kv import QuantizedKV
 
 
 class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
@@ -25,6 +27,10 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
     Reference backend: dense plans without scores use the shared prefill planner; head-sparse plans and
     ``scores_out`` use a per-list reference (built at ``plan`` or, for dense plans, at the first run
     that asks for scores).
+
+    Quantized KV (fp8, KIVI, TurboQuant; ``sparse_kernels.quantized_kv``): the same plan serves
+    ``run_quantized(q, kv)``, whose Triton kernel reads only codes and scales and dequantizes in
+    registers. The reference dequantizes the listed blocks and runs the plain reference over them.
 
     Parameters
     ----------
@@ -54,6 +60,9 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         self._num_splits = 1
         self._csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # host copy, reference only
         self._list_tiles = None  # reference: per-list tiles of a dense plan, built when scores are asked
+        self._tail_index: torch.Tensor | None = None  # host copy of the plan's KIVI tail rows
+        self._partial_pages = False  # a dense list ends in an incomplete page (KIVI reads it from a tail)
+        self._quantized_reference = None  # reference: (with tails, compact pool, wrapper over it), at first use
 
     def plan(
         self,
@@ -68,6 +77,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         sm_scale: float | None = None,
         head_sparse: bool = False,
         page_size: int | None = None,
+        tail_index: torch.Tensor | None = None,
     ) -> None:
         """Validate the step's paged layout and stage what ``run`` reads (host; not graph-captured).
 
@@ -96,6 +106,11 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             One list per (request, KV head) instead of one per request.
         page_size : int, optional
             Tokens per ``kv_indices`` entry; a divisor of ``block_size`` (default ``block_size``).
+        tail_index : torch.Tensor, optional
+            int32 CPU ``[B]``, for ``run_quantized`` over KIVI (dense lists only): request ``b``'s tokens
+            at or past ``(kv_len_b // block_size) * block_size`` are read from ``kv.k_tail[tail_index[b]]`` /
+            ``kv.v_tail[...]`` (ignored for a request whose last page is full). Staged into a fixed device
+            buffer like the CSR, so a captured ``run_quantized`` replays it.
 
         Raises
         ------
@@ -114,11 +129,17 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             head_sparse=head_sparse,
             page_size=page_size,
         )
-        self._layout, self._plan, self._list_tiles = layout, None, None
+        tail_index = check_tail_index(tail_index, layout.batch)
+        if tail_index is not None and head_sparse:
+            raise ValueError("tail_index (KIVI) needs dense lists, not head_sparse")
+        self._layout, self._plan, self._list_tiles, self._quantized_reference = layout, None, None, None
+        self._tail_index = None if tail_index is None else tail_index.clone()
+        self._partial_pages = not head_sparse and bool((kv_last_len < layout.page_size).any())
+        self._csr = (kv_indptr.clone(), kv_indices.clone(), kv_last_len.clone())
         if self.backend == "triton":
             block_d = max(16, 1 << (head_dim - 1).bit_length())
             self._buffers.reserve_scratch(layout.batch, num_qo_heads, num_kv_heads, block_d)
-            self._buffers.load(kv_indptr, kv_indices, kv_last_len, num_kv_heads)
+            self._buffers.load(kv_indptr, kv_indices, kv_last_len, num_kv_heads, tail_index)
             self._num_splits = self._buffers.num_splits(layout.batch, num_kv_heads)
             self._plan = layout
         elif head_sparse or page_size not in (None, block_size):
@@ -126,7 +147,6 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
                 layout, kv_indptr, kv_indices, kv_last_len, self.max_tile_elements, self.device
             )
         else:
-            self._csr = (kv_indptr.clone(), kv_indices.clone(), kv_last_len.clone())
             self._plan = self._dense_reference_plan(layout)
 
     def run(
@@ -175,6 +195,86 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         if self._list_tiles is None:
             self._list_tiles = build_list_plan(layout, *self._csr, self.max_tile_elements, self.device)
         return run_list_decode(layout, self._list_tiles, q, k_cache, v_cache, out, scores_out)
+
+    def run_quantized(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode attention for one layer over quantized paged KV (device-only on the Triton backend).
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            ``[B, num_qo_heads, head_dim]`` (rows may be strided), in the original (unrotated) space.
+        kv : QuantizedKV
+            The layer's codes and scales (``block_size``, ``num_kv_heads``, ``head_dim`` as planned). fp8
+            and TurboQuant take every kind of plan; KIVI dense lists only, with ``tail_index`` planned
+            when a request's last page is incomplete. TurboQuant's query is rotated by ``kv.rotation`` and
+            the output rotated back (two small matmuls, graph-safe).
+        out : torch.Tensor, optional
+            Caller-owned buffer shaped like ``q``, in ``q``'s dtype.
+
+        Returns
+        -------
+        torch.Tensor
+            ``out``: ``[B, num_qo_heads, head_dim]`` in ``q``'s dtype (softmax in float32).
+        """
+        self._planned()
+        layout = self._layout
+        check_quantized_kv(
+            kv,
+            block_size=layout.block_size,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dense_pages=not layout.head_sparse and layout.page_size == layout.block_size,
+            partial_pages=self._partial_pages,
+            tail_index=self._tail_index,
+            device=self.device,
+        )
+        expected = (layout.batch, layout.num_qo_heads, layout.head_dim)
+        if tuple(q.shape) != expected:
+            raise ValueError(f"q must be {list(expected)} as planned, got {list(q.shape)}")
+        out = output_buffer(q, out)
+        if self.backend != "triton":
+            return self._run_quantized_reference(q, kv, out)
+        from sparse_kernels._triton.quantized_decode_launch import run_quantized_decode_triton
+
+        if kv.scheme != "turboquant":
+            return run_quantized_decode_triton(layout, self._buffers, self._num_splits, q, kv, out)
+        rotated = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        run_quantized_decode_triton(layout, self._buffers, self._num_splits, rotate(q, kv), kv, rotated)
+        return out.copy_(rotate(rotated, kv, back=True))
+
+    def _run_quantized_reference(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor) -> torch.Tensor:
+        layout = self._layout
+        tails = self._tail_index if kv.scheme == "kivi" else None
+        if self._quantized_reference is None or self._quantized_reference[0] != (tails is not None):
+            kv_indptr, kv_indices, kv_last_len = self._csr
+            pool = compact_pool(
+                kv_indptr,
+                kv_indices,
+                kv_last_len,
+                tails,
+                block_size=layout.block_size,
+                page_size=layout.page_size,
+                device=self.device,
+            )
+            inner = BatchDecodeWithPagedKVCache(
+                self.device, backend="reference", max_tile_elements=self.max_tile_elements
+            )
+            inner.plan(
+                kv_indptr,
+                pool.kv_indices,
+                kv_last_len,
+                num_qo_heads=layout.num_qo_heads,
+                num_kv_heads=layout.num_kv_heads,
+                head_dim=layout.head_dim,
+                block_size=layout.block_size,
+                sm_scale=layout.sm_scale,
+                head_sparse=layout.head_sparse,
+                page_size=layout.page_size,
+            )
+            self._quantized_reference = (tails is not None, pool, inner)
+        _, pool, inner = self._quantized_reference
+        k, v = dequantize_pool(kv, pool, torch.float32)
+        return out.copy_(inner.run(q.float(), k, v))
 
     def planned_kv_indices(self) -> torch.Tensor:
         """Triton backend: the device buffer of this plan's ``kv_indices`` (its first ``nnz`` entries).

@@ -33,6 +33,7 @@ _POINTER = {
     torch.int8: "*i8",
     torch.uint8: "*u8",
     torch.bool: "*i1",
+    torch.float8_e4m3fn: "*fp8e4nv",
 }
 _compiled: set[tuple] = set()
 _target: tuple[str, int, int] | None = None

@@ -1,0 +1,156 @@
+"""Triton split-K decode over quantized paged KV (fp8, KIVI, TurboQuant): dequantization in registers.
+
+Same grid, lists, splits and reduce as ``decode.py`` (whose reduce kernel finishes the job): program
+``(b, h, s)`` handles all query heads of KV group ``h`` over split ``s`` of its list. Only codes and
+scales are read. Per-token scales (fp8, TurboQuant) stay out of the tiles: a key's scale multiplies its
+score column after ``q @ K``, a value's scale its probability before ``P @ V``. KIVI walks one page per
+step (``BLOCK_N`` = block size): the keys' per-channel statistics are loaded once per page and folded
+into the query; the values' per-(token, group) statistics dequantize the value tile. A KIVI list's
+tokens at or past ``(kv_len // S) * S`` are read from its request's full-precision tail row.
+
+TurboQuant runs in the rotated space: the host rotates the query before and the output after.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
+from sparse_kernels._triton.quantized_tiles import (
+    kivi_key_page,
+    kivi_value_tile,
+    online_softmax,
+    token_key_tile,
+    token_value_tile,
+)
+
+
+def _quantized_decode_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    k_min_ptr,
+    v_min_ptr,
+    k_tail_ptr,
+    v_tail_ptr,
+    codebook_ptr,
+    indptr_ptr,
+    indices_ptr,
+    last_len_ptr,
+    tail_index_ptr,
+    o_part_ptr,
+    lse_part_ptr,
+    stride_qb,
+    stride_qh,
+    scale_log2,
+    num_splits,
+    SCHEME: tl.constexpr,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_SPARSE: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    if HEAD_SPARSE:
+        lst = b * NUM_KV_HEADS + h
+    else:
+        lst = b
+    page_lo = tl.load(indptr_ptr + lst)
+    page_hi = tl.load(indptr_ptr + lst + 1)
+    kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    if lo < kv_len:
+        pdl_enter(USE_GDC)
+        hi = tl.minimum(lo + chunk, kv_len)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < GROUP
+        mask_d = offs_d < HEAD_DIM
+        heads = h * GROUP + offs_g
+        q = tl.load(
+            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=mask_g[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+        if SCHEME == 1:  # KIVI: full pages from codes, the incomplete last page from the tail
+            q_scaled = q * scale_log2
+            full = (kv_len // PAGE_SIZE) * PAGE_SIZE
+            offs_t = tl.arange(0, BLOCK_N)
+            for start in range(lo, tl.minimum(hi, full), BLOCK_N):
+                block = tl.load(indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
+                rows = (block * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h
+                s = kivi_key_page(
+                    q_scaled, k_ptr, k_scale_ptr, k_min_ptr, block, h, rows, offs_d, mask_d,
+                    BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION,
+                )  # fmt: skip
+                p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
+                v = kivi_value_tile(
+                    v_ptr, v_scale_ptr, v_min_ptr, rows, offs_d, offs_t < BLOCK_N, mask_d,
+                    BITS, CPW, WORDS, NUM_GROUPS, PAGE_SIZE, BLOCK_D, BLOCK_N, UNPACK_WORDS,
+                )  # fmt: skip
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+            if hi > full:  # this split holds the tail (hi == kv_len; full is page-aligned, so full >= lo)
+                tail = tl.load(tail_index_ptr + b).to(tl.int64)
+                mask_n = full + offs_t < hi
+                rows = ((tail * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h) * HEAD_DIM
+                both_t = mask_n[None, :] & mask_d[:, None]
+                k = tl.load(k_tail_ptr + rows[None, :] + offs_d[:, None], mask=both_t, other=0.0)  # [D, N]
+                s = tl.dot(q_scaled.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=PRECISION)
+                s = tl.where(mask_n[None, :], s, float("-inf"))
+                p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
+                both = mask_n[:, None] & mask_d[None, :]
+                v = tl.load(v_tail_ptr + rows[:, None] + offs_d[None, :], mask=both, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+        else:  # fp8 / TurboQuant: codes per token, one scale per (token, head)
+            q_dot = q.to(DOT_DTYPE)
+            for start in range(lo, hi, BLOCK_N):
+                offs_n = start + tl.arange(0, BLOCK_N)
+                mask_n = offs_n < hi
+                page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+                rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
+                k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
+                k = token_key_tile(
+                    k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
+                    SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+                )  # fmt: skip
+                s = tl.dot(q_dot, k, input_precision=PRECISION) * k_scale[None, :]
+                s = tl.where(mask_n[None, :], s, float("-inf"))
+                p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
+                v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
+                v = token_value_tile(
+                    v_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
+                    SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+                )  # fmt: skip
+                pv = (p * v_scale[None, :]).to(DOT_DTYPE)
+                acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+        row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(
+            o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+            acc / l_i[:, None],
+            mask=mask_g[:, None] & mask_d[None, :],
+        )
+        tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+        pdl_exit(USE_GDC)
+
+
+quantized_decode_split_kernel = Kernel(_quantized_decode_split_kernel)

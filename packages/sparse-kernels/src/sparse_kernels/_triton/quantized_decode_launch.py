@@ -1,0 +1,125 @@
+"""Host side of the quantized split-K decode: constexprs per scheme, then the split kernel and the shared reduce."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_kernels._decode_buffers import DecodeBuffers
+from sparse_kernels._decode_layout import DecodeLayout
+from sparse_kernels._triton.decode import decode_reduce_kernel
+from sparse_kernels._triton.launch import pdl_args
+from sparse_kernels._triton.quantized_decode import quantized_decode_split_kernel
+from sparse_kernels._triton.quantized_tiles import SCHEME_IDS
+from sparse_kernels.quantized_kv import QuantizedKV, codes_per_word, words_per_row
+
+LOG2_E = 1.4426950408889634
+# Tokens per step and launch shape of the per-token schemes (fp8, TurboQuant); KIVI steps one page.
+# UNPACK_WORDS: load each packed word once and shift it into its channels (2 and 4 bits), instead of a
+# load per channel. Tuned on an H200 by benchmarks/quantized_decode_bandwidth.py (see NOTES.md).
+QUANT_DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "UNPACK_WORDS": True}
+KIVI_DECODE_CONFIG = {"num_warps": 4, "num_stages": 2}
+
+
+def block_n(kv: QuantizedKV) -> int:
+    """Tokens per inner step (and the granularity of splits): a page for KIVI."""
+    return kv.block_size if kv.scheme == "kivi" else QUANT_DECODE_CONFIG["BLOCK_N"]
+
+
+def quant_dot_args(device: torch.device) -> dict[str, Any]:
+    """fp16 tensor-core dots on the GPU (e4m3 codes, small integer codes and codebook levels are exact or
+    near-exact in fp16); IEEE fp32 under the interpreter, which cannot multiply 16-bit floats in ``tl.dot``."""
+    if device.type == "cpu":
+        return {"DOT_DTYPE": tl.float32, "PRECISION": "ieee"}
+    return {"DOT_DTYPE": tl.float16, "PRECISION": "tf32"}
+
+
+def scheme_args(kv: QuantizedKV) -> dict[str, Any]:
+    """The scheme's constexprs: code layout, and whether whole words can be unpacked by a reshape."""
+    cpw = codes_per_word(kv.scheme, kv.bits)
+    words = words_per_row(kv.scheme, kv.bits, kv.head_dim)
+    block_d = max(16, triton.next_power_of_2(kv.head_dim))
+    unpack = QUANT_DECODE_CONFIG["UNPACK_WORDS"] and kv.scheme != "fp8" and words * cpw == block_d
+    unpack = unpack and cpw & (cpw - 1) == 0
+    return {
+        "SCHEME": SCHEME_IDS[kv.scheme],
+        "BITS": kv.bits,
+        "CPW": cpw,
+        "WORDS": words,
+        "NUM_GROUPS": kv.head_dim // kv.group if kv.scheme == "kivi" else 1,
+        "BLOCK_D": block_d,
+        "UNPACK_WORDS": bool(unpack),
+    }
+
+
+def kv_pointers(kv: QuantizedKV) -> list[torch.Tensor]:
+    """The ten tensor arguments of the quantized kernels, with ``k_scale`` standing in for absent ones."""
+    fill = kv.k_scale
+    optional = (kv.k_min, kv.v_min, kv.k_tail, kv.v_tail, kv.codebook)
+    return [kv.k, kv.v, kv.k_scale, kv.v_scale, *(fill if t is None else t for t in optional)]
+
+
+def run_quantized_decode_triton(
+    layout: DecodeLayout,
+    bufs: DecodeBuffers,
+    num_splits: int,
+    q: torch.Tensor,
+    kv: QuantizedKV,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Inputs checked by the wrapper (``q`` already rotated for TurboQuant); writes ``out``."""
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    kivi = kv.scheme == "kivi"
+    config = KIVI_DECODE_CONFIG if kivi else QUANT_DECODE_CONFIG
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    scheme = scheme_args(kv)
+    shape = {
+        "NUM_KV_HEADS": layout.num_kv_heads,
+        "GROUP": layout.group,
+        "HEAD_DIM": layout.head_dim,
+        "PAGE_SIZE": layout.page_size,
+        "HEAD_SPARSE": layout.head_sparse,
+        "BLOCK_D": scheme.pop("BLOCK_D"),
+        "BLOCK_N": block_n(kv),
+    }
+    grid = (layout.batch, layout.num_kv_heads, num_splits)
+    quantized_decode_split_kernel[grid](
+        q,
+        *kv_pointers(kv),
+        bufs.indptr,
+        bufs.indices,
+        bufs.last_len,
+        bufs.tail_index if kivi else bufs.indptr,
+        bufs.o_part,
+        bufs.lse_part,
+        q.stride(0),
+        q.stride(1),
+        layout.sm_scale * LOG2_E,
+        num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(layout.group)),  # tl.dot needs M >= 16
+        **scheme,
+        **shape,
+        **quant_dot_args(q.device),
+        **launch,
+        **pdl_args(q.device),
+    )
+    decode_reduce_kernel[(layout.batch, layout.num_qo_heads)](
+        bufs.o_part,
+        bufs.lse_part,
+        bufs.indptr,
+        bufs.last_len,
+        out,
+        bufs.lse,
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        **shape,
+        num_warps=4,
+        **pdl_args(q.device),
+    )
+    return out

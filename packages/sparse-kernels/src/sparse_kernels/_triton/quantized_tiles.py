@@ -1,0 +1,210 @@
+"""Register-level dequantization of quantized KV tiles (fp8, KIVI, TurboQuant), shared by decode and prefill.
+
+A tile is ``BLOCK_N`` tokens of one KV head, addressed by ``rows`` = ``slot * num_kv_heads + head`` (the
+index of one (token, head) in the codes tensor flattened to ``[rows, words]``). Keys come transposed,
+``[BLOCK_D, BLOCK_N]``, so ``tl.dot(q, k)`` needs no transpose; values ``[BLOCK_N, BLOCK_D]``. Only
+codes (and, by the callers, scales) are read: nothing is dequantized to memory.
+
+Packed codes: channel ``d`` sits in word ``d // CPW`` at bit ``(d % CPW) * BITS``. With ``UNPACK_WORDS``
+(``CPW`` a power of two and ``HEAD_DIM == BLOCK_D``) each word is loaded once, as part of a contiguous
+row, and shifted into its ``CPW`` channels by a broadcast plus a reshape; otherwise every channel loads
+its own word (the same addresses: the loads coalesce, but cost one instruction per channel).
+
+Integer codes become floats without a conversion instruction: ``code | 0x4B000000`` is the float
+``2**23 + code``, and subtracting ``2**23`` is exact.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8, KIVI, TURBOQUANT = 0, 1, 2
+SCHEME_IDS = {"fp8": FP8, "kivi": KIVI, "turboquant": TURBOQUANT}
+
+
+@triton.jit
+def code_float(codes):
+    """int32 codes in ``[0, 2**23)`` as exact float32 values (an OR and a subtraction)."""
+    return (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def key_codes(
+    ptr,
+    rows,
+    offs_d,
+    mask_n,
+    mask_d,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr,
+):
+    """int32 codes ``[BLOCK_D, BLOCK_N]`` of the keys at ``rows`` (masked tokens read as code 0)."""
+    if UNPACK_WORDS:
+        offs_w = tl.arange(0, WORDS)
+        words = tl.load(ptr + rows[None, :] * WORDS + offs_w[:, None], mask=mask_n[None, :], other=0)  # [W, N]
+        shifts = tl.arange(0, CPW) * BITS
+        codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [W, CPW, N]
+        return tl.reshape(codes, [BLOCK_D, BLOCK_N])
+    else:
+        words = tl.load(
+            ptr + rows[None, :] * WORDS + (offs_d // CPW)[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0
+        )
+        return (words >> ((offs_d % CPW) * BITS)[:, None]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def value_codes(
+    ptr,
+    rows,
+    offs_d,
+    mask_n,
+    mask_d,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr,
+):
+    """int32 codes ``[BLOCK_N, BLOCK_D]`` of the values at ``rows``."""
+    if UNPACK_WORDS:
+        offs_w = tl.arange(0, WORDS)
+        words = tl.load(ptr + rows[:, None] * WORDS + offs_w[None, :], mask=mask_n[:, None], other=0)  # [N, W]
+        shifts = tl.arange(0, CPW) * BITS
+        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # [N, W, CPW]
+        return tl.reshape(codes, [BLOCK_N, BLOCK_D])
+    else:
+        words = tl.load(
+            ptr + rows[:, None] * WORDS + (offs_d // CPW)[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0
+        )
+        return (words >> ((offs_d % CPW) * BITS)[None, :]) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def token_key_tile(
+    k_ptr,
+    codebook_ptr,
+    rows,
+    offs_d,
+    mask_n,
+    mask_d,
+    SCHEME: tl.constexpr,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Keys ``[BLOCK_D, BLOCK_N]`` of a per-token scheme before their scale: fp8 codes or codebook levels."""
+    if SCHEME == 0:  # FP8
+        k = tl.load(k_ptr + rows[None, :] * WORDS + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        return k.to(DOT_DTYPE)
+    else:
+        codes = key_codes(k_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
+        return tl.load(codebook_ptr + codes).to(DOT_DTYPE)
+
+
+@triton.jit
+def token_value_tile(
+    v_ptr,
+    codebook_ptr,
+    rows,
+    offs_d,
+    mask_n,
+    mask_d,
+    SCHEME: tl.constexpr,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Values ``[BLOCK_N, BLOCK_D]`` of a per-token scheme before their scale."""
+    if SCHEME == 0:  # FP8
+        v = tl.load(v_ptr + rows[:, None] * WORDS + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        return v.to(DOT_DTYPE)
+    else:
+        codes = value_codes(v_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
+        return tl.load(codebook_ptr + codes).to(DOT_DTYPE)
+
+
+@triton.jit
+def kivi_value_tile(
+    v_ptr,
+    v_scale_ptr,
+    v_min_ptr,
+    rows,
+    offs_d,
+    mask_n,
+    mask_d,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr,
+):
+    """KIVI values ``[BLOCK_N, BLOCK_D]`` in float32: ``code * scale + min`` per (token, channel group)."""
+    codes = value_codes(v_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
+    stat = rows[:, None] * NUM_GROUPS + (offs_d // GROUP_SIZE)[None, :]
+    both = mask_n[:, None] & mask_d[None, :]
+    scale = tl.load(v_scale_ptr + stat, mask=both, other=0.0).to(tl.float32)
+    zero = tl.load(v_min_ptr + stat, mask=both, other=0.0).to(tl.float32)
+    return code_float(codes) * scale + zero
+
+
+@triton.jit
+def kivi_key_page(
+    q_scaled,
+    k_ptr,
+    k_scale_ptr,
+    k_min_ptr,
+    block,
+    h,
+    rows,
+    offs_d,
+    mask_d,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Scores ``q_scaled @ K`` ``[M, BLOCK_N]`` over one full KIVI page (``BLOCK_N`` = block size tokens).
+
+    Per-channel statistics are loaded once per page and folded into the query:
+    ``q . (c * s + z) = (q * s) . c + q . z``, so the codes enter the dot as exact small integers.
+    """
+    stat = (block * NUM_KV_HEADS + h) * HEAD_DIM + offs_d
+    scale = tl.load(k_scale_ptr + stat, mask=mask_d, other=0.0).to(tl.float32)
+    zero = tl.load(k_min_ptr + stat, mask=mask_d, other=0.0).to(tl.float32)
+    q_page = (q_scaled * scale[None, :]).to(DOT_DTYPE)
+    q_zero = tl.sum(q_scaled * zero[None, :], 1)
+    mask_n = tl.full([BLOCK_N], 1, tl.int1)
+    codes = key_codes(k_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
+    return tl.dot(q_page, code_float(codes).to(DOT_DTYPE), input_precision=PRECISION) + q_zero[:, None]
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """One base-2 online-softmax step over scores ``s`` ``[M, N]``: ``(p, alpha, l_new, m_new)``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
