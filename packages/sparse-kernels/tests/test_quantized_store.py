@@ -103,7 +103,7 @@ def test_per_token_store_matches_encode_rows_and_triton(scheme, bits, static, bl
     rows = (key.to(triton_device), value.to(triton_device), out, slot_mapping.to(triton_device))
     store_kv_quantized(*rows, static_scales=static, backend="triton")
     tq = scheme == "turboquant"
-    _assert_same(out, ref, scale_rtol=1e-6 if tq else 0.0, code_mismatch=1e-3 if tq else 0.0)
+    _assert_same(out, ref, scale_rtol=1e-5 if tq else 0.0, code_mismatch=1e-3 if tq else 0.0)
 
 
 class KiviRequests:
@@ -213,3 +213,44 @@ def test_store_rejects_bad_inputs():
         store_kv_quantized(rows, rows, fp8, slots.long())
     with pytest.raises(ValueError, match="heads/head_dim"):
         store_kv_quantized(rows[..., :32], rows[..., :32], fp8, slots)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("scheme,bits", [("fp8", 8), ("kivi", 4), ("kivi", 2), ("turboquant", 3)])
+def test_decode_store_replays_under_cuda_graph_without_host_sync(scheme, bits):
+    s, heads, dim = 32, 8, 128
+    kv = allocate_quantized_kv(scheme, bits, 8, s, heads, dim, torch.bfloat16, "cuda", num_tails=4)
+    ref = _to(kv, "cpu")
+    key = torch.zeros(6, heads, dim, dtype=torch.bfloat16, device="cuda")
+    value = torch.zeros_like(key)
+    slot_mapping = torch.full((6,), -1, dtype=torch.int32, device="cuda")
+    tail_index = torch.full((6,), -1, dtype=torch.int32, device="cuda")
+
+    def step():
+        store_kv_quantized(key, value, kv, slot_mapping, tail_index, one_row_per_request=True)
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # Four requests decode a whole page, one token per replay; rows 4 and 5 stay padding.
+    blocks = [5, 0, 7, 2]
+    for pos in range(s):
+        gen = _gen(pos)
+        new_k = torch.randn(6, heads, dim, generator=gen).to(torch.bfloat16)
+        new_v = torch.randn(6, heads, dim, generator=gen).to(torch.bfloat16)
+        slots = torch.tensor([b * s + pos for b in blocks] + [-1, -1], dtype=torch.int32)
+        tails = torch.tensor([3, 2, 1, 0, -1, -1], dtype=torch.int32)
+        for dst, src in ((key, new_k), (value, new_v), (slot_mapping, slots), (tail_index, tails)):
+            dst.copy_(src)
+        graph.replay()
+        store_kv_quantized(new_k, new_v, ref, slots, tails, one_row_per_request=True, backend="reference")
+    torch.cuda.synchronize()
+    tq = scheme == "turboquant"
+    _assert_same(kv, ref, scale_rtol=1e-5 if tq else 0.0, code_mismatch=1e-3 if tq else 0.0)
