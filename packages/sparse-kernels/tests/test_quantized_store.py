@@ -68,7 +68,7 @@ PER_TOKEN = [
 
 
 @pytest.mark.parametrize("scheme,bits,static", PER_TOKEN)
-@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128)])
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (32, 128), (16, 80)])
 def test_per_token_store_matches_encode_rows_and_triton(scheme, bits, static, block_size, head_dim, triton_device):
     heads = 3
     start = _randomize(
@@ -183,7 +183,7 @@ def test_kivi_prefill_chunks_start_mid_page_and_span_pages(bits, block_size, hea
     reqs.check(reqs.kv)
 
 
-@pytest.mark.parametrize("bits,block_size,head_dim", [(2, 16, 64), (4, 32, 128)])
+@pytest.mark.parametrize("bits,block_size,head_dim", [(2, 16, 64), (4, 32, 128), (4, 16, 80)])
 def test_kivi_decode_steps_flush_the_tail_and_triton_matches(bits, block_size, head_dim, triton_device):
     reqs = KiviRequests(bits, block_size, head_dim)
     s = block_size

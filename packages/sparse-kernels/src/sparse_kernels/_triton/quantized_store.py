@@ -146,8 +146,8 @@ def _store_kivi_decode_kernel(
         block, offset = slot // PAGE, slot % PAGE
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < HEAD_DIM
-        xk = tl.load(key_ptr + row * stride_kn + h * stride_kh + offs_d, mask=mask_d)
-        xv = tl.load(value_ptr + row * stride_vn + h * stride_vh + offs_d, mask=mask_d)
+        xk = tl.load(key_ptr + row * stride_kn + h * stride_kh + offs_d, mask=mask_d, other=0.0)
+        xv = tl.load(value_ptr + row * stride_vn + h * stride_vh + offs_d, mask=mask_d, other=0.0)
         if offset < PAGE - 1:
             dst = ((tail * PAGE + offset) * NUM_KV_HEADS + h) * HEAD_DIM + offs_d
             tl.store(k_tail_ptr + dst, xk, mask=mask_d)
