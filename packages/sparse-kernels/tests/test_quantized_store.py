@@ -200,6 +200,28 @@ def test_kivi_decode_steps_flush_the_tail_and_triton_matches(bits, block_size, h
     assert reqs.lengths == [s + 1, 3, 2 * s + 2]
 
 
+@pytest.mark.parametrize("scheme,bits", [("fp8", 8), ("kivi", 4), ("turboquant", 2)])
+def test_strided_rows_and_all_padding(scheme, bits, triton_device):
+    # K and V as head slices of a fused QKV row (strided), and a call with nothing but padding.
+    kv = _randomize(allocate_quantized_kv(scheme, bits, 3, 16, 2, 64, torch.bfloat16, "cpu", num_tails=2))
+    qkv = torch.randn(3, 6, 64, generator=_gen(5)).to(torch.bfloat16)
+    slots = torch.tensor([47, -1, 20], dtype=torch.int32)  # 47 fills block 2's page from its tail
+    tails = torch.tensor([1, -1, 0], dtype=torch.int32)
+    ref, out = _clone(kv), _to(kv, triton_device)
+    store_kv_quantized(qkv[:, 2:4].contiguous(), qkv[:, 4:6].contiguous(), ref, slots, tails, backend="reference")
+    dev = qkv.to(triton_device)
+    args = (out, slots.to(triton_device), tails.to(triton_device))
+    store_kv_quantized(dev[:, 2:4], dev[:, 4:6], *args, one_row_per_request=True, backend="triton")
+    tq = scheme == "turboquant"
+    _assert_same(out, ref, scale_rtol=1e-5 if tq else 0.0, code_mismatch=1e-3 if tq else 0.0)
+    for backend, store in (("reference", ref), ("triton", out)):
+        before = _clone(_to(store, "cpu"))
+        pad = torch.full((2,), -1, dtype=torch.int32, device=store.device)
+        rows = torch.full((2, 2, 64), float("nan"), dtype=torch.bfloat16, device=store.device)
+        store_kv_quantized(rows, rows, store, pad, pad, one_row_per_request=True, backend=backend)
+        _assert_same(store, before)
+
+
 def test_store_rejects_bad_inputs():
     kivi = allocate_quantized_kv("kivi", 4, 2, 16, 1, 64, torch.bfloat16, "cpu", num_tails=1)
     fp8 = allocate_quantized_kv("fp8", 8, 2, 16, 1, 64, torch.bfloat16, "cpu")
