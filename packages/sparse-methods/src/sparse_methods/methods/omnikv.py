@@ -25,10 +25,7 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
-from sparse_kernels import paged_logits
-from sparse_kernels.head_max_probs import head_max_probs
-from sparse_kernels.logits_attention import softmax_stats
-from sparse_kernels.top_k_ascending import top_k_ascending
+from sparse_methods._kernels import kernels
 from sparse_methods.base import (
     Category,
     DecodeBatch,
@@ -148,13 +145,14 @@ class OmniKV(SparseMethod):
         then the top ``budget`` in token order (``top_k_ascending``: ties to the earlier token, as
         ``keep_indices``). Rows must be over the budget."""
         c = self.config
+        k = kernels()
         query = batch.query
         width = batch.max_pages * batch.block_size
         logits, logit_max, logit_sum = batch.logits, batch.logit_max, batch.logit_sum
         if logits is None:
             shape = (query.shape[0], query.shape[1])
             logits = torch.empty(*shape, width, dtype=torch.float32, device=query.device)
-            paged_logits(
+            k.paged_logits(
                 query,
                 batch.key_cache,
                 batch.table_indices,
@@ -164,12 +162,12 @@ class OmniKV(SparseMethod):
                 scale=batch.sm_scale,
             )
             logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=query.device) for _ in range(2))
-            softmax_stats(logits, logit_max, logit_sum)
+            k.softmax_stats(logits, logit_max, logit_sum)
         scores = torch.empty(query.shape[0], width, dtype=torch.float32, device=query.device)
-        head_max_probs(
+        k.head_max_probs(
             logits, logit_max, logit_sum, batch.kv_lens, scores, sink=c.sink_keep_tokens, recent=c.recent_keep_tokens
         )
-        self._device_set = top_k_ascending(scores, min(self.budget, width))
+        self._device_set = k.top_k_ascending(scores, min(self.budget, width))
 
     def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
         chosen = self._device_set

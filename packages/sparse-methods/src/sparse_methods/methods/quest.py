@@ -16,8 +16,7 @@ import math
 import torch
 from pydantic import Field
 
-from sparse_kernels import page_bounds
-from sparse_kernels.top_k_ascending import top_k_ascending
+from sparse_methods._kernels import kernels
 from sparse_methods.base import (
     Category,
     DecodeBatch,
@@ -93,11 +92,12 @@ class Quest(SparseMethod):
         forced to +inf, pages past the row to -inf), then the top ``sink + keep + recent`` per KV head in
         ascending page order (``top_k_ascending``: ties to the earlier page, as ``keep_indices``)."""
         sink, keep, recent = self._pages(batch.block_size)
+        k = kernels()
         query = batch.query
         bounds = torch.empty(
             query.shape[0], self.shape.num_kv_heads, batch.max_pages, dtype=torch.float32, device=query.device
         )
-        page_bounds(
+        k.page_bounds(
             query,
             batch.page_min,
             batch.page_max,
@@ -108,7 +108,7 @@ class Quest(SparseMethod):
             sink=sink,
             recent=recent,
         )
-        return top_k_ascending(bounds, min(sink + keep + recent, batch.max_pages))
+        return k.top_k_ascending(bounds, min(sink + keep + recent, batch.max_pages))
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
         if view.kv_len <= self.budget:

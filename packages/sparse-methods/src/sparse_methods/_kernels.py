@@ -1,0 +1,20 @@
+"""``sparse_kernels``, imported when a device-batched selection first runs (the ``kernels`` extra).
+
+The eviction methods and every per-request reference path are plain torch; only the batched
+selection of the query-aware methods (Quest, OmniKV) calls kernels, so ``sparse-methods`` alone
+does not install them.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+
+def kernels() -> ModuleType:
+    try:
+        import sparse_kernels
+    except ImportError as e:
+        raise ImportError(
+            "this method's batched selection runs sparse-kernels: pip install 'sparse-methods[kernels]'"
+        ) from e
+    return sparse_kernels
