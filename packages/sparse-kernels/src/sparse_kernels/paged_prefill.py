@@ -9,6 +9,8 @@ from sparse_kernels._paged_plan import build_plan
 from sparse_kernels._paged_run import check_run_inputs, run_paged_attention
 from sparse_kernels._paged_validate import check_heads, check_indptr, check_paged_kv, check_qo_fits, check_sm_scale
 from sparse_kernels._paged_wrapper import PagedAttentionWrapper, output_buffer
+from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, compact_pool, dequantize_pool, rotate
+from sparse_kernels.quantized_kv import QuantizedKV
 
 
 class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
@@ -21,6 +23,10 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
     ``plan`` runs once per step on the host (not graph-captured); ``run`` runs once per layer on the
     device with no host sync, reading only tensors ``plan`` built. Construction arguments are those of
     ``PagedAttentionWrapper`` (``device``, ``backend``, ``max_tile_elements``).
+
+    Quantized KV (fp8, KIVI, TurboQuant): ``run_quantized(q, kv)`` over the same plan reads the history
+    as codes and scales, dequantized tile by tile in registers (no dense copy of the history); the
+    reference dequantizes the listed blocks (KIVI: plus tails) and runs the plain reference.
     """
 
     def plan(
@@ -36,6 +42,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         block_size: int,
         causal: bool = True,
         sm_scale: float | None = None,
+        tail_index: torch.Tensor | None = None,
     ) -> None:
         """Validate the step's layout and build the device index tensors ``run`` will use.
 
@@ -57,6 +64,10 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             Causal mask aligned to the end of each sequence; if False, every query sees all its KV.
         sm_scale : float, optional
             Softmax scale; ``head_dim ** -0.5`` by default.
+        tail_index : torch.Tensor, optional
+            int32 CPU ``[B]``, for ``run_quantized`` over KIVI: request ``b``'s tokens at or past
+            ``(kv_len_b // block_size) * block_size`` (its incomplete last page) are read from tail row
+            ``tail_index[b]`` of ``kv.k_tail`` / ``kv.v_tail``.
 
         Raises
         ------
@@ -70,6 +81,13 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         num_blocks, kv_lens = check_paged_kv(kv_indptr, kv_indices, kv_last_len, block_size)
         check_qo_fits(qo_lens, kv_lens)
         sm_scale = check_sm_scale(sm_scale, head_dim)
+        tail_index = check_tail_index(tail_index, qo_lens.numel())
+        self._csr = (qo_indptr.clone(), kv_indptr.clone(), kv_indices.clone(), kv_last_len.clone())
+        self._tail_index = None if tail_index is None else tail_index.clone()
+        self._tail_device = None if tail_index is None else host_to_device(tail_index, self.device)
+        self._partial_pages = bool((kv_last_len < block_size).any())
+        self._quantized_reference = None
+        self._causal = causal
         if self.backend == "triton":
             from sparse_kernels._triton.prefill import PREFILL_CONFIG, TritonPrefillPlan, query_tiles
 
@@ -135,3 +153,82 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
 
         check_run_inputs(plan, q, k_cache, v_cache)
         return run_prefill_triton(plan, q, k_cache, v_cache, output_buffer(q, out))
+
+    def run_quantized(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention for one layer over quantized paged KV (device-only; graph-capturable for a fixed plan).
+
+        Parameters
+        ----------
+        q : torch.Tensor
+            ``[T, num_qo_heads, head_dim]``, the planned query rows, in the original (unrotated) space.
+        kv : QuantizedKV
+            The layer's codes and scales, with the chunk's own tokens already stored (KIVI: the
+            request's incomplete page in its tail row, ``tail_index`` planned). TurboQuant's queries are
+            rotated by ``kv.rotation`` and the output rotated back.
+        out : torch.Tensor, optional
+            Caller-owned buffer shaped like ``q``, in ``q``'s dtype.
+
+        Returns
+        -------
+        torch.Tensor
+            ``out``: shaped like ``q``, in ``q``'s dtype (softmax in float32).
+        """
+        plan = self._planned()
+        check_quantized_kv(
+            kv,
+            block_size=plan.block_size,
+            num_kv_heads=plan.num_kv_heads,
+            head_dim=plan.head_dim,
+            dense_pages=True,
+            partial_pages=self._partial_pages,
+            tail_index=self._tail_index,
+            device=self.device,
+        )
+        expected = (plan.num_qo_tokens, plan.num_qo_heads, plan.head_dim)
+        if tuple(q.shape) != expected:
+            raise ValueError(f"q must be {list(expected)} as planned, got {list(q.shape)}")
+        out = output_buffer(q, out)
+        if self.backend != "triton":
+            return self._run_quantized_reference(q, kv, out)
+        from sparse_kernels._triton.quantized_prefill import run_quantized_prefill_triton
+
+        tails = self._tail_device if kv.scheme == "kivi" else None
+        if kv.scheme != "turboquant":
+            return run_quantized_prefill_triton(plan, tails, q, kv, out)
+        rotated = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        run_quantized_prefill_triton(plan, tails, rotate(q, kv), kv, rotated)
+        return out.copy_(rotate(rotated, kv, back=True))
+
+    def _run_quantized_reference(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor) -> torch.Tensor:
+        plan = self._plan
+        tails = self._tail_index if kv.scheme == "kivi" else None
+        if self._quantized_reference is None or self._quantized_reference[0] != (tails is not None):
+            qo_indptr, kv_indptr, kv_indices, kv_last_len = self._csr
+            pool = compact_pool(
+                kv_indptr,
+                kv_indices,
+                kv_last_len,
+                tails,
+                block_size=plan.block_size,
+                page_size=plan.block_size,
+                device=self.device,
+            )
+            inner = BatchPrefillWithPagedKVCache(
+                self.device, backend="reference", max_tile_elements=self.max_tile_elements
+            )
+            inner.plan(
+                qo_indptr,
+                kv_indptr,
+                pool.kv_indices,
+                kv_last_len,
+                num_qo_heads=plan.num_qo_heads,
+                num_kv_heads=plan.num_kv_heads,
+                head_dim=plan.head_dim,
+                block_size=plan.block_size,
+                causal=self._causal,
+                sm_scale=plan.sm_scale,
+            )
+            self._quantized_reference = (tails is not None, pool, inner)
+        _, pool, inner = self._quantized_reference
+        k, v = dequantize_pool(kv, pool, torch.float32)
+        return out.copy_(inner.run(q.float(), k, v))
