@@ -8,6 +8,10 @@ import types
 import typing
 from pathlib import Path
 
+from pydantic_core import PydanticUndefined
+
+import sparse_methods
+from sparse_serve.cli_help import method_parameter_help
 from sparse_serve.config import EngineConfig
 from sparse_serve.sampling_params import SamplingParams
 
@@ -25,19 +29,28 @@ def _flag_type(annotation):
     return annotation, None
 
 
+def _with_default(field) -> str | None:
+    if field.default is None or field.default is PydanticUndefined:
+        return field.description
+    return f"{field.description or ''} (default: {field.default})".strip()
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field (``--block-size`` for ``block_size``), defaults left to the config."""
     group = parser.add_argument_group("engine config (same names as EngineConfig / LLM(...))")
     group.add_argument("--config", type=Path, help="JSON file of engine config fields; flags override it")
+    method_params = sparse_methods.parameter_fields()
     for name, field in EngineConfig.model_fields.items():
         if name == "model":
             continue
         kind, choices = _flag_type(field.annotation)
         flag = "--" + name.replace("_", "-")
+        # A method parameter's meaning and default depend on the method: the help lists each one's.
+        text = method_parameter_help(name) if name in method_params else _with_default(field)
         if kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=field.description)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            group.add_argument(flag, type=kind, choices=choices, default=None, help=field.description)
+            group.add_argument(flag, type=kind, choices=choices, default=None, help=text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -70,7 +83,8 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write(out.delta_text)
         sys.stdout.flush()
         finished = out
-    sys.stdout.write("\n")
+    sys.stdout.write("\n")  # the text ends its line before the stats line, even with both streams in one pipe
+    sys.stdout.flush()
     print(
         f"[{len(finished.token_ids)} tokens, finish_reason={finished.finish_reason}, "
         f"prompt_tokens={len(finished.prompt_token_ids)}]",
@@ -170,13 +184,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = sub.add_parser("eval", help="long-context retrieval accuracy (RULER/NIAH-style) through the engine")
     ev.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded model)")
-    ev.add_argument("--tasks", type=_csv(str), default=("niah_single",), help="comma-separated task names")
-    ev.add_argument("--context-lengths", type=_csv(int), default=(512, 1024, 2048, 4096))
-    ev.add_argument("--depths", type=_csv(float), default=(0.0, 0.25, 0.5, 0.75, 1.0))
-    ev.add_argument("--samples-per-cell", type=int, default=4)
-    ev.add_argument("--eval-seed", type=int, default=0, help="seed of the generated samples")
-    ev.add_argument("--out", type=Path, default=Path("results/eval"), help="folder for eval.json, eval.md, heatmap")
-    ev.add_argument("--no-progress", action="store_true")
+    # String defaults go through `type` like typed values, and print as typed in --help.
+    ev.add_argument(
+        "--tasks",
+        type=_csv(str),
+        default="niah_single",
+        help="comma-separated task names: niah_single, niah_multikey, niah_multivalue, variable_tracking, "
+        "multiturn_recall (default: %(default)s)",
+    )
+    ev.add_argument(
+        "--context-lengths", type=_csv(int), default="512,1024,2048,4096", help="prompt lengths (default: %(default)s)"
+    )
+    ev.add_argument(
+        "--depths", type=_csv(float), default="0,0.25,0.5,0.75,1", help="needle depths (default: %(default)s)"
+    )
+    ev.add_argument("--samples-per-cell", type=int, default=4, help="samples per (task, length, depth) (default: 4)")
+    ev.add_argument("--eval-seed", type=int, default=0, help="seed of the generated samples (default: 0)")
+    ev.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/eval"),
+        help="folder for eval.json, eval.md and the heatmap (default: %(default)s, the committed results: give "
+        "another folder for trial runs)",
+    )
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_flags(ev)
     ev.set_defaults(func=_eval)
 
