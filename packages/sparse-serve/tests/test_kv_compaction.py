@@ -20,7 +20,7 @@ def _keep(n: int, m: int, gen: torch.Generator) -> torch.Tensor:
 
 def _pool(num_layers: int, gen: torch.Generator) -> KVPool:
     make = lambda: tuple(torch.randn(12, BS, HKV, D, generator=gen) for _ in range(num_layers))  # noqa: E731
-    return KVPool(make(), make())
+    return KVPool.from_tensors(make(), make())
 
 
 @pytest.mark.parametrize("uniform", [True, False])

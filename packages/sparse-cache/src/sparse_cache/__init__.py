@@ -16,7 +16,7 @@ from sparse_cache.chain_errors import (
 )
 from sparse_cache.kv_cache_manager import KVCacheManager, PrefixMatch
 from sparse_cache.pruning import PrunePlan, PruneRange, check_ranges, plan_prune
-from sparse_cache.store_kind import StoreKind, TensorSpec, paged, quantized_paged
+from sparse_cache.store_kind import MODEL_DTYPE, StoreKind, TensorSpec, paged, quantized_paged
 from sparse_cache.tail_rows import TailRows
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "ChainPrefixMismatchError",
     "ChainStatus",
     "KVCacheManager",
+    "MODEL_DTYPE",
     "LayerTables",
     "PrefixMatch",
     "PrunePlan",

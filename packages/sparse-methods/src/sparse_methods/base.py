@@ -271,6 +271,9 @@ class SparseMethod(ABC):
     prefill_policy: ClassVar[PrefillPolicy] = PrefillPolicy.ALL_CHUNKED
     prefix_cache_mode: ClassVar[PrefixCacheMode]
     kv_store: ClassVar[StoreKind] = StoreKind.PAGED
+    kv_cache_dtype: ClassVar[str | None] = None
+    """Compressed-storage methods: the KV dtype they store in (``fp8``, ``kivi``, ``turboquant``);
+    None: the engine's ``kv_cache_dtype`` decides (the model dtype by default)."""
     Config: ClassVar[type[MethodConfig]]
 
     def __init__(self, config: MethodConfig, shape: ModelShape):

@@ -26,18 +26,18 @@ from sparse_serve.request import Request
 
 
 def copy_blocks(pool: KVPool, copies: Sequence[tuple[int, int]]) -> None:
-    """``block[dst] = block[src]`` in every layer's K and V (and key summaries, where the store keeps
-    them), for each ``(src, dst)`` pair.
+    """``block[dst] = block[src]`` in every layer's block tensors (K and V, key summaries, or codes and
+    scales, whatever the store keeps), for each ``(src, dst)`` pair.
 
     Every source is read before any destination is written (a gather, then a scatter), so a block
     given back and reused as a destination within the same batch of copies is read first.
     """
     if not copies:
         return
-    device = pool.k[0].device
+    device = pool.device
     src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
-    for cache in (*pool.k, *pool.v, *(pool.kmin or ()), *(pool.kmax or ())):
+    for cache in pool.block_tensors():
         cache[dst] = cache[src]
 
 

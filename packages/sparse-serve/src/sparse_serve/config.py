@@ -62,11 +62,64 @@ class _EngineFields(BaseModel):
     prefill_sparse_method: str | None = Field(
         None, description=f"Prefill variant of the method: {', '.join(sparse_methods.prefill_method_names())}."
     )
+    kv_cache_dtype: Literal["auto", "fp8", "kivi", "turboquant"] = Field(
+        "auto",
+        description="How KV is stored, for any sparse_method: `auto` (the model dtype, or what a compressed-"
+        "storage method names: fp8_kv -> fp8, kivi, turboquant), `fp8` (e4m3), `kivi`, `turboquant`.",
+    )
+    kivi_bits: Literal[2, 4] | None = Field(None, description="KIVI code bits (default 4); kv_cache_dtype kivi only.")
+    kv_quant_page_size: int | None = Field(
+        None,
+        description="KIVI page: tokens its key statistics span and channels per value group; a power of two "
+        "from 16 to 128 dividing head_dim (default 32, or block_size when that is given). It is the block size.",
+    )
+    turboquant_bits: Literal[2, 3, 4] | None = Field(
+        None, description="TurboQuant code bits (default 4); kv_cache_dtype turboquant only."
+    )
+    turboquant_seed: int | None = Field(
+        None, description="Seed of TurboQuant's random rotation (default 0); kv_cache_dtype turboquant only."
+    )
+    fp8_kv_scale_path: str | None = Field(
+        None,
+        description="fp8 only: a JSON file of static per-layer scales ({'k': [...], 'v': [...]}, dequant "
+        "multipliers); default: dynamic scales per (token, KV head), no calibration needed.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kivi_block_size(cls, data: Any) -> Any:
+        """KIVI's page is the block: block_size follows kv_quant_page_size unless given (then they must agree)."""
+        if not isinstance(data, dict) or _requested_kv_dtype(data) != "kivi":
+            return data
+        page, block = data.get("kv_quant_page_size"), data.get("block_size")
+        if page is not None and block is not None and page != block:
+            raise ValueError(f"kivi: kv_quant_page_size ({page}) is the block size; block_size={block} differs")
+        page = page or block or _KIVI_DEFAULT_PAGE
+        return {**data, "kv_quant_page_size": page, "block_size": page}
 
     @model_validator(mode="after")
     def _check_method(self):
         self.method_config()  # raises ValueError naming the parameter the method does not have
+        self.resolved_kv_cache_dtype()  # raises on a method / kv_cache_dtype conflict or a stray parameter
         return self
+
+    def resolved_kv_cache_dtype(self) -> str:
+        """``auto`` (model dtype), ``fp8``, ``kivi`` or ``turboquant``: the engine's KV store."""
+        implied = sparse_methods.get_method_class(self.sparse_method).kv_cache_dtype
+        if implied is not None and self.kv_cache_dtype not in ("auto", implied):
+            raise ValueError(
+                f"sparse_method {self.sparse_method!r} stores KV as {implied!r}; kv_cache_dtype={self.kv_cache_dtype!r} "
+                "contradicts it (use sparse_method='dense' with the kv_cache_dtype you want)"
+            )
+        dtype = implied or self.kv_cache_dtype
+        for field, owner in _KV_DTYPE_FIELDS.items():
+            if getattr(self, field) is not None and owner != dtype:
+                raise ValueError(f"{field} applies to kv_cache_dtype={owner!r}; the KV store here is {dtype!r}")
+        if dtype == "kivi":
+            page = self.kv_quant_page_size
+            if page < 16 or page > 128 or page & (page - 1):
+                raise ValueError(f"kv_quant_page_size must be a power of two from 16 to 128, got {page}")
+        return dtype
 
     def method_params(self) -> dict[str, Any]:
         """The method parameters that were set (None means: the method's default)."""
@@ -82,6 +135,25 @@ class _EngineFields(BaseModel):
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a JSON object of engine config fields")
         return cls(**{**data, **overrides})
+
+
+_KIVI_DEFAULT_PAGE = 32
+_KV_DTYPE_FIELDS = {
+    "kivi_bits": "kivi",
+    "kv_quant_page_size": "kivi",
+    "turboquant_bits": "turboquant",
+    "turboquant_seed": "turboquant",
+    "fp8_kv_scale_path": "fp8",
+}
+
+
+def _requested_kv_dtype(data: dict) -> str:
+    method = data.get("sparse_method", "dense")
+    try:
+        implied = sparse_methods.get_method_class(method).kv_cache_dtype
+    except ValueError:
+        return "auto"  # an unknown method: the after-validator names it
+    return implied or data.get("kv_cache_dtype", "auto")
 
 
 def _method_field(info) -> tuple[Any, Any]:

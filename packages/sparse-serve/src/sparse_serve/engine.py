@@ -140,6 +140,7 @@ class LLMEngine:
             "load": cfg.load_format,
             "seed": cfg.seed if cfg.load_format == "dummy" else None,  # dummy weights depend on it
             "method": self.method.fingerprint(),
+            "kv_store": self.runner.store,  # codes depend on the scheme, bits and seed
         }
         return hashlib.sha256(json.dumps(fingerprint, sort_keys=True, default=str).encode()).digest()
 
@@ -293,6 +294,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(exclude) if exclude else self.scheduler.schedule()
         for req in batch.preempted:
             self.method.release(req.request_id)
+            self.runner.release(req.request_id)
         if not batch:
             if previous is None and self.scheduler.has_unfinished():
                 raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
@@ -394,6 +396,7 @@ class LLMEngine:
             # No blocks to copy a fork's shared blocks into: recompute this one later instead.
             self.scheduler.preempt(req)
             self.method.release(req.request_id)
+            self.runner.release(req.request_id)
         if self.kv.has_request(req.request_id):
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
 
@@ -439,6 +442,7 @@ class LLMEngine:
         self.chains.close(req)  # the chain takes the request's KV before the scheduler would free it
         self.scheduler.finish(req, reason)
         self.method.release(req.request_id)
+        self.runner.release(req.request_id)
         req.stop_reason = stop_reason
         self.runner.sampler.release(req.request_id)
 

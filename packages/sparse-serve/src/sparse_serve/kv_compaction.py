@@ -15,18 +15,26 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels import compact_kv
+from sparse_kernels.quantized_compact import compact_quantized
 from sparse_methods import Compaction
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.step_metadata import table_slots, to_device
 
 
 def apply_compaction(
-    pool: KVPool, block_ids: list[int], kv_lens: list[int], compaction: Compaction, block_size: int
+    pool: KVPool,
+    block_ids: list[int],
+    kv_lens: list[int],
+    compaction: Compaction,
+    block_size: int,
+    tail_row: int | None = None,
 ) -> list[int]:
-    """Compact the layers named in ``compaction``; returns the new per-layer KV lengths."""
+    """Compact the layers named in ``compaction``; returns the new per-layer KV lengths. Quantized
+    stores move codes and scales (``compact_quantized``); ``tail_row``: the request's tail row where
+    the store keeps one (its incomplete page is rebuilt there)."""
     if len(compaction.keep) != len(kv_lens):
         raise ValueError(f"compaction covers {len(compaction.keep)} layers, the model has {len(kv_lens)}")
-    device = pool.k[0].device
+    device = pool.device
     layers = [(layer, keep.to(device)) for layer, keep in enumerate(compaction.keep) if keep is not None]
     new_lens = list(kv_lens)
     if not layers:
@@ -38,7 +46,13 @@ def apply_compaction(
     inputs = _device_inputs(block_ids, [(kv_lens[layer], keep.shape[1]) for layer, keep in layers], block_size, device)
     for layer, keep in layers:
         slots, slot_indptr, keep_indptr = inputs[kv_lens[layer], keep.shape[1]]
-        compact_kv(pool.k[layer], pool.v[layer], slots, keep, slot_indptr=slot_indptr, keep_indptr=keep_indptr)
+        if pool.quantized is not None:
+            tails = None if tail_row is None else torch.tensor([tail_row], dtype=torch.int32, device=device)
+            compact_quantized(
+                pool.quantized[layer], slots, keep, slot_indptr=slot_indptr, keep_indptr=keep_indptr, tail_index=tails
+            )
+        else:
+            compact_kv(pool.k[layer], pool.v[layer], slots, keep, slot_indptr=slot_indptr, keep_indptr=keep_indptr)
         new_lens[layer] = keep.shape[1]
     return new_lens
 

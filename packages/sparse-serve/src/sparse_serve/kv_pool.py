@@ -1,4 +1,10 @@
-"""The KV pool: per-layer K and V tensors of fixed-size blocks, sized from the memory budget."""
+"""The KV pool: every layer's tensors of one store kind, sized from the memory budget.
+
+The store kind (``sparse_cache.StoreKind``) says what a block holds (plain K/V, K/V plus key
+summaries, or quantized codes with their scales) and what a running request holds beside the pool
+(KIVI's tail); this module allocates those tensors per layer and counts their bytes. The store
+kind is chosen here from the method's declaration and the engine's ``kv_cache_dtype``.
+"""
 
 from __future__ import annotations
 
@@ -6,67 +12,173 @@ from dataclasses import dataclass
 
 import torch
 
+from sparse_cache import MODEL_DTYPE, StoreKind, paged, quantized_paged
+from sparse_kernels.kv_quant import lloyd_max_codebook, turboquant_rotation
+from sparse_kernels.quantized_kv import QuantizedKV
+from sparse_methods import SparseMethod
+from sparse_methods import StoreKind as MethodStore
 from sparse_models import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
 class KVPool:
-    """``k[layer]`` and ``v[layer]``: [num_blocks, block_size, num_kv_heads, head_dim] (NHD).
+    """``layers[l]``: layer ``l``'s block tensors by name (leading dim ``num_blocks``); ``tails[l]``:
+    its tail tensors (leading dim: tail rows), empty when the store has no tail.
 
-    With block summaries, ``kmin[layer]`` / ``kmax[layer]``: [num_blocks, num_kv_heads, head_dim], the
-    elementwise min / max of each block's keys (query-aware methods bound attention with them).
+    Plain stores: ``k[l]`` / ``v[l]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD);
+    with summaries ``kmin[l]`` / ``kmax[l]`` ``[num_blocks, num_kv_heads, head_dim]`` are each block's
+    elementwise min / max key. Quantized stores: ``quantized[l]`` is the layer as the quantized
+    kernels read it (``sparse_kernels.QuantizedKV``).
     """
 
-    k: tuple[torch.Tensor, ...]
-    v: tuple[torch.Tensor, ...]
-    kmin: tuple[torch.Tensor, ...] | None = None
-    kmax: tuple[torch.Tensor, ...] | None = None
+    store: StoreKind
+    layers: tuple[dict[str, torch.Tensor], ...]
+    tails: tuple[dict[str, torch.Tensor], ...]
+    quantized: tuple[QuantizedKV, ...] | None = None
+
+    @classmethod
+    def from_tensors(cls, k: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...]) -> KVPool:
+        """A plain pool over caller-owned per-layer K and V ``[num_blocks, block_size, Hkv, D]``."""
+        _, block_size, heads, head_dim = k[0].shape
+        layers = tuple({"k": kl, "v": vl} for kl, vl in zip(k, v, strict=True))
+        return cls(paged(block_size, heads, head_dim), layers, tuple({} for _ in layers))
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0]
+        return self.layers[0]["k"].shape[0]
+
+    @property
+    def num_tail_rows(self) -> int:
+        return self.tails[0]["k_tail"].shape[0] if self.store.has_tail else 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0]["k"].device
+
+    @property
+    def k(self) -> tuple[torch.Tensor, ...]:
+        return tuple(layer["k"] for layer in self.layers)
+
+    @property
+    def v(self) -> tuple[torch.Tensor, ...]:
+        return tuple(layer["v"] for layer in self.layers)
+
+    @property
+    def kmin(self) -> tuple[torch.Tensor, ...] | None:
+        return tuple(layer["kmin"] for layer in self.layers) if self.store.summaries else None
+
+    @property
+    def kmax(self) -> tuple[torch.Tensor, ...] | None:
+        return tuple(layer["kmax"] for layer in self.layers) if self.store.summaries else None
+
+    def block_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every per-block tensor of every layer (a block's whole content, for copies)."""
+        return tuple(t for layer in self.layers for t in layer.values())
+
+    def nbytes(self) -> int:
+        """Bytes the pool's tensors take (blocks and tails, all layers)."""
+        return sum(t.numel() * t.element_size() for layer in (*self.layers, *self.tails) for t in layer.values())
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, summaries: bool = False) -> int:
-    """KV bytes one block takes across all layers (K and V, plus min/max key summaries if kept)."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    rows = 2 * block_size + (2 if summaries else 0)
-    return rows * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+def store_kind(
+    method: SparseMethod | None,
+    cfg: ModelConfig,
+    block_size: int,
+    kv_cache_dtype: str = "auto",
+    *,
+    kivi_bits: int | None = None,
+    turboquant_bits: int | None = None,
+    turboquant_seed: int | None = None,
+) -> StoreKind:
+    """The store kind for ``method`` over a ``kv_cache_dtype`` store (``auto``: the model dtype)."""
+    h, d = cfg.num_key_value_heads, cfg.head_dim
+    summaries = method is not None and method.kv_store is MethodStore.PAGED_WITH_SUMMARIES
+    if kv_cache_dtype == "auto":
+        return paged(block_size, h, d, summaries=summaries)
+    if summaries:
+        raise ValueError(
+            f"{method.name} keeps block summaries of bf16 keys; it does not run over a {kv_cache_dtype} store yet"
+        )
+    if kv_cache_dtype == "fp8":
+        return quantized_paged("fp8", 8, block_size, h, d)
+    if kv_cache_dtype == "kivi":
+        return quantized_paged("kivi", kivi_bits or 4, block_size, h, d)
+    if kv_cache_dtype == "turboquant":
+        return quantized_paged("turboquant", turboquant_bits or 4, block_size, h, d, seed=turboquant_seed or 0)
+    raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
+
+
+def _torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    return model_dtype if name == MODEL_DTYPE else getattr(torch, name)
+
+
+def bytes_per_block(store: StoreKind, num_layers: int, dtype: torch.dtype) -> int:
+    """KV bytes one block takes across all layers."""
+    return store.bytes_per_block(torch.empty((), dtype=dtype).element_size()) * num_layers
+
+
+def tail_bytes(store: StoreKind, num_layers: int, dtype: torch.dtype) -> int:
+    """Bytes one running request's tail takes across all layers (0 without a tail)."""
+    return store.tail_bytes(torch.empty((), dtype=dtype).element_size()) * num_layers
 
 
 def allocate_kv_pool(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device, summaries: bool = False
+    store: StoreKind, num_layers: int, num_blocks: int, dtype: torch.dtype, device, num_tail_rows: int = 0
 ) -> KVPool:
-    shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    layers = range(cfg.num_hidden_layers)
+    """Every layer's tensors of ``store``: ``num_blocks`` blocks and ``num_tail_rows`` tail rows."""
+    device = torch.device(device)
     # Kernels read only slots that were written. On CPU an uninitialised pool costs memory only as
     # it fills (the OS maps pages on first touch); on GPU it is zeroed, so padded graph rows read zeros.
-    new = torch.empty if torch.device(device).type == "cpu" else torch.zeros
-    k = tuple(new(shape, dtype=dtype, device=device) for _ in layers)
-    v = tuple(new(shape, dtype=dtype, device=device) for _ in layers)
-    if not summaries:
-        return KVPool(k, v)
-    summary = (num_blocks, cfg.num_key_value_heads, cfg.head_dim)
-    kmin = tuple(torch.zeros(summary, dtype=dtype, device=device) for _ in layers)
-    kmax = tuple(torch.zeros(summary, dtype=dtype, device=device) for _ in layers)
-    return KVPool(k, v, kmin, kmax)
+    # Quantized stores are zeroed everywhere: a never-written fp8 byte could be NaN.
+    new = torch.empty if device.type == "cpu" and not store.quantized else torch.zeros
+    layers = tuple(
+        {t.name: new((num_blocks, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device) for t in store.block_tensors}
+        for _ in range(num_layers)
+    )
+    tails = tuple(
+        {t.name: torch.zeros((num_tail_rows, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device) for t in store.tail_tensors}
+        for _ in range(num_layers)
+    )
+    if not store.quantized:
+        return KVPool(store, layers, tails)
+    extra = {}
+    if store.scheme == "turboquant":
+        extra = {
+            "rotation": turboquant_rotation(store.head_dim, store.seed).to(device),
+            "codebook": lloyd_max_codebook(store.bits).to(device),
+        }
+    quantized = tuple(
+        QuantizedKV(
+            store.scheme,
+            store.bits,
+            store.head_dim,
+            group=store.group,
+            **layer,
+            **tail,
+            **extra,
+        )
+        for layer, tail in zip(layers, tails, strict=True)
+    )
+    return KVPool(store, layers, tails, quantized)
 
 
 def num_blocks_for_budget(
-    cfg: ModelConfig,
-    block_size: int,
+    store: StoreKind,
+    num_layers: int,
     dtype: torch.dtype,
     budget_bytes: int,
     cap: int | None = None,
-    summaries: bool = False,
+    num_tail_rows: int = 0,
 ) -> int:
-    """Blocks that fit in ``budget_bytes`` (at most ``cap``); an error when not even one fits."""
-    n = budget_bytes // bytes_per_block(cfg, block_size, dtype, summaries)
+    """Blocks that fit in ``budget_bytes`` after the tails (at most ``cap``); an error when none fits."""
+    per_block = bytes_per_block(store, num_layers, dtype)
+    available = budget_bytes - num_tail_rows * tail_bytes(store, num_layers, dtype)
+    n = available // per_block
     if cap is not None:
         n = min(n, cap)
     if n < 1:
         raise ValueError(
-            f"no KV block fits: {budget_bytes / 2**20:.1f} MiB available, "
-            f"{bytes_per_block(cfg, block_size, dtype, summaries) / 2**20:.2f} MiB per block"
+            f"no KV block fits: {budget_bytes / 2**20:.1f} MiB available, {per_block / 2**20:.2f} MiB per block"
+            + (f" after {num_tail_rows} tails" if num_tail_rows else "")
         )
     return int(n)

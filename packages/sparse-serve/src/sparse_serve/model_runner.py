@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from sparse_cache import TailRows
 from sparse_kernels import block_summary
-from sparse_methods import SparseMethod, StepContext, StoreKind
+from sparse_methods import PrefixCacheMode, SparseMethod, StepContext
 from sparse_models import ModelConfig, load_model
 from sparse_serve.config import EngineConfig
 from sparse_serve.cuda_graphs import DecodeGraphs
-from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget
+from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget, store_kind
 from sparse_serve.paged_attention import PagedAttention
 from sparse_serve.sampler import SampledTokens, Sampler, TokenFeed
 from sparse_serve.step_metadata import StepMetadata, to_device
@@ -51,14 +52,30 @@ class ModelRunner:
         )
         cfg = self.model_config
         self.block_size = config.block_size
-        self.summaries = method is not None and method.kv_store is StoreKind.PAGED_WITH_SUMMARIES
+        self.store = store_kind(
+            method,
+            cfg,
+            config.block_size,
+            config.resolved_kv_cache_dtype(),
+            kivi_bits=config.kivi_bits,
+            turboquant_bits=config.turboquant_bits,
+            turboquant_seed=config.turboquant_seed,
+        )
+        self.summaries = self.store.summaries
         if self.summaries and method.summary_page_size != config.block_size:
             raise ValueError(
                 f"{method.name} summarizes pages of {method.summary_page_size} tokens; set block_size to match "
                 f"(block_size={config.block_size})"
             )
+        _check_method_over_store(method, self.store, cfg.num_hidden_layers)
+        # One tail row per running request (KIVI's incomplete page), taken on its first write.
+        self.num_tail_rows = config.max_num_seqs if self.store.has_tail else 0
+        self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
         self.num_blocks = self._num_blocks(max_model_len_hint)
-        self.kv = allocate_kv_pool(cfg, self.num_blocks, self.block_size, self.dtype, self.device, self.summaries)
+        self.kv = allocate_kv_pool(
+            self.store, cfg.num_hidden_layers, self.num_blocks, self.dtype, self.device, self.num_tail_rows
+        )
+        static_scales = _static_fp8_scales(config.fp8_kv_scale_path, cfg.num_hidden_layers)
         graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
         self.attention = PagedAttention(
             self.kv,
@@ -67,6 +84,8 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             block_size=self.block_size,
             method=method,
+            tail_rows=self.tail_rows,
+            static_scales=static_scales,
             max_num_tokens=max(config.max_num_batched_tokens, graph_batch),
             max_batch_size=max(config.max_num_seqs, graph_batch),
             max_num_pages=config.max_num_seqs * -(-max_model_len_hint // self.block_size) + graph_batch,
@@ -86,18 +105,25 @@ class ModelRunner:
             # No point in holding more than every running request at full length.
             cap = self.config.max_num_seqs * -(-max_model_len // bs)
             budget = int(self.config.cpu_kv_cache_gib * 2**30)
-            return num_blocks_for_budget(cfg, bs, self.dtype, budget, cap, self.summaries)
+            return num_blocks_for_budget(
+                self.store, cfg.num_hidden_layers, self.dtype, budget, cap, num_tail_rows=self.num_tail_rows
+            )
         free, total = torch.cuda.mem_get_info(self.device)
         # The weights are already loaded, so `free` excludes them; keep (1 - utilization) of the card
         # for others and a rough activation reserve for the largest step (measured in a later issue).
         activation_reserve = 64 * self.config.max_num_batched_tokens * cfg.hidden_size * 4
         budget = free - int(total * (1.0 - self.config.gpu_memory_utilization)) - activation_reserve
-        return num_blocks_for_budget(cfg, bs, self.dtype, budget, summaries=self.summaries)
+        return num_blocks_for_budget(
+            self.store, cfg.num_hidden_layers, self.dtype, budget, num_tail_rows=self.num_tail_rows
+        )
 
     @torch.inference_mode()
     def randomize_kv(self, seed: int = 0) -> None:
         """Fill the whole KV pool with unit-normal noise (benchmarks' synthetic prefill)."""
         g = torch.Generator(self.device).manual_seed(seed)
+        if self.kv.quantized is not None:
+            randomize_quantized(self.kv, g)
+            return
         for cache in (*self.kv.k, *self.kv.v):
             cache.normal_(generator=g)
         if self.kv.kmin is not None:  # block summaries follow the noise (Quest's bounds see real keys)
@@ -108,7 +134,12 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return bytes_per_block(self.model_config, self.block_size, self.dtype, self.summaries)
+        return bytes_per_block(self.store, self.model_config.num_hidden_layers, self.dtype)
+
+    def release(self, request_id) -> None:
+        """A request finished, was aborted or preempted: give back what the runner holds for it."""
+        if self.tail_rows is not None:
+            self.tail_rows.release(request_id)
 
     @torch.inference_mode()
     def run(self, meta: StepMetadata, feed: TokenFeed | None = None) -> SampledTokens:
@@ -135,3 +166,54 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[to_device(meta.logits_indices, self.device)])
         requests = meta.sampled
         return self.sampler.sample(logits, [r.request_id for r in requests], [r.sampling_params for r in requests])
+
+def _check_method_over_store(method: SparseMethod | None, store, num_layers: int) -> None:
+    """Combinations of a method and a quantized store that are not built yet are clear errors."""
+    if method is None or not store.quantized:
+        return
+    layers = range(num_layers)
+    if any(method.selects_decode(layer) or method.selects_prefill(layer) for layer in layers):
+        raise ValueError(
+            f"{method.name} selects what attention reads; it does not run over a {store.scheme} KV store yet "
+            "(query-aware selection over quantized pages is future work)"
+        )
+    if store.has_tail and method.prefix_cache_mode is PrefixCacheMode.CHAIN:
+        raise ValueError(
+            f"{method.name} evicts KV and resumes conversations from chains; KIVI's incomplete-page tail does "
+            "not survive a chain yet: run it over kv_cache_dtype fp8 or turboquant"
+        )
+
+
+def _static_fp8_scales(path: str | None, num_layers: int) -> tuple[tuple[float, float], ...] | None:
+    """fp8's static per-layer scales from a JSON file ``{"k": [...], "v": [...]}`` (dequant multipliers)."""
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    try:
+        ks, vs = [float(x) for x in data["k"]], [float(x) for x in data["v"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: expected {{'k': [floats], 'v': [floats]}} (one per layer): {e}") from None
+    if len(ks) != num_layers or len(vs) != num_layers:
+        raise ValueError(f"{path}: {len(ks)} k and {len(vs)} v scales for a model of {num_layers} layers")
+    if min(ks + vs) <= 0:
+        raise ValueError(f"{path}: scales must be positive")
+    return tuple(zip(ks, vs, strict=True))
+
+
+@torch.inference_mode()
+def randomize_quantized(pool, g: torch.Generator) -> None:
+    """Valid random codes and scales in every block (benchmarks' synthetic prefill; values don't matter
+    to speed, but every code must decode to a finite number)."""
+    for layer in pool.layers:
+        for name, t in layer.items():
+            if t.dtype == torch.float8_e4m3fn:
+                t.copy_(torch.randn(t.shape, generator=g, device=t.device).to(t.dtype))
+            elif t.dtype == torch.int32:
+                t.random_(-(2**31), 2**31 - 1, generator=g)
+            elif "scale" in name:
+                t.uniform_(0.05, 0.15, generator=g)
+            else:
+                t.uniform_(-1.0, 0.0, generator=g)

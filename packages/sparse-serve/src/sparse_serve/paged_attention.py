@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_cache import TailRows
 from sparse_kernels import (
     BatchDecodeWithPagedKVCache,
     BatchPrefillWithPagedKVCache,
@@ -19,6 +20,8 @@ from sparse_kernels import (
     store_kv,
     update_block_summaries,
 )
+from sparse_kernels.kv_quant import dequantize_blocks
+from sparse_kernels.quantized_store import store_kv_quantized
 from sparse_methods import LayerAttention, SparseMethod
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.selective_decode import SelectiveDecode
@@ -38,23 +41,42 @@ class _GroupPlan:
         self.decode = BatchDecodeWithPagedKVCache(device, max_batch_size=max_batch_size, max_num_pages=max_num_pages)
         self.prefill = BatchPrefillWithPagedKVCache(device)
         self._slots = torch.empty(max_tokens, dtype=torch.int32, device=device) if max_tokens else None
+        self._tails = torch.empty(max_tokens, dtype=torch.int32, device=device) if max_tokens else None
         self.slot_mapping: torch.Tensor | None = None
+        self.tail_index: torch.Tensor | None = None  # per token row: its request's tail row (tailed stores)
 
-    def _load_slots(self, host: torch.Tensor) -> torch.Tensor:
+    def _load(self, host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
         n = host.numel()
-        if self._slots is None or n > self._slots.numel() or self.device.type == "cpu":
+        if buffer is None or n > buffer.numel() or self.device.type == "cpu":
             return to_device(host, self.device)  # a one-off larger step (whole-prompt prefill)
-        view = self._slots[:n]
+        view = buffer[:n]
         view.copy_(host.pin_memory(), non_blocking=True)
         return view
 
-    def plan(self, group: LayerGroupMetadata, meta: StepMetadata, shape: dict, sm_scale: float) -> None:
-        self.slot_mapping = self._load_slots(group.slot_mapping)
-        if meta.num_decode_tokens:
+    def plan(
+        self,
+        group: LayerGroupMetadata,
+        meta: StepMetadata,
+        shape: dict,
+        sm_scale: float,
+        tails: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``tails``: per token row and per request, each request's tail row (stores with a tail)."""
+        self.slot_mapping = self._load(group.slot_mapping, self._slots)
+        self.tail_index = None if tails is None else self._load(tails[0], self._tails)
+        nd = meta.num_decode_tokens
+        if nd:
+            extra = {} if tails is None else {"tail_index": tails[1][:nd]}
             self.decode.plan(
-                group.decode_kv_indptr, group.decode_kv_indices, group.decode_kv_last_len, sm_scale=sm_scale, **shape
+                group.decode_kv_indptr,
+                group.decode_kv_indices,
+                group.decode_kv_last_len,
+                sm_scale=sm_scale,
+                **shape,
+                **extra,
             )
         if meta.num_prefill_requests:
+            extra = {} if tails is None else {"tail_index": tails[1][nd:]}
             self.prefill.plan(
                 group.prefill_qo_indptr,
                 group.prefill_kv_indptr,
@@ -63,6 +85,7 @@ class _GroupPlan:
                 causal=True,
                 sm_scale=sm_scale,
                 **shape,
+                **extra,
             )
 
 
@@ -78,12 +101,19 @@ class PagedAttention:
         head_dim: int,
         block_size: int,
         method: SparseMethod | None = None,
+        tail_rows: TailRows | None = None,
+        static_scales: tuple[tuple[float, float], ...] | None = None,
         max_num_tokens: int | None = None,
         max_batch_size: int | None = None,
         max_num_pages: int | None = None,
     ):
         self.pool = pool
-        self.device = pool.k[0].device
+        self.device = pool.device
+        self.quantized = pool.quantized  # per layer, or None for plain stores
+        self.tail_rows = tail_rows
+        self.static_scales = static_scales
+        if pool.store.has_tail and tail_rows is None:
+            raise ValueError(f"a {pool.store.describe()} store needs tail rows")
         self.block_size = block_size
         self.shape = dict(num_qo_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
         self.method = method
@@ -104,8 +134,9 @@ class PagedAttention:
         self._observed_slots = {}
         while len(self._plans) < len(meta.groups):
             self._plans.append(_GroupPlan(self.device))
+        tails = self._tail_index(meta) if self.pool.store.has_tail else None
         for plan, group in zip(self._plans, meta.groups, strict=False):
-            plan.plan(group, meta, self.shape, self.sm_scale)
+            plan.plan(group, meta, self.shape, self.sm_scale, tails)
         if self.pool.kmin is not None:
             # A decode-only step writes one token per request, each into its own block: the summaries
             # follow from the slot mapping on the device (graph-safe). Prefill chunks recompute blocks.
@@ -117,6 +148,17 @@ class PagedAttention:
             self.selective.plan_step(self.method, meta, meta.groups[0], table=table)
         else:
             self.selective.reset()
+
+    def _tail_index(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token row's and each item's tail row, int32 on the host. A padded decode graph has
+        more decode rows than items: its dummy rows get row 0 (never written: their slot is -1)."""
+        per_item = [self.tail_rows.row(step.request_id) for step in meta.steps]
+        rows = torch.zeros(meta.num_tokens, dtype=torch.int32)
+        for start, step, row in zip(meta.row_starts, meta.steps, per_item, strict=True):
+            rows[start : start + step.num_new_tokens] = row
+        nd = meta.num_decode_tokens
+        decode = per_item[:nd] + [0] * (nd - len(per_item[:nd]))
+        return rows, torch.tensor(decode + per_item[nd:], dtype=torch.int32)
 
     def _touched_blocks(self, group: LayerGroupMetadata, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Blocks this step writes in the group's layers, and how many valid tokens each then holds."""
@@ -138,6 +180,8 @@ class PagedAttention:
         meta = self._meta
         group_idx = meta.layer_group[layer_idx]
         plan = self._plans[group_idx]
+        if self.quantized is not None:
+            return self._forward_quantized(layer_idx, plan, meta.groups[group_idx], q, k, v)
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         group = meta.groups[group_idx]
@@ -183,17 +227,56 @@ class PagedAttention:
                 self._observe(layer_idx, q, k_cache, group, wanted)
         return out
 
-    def _observe(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor, group, wanted) -> None:
-        """Hand the method each wanted request's queries and its keys in this layer (slot order)."""
+    def _forward_quantized(self, layer_idx: int, plan: _GroupPlan, group, q, k, v) -> torch.Tensor:
+        """A quantized store: encode the new K/V on write, attend over codes (dequantized in the kernels)."""
         meta = self._meta
-        flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-        for i, step in enumerate(meta.steps):
-            if step.request_id not in wanted:
-                continue
-            kv_len = group.kv_lens[i] + step.num_new_tokens
+        kv = self.quantized[layer_idx]
+        static = None if self.static_scales is None else self.static_scales[layer_idx]
+        decode_only = meta.num_prefill_requests == 0
+        store_kv_quantized(
+            k, v, kv, plan.slot_mapping, plan.tail_index, one_row_per_request=decode_only, static_scales=static
+        )
+        nd = meta.num_decode_tokens
+        if decode_only:
+            out = plan.decode.run_quantized(q, kv)
+        else:
+            out = torch.empty_like(q)
+            if nd:
+                plan.decode.run_quantized(q[:nd], kv, out=out[:nd])
+            plan.prefill.run_quantized(q[nd:], kv, out=out[nd:])
+        if self.method is not None:
+            wanted = self.method.attention_requests(layer_idx)
+            if wanted:
+                self._observe(layer_idx, q, None, group, wanted)
+        return out
+
+    def _request_keys(self, layer_idx: int, i: int, kv_len: int, flat_k: torch.Tensor | None, dtype) -> torch.Tensor:
+        """Request ``i``'s keys in this layer, in slot order ``[kv_len, Hkv, D]`` (dequantized from codes
+        for quantized stores, with a tailed store's incomplete page from the request's tail row)."""
+        meta = self._meta
+        if flat_k is not None:
             slots = self._observed_slots.get((i, kv_len))
             if slots is None:  # once per request and step (every layer of a group has the same table)
                 host = table_slots(meta.tables[i].block_ids, kv_len, self.block_size)
                 slots = self._observed_slots[i, kv_len] = to_device(host, self.device)  # pinned, no wait
+            return flat_k[slots]
+        kv, bs = self.quantized[layer_idx], self.block_size
+        blocks = to_device(torch.tensor(meta.tables[i].block_ids[: -(-kv_len // bs)], dtype=torch.int64), self.device)
+        keys = dequantize_blocks(kv, blocks, dtype=dtype)[0].flatten(0, 1)[:kv_len]
+        partial = kv_len % bs
+        if kv.has_tail and partial:
+            row = self.tail_rows.row(meta.steps[i].request_id)
+            keys = torch.cat([keys[: kv_len - partial], kv.k_tail[row, :partial].to(keys.dtype)])
+        return keys
+
+    def _observe(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group, wanted) -> None:
+        """Hand the method each wanted request's queries and its keys in this layer (slot order)."""
+        meta = self._meta
+        flat_k = None if k_cache is None else k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+        for i, step in enumerate(meta.steps):
+            if step.request_id not in wanted:
+                continue
+            kv_len = group.kv_lens[i] + step.num_new_tokens
+            keys = self._request_keys(layer_idx, i, kv_len, flat_k, q.dtype)
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
-            self.method.on_attention_end(layer_idx, step, LayerAttention(rows, flat_k[slots], self.sm_scale))
+            self.method.on_attention_end(layer_idx, step, LayerAttention(rows, keys, self.sm_scale))

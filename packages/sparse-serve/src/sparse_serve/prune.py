@@ -129,6 +129,11 @@ def prune_history(
         raise PruneError(
             "pruning compresses the exact radix cache; it needs a radix method and prefix caching", "prune_unsupported"
         )
+    if engine.runner.kv.store.has_tail:
+        raise PruneError(
+            f"pruning moves single tokens; a {engine.runner.kv.store.describe()} store quantizes whole pages",
+            "prune_unsupported",
+        )
     if keep_tokens < 0:
         raise PruneError(f"keep_tokens must be >= 0, got {keep_tokens}", "invalid_value", "keep_tokens")
     if window < 1:
@@ -232,12 +237,14 @@ def _copy_slots(engine: LLMEngine, copies: list[tuple[int, int]]) -> None:
     if not copies:
         return
     kv, bs = engine.runner.kv, engine.kv.block_size
-    device = kv.k[0].device
+    device = kv.device
     src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
-    for cache in (*kv.k, *kv.v):
-        flat = cache.view(-1, cache.shape[2], cache.shape[3])
-        flat[dst] = flat[src]
+    for layer in kv.layers:
+        for name, cache in layer.items():  # per-token tensors: K/V, or codes and their per-token scales
+            if name not in ("kmin", "kmax"):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[dst] = flat[src]
     if kv.kmin is not None:
         # Destinations fill whole fresh blocks from their first slot on: count them per block.
         filled = Counter(d // bs for _, d in copies)

@@ -1,5 +1,5 @@
 """The registered methods; importing this package registers them all."""
 
-from sparse_methods.methods import dense, h2o, omnikv, pyramidkv, quest, snapkv, streamingllm
+from sparse_methods.methods import compressed_storage, dense, h2o, omnikv, pyramidkv, quest, snapkv, streamingllm
 
-__all__ = ["dense", "h2o", "omnikv", "pyramidkv", "quest", "snapkv", "streamingllm"]
+__all__ = ["compressed_storage", "dense", "h2o", "omnikv", "pyramidkv", "quest", "snapkv", "streamingllm"]

@@ -49,7 +49,11 @@ def all_runs(invocations: list[dict]) -> list[dict]:
 def _label(run: dict) -> str:
     if run["engine"] == "hf-transformers":
         return "HF transformers"
-    label = run["sparse_method"] + (" (async)" if run.get("async_scheduling") else "")
+    label = run["sparse_method"]
+    store = run.get("kv_store", "")
+    if store.startswith("quantized"):  # e.g. "kivi [kivi, 2 bits]", "snapkv [fp8, 8 bits]"
+        label += " [" + store[store.index("(") + 1 : -1] + "]"
+    label += " (async)" if run.get("async_scheduling") else ""
     if (run.get("kernels") or {}).get("pdl") is False:
         label += " (PDL off)"
     return label

@@ -58,6 +58,8 @@ def run_bench(config: EngineConfig, plan: BenchPlan, *, progress: bool = True) -
     cfg = engine.runner.model_config
     weight_bytes = weight_bytes_per_step(engine.runner.model)
     slot_bytes = kv_bytes_per_token(1, cfg.num_key_value_heads, cfg.head_dim, engine.runner.dtype)
+    if engine.runner.store.quantized:  # a slot read is its codes and scales (compressed bytes)
+        slot_bytes = engine.runner.store.bytes_per_token(engine.runner.kv.k[0].element_size())
     cases = _cases(engine, plan)
     for case, is_max in tqdm(cases, desc=f"{config.sparse_method} decode", disable=not progress):
         run = {**settings, "engine": "sparse-engine", "prefill": plan.prefill, **_case_fields(case)}
@@ -163,6 +165,8 @@ def engine_settings(engine: LLMEngine) -> dict:
         "block_size": config.block_size,
         "num_kv_blocks": runner.num_blocks,
         "kv_bytes_per_block": runner.kv_bytes_per_block,
+        "kv_store": runner.store.describe(),
+        "kv_cache_dtype": config.resolved_kv_cache_dtype(),
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "max_num_seqs": config.max_num_seqs,
         "enforce_eager": getattr(config, "enforce_eager", None),  # None: this engine has no CUDA graphs yet

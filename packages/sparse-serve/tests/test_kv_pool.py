@@ -1,0 +1,43 @@
+"""The KV pool: tensors allocated from the store kind match what the quantized kernels allocate, and
+the pool is sized by the store's real bytes."""
+
+import pytest
+import torch
+
+from sparse_cache import paged, quantized_paged
+from sparse_kernels.kv_quant import allocate_quantized_kv
+from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget
+
+
+@pytest.mark.parametrize(("scheme", "bits"), [("fp8", 8), ("kivi", 4), ("kivi", 2), ("turboquant", 3), ("turboquant", 4)])
+def test_store_kind_tensors_match_the_kernels_layout(scheme, bits):
+    kind = quantized_paged(scheme, bits, 16, 3, 64, seed=5)
+    pool = allocate_kv_pool(kind, 2, 7, torch.bfloat16, "cpu", num_tail_rows=4 if kind.has_tail else 0)
+    ref = allocate_quantized_kv(scheme, bits, 7, 16, 3, 64, torch.bfloat16, "cpu", num_tails=4, seed=5)
+    for layer in pool.quantized:
+        for name in ("k", "v", "k_scale", "v_scale", "k_min", "v_min", "k_tail", "v_tail", "rotation", "codebook"):
+            ours, theirs = getattr(layer, name), getattr(ref, name)
+            assert (ours is None) == (theirs is None), name
+            if ours is not None:
+                assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, name
+        if scheme == "turboquant":
+            assert torch.equal(layer.rotation, ref.rotation) and torch.equal(layer.codebook, ref.codebook)
+    assert pool.nbytes() == 7 * bytes_per_block(kind, 2, torch.bfloat16) + pool.num_tail_rows * kind.tail_bytes(2) * 2
+
+
+def test_plain_pool_keeps_k_v_and_summaries():
+    kind = paged(8, 2, 16, summaries=True)
+    pool = allocate_kv_pool(kind, 3, 5, torch.float32, "cpu")
+    assert len(pool.k) == 3 and pool.k[0].shape == (5, 8, 2, 16)
+    assert pool.kmin is not None and pool.kmin[0].shape == (5, 2, 16)
+    assert pool.quantized is None and pool.num_tail_rows == 0
+    assert len(pool.block_tensors()) == 12
+
+
+def test_budget_counts_tails_before_blocks():
+    kind = quantized_paged("kivi", 4, 32, 8, 128)
+    per_block = bytes_per_block(kind, 36, torch.bfloat16)
+    tails = 10 * kind.tail_bytes(2) * 36
+    assert num_blocks_for_budget(kind, 36, torch.bfloat16, tails + 5 * per_block + 1, num_tail_rows=10) == 5
+    with pytest.raises(ValueError, match="after 10 tails"):
+        num_blocks_for_budget(kind, 36, torch.bfloat16, tails, num_tail_rows=10)
