@@ -45,16 +45,15 @@ def _prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
     return torch.randint(3, 384, (n,), generator=g).tolist()
 
 
-def _hf_generate(model, prompts: list[list[int]], cache=None) -> list[list[int]]:
+def _hf_generate(model, prompts: list[list[int]], cache=None, max_new_tokens: int = NEW_TOKENS) -> list[list[int]]:
     ids = torch.tensor(prompts)
     with torch.no_grad():
-        out = model.generate(
-            ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
-        )
+        greedy = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=max_new_tokens, **greedy)
     return out[:, ids.shape[1] :].tolist()
 
 
-def _engine_generate(path, prompt: list[int], method: str, params: dict) -> list[int]:
+def _engine_generate(path, prompt: list[int], method: str, params: dict, max_tokens: int = NEW_TOKENS) -> list[int]:
     llm = LLM(
         str(path),
         device="cpu",
@@ -64,7 +63,7 @@ def _engine_generate(path, prompt: list[int], method: str, params: dict) -> list
         sparse_method=method,
         **params,
     )
-    out = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
     return list(out.token_ids)
 
 
@@ -213,3 +212,17 @@ def test_kept_sets_equal_kvpress(tiny_checkpoint, family, method):
             torch.testing.assert_close(ours.layers[layer].values[0, head], dense.layers[layer].values[0, head, row])
         differs |= not torch.equal(kept[0], kept[1])
     assert differs == (method != "streamingllm")  # score-driven methods keep different tokens per KV head
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_long_generate_equals_engine(tiny_checkpoint, family, method):
+    """Every family, a 400-token prompt and 64 new tokens: many decode evictions (run with ``-m slow``)."""
+    path, model = tiny_checkpoint(family)
+    params = METHODS[method]
+    prompt = _prompt(21, 400)
+    with SparseKVCache(model, method, **params) as cache:
+        [ours] = _hf_generate(model, [prompt], cache, max_new_tokens=64)
+    assert ours == _engine_generate(path, prompt, method, params, max_tokens=64)
+    assert cache.num_tokens == 400 + 64 - 1 and max(cache.kv_lens()) < 100
