@@ -50,3 +50,23 @@ def test_unknown_flag_and_bad_config_are_clear_errors(tmp_path):
     cfg.write_text(json.dumps({"blok_size": 4}))
     r = _run("generate", "--prompt", "x", "--config", str(cfg), "--device", "cpu")
     assert r.returncode == 2 and "blok_size" in r.stderr
+
+
+def test_quantized_kv_flags_parse_their_integer_choices():
+    """``--kivi-bits 2`` is an int choice (a string "2" would be refused by argparse's choices)."""
+    r = _run(
+        "generate",
+        "--prompt",
+        "Return the",
+        "--max-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--sparse-method",
+        "kivi",
+        "--kivi-bits",
+        "2",
+    )
+    assert r.returncode == 0, r.stderr
+    r = _run("generate", "--prompt", "x", "--device", "cpu", "--kv-cache-dtype", "turboquant", "--turboquant-bits", "5")
+    assert r.returncode != 0 and "invalid choice" in r.stderr

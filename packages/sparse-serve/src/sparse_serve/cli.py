@@ -21,7 +21,7 @@ DEFAULT_MODEL = Path(__file__).parent / "assets" / "tiny-retrieval"
 def _flag_type(annotation):
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     if typing.get_origin(annotation) is typing.Literal:
-        return str, list(args)
+        return type(args[0]), list(args)  # int literals (kivi_bits) parse as ints
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and args:
         return _flag_type(args[0])
     if annotation is bool:
