@@ -100,6 +100,25 @@ def test_positions_after_eviction(tiny_checkpoint):
         assert len(kept) - 4 >= 28 and len(kept) - 4 < 28 + 4  # evicted back every 4 tokens
 
 
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_second_turn_equals_engine_chain(tiny_checkpoint, method):
+    """``generate`` again with the same cache and the whole history continues from the kept KV, as a chain
+    resumed in the engine does (only the new tokens are computed; positions continue)."""
+    path, model = tiny_checkpoint("qwen3")
+    params = METHODS[method]
+    first, extra = _prompt(14), _prompt(15, 40)
+    llm = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=4096, sparse_method=method, **params)
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    turn1 = llm.generate([first], greedy, chain_id="conv")[0]
+    history = first + list(turn1.token_ids) + extra
+    turn2 = llm.generate([history], greedy, chain_id="conv")[0]
+    assert turn2.chain_status == "resumed"
+    with SparseKVCache(model, method, **params) as cache:
+        assert _hf_generate(model, [first], cache) == [list(turn1.token_ids)]
+        assert _hf_generate(model, [history], cache) == [list(turn2.token_ids)]
+    assert cache.num_tokens == len(history) + NEW_TOKENS - 1
+
+
 def test_batch_rows_equal_single_rows(tiny_checkpoint):
     _, model = tiny_checkpoint("qwen3")
     prompts = [_prompt(9), _prompt(10)]
