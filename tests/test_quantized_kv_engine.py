@@ -191,6 +191,34 @@ def test_snapkv_runs_over_fp8_and_frees_its_evicted_blocks(qwen3):
 
 
 @pytest.mark.parametrize(
+    "store", [dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="turboquant", turboquant_bits=3)], ids=["fp8", "tq3"]
+)
+@pytest.mark.parametrize(
+    "method",
+    [
+        dict(sparse_method="streamingllm", sink_keep_tokens=4, recent_keep_tokens=36, decode_eviction_interval=8),
+        dict(sparse_method="h2o", h2o_prefill_budget=40, h2o_decode_budget=24, decode_eviction_interval=6),
+        dict(sparse_method="pyramidkv", decode_keep_tokens=36, recent_keep_tokens=8, observation_window_size=8),
+    ],
+    ids=["streamingllm", "h2o", "pyramidkv"],
+)
+def test_eviction_methods_compact_quantized_stores(qwen3, store, method):
+    """Every eviction family runs over a per-token store: prompts longer than the budget are compressed
+    (the request holds fewer slots than its tokens) and all blocks come back."""
+    path, _ = qwen3
+    llm = _llm(path, **method, **store)
+    rid = llm.engine.add_request(_prompts([150], seed=6)[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    held = []
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        req = llm.engine._requests.get(rid)
+        if req is not None and req.num_output_tokens:
+            held.append(max(req.kv_lens))
+    assert held and max(held) < 150
+    assert llm.engine.kv.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize(
     ("config", "match"),
     [
         (dict(sparse_method="quest", kv_cache_dtype="fp8"), "block summaries"),
