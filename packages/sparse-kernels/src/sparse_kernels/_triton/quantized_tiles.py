@@ -155,13 +155,28 @@ def kivi_value_tile(
     BLOCK_N: tl.constexpr,
     UNPACK_WORDS: tl.constexpr,
 ):
-    """KIVI values ``[BLOCK_N, BLOCK_D]`` in float32: ``code * scale + min`` per (token, channel group)."""
-    codes = value_codes(v_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
-    stat = rows[:, None] * NUM_GROUPS + (offs_d // GROUP_SIZE)[None, :]
-    both = mask_n[:, None] & mask_d[None, :]
-    scale = tl.load(v_scale_ptr + stat, mask=both, other=0.0).to(tl.float32)
-    zero = tl.load(v_min_ptr + stat, mask=both, other=0.0).to(tl.float32)
-    return code_float(codes) * scale + zero
+    """KIVI values ``[BLOCK_N, BLOCK_D]`` in float32: ``code * scale + min`` per (token, channel group).
+
+    Unpacking whole words, a word's ``CPW`` channels share one group (``CPW <= GROUP_SIZE``), so the
+    statistics are loaded once per word and broadcast over its channels.
+    """
+    if UNPACK_WORDS:
+        offs_w = tl.arange(0, WORDS)
+        words = tl.load(v_ptr + rows[:, None] * WORDS + offs_w[None, :], mask=mask_n[:, None], other=0)  # [N, W]
+        stat = rows[:, None] * NUM_GROUPS + (offs_w * CPW // GROUP_SIZE)[None, :]
+        scale = tl.load(v_scale_ptr + stat, mask=mask_n[:, None], other=0.0).to(tl.float32)
+        zero = tl.load(v_min_ptr + stat, mask=mask_n[:, None], other=0.0).to(tl.float32)
+        shifts = tl.arange(0, CPW) * BITS
+        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # [N, W, CPW]
+        v = code_float(codes) * scale[:, :, None] + zero[:, :, None]
+        return tl.reshape(v, [BLOCK_N, BLOCK_D])
+    else:
+        codes = value_codes(v_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
+        stat = rows[:, None] * NUM_GROUPS + (offs_d // GROUP_SIZE)[None, :]
+        both = mask_n[:, None] & mask_d[None, :]
+        scale = tl.load(v_scale_ptr + stat, mask=both, other=0.0).to(tl.float32)
+        zero = tl.load(v_min_ptr + stat, mask=both, other=0.0).to(tl.float32)
+        return code_float(codes) * scale + zero
 
 
 @triton.jit
