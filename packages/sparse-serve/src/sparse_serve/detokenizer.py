@@ -13,8 +13,21 @@ _WINDOW = 5  # tokens of left context kept so merges across the boundary decode 
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
+    """``include_stop``: the text keeps the stop string that ended it. ``skip_special_tokens``: special
+    tokens (EOS, chat markers) add no text."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        *,
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_token_ids[-_WINDOW:])  # only the prompt's tail affects the first output text
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -25,8 +38,8 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> tuple[str, str | None]:
         """Append one token. Returns (new text, the stop string hit or None); text stops before a stop string."""
         self.ids.append(token_id)
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return "", None
         delta = full[len(prefix) :]
@@ -44,5 +57,5 @@ class IncrementalDetokenizer:
         if not hits:
             return delta, None
         cut, stop = min(hits)
-        self.text = self.text[:cut]
+        self.text = self.text[: cut + len(stop) if self.include_stop else cut]
         return self.text[old_len:], stop

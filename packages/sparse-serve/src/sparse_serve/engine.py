@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,11 +23,13 @@ from sparse_serve.model_runner import ModelRunner
 from sparse_serve.outputs import RequestOutput
 from sparse_serve.prune import PruneResult, prune_history
 from sparse_serve.request import Request, RequestStatus
-from sparse_serve.sampler import SampledTokens, TokenFeed
+from sparse_serve.sampler import PromptRows, SampledTokens, TokenFeed, TokenLogprobs
 from sparse_serve.sampling_params import SamplingParams
 from sparse_serve.scheduler import ScheduledBatch, Scheduler
 from sparse_serve.step_metadata import StepMetadata, build_step_metadata
 from sparse_serve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 # Stands in a request's token list for a token still on the device (pipelined decode, never emitted).
 _PLACEHOLDER = -1
@@ -93,6 +96,7 @@ class LLMEngine:
         cfg = self.runner.model_config
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model, cfg.eos_token_ids)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else frozenset(cfg.eos_token_ids)
+        self.runner.sampler.eos_token_ids = self.eos_token_ids  # what min_tokens keeps from being sampled
         # Radix sharing needs token-exact KV; evicting methods resume through chains instead.
         exact_kv = self.method.prefix_cache_mode is PrefixCacheMode.RADIX
         self.kv = KVCacheManager(
@@ -196,8 +200,16 @@ class LLMEngine:
             req.chain_id = chain_id
             self.chains.open(req)  # last check that can fail: nothing to undo before it
         self._requests[request_id] = req
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(token_ids)
         if self.tokenizer is not None:
-            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+            self._detok[request_id] = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                params.stop,
+                include_stop=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+            )
         self.scheduler.add(req)
         return request_id
 
@@ -302,8 +314,13 @@ class LLMEngine:
         self.chains.copy_pending()  # blocks shared with a fork, copied before this step writes them
         meta = build_step_metadata(batch, self.kv.table, self.config.block_size, self.kv.block_id_array)
         feed = None if previous is None else _token_feed(batch, meta, previous)
+        prompt_rows = _prompt_rows(batch, meta)
         # Queued on the device; the tokens reach the host later.
-        pending = self.runner.run(meta) if feed is None else self.runner.run(meta, feed)
+        if prompt_rows:
+            pending = self.runner.run(meta, feed, prompt_rows)
+            _keep_prompt_logprobs(batch, pending)
+        else:
+            pending = self.runner.run(meta) if feed is None else self.runner.run(meta, feed)
         compactions = self.method.finish_step()
         self.num_steps += 1
         pipelined = self.async_scheduling and self._pipelinable(batch, meta, compactions)
@@ -317,8 +334,8 @@ class LLMEngine:
             return False
         if meta.num_prefill_requests or len(meta.sampled) != meta.num_tokens:
             return False
-        if any(req.chain_id is not None for req in meta.sampled):
-            return False
+        if any(req.chain_id is not None or req.sampling_params.penalized for req in meta.sampled):
+            return False  # penalties read the exact previous tokens
         return not any(self.method.attention_requests(layer) for layer in range(self.num_layers))
 
     def _complete(self, launched: _LaunchedStep) -> list[RequestOutput]:
@@ -363,9 +380,14 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _sampled(launched: _LaunchedStep) -> dict[str, int]:
-        ids = (r.request_id for r in launched.meta.sampled)
-        return dict(zip(ids, launched.pending.tolist(), strict=True))
+    def _sampled(launched: _LaunchedStep) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Request id -> (sampled token, its log-probabilities when the request asked for them)."""
+        logprobs = launched.pending.logprobs()
+        tokens = launched.pending.tolist()
+        return {
+            r.request_id: (t, logprobs.get(i))
+            for i, (r, t) in enumerate(zip(launched.meta.sampled, tokens, strict=True))
+        }
 
     def _unlaunch(self, req: Request) -> None:
         """Undo the bookkeeping of the in-flight step for a request leaving before its tokens are
@@ -400,10 +422,22 @@ class LLMEngine:
         if self.kv.has_request(req.request_id):
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
 
-    def _emit(self, req: Request, sampled: dict[str, int], outputs: list[RequestOutput], fill: bool = False) -> None:
-        token = sampled.get(req.request_id)
-        if token is not None:
-            outputs.append(self._append_token(req, token, fill))
+    def _emit(self, req: Request, sampled: dict, outputs: list[RequestOutput], fill: bool = False) -> None:
+        entry = sampled.get(req.request_id)
+        if entry is None:
+            return
+        try:
+            outputs.append(self._append_token(req, entry[0], fill, entry[1]))
+        except Exception as e:  # this request's own postprocessing (detokenizer, stop checks) failed: it alone ends
+            logger.exception("request %s failed; the engine goes on", req.request_id)
+            outputs.append(self._fail(req, e))
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        if not req.is_finished:
+            self._finish(req, "error")
+        out = replace(self._output(req, (), ""), error=f"{type(error).__name__}: {error}")
+        self._forget(req)
+        return out
 
     def _compact(self, req: Request, compaction) -> bool:
         """Move the kept KV to the front of each layer and give whole free blocks back to the pool.
@@ -415,11 +449,15 @@ class LLMEngine:
         self.kv.shrink(req.request_id, req.kv_len)
         return True
 
-    def _append_token(self, req: Request, token: int, fill: bool = False) -> RequestOutput:
+    def _append_token(
+        self, req: Request, token: int, fill: bool = False, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
         if fill:  # the placeholder the next step was scheduled on
             req.token_ids[-1] = token
         else:
             req.append_token(token)
+        if logprobs is not None:
+            req.logprobs.append(logprobs)
         params = req.sampling_params
         delta_text, stop_str = "", None
         detok = self._detok.get(req.request_id)
@@ -467,6 +505,8 @@ class LLMEngine:
             chain_id=req.chain_id,
             chain_status=req.chain_status,
             reused_tokens=req.num_reused_tokens,
+            logprobs=None if req.sampling_params.logprobs is None else tuple(req.logprobs),
+            prompt_logprobs=None if req.prompt_logprobs is None else tuple(req.prompt_logprobs),
         )
 
     # -- chains and pruning ---------------------------------------------------------------------
@@ -520,6 +560,25 @@ def _token_feed(batch: ScheduledBatch, meta: StepMetadata, previous: _LaunchedSt
             rows.append(start + n - 1)
             sources.append(j)
     return TokenFeed(previous.pending.device_tokens, rows, sources)
+
+
+def _prompt_rows(batch: ScheduledBatch, meta: StepMetadata) -> tuple[PromptRows, ...]:
+    """The step's rows whose following prompt token a request wants the log-probability of."""
+    rows = []
+    for (req, n), start in zip(batch.items, meta.row_starts, strict=True):
+        k = req.sampling_params.prompt_logprobs
+        first = req.num_computed_tokens
+        if k is None or first + 1 >= req.num_prompt_tokens:
+            continue
+        targets = tuple(req.token_ids[first + 1 : min(first + n + 1, req.num_prompt_tokens)])
+        rows.append(PromptRows(req.request_id, start, first, targets, k))
+    return tuple(rows)
+
+
+def _keep_prompt_logprobs(batch: ScheduledBatch, pending: SampledTokens) -> None:
+    for req, _ in batch.items:
+        for position, logprobs in pending.prompt_logprobs.get(req.request_id, {}).items():
+            req.prompt_logprobs[position] = logprobs
 
 
 def _load_tokenizer(path: str, extra_eos) -> Tokenizer | None:

@@ -12,7 +12,7 @@ from sparse_serve.config import EngineConfig
 from sparse_serve.cuda_graphs import DecodeGraphs
 from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget, store_kind
 from sparse_serve.paged_attention import PagedAttention
-from sparse_serve.sampler import SampledTokens, Sampler, TokenFeed
+from sparse_serve.sampler import PromptRows, SampledTokens, Sampler, TokenFeed, prompt_token_logprobs
 from sparse_serve.step_metadata import StepMetadata, to_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -142,12 +142,14 @@ class ModelRunner:
             self.tail_rows.release(request_id)
 
     @torch.inference_mode()
-    def run(self, meta: StepMetadata, feed: TokenFeed | None = None) -> SampledTokens:
+    def run(self, meta: StepMetadata, feed: TokenFeed | None = None, prompt_rows: tuple[PromptRows, ...] = ()):
         """Queue the step's forward and sampling on the device; returns one token per ``meta.sampled``
         request, which ``tolist()`` fetches (the host may do other work before that).
 
         ``feed``: rows of ``meta.input_ids`` that are placeholders for tokens the previous step
         sampled and that are taken from its device tensor (pipelined decode, see ``LLMEngine.step``).
+        ``prompt_rows``: prompt rows whose log-probabilities requests asked for (prefill steps only);
+        computed at once (host sync) into the result's ``prompt_logprobs``.
         """
         if self.method is not None:
             self.method.prepare_step(StepContext(meta.steps))
@@ -161,11 +163,24 @@ class ModelRunner:
             positions = to_device(meta.positions, self.device)
             self.attention.plan(meta)
             hidden = self.model(input_ids, positions, self.attention)
+            computed = {
+                r.request_id: prompt_token_logprobs(
+                    self.model.compute_logits(hidden[r.start : r.start + len(r.targets)]), r
+                )
+                for r in prompt_rows
+            }
             if not meta.sampled:
-                return SampledTokens.empty()
+                return SampledTokens.empty().with_prompt_logprobs(computed)
             logits = self.model.compute_logits(hidden[to_device(meta.logits_indices, self.device)])
+            requests = meta.sampled
+            return self.sampler.sample(
+                logits, [r.request_id for r in requests], [r.sampling_params for r in requests], requests
+            ).with_prompt_logprobs(computed)
         requests = meta.sampled
-        return self.sampler.sample(logits, [r.request_id for r in requests], [r.sampling_params for r in requests])
+        return self.sampler.sample(
+            logits, [r.request_id for r in requests], [r.sampling_params for r in requests], requests
+        )
+
 
 def _check_method_over_store(method: SparseMethod | None, store, num_layers: int) -> None:
     """Combinations of a method and a quantized store that are not built yet are clear errors."""

@@ -16,6 +16,9 @@ class RequestOutput:
     ``num_cached_tokens``: prompt tokens served by the radix prefix cache. For a request on a chain,
     ``chain_status`` is ``created``, ``resumed`` or ``recreated`` and ``reused_tokens`` counts the
     prompt tokens whose retained KV it resumed from (not computed again).
+    ``logprobs``: a ``sampler.TokenLogprobs`` per generated token so far, when the request asked
+    (``SamplingParams.logprobs``); ``prompt_logprobs`` one per prompt token (the first is None).
+    ``finish_reason == "error"``: the request failed on its own (``error`` says why); others go on.
     """
 
     request_id: str
@@ -32,3 +35,6 @@ class RequestOutput:
     chain_id: str | None = None
     chain_status: str | None = None
     reused_tokens: int = 0
+    logprobs: tuple | None = None
+    prompt_logprobs: tuple | None = None
+    error: str | None = None

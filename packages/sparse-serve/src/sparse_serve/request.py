@@ -48,6 +48,10 @@ class Request:
     num_reused_tokens: int = 0
     # Holds a chain's retained KV from before its admission (cleared when preempted: it recomputes).
     resumed: bool = False
+    # Log-probabilities of the sampled tokens (when asked for), and of the prompt tokens by position
+    # (None: not asked for; entry 0 is always None, nothing precedes the first token).
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

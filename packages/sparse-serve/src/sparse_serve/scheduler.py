@@ -140,6 +140,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.resumed:  # holds its chain's retained KV already
                 prefix, done, held = None, req.num_computed_tokens, self._held_blocks(req)
+            elif req.sampling_params.prompt_logprobs is not None:  # every prompt token's logits are wanted
+                prefix, done, held = None, 0, 0
             else:
                 prefix = self.kv.match_prefix(req.token_ids)
                 done, held = prefix.num_tokens, len(prefix.block_ids)
