@@ -180,7 +180,7 @@ def test_64_concurrent_streams_equal_offline(server, offline):
         assert (text, finish, n_tokens) == (ref.text, ref.finish_reason, len(ref.token_ids))
 
 
-_SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{[a-z_]+="[^"]*"\})? (\S+)$')
+_SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{[a-z_]+="[^"]*"(?:,[a-z_]+="[^"]*")*\})? (\S+)$')
 
 
 def _parse_metrics(text: str) -> dict[str, float]:
@@ -199,7 +199,8 @@ def _parse_metrics(text: str) -> dict[str, float]:
     for name, kind in types.items():
         if kind == "histogram":
             buckets = [v for k, v in samples.items() if k.startswith(name + "_bucket")]
-            assert buckets == sorted(buckets) and buckets[-1] == samples[name + "_count"]
+            count = next(v for k, v in samples.items() if k.startswith(name + "_count"))
+            assert buckets == sorted(buckets) and buckets[-1] == count
     return samples
 
 
@@ -218,6 +219,16 @@ def test_metrics_parse_and_count(server, client):
     assert after["sparse_kv_blocks_total"] == 256
     assert after["sparse_kv_blocks_used"] + after["sparse_kv_blocks_free"] == 256
     assert after["sparse_requests_running"] == 0 and after["sparse_requests_waiting"] == 0
+    # The same series under vLLM's names, for dashboards built for vLLM.
+    label = '{model_name="tiny-retrieval"}'
+    assert delta["vllm:generation_tokens_total" + label] == out.usage.completion_tokens
+    assert delta["vllm:prompt_tokens_total" + label] == out.usage.prompt_tokens
+    assert delta["vllm:time_to_first_token_seconds_count" + label] == 1
+    assert delta["vllm:e2e_request_latency_seconds_count" + label] == 1
+    reason = out.choices[0].finish_reason
+    assert delta['vllm:request_success_total{model_name="tiny-retrieval",finished_reason="' + reason + '"}'] == 1
+    assert after["vllm:num_requests_running" + label] == 0 and after["vllm:num_requests_waiting" + label] == 0
+    assert 0 <= after["vllm:kv_cache_usage_perc" + label] <= 1
 
 
 def test_health(server):

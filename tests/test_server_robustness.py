@@ -98,14 +98,30 @@ BAD = [
     ("empty messages", "chat/completions", {**CHAT, "messages": []}, 400, None, "messages"),
     ("empty prompt", "completions", {**C, "prompt": ""}, 400, None, "prompt"),
     ("token out of vocab", "completions", {**C, "prompt": [1, 2, 10**6]}, 400, None, "prompt"),
-    ("batched prompts", "completions", {**C, "prompt": ["a", "b"]}, 400, None, "prompt"),
-    ("n=2", "completions", {**C, "n": 2}, 400, None, "n"),
-    ("logprobs", "completions", {**C, "logprobs": 1}, 400, "unsupported_parameter", "logprobs"),
-    ("chat logprobs", "chat/completions", {**CHAT, "logprobs": True}, 400, "unsupported_parameter", "logprobs"),
-    ("echo", "completions", {**C, "echo": True}, 400, "unsupported_parameter", "echo"),
-    ("penalty", "completions", {**C, "frequency_penalty": 0.5}, 400, "unsupported_parameter", "frequency_penalty"),
+    ("empty prompt in a batch", "completions", {**C, "prompt": ["a", ""]}, 400, None, "prompt"),
+    ("too many choices", "completions", {**C, "prompt": ["a"] * 40, "n": 2}, 400, None, "n"),
+    ("n float", "completions", {**C, "n": 1e6}, 400, "invalid_value", "n"),
+    ("n huge", "completions", {**C, "n": 10**6}, 400, "invalid_value", "n"),
+    ("best_of above n", "completions", {**C, "best_of": 3}, 400, "unsupported_parameter", "best_of"),
+    ("logprobs above 5", "completions", {**C, "logprobs": 6}, 400, "invalid_value", "logprobs"),
+    ("top_logprobs above 20", "chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, 400, None, None),
+    ("top_logprobs alone", "chat/completions", {**CHAT, "top_logprobs": 2}, 400, None, "top_logprobs"),
+    ("penalty above 2", "completions", {**C, "frequency_penalty": 2.5}, 400, "invalid_value", "frequency_penalty"),
+    ("repetition_penalty 0", "completions", {**C, "repetition_penalty": 0}, 400, None, "repetition_penalty"),
+    ("logit_bias word key", "completions", {**C, "logit_bias": {"abc": 1}}, 400, None, "logit_bias"),
+    ("logit_bias out of vocab", "completions", {**C, "logit_bias": {"99999999": 1}}, 400, None, "logit_bias"),
+    ("logit_bias too large", "completions", {**C, "logit_bias": {"5": 1000}}, 400, None, "logit_bias"),
+    ("min_tokens above max_tokens", "completions", {**C, "min_tokens": 5}, 400, "invalid_value", "min_tokens"),
     ("tools", "chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "unsupported_parameter", "tools"),
-    ("json mode", "chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, 400, None, None),
+    (
+        "json mode",
+        "chat/completions",
+        {**CHAT, "response_format": {"type": "json_object"}},
+        400,
+        "unsupported_parameter",
+        "response_format",
+    ),
+    ("bad chat template", "chat/completions", {**CHAT, "chat_template": "{% if %}"}, 400, None, "chat_template"),
     (
         "image part",
         "chat/completions",
@@ -132,7 +148,15 @@ BAD = [
     ),
     ("temperature > 2", "completions", {**C, "temperature": 5}, 400, "invalid_value", "temperature"),
     ("top_p 0", "completions", {**C, "top_p": 0}, 400, "invalid_value", "top_p"),
-    ("empty stop string", "completions", {**C, "stop": [""]}, 400, None, None),
+    ("empty stop string", "completions", {**C, "stop": [""]}, 400, "invalid_value", "stop"),
+    (
+        "bad continuous usage",
+        "completions",
+        {**C, "stream": True, "stream_options": {"continuous_usage_stats": 1}},
+        400,
+        None,
+        None,
+    ),
     ("seed out of range", "completions", {**C, "seed": 2**70}, 400, "invalid_value", "seed"),
     ("stream_options without stream", "completions", {**C, "stream_options": {"include_usage": True}}, 400, None, None),
     ("body too large", "completions", {**C, "prompt": "x" * 2**21}, 413, "body_too_large", None),
@@ -174,6 +198,47 @@ def test_standard_fields_at_neutral_values_are_accepted(server):
 def test_unknown_routes_answer_in_openai_shape(server, method, path, status):
     r = httpx.request(method, server.url + path)
     assert r.status_code == status and r.json()["error"]["message"]
+    if status == 405:  # regression (issue 20): the Allow header was dropped
+        assert r.headers["allow"] == "POST"
+
+
+def test_out_of_range_chain_append_start_names_its_field(server):
+    assert httpx.post(server.url + "/v1/completions", json={**C, "chain_id": "c-range"}).status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={**C, "chain_id": "c-range", "chain_append_start": 10**6})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chain_append_start"
+    assert httpx.delete(server.url + "/v1/chains/c-range").status_code == 200
+
+
+def test_tiny_temperature_and_top_p_do_not_take_generation_down(server):
+    """Regression (issue 20): temperature 1e-40 or top_p 1e-46 made the sampler raise on the engine
+    thread, and from then on every request and /health answered 503."""
+    for extra in ({"temperature": 1e-40}, {"temperature": 1e-38, "top_p": 1e-46}, {"top_p": 5e-324}):
+        r = httpx.post(server.url + "/v1/completions", json={**C, "max_tokens": 4, **extra})
+        assert r.status_code == 200, r.text
+    greedy = httpx.post(server.url + "/v1/completions", json={**C, "max_tokens": 4, "temperature": 0}).json()
+    tiny = httpx.post(server.url + "/v1/completions", json={**C, "max_tokens": 4, "temperature": 1e-40}).json()
+    assert tiny["choices"][0]["text"] == greedy["choices"][0]["text"]  # below 1e-5 is greedy
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.post(server.url + "/v1/completions", json={**C, "temperature": 1.0}).status_code == 200
+
+
+def test_a_huge_text_prompt_is_refused_at_once_and_stalls_nobody():
+    """Regression (issue 20): a 30 MB prompt (under the 32 MiB body limit) was tokenized whole before the
+    length check, stalling every connection for ~30 s. Now its length alone refuses it."""
+    engine = LLMEngine(EngineConfig(**ENGINE))
+    with BackgroundServer(engine, ServerConfig(**QUIET)) as srv:
+        huge = {**C, "prompt": "word " * (6 * 2**20)}  # 30 MiB of text
+        payload = json.dumps(huge).encode()
+        started = time.monotonic()
+        r = httpx.post(srv.url + "/v1/completions", content=payload, headers={"content-type": "application/json"})
+        elapsed = time.monotonic() - started
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+        assert r.json()["error"]["param"] == "prompt"
+        assert elapsed < 5.0, f"refusing a 30 MB prompt took {elapsed:.1f} s"
+        chat = {**CHAT, "messages": [{"role": "user", "content": "word " * (6 * 2**20)}]}
+        r = httpx.post(srv.url + "/v1/chat/completions", json=chat)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert httpx.get(srv.url + "/health", timeout=2).status_code == 200
 
 
 def test_stream_disconnect_aborts_and_frees_kv(server):
@@ -267,7 +332,7 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def test_engine_failure_fails_requests_and_health_but_not_the_process():
+def test_engine_failure_fails_requests_and_stops_the_server():
     engine = LLMEngine(EngineConfig(**ENGINE))
     real_step, calls = engine.step, []
 
@@ -281,7 +346,6 @@ def test_engine_failure_fails_requests_and_health_but_not_the_process():
     with BackgroundServer(engine, ServerConfig(**QUIET)) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={**C, "max_tokens": 20, "ignore_eos": True})
         assert r.status_code == 503 and "injected engine fault" in r.json()["error"]["message"]
-        assert httpx.get(srv.url + "/health").status_code == 503
-        again = httpx.post(srv.url + "/v1/completions", json=C)
-        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"
-        assert httpx.get(srv.url + "/metrics").status_code == 200
+        # The engine is dead: the server stops instead of answering 503 forever (run_server exits 1).
+        _wait_for(lambda: not srv.running)
+        assert "injected engine fault" in srv.fatal_error

@@ -138,15 +138,10 @@ def _display_path(path: str) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from sparse_serve.server import ServerConfig, run_server
+    from sparse_serve.server import run_server
+    from sparse_serve.server.cli_args import server_config_from_args
 
-    server = ServerConfig(
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        max_waiting_requests=args.max_waiting_requests,
-    )
-    run_server(engine_config_from_args(args), server)
+    run_server(engine_config_from_args(args), server_config_from_args(args))
     return 0
 
 
@@ -213,12 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
     srv.add_argument("--model", default=str(DEFAULT_MODEL), help="HF-format model folder (default: embedded model)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--served-model-name", help="model name clients send (default: the model folder's name)")
-    srv.add_argument(
-        "--max-waiting-requests", type=int, default=1024, help="requests queued beyond the running batch; more get 503"
-    )
+    from sparse_serve.server.cli_args import add_server_flags
+
+    add_server_flags(srv)
     add_engine_flags(srv)
     srv.set_defaults(func=_serve)
 

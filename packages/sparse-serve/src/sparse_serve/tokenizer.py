@@ -46,6 +46,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def max_token_chars(self) -> int:
+        """The most characters of text one token can stand for: its vocabulary's longest entry (byte-level
+        entries spell one character per byte, and text has at most as many characters as bytes)."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

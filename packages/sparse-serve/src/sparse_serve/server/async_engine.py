@@ -5,10 +5,14 @@ from a thread-safe inbox, runs ``step()`` while any request is unfinished and sl
 none is, and hands each step's outputs to the event loop in one ``call_soon_threadsafe``. The
 event loop never touches the engine; it reads an ``EngineSnapshot`` the thread publishes.
 
+If a step raises, the engine's state is unknown: every open request fails, nothing more is taken,
+and ``on_fatal(message)`` tells the server, which stops (a request whose own postprocessing fails
+is finished by the engine with ``finish_reason="error"`` instead, and the others go on).
+
 ``add`` waits until the engine thread has accepted the request (the engine validates it), so a
 bad request fails before an HTTP response starts. The waiting queue is bounded: requests sent
 but not yet taken by the thread, plus those the scheduler holds waiting, are at most
-``max_waiting_requests``; one more is a ``QueueFullError``. ``call(fn)`` runs ``fn(engine)`` on the
+``max_waiting_requests``; one more is a ``QueueFullError``. ``call(fn, *args)`` runs ``fn(engine, *args)`` on the
 engine thread between two steps (chain forks, drops, info, pruning) and returns what it returns.
 """
 
@@ -31,6 +35,33 @@ from sparse_serve.server.metrics import EngineSnapshot, ServerMetrics
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the HTTP side needs to know about an engine it does not hold."""
+
+    model: str
+    tokenizer_path: str
+    has_tokenizer: bool
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        return cls(
+            model=engine.config.model,
+            tokenizer_path=engine.config.tokenizer or engine.config.model,
+            has_tokenizer=engine.tokenizer is not None,
+            eos_token_ids=frozenset(engine.eos_token_ids),
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.runner.model_config.vocab_size,
+            num_kv_blocks=engine.kv.num_blocks,
+            block_size=engine.config.block_size,
+        )
 
 
 class QueueFullError(RuntimeError):
@@ -59,7 +90,8 @@ class _Abort:
 
 @dataclass(frozen=True, slots=True)
 class _Call:
-    fn: Callable[[LLMEngine], Any]
+    fn: Callable[..., Any]
+    args: tuple
     done: asyncio.Future
 
 
@@ -78,19 +110,28 @@ class _Tracked:
 class RequestStream:
     """The outputs of one request as the engine produces them; ``close()`` aborts it if unfinished."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue):
+    def __init__(self, engine, request_id: str, outputs: asyncio.Queue):
         self.request_id = request_id
         self.finished = False
         self._engine = engine
         self._outputs = outputs
+        self._peeked = None
 
     def __aiter__(self) -> RequestStream:
         return self
 
+    async def wait_first_output(self) -> None:
+        """Wait until the request's first update (its prompt is computed); iterating still yields it."""
+        if self._peeked is None and not self.finished:
+            self._peeked = await self._outputs.get()
+
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._outputs.get()
+        if self._peeked is not None:
+            item, self._peeked = self._peeked, None
+        else:
+            item = await self._outputs.get()
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -111,7 +152,10 @@ class AsyncEngine:
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
         self.engine = engine
+        self.info = EngineInfo.of(engine)
+        self.tokenizer = engine.tokenizer
         self.metrics = metrics
+        self.on_fatal: Callable[[str], None] | None = None
         self.max_waiting_requests = max_waiting_requests
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()  # guards _num_queued, _unavailable and what enters the inbox
@@ -127,6 +171,9 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="sparse-engine", daemon=True)
         self._thread.start()
+
+    def describe(self) -> str:
+        return "on a thread of the server process"
 
     @property
     def is_alive(self) -> bool:
@@ -169,10 +216,10 @@ class AsyncEngine:
             raise
         return RequestStream(self, cmd.request_id, cmd.outputs)
 
-    async def call(self, fn: Callable[[LLMEngine], R]) -> R:
-        """``fn(engine)``, run on the engine thread between steps; raises what ``fn`` raised, or
+    async def call(self, fn: Callable[..., R], *args) -> R:
+        """``fn(engine, *args)``, run on the engine thread between steps; raises what ``fn`` raised, or
         EngineUnavailableError. Once queued it runs even if the caller stops waiting."""
-        cmd = _Call(fn, asyncio.get_running_loop().create_future())
+        cmd = _Call(fn, args, asyncio.get_running_loop().create_future())
         with self._lock:
             if self._unavailable is not None:
                 raise EngineUnavailableError(self._unavailable)
@@ -214,6 +261,8 @@ class AsyncEngine:
             with self._lock:
                 self._unavailable = f"the engine failed: {type(e).__name__}: {e}"
             self._fail_all(EngineUnavailableError(self._unavailable), abort=False)
+            if self.on_fatal is not None:
+                self._call_in_loop(self.on_fatal, self._unavailable)
 
     def _take_commands(self, block: bool) -> list:
         cmds = [self._inbox.get()] if block else []
@@ -248,7 +297,7 @@ class AsyncEngine:
     def _run_call(self, cmd: _Call) -> None:
         # Errors go back to the caller: chain operations check their input before changing anything.
         try:
-            result, error = cmd.fn(self.engine), None
+            result, error = cmd.fn(self.engine, *cmd.args), None
         except Exception as e:
             result, error = None, e
         self._snapshot = self._take_snapshot()

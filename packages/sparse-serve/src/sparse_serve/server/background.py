@@ -6,19 +6,20 @@ import socket
 import threading
 import time
 
-from sparse_serve.engine import LLMEngine
 from sparse_serve.server.app import ServerConfig, build_app
 
 
 class BackgroundServer:
     """``with BackgroundServer(engine, config) as server: httpx.get(server.url + "/health")``.
 
+    ``engine``: an ``LLMEngine`` (run on a thread) or an ``EngineProcess``.
+
     Port 0 (the default here) takes a free port from the OS; the socket is bound before uvicorn
     starts, so there is no race for it. Leaving the block shuts down as Ctrl-C does: open
     requests get ``config.graceful_shutdown_s`` to finish, then the engine thread stops.
     """
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None, start_timeout_s: float = 60.0):
+    def __init__(self, engine, config: ServerConfig | None = None, start_timeout_s: float = 60.0):
         import uvicorn
 
         self.config = config or ServerConfig(port=0, access_log=False, log_level="warning")
@@ -31,6 +32,8 @@ class BackgroundServer:
                 timeout_graceful_shutdown=self.config.graceful_shutdown_s,
             )
         )
+        # The engine died: stop serving, as ``run_server`` does (which then exits with status 1).
+        self.app.state.fatal_hooks.append(lambda: setattr(self._server, "should_exit", True))
         self._start_timeout_s = start_timeout_s
         self._thread: threading.Thread | None = None
         self.url = ""
@@ -49,6 +52,15 @@ class BackgroundServer:
                 raise RuntimeError("the background server did not start")
             time.sleep(0.01)
         return self
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine died (None while it has not)."""
+        return self.app.state.fatal_error
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True

@@ -10,7 +10,8 @@ Routes (JSON bodies validated as strictly as the OpenAI ones; errors in OpenAI's
   "chain_id"?}``: compress ranges of the cached history ``prompt`` into a new degraded chain
   (``LLMEngine.prune``); answers its info and the positions kept in each range.
 
-Every engine call runs on the engine thread (``AsyncEngine.call``), between steps. Chain errors keep
+Every engine call runs where the engine runs (``AsyncEngine.call`` / ``EngineProcess.call``), between
+steps; the functions are module-level so that they can cross to an engine process. Chain errors keep
 their code: an unknown chain is a 404, a busy one (checked out by a running request) a 409, and
 the others (``chain_exists``, ``chain_capacity``...) 400s.
 """
@@ -30,7 +31,7 @@ from sparse_serve.server.errors import bad_request, from_engine_error, server_er
 from sparse_serve.server.protocol import StrictBody, parse_body, unknown_model
 
 if TYPE_CHECKING:
-    from sparse_serve.server.app import _State
+    from sparse_serve.server.generation import State as _State
 
 router = APIRouter(prefix="/v1/chains")
 
@@ -74,22 +75,36 @@ async def fork_chain(request: Request) -> dict[str, Any]:
     body = await _parse(request, ForkChainRequest, state)
     info = await _call(
         state,
-        lambda engine: engine.chain_info(engine.fork_chain(body.chain_id, body.new_chain_id)),
+        _fork,
+        body.chain_id,
+        body.new_chain_id,
         code_params={"chain_exists": "new_chain_id"},  # only the new id can be taken already
     )
     return chain_json(info)
 
 
+def _fork(engine, chain_id: str, new_chain_id: str | None) -> ChainInfo:
+    return engine.chain_info(engine.fork_chain(chain_id, new_chain_id))
+
+
+def _info(engine, chain_id: str) -> ChainInfo:
+    return engine.chain_info(chain_id)
+
+
+def _drop(engine, chain_id: str) -> None:
+    engine.drop_chain(chain_id)
+
+
 @router.get("/{chain_id:path}")
 async def chain_info(chain_id: str, request: Request) -> dict[str, Any]:
     state = _state(request)
-    return chain_json(await _call(state, lambda engine: engine.chain_info(chain_id)))
+    return chain_json(await _call(state, _info, chain_id))
 
 
 @router.delete("/{chain_id:path}")
 async def drop_chain(chain_id: str, request: Request) -> dict[str, Any]:
     state = _state(request)
-    await _call(state, lambda engine: engine.drop_chain(chain_id))
+    await _call(state, _drop, chain_id)
     return {"object": "chain", "chain_id": chain_id, "deleted": True}
 
 
@@ -105,19 +120,21 @@ async def prune(request: Request) -> dict[str, Any]:
     if body.ranges[-1][1] >= len(token_ids):
         raise bad_request("the prompt needs at least one token after the last range", param="ranges")
 
-    def run(engine) -> dict[str, Any]:
-        result = engine.prune(
-            token_ids,
-            body.ranges,
-            body.keep_tokens,
-            policy=body.policy,
-            observation_window_size=body.observation_window_size,
-            chain_id=body.chain_id,
-        )
-        info = chain_json(engine.chain_info(result.chain_id))
-        return {**info, "num_retained_tokens": result.num_retained_tokens, "kept": [list(k) for k in result.kept]}
+    fields = body.model_dump(include={"ranges", "keep_tokens", "policy", "observation_window_size", "chain_id"})
+    return await _call(state, _prune, token_ids, fields)
 
-    return await _call(state, run)
+
+def _prune(engine, token_ids: list[int], fields: dict[str, Any]) -> dict[str, Any]:
+    result = engine.prune(
+        token_ids,
+        fields["ranges"],
+        fields["keep_tokens"],
+        policy=fields["policy"],
+        observation_window_size=fields["observation_window_size"],
+        chain_id=fields["chain_id"],
+    )
+    info = chain_json(engine.chain_info(result.chain_id))
+    return {**info, "num_retained_tokens": result.num_retained_tokens, "kept": [list(k) for k in result.kept]}
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -127,7 +144,7 @@ def _state(request: Request) -> _State:
 
 async def _parse(request: Request, model, state: _State):
     body = await parse_body(request, model, state.max_body_bytes)
-    if body.model is not None and body.model != state.model_name:
+    if body.model is not None and body.model not in state.model_names:
         raise unknown_model(body.model)
     return body
 
@@ -143,11 +160,11 @@ async def _prompt_ids(state: _State, prompt: str | list[int]) -> list[int]:
     return await asyncio.to_thread(state.tokenizer.encode, prompt, True)
 
 
-async def _call(state: _State, fn, code_params: dict[str, str] | None = None):
-    """``fn(engine)`` on the engine thread; its ValueErrors become 4xx answers (a chain error's
+async def _call(state: _State, fn, *args, code_params: dict[str, str] | None = None):
+    """``fn(engine, *args)`` where the engine runs; its ValueErrors become 4xx answers (a chain error's
     ``param`` is ``chain_id`` unless ``code_params`` names another for its code)."""
     try:
-        return await state.engine.call(fn)
+        return await state.engine.call(fn, *args)
     except EngineUnavailableError as e:
         raise server_error(503, str(e), code="engine_unavailable") from None
     except ValueError as e:

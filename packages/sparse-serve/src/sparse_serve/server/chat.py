@@ -54,6 +54,7 @@ class ChatTemplate:
         self.is_fallback = is_fallback
         self._template = env.from_string(source)
         self._special = {"bos_token": bos_token, "eos_token": eos_token}
+        self.special_tokens = (bos_token, eos_token)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ChatTemplate:

@@ -77,7 +77,14 @@ def from_engine_error(error: ValueError, param: str | None = None, chain_param: 
             param=error.param,
             code=error.code,
         )
-    return bad_request(str(error), param=param)
+    message = str(error)
+    # The engine names the argument at fault first ("chain_append_start=9 is outside ..."): that is the field.
+    named = next((f for f in _ENGINE_ARGUMENTS if message.startswith((f + "=", f + " "))), None)
+    return bad_request(message, param=named or param)
+
+
+# Request fields that the engine checks itself and names at the start of its error messages.
+_ENGINE_ARGUMENTS = ("chain_append_start", "chain_id", "stop_token_ids", "max_tokens")
 
 
 def from_validation_error(error: ValidationError) -> APIError:
