@@ -8,8 +8,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 import sparse_methods
 from sparse_serve.cli import build_parser
 
@@ -21,19 +19,22 @@ def _flag_help(command: str) -> dict[str, str]:
     return {a.option_strings[0]: (a.help or "") % {"default": a.default} for a in sub._actions if a.option_strings}
 
 
-@pytest.mark.parametrize("name", sorted(sparse_methods.parameter_fields()))
-def test_method_flags_give_each_methods_default(name):
-    helps = _flag_help("generate")
-    text = helps["--" + name.replace("_", "-")]
+def test_method_flags_give_each_methods_default():
+    for name in sorted(sparse_methods.parameter_fields()):
+        _check_method_flag(name, _flag_help("generate")["--" + name.replace("_", "-")])
+
+
+def _check_method_flag(name: str, text: str) -> None:
+    # "[<methods>] <description> (default <value>)", groups joined by "; "
+    parts = re.split(r"(?:^|; )\[([a-z0-9_, ]+)\] ", text)[1:]
+    groups = {m: rest for names, rest in zip(parts[::2], parts[1::2], strict=True) for m in names.split(", ")}
     for method in sparse_methods.method_names():
         field = sparse_methods.get_method_class(method).Config.model_fields.get(name)
-        # "[<methods>] <description> (default <value>)", groups joined by "; "
-        parts = re.split(r"(?:^|; )\[([a-z0-9_, ]+)\] ", text)[1:]
-        groups = {m: rest for names, rest in zip(parts[::2], parts[1::2], strict=True) for m in names.split(", ")}
         if field is None:
-            assert method not in groups
+            assert method not in groups, f"--{name}: {text}"
         else:
-            assert groups[method] == f"{(field.description or '').rstrip('.')} (default {field.default!r})", text
+            expected = f"{(field.description or '').rstrip('.')} (default {field.default!r})"
+            assert groups[method] == expected, f"--{name}: {text}"
 
 
 def test_decode_keep_tokens_help_is_per_method():
