@@ -174,7 +174,7 @@ def test_quantized_decode_replays_under_cuda_graph(quantized_batch, scheme, bits
     with torch.cuda.graph(graph):
         wrapper.run_quantized(q, kv, out=out)
     second_kv = second.kv_on("cuda")
-    for name in ("k", "v", "k_scale", "v_scale", "k_min", "v_min", "k_tail", "v_tail"):
+    for name in ("k", "v", "k_scale", "v_scale", "k_min", "v_min", "k_tail", "v_tail", "rotation"):
         if getattr(kv, name) is not None:
             getattr(kv, name).copy_(getattr(second_kv, name))
     _plan(wrapper, second, 2)

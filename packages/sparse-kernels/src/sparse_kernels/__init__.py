@@ -34,6 +34,7 @@ from sparse_kernels.paged_decode import BatchDecodeWithPagedKVCache
 from sparse_kernels.paged_logits import paged_logits
 from sparse_kernels.paged_prefill import BatchPrefillWithPagedKVCache
 from sparse_kernels.quantized_compact import compact_quantized
+from sparse_kernels.quantized_kv import QuantizedKV
 from sparse_kernels.quantized_store import store_kv_quantized
 from sparse_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from sparse_kernels.rope import rope_qk
@@ -79,4 +80,5 @@ __all__ = [
     "unpack_codes",
     "store_kv_quantized",
     "compact_quantized",
+    "QuantizedKV",
 ]

@@ -111,7 +111,6 @@ def _quantized_planes_split_kernel(
     PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    U: tl.constexpr = HEAD_DIM // 4
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,7 +127,7 @@ def _quantized_planes_split_kernel(
         pdl_enter(USE_GDC)
         hi = tl.minimum(lo + chunk, kv_len)
         offs_g = tl.arange(0, BLOCK_G)
-        offs_u = tl.arange(0, U)
+        offs_u = tl.arange(0, HEAD_DIM // 4)
         offs_t = tl.arange(0, BLOCK_N)
         mask_g = offs_g < GROUP
         heads = h * GROUP + offs_g
@@ -139,10 +138,10 @@ def _quantized_planes_split_kernel(
         q3 = _q_plane(q_ptr, base, heads, stride_qh, offs_u, mask_g, 3).to(tl.float32) * scale_log2
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc0 = tl.zeros([BLOCK_G, U], tl.float32)
-        acc1 = tl.zeros([BLOCK_G, U], tl.float32)
-        acc2 = tl.zeros([BLOCK_G, U], tl.float32)
-        acc3 = tl.zeros([BLOCK_G, U], tl.float32)
+        acc0 = tl.zeros([BLOCK_G, HEAD_DIM // 4], tl.float32)
+        acc1 = tl.zeros([BLOCK_G, HEAD_DIM // 4], tl.float32)
+        acc2 = tl.zeros([BLOCK_G, HEAD_DIM // 4], tl.float32)
+        acc3 = tl.zeros([BLOCK_G, HEAD_DIM // 4], tl.float32)
         if SCHEME == 1:  # KIVI: one page per step; keys' per-channel statistics folded into the query
             full = (kv_len // PAGE_SIZE) * PAGE_SIZE
             body_hi = tl.minimum(hi, full)
