@@ -182,19 +182,28 @@ class SparseKVCache(DynamicCache):
     ) -> torch.Tensor:
         """``query`` ``[B, Hq, n, D]``, ``key`` / ``value`` ``[B, Hkv, kv_len, D]`` (kept slots, then the new ones)
         -> ``[B, n, Hq, D]``."""
-        n, kv_len = query.shape[2], key.shape[2]
-        group = query.shape[1] // key.shape[1]
+        batch, num_q_heads, n, head_dim = query.shape
+        kv_len, num_kv_heads = key.shape[2], key.shape[1]
+        group = num_q_heads // num_kv_heads
+        past = kv_len - n
+        if n == 1:  # decode sees every slot: fold each KV group's query heads into rows (no K/V copy)
+            folded = query.reshape(batch, num_kv_heads, group, head_dim)
+            out = F.scaled_dot_product_attention(folded, key, value, scale=scaling).reshape(batch, num_q_heads, 1, -1)
+            return self._after_attention(layer, query, key, scaling, out)
         k = key.repeat_interleave(group, dim=1)
         v = value.repeat_interleave(group, dim=1)
-        past = kv_len - n
-        if n == 1:
-            out = F.scaled_dot_product_attention(query, k, v, scale=scaling)
-        elif past == 0:
+        if past == 0:
             out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
         else:  # every cached slot is older than every new token: see all of them, the new ones causally
             cols = torch.arange(kv_len, device=query.device)
             rows = torch.arange(past, kv_len, device=query.device)
             out = F.scaled_dot_product_attention(query, k, v, attn_mask=cols[None, :] <= rows[:, None], scale=scaling)
+        return self._after_attention(layer, query, key, scaling, out)
+
+    def _after_attention(
+        self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, out: torch.Tensor
+    ) -> torch.Tensor:
+        """Hand the method what it asked for, finish the step after the last layer; ``out`` -> ``[B, n, Hq, D]``."""
         for rid in self.method.attention_requests(layer):
             view = LayerAttention(queries=query[rid].transpose(0, 1), keys=key[rid].transpose(0, 1), scale=scaling)
             self.method.on_attention_end(layer, self._requests[rid], view)
