@@ -106,7 +106,7 @@ def _quantized_decode_split_kernel(
                 p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
                 v = kivi_value_tile(
                     v_ptr, v_scale_ptr, v_min_ptr, rows, offs_d, offs_t < BLOCK_N, mask_d,
-                    BITS, CPW, WORDS, NUM_GROUPS, PAGE_SIZE, BLOCK_D, BLOCK_N, UNPACK_WORDS,
+                    BITS, CPW, WORDS, NUM_GROUPS, PAGE_SIZE, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE == tl.float16,
                 )  # fmt: skip
                 acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
             if hi > full:  # this split holds the tail (hi == kv_len; full is page-aligned, so full >= lo)

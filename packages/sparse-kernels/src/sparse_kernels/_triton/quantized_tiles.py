@@ -30,6 +30,12 @@ def code_float(codes):
 
 
 @triton.jit
+def code_half(codes):
+    """int32 codes in ``[0, 1024)`` as exact float16 values: ``code | 0x6400`` is the half ``1024 + code``."""
+    return (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def key_codes(
     ptr,
     rows,
@@ -154,6 +160,7 @@ def kivi_value_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     UNPACK_WORDS: tl.constexpr,
+    HALF: tl.constexpr = False,
 ):
     """KIVI values ``[BLOCK_N, BLOCK_D]`` in float32: ``code * scale + min`` per (token, channel group).
 
@@ -164,11 +171,14 @@ def kivi_value_tile(
         offs_w = tl.arange(0, WORDS)
         words = tl.load(v_ptr + rows[:, None] * WORDS + offs_w[None, :], mask=mask_n[:, None], other=0)  # [N, W]
         stat = rows[:, None] * NUM_GROUPS + (offs_w * CPW // GROUP_SIZE)[None, :]
-        scale = tl.load(v_scale_ptr + stat, mask=mask_n[:, None], other=0.0).to(tl.float32)
-        zero = tl.load(v_min_ptr + stat, mask=mask_n[:, None], other=0.0).to(tl.float32)
+        scale = tl.load(v_scale_ptr + stat, mask=mask_n[:, None], other=0.0)
+        zero = tl.load(v_min_ptr + stat, mask=mask_n[:, None], other=0.0)
         shifts = tl.arange(0, CPW) * BITS
         codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # [N, W, CPW]
-        v = code_float(codes) * scale[:, :, None] + zero[:, :, None]
+        if HALF:
+            v = code_half(codes) * scale[:, :, None] + zero[:, :, None]
+        else:
+            v = code_float(codes) * scale[:, :, None].to(tl.float32) + zero[:, :, None].to(tl.float32)
         return tl.reshape(v, [BLOCK_N, BLOCK_D])
     else:
         codes = value_codes(v_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
@@ -213,7 +223,11 @@ def kivi_key_page(
     q_zero = tl.sum(q_scaled * zero[None, :], 1)
     mask_n = tl.full([BLOCK_N], 1, tl.int1)
     codes = key_codes(k_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
-    return tl.dot(q_page, code_float(codes).to(DOT_DTYPE), input_precision=PRECISION) + q_zero[:, None]
+    if DOT_DTYPE == tl.float16:
+        k = code_half(codes)
+    else:
+        k = code_float(codes).to(DOT_DTYPE)
+    return tl.dot(q_page, k, input_precision=PRECISION) + q_zero[:, None]
 
 
 @triton.jit
