@@ -8,7 +8,8 @@ total tokens/s) and TTFT, inter-token latency (ITL, every gap between streamed t
 output token (TPOT, per request) and end-to-end latency at p50/p90/p99.
 
 Without ``--url`` the script starts ``sparse-serve serve`` in a subprocess (so client and server do
-not share an interpreter) with every argument it does not know itself, e.g.
+not share an interpreter; the server runs its engine in a process of its own) with every argument
+it does not know itself, e.g.
 
     uv run python benchmarks/serving/bench_serving.py --num-requests 32 --request-rates 4,inf \\
         --prompt-lens 32,128 --output-lens 16,64 --out results/serving/cpu-tiny \\
@@ -203,10 +204,14 @@ def start_server(serve_args: list[str], port: int, timeout_s: float, log: Path) 
     raise RuntimeError(f"the server was not ready within {timeout_s:.0f} s")
 
 
-def stop_server(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen, force: bool = False) -> None:
+    """Ctrl-C the server (a second one when ``force``: no drain of open requests); kill it if it hangs."""
     proc.send_signal(signal.SIGINT)
+    if force:
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=20 if force else 60)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
@@ -289,8 +294,13 @@ def main(argv: list[str] | None = None) -> int:
             result["runs"].append({"request_rate": rate, "summary": summary, "server": server, "requests": records})
             _write(args.out, result)  # after every run: a later failure keeps the earlier numbers
             print(markdown(result["runs"][-1:]), file=sys.stderr)
-    finally:
+    except KeyboardInterrupt:  # out of time (run_h200_long.sh's timeout): keep the finished rates
+        print("interrupted; the finished rates are written", file=sys.stderr)
         if proc is not None:
+            stop_server(proc, force=True)
+        return 130
+    finally:
+        if proc is not None and proc.poll() is None:
             stop_server(proc)
     print(markdown(result["runs"]))
     return 0

@@ -87,10 +87,10 @@ def _engine_main(config: EngineConfig, inbox, outbox) -> None:
     outbox.put(("ready", EngineInfo.of(engine), os.getpid()))
     parent = os.getppid()
     while True:
+        if os.getppid() != parent:  # the server is gone (killed): nobody reads what we would compute
+            return
         cmds = _take(inbox, block=not engine.has_unfinished_requests())
         if cmds is None:
-            if os.getppid() != parent:  # the server is gone
-                return
             continue
         acks, calls, stop = _apply(engine, cmds)
         outputs = []
