@@ -158,7 +158,7 @@ def main() -> None:
         qlaunch.KIVI_DECODE_CONFIG.update(defaults[1])
         buffers.PROGRAMS_PER_SM = defaults[2]
 
-    table, sweep_jobs = [], []
+    table, sweep_jobs, sweep_rows = [], [], []
     for batch in [int(b) for b in args.batches.split(",")]:
         for scheme, bits in SCHEMES:
             layers, csr, q, layer_bytes = make_step(scheme, bits, batch)
@@ -172,6 +172,7 @@ def main() -> None:
                 row["max_diff_vs_reference"] = (out.float() - expected.float()).abs().max().item()
             emit(row)
             table.append(row)
+            sweep_rows.append(dict(row, config={}))
             if batch in (1, max(int(b) for b in args.batches.split(","))):
                 sweep_jobs.append((scheme, bits, batch))
             del layers
@@ -204,9 +205,15 @@ def main() -> None:
                 row["frac_copy"] = layer_bytes / (ms * 1e-3) / copy_bw
                 row["max_diff"] = (out.float() - base.float()).abs().max().item()
                 emit(row)
+                sweep_rows.append(row)
         del steps
         torch.cuda.empty_cache()
     restore()
+    print("\nbest of the sweep (config: changes from the default)")
+    for key in sorted({(r["scheme"], r["bits"], r["batch"]) for r in sweep_rows}):
+        rows = [r for r in sweep_rows if (r["scheme"], r["bits"], r["batch"]) == key]
+        best = max(rows, key=lambda r: r["frac_copy"])
+        print(f"{key[0]:11s} {key[1]:4d} {key[2]:5d} {best['frac_copy']:8.1%} {best['us']:8.1f} us  {best['config']}")
     print(f"\ncopy bandwidth {copy_bw / 1e12:.2f} TB/s; default configs, CUDA-graph replay, KV length {KV_LEN}")
     print("scheme      bits batch splits      us   MB/layer   TB/s  of_copy")
     for r in table:
