@@ -162,10 +162,12 @@ def kivi_value_tile(
     UNPACK_WORDS: tl.constexpr,
     HALF: tl.constexpr = False,
 ):
-    """KIVI values ``[BLOCK_N, BLOCK_D]`` in float32: ``code * scale + min`` per (token, channel group).
+    """KIVI values ``[BLOCK_N, BLOCK_D]``: ``code * scale + min`` per (token, channel group).
 
     Unpacking whole words, a word's ``CPW`` channels share one group (``CPW <= GROUP_SIZE``), so the
-    statistics are loaded once per word and broadcast over its channels.
+    statistics are loaded once per word and broadcast over its channels. ``HALF``: computed in float16
+    (codes become halves without a conversion, the statistics are float16 already; for fp16 dots),
+    else in float32.
     """
     if UNPACK_WORDS:
         offs_w = tl.arange(0, WORDS)
