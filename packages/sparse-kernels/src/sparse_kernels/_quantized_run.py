@@ -62,10 +62,25 @@ def check_quantized_kv(
         raise ValueError(f"tail_index is for KIVI's incomplete pages; scheme {kv.scheme!r} keeps none")
 
 
-def rotate(x: torch.Tensor, kv: QuantizedKV, *, back: bool = False) -> torch.Tensor:
-    """TurboQuant: ``x @ R`` (into the rotated space) or ``x @ R.T`` (back), in float32."""
-    rotation = kv.rotation.T if back else kv.rotation
-    return torch.matmul(x.float(), rotation)
+_rotations: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}  # -> (R, R in that dtype)
+
+
+def rotate(x: torch.Tensor, kv: QuantizedKV, *, back: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """TurboQuant: ``x @ R`` (into the rotated space) or ``x @ R.T`` (back), in ``x``'s dtype: one matmul.
+
+    ``R`` in ``x``'s dtype is made once per rotation tensor (a constant of the store), so inside a CUDA
+    graph captured after a first run no cast is launched; with ``out`` (``x``'s dtype) the product is
+    written there.
+    """
+    key = (kv.rotation.data_ptr(), x.dtype)
+    cached = _rotations.get(key)
+    if cached is None or cached[0] is not kv.rotation:
+        cached = _rotations[key] = (kv.rotation, kv.rotation.to(x.dtype))
+    rotation = cached[1].T if back else cached[1]
+    if out is not None and out.is_contiguous():
+        return torch.matmul(x, rotation, out=out)
+    result = torch.matmul(x, rotation)
+    return result if out is None else out.copy_(result)
 
 
 @dataclass(frozen=True, slots=True)

@@ -207,7 +207,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             The layer's codes and scales (``block_size``, ``num_kv_heads``, ``head_dim`` as planned). fp8
             and TurboQuant take every kind of plan; KIVI dense lists only, with ``tail_index`` planned
             when a request's last page is incomplete. TurboQuant's query is rotated by ``kv.rotation`` and
-            the output rotated back (two small matmuls, graph-safe).
+            the output rotated back (two small matmuls in ``q``'s dtype, graph-safe).
         out : torch.Tensor, optional
             Caller-owned buffer shaped like ``q``, in ``q``'s dtype.
 
@@ -238,9 +238,9 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
 
         if kv.scheme != "turboquant":
             return run_quantized_decode_triton(layout, self._buffers, self._num_splits, q, kv, out)
-        rotated = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        rotated = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         run_quantized_decode_triton(layout, self._buffers, self._num_splits, rotate(q, kv), kv, rotated)
-        return out.copy_(rotate(rotated, kv, back=True))
+        return rotate(rotated, kv, back=True, out=out)
 
     def _run_quantized_reference(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor) -> torch.Tensor:
         layout = self._layout

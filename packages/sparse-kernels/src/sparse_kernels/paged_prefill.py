@@ -195,9 +195,9 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         tails = self._tail_device if kv.scheme == "kivi" else None
         if kv.scheme != "turboquant":
             return run_quantized_prefill_triton(plan, tails, q, kv, out)
-        rotated = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        rotated = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         run_quantized_prefill_triton(plan, tails, rotate(q, kv), kv, rotated)
-        return out.copy_(rotate(rotated, kv, back=True))
+        return rotate(rotated, kv, back=True, out=out)
 
     def _run_quantized_reference(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor) -> torch.Tensor:
         plan = self._plan

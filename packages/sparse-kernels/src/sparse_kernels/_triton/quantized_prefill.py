@@ -167,7 +167,7 @@ QUANT_PREFILL_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 def run_quantized_prefill_triton(
     plan: TritonPrefillPlan, tail_index: torch.Tensor | None, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor
 ) -> torch.Tensor:
-    """Launch over the plan (``q`` already rotated for TurboQuant; ``out`` float32 then, else ``q``'s dtype)."""
+    """Launch over the plan (``q`` already rotated for TurboQuant); ``out`` in ``q``'s dtype."""
     if q.stride(2) != 1:
         q = q.contiguous()
     kivi = kv.scheme == "kivi"
