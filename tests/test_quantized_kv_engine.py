@@ -252,3 +252,23 @@ def test_cuda_graphs_and_pipelining_equal_the_cpu_reference(qwen3, store):
     assert llm.engine.num_pipelined_steps > 0
     eager = [o.token_ids for o in _llm(path, device="cuda", enforce_eager=True, **STORES[store]).generate(prompts, params)]
     assert eager == cpu
+
+
+def test_fp8_static_scales_from_a_file(qwen3, tmp_path):
+    """fp8_kv_scale_path: one k and one v dequant multiplier per layer, written as every token's scale."""
+    path, _ = qwen3
+    layers = 3
+    good = tmp_path / "scales.json"
+    good.write_text('{"k": [0.05, 0.05, 0.05], "v": [0.02, 0.02, 0.02]}')
+    llm = _llm(path, sparse_method="fp8_kv", fp8_kv_scale_path=str(good))
+    out = llm.generate(_prompts([20], seed=7), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    kv = llm.engine.runner.kv.quantized[0]
+    written = kv.k_scale.flatten()[kv.k_scale.flatten() != 0]
+    assert written.numel() > 0 and torch.allclose(written, torch.tensor(0.05))
+    for bad, match in [('{"k": [0.1], "v": [0.1]}', "for a model of 3 layers"), ('{"k": 1}', "expected"), ('{"k": [0,0,0], "v": [1,1,1]}', "positive")]:
+        f = tmp_path / "bad.json"
+        f.write_text(bad)
+        with pytest.raises(ValueError, match=match):
+            _llm(path, sparse_method="fp8_kv", fp8_kv_scale_path=str(f))
+    assert layers == llm.engine.runner.model_config.num_hidden_layers
