@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -111,6 +112,8 @@ def test_serve_exits_nonzero_when_its_engine_dies():
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     log = []
+    watchdog = threading.Timer(180, proc.kill)  # bounds the blocking reads below
+    watchdog.start()
     try:
         for line in proc.stdout:  # the startup log names the engine's process
             log.append(line)
@@ -119,7 +122,7 @@ def test_serve_exits_nonzero_when_its_engine_dies():
                 break
         else:
             pytest.fail("".join(log))
-        _wait_for(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, timeout_s=30)
+        _wait_for(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, timeout_s=60)
         body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
@@ -130,6 +133,7 @@ def test_serve_exits_nonzero_when_its_engine_dies():
         assert rest[-1] == "data: [DONE]" and "engine_unavailable" in rest[-2]
         assert proc.wait(timeout=30) == 1
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

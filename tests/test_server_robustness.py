@@ -305,7 +305,7 @@ def test_shutdown_drains_in_flight_streams_then_exits(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for(lambda: _healthy(url) or proc.poll() is not None, timeout_s=60)
+        _wait_for(lambda: _healthy(url) or proc.poll() is not None, timeout_s=120)
         assert proc.poll() is None, proc.stdout.read()
         body = {**C, "max_tokens": 60, "ignore_eos": True, "stream": True}
         events = []
@@ -349,3 +349,24 @@ def test_engine_failure_fails_requests_and_stops_the_server():
         # The engine is dead: the server stops instead of answering 503 forever (run_server exits 1).
         _wait_for(lambda: not srv.running)
         assert "injected engine fault" in srv.fatal_error
+
+
+def test_a_request_that_fails_alone_gets_an_error_and_the_others_go_on(server, monkeypatch):
+    engine = server.app.state.server.engine.engine  # the LLMEngine on the server's engine thread
+    real = engine._append_token
+
+    def fails_when_marked(req, *args, **kwargs):  # a fault in one request's own postprocessing
+        if 4095 in req.sampling_params.stop_token_ids:
+            raise RuntimeError("injected request fault")
+        return real(req, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_append_token", fails_when_marked)
+    marked = {**C, "stop_token_ids": [4095], "max_tokens": 4}
+    r = httpx.post(server.url + "/v1/completions", json=marked)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed"
+    assert "injected request fault" in r.json()["error"]["message"]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**marked, "stream": True}) as s:
+        events = [line for line in s.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and "request_failed" in events[-2]
+    assert httpx.post(server.url + "/v1/completions", json=C).status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200

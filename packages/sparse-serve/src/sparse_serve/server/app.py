@@ -117,6 +117,7 @@ def build_app(engine, config: ServerConfig | None = None) -> FastAPI:
         vocab_size=info.vocab_size,
         max_body_bytes=config.max_body_bytes,
         created=int(time.time()),
+        max_prompt_chars=info.max_model_len * (tokenizer.max_token_chars() if tokenizer is not None else 1),
     )
 
     @asynccontextmanager

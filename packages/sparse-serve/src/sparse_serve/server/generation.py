@@ -52,6 +52,7 @@ class State:
     vocab_size: int
     max_body_bytes: int
     created: int
+    max_prompt_chars: int  # text longer than this cannot fit max_model_len tokens
 
     @property
     def model_name(self) -> str:
@@ -147,7 +148,7 @@ async def _parse(request: Request, model: type[T], state: State) -> T:
 
 def _bound_text(state: State, num_chars: int, param: str) -> None:
     """Refuse text that cannot fit the context whatever its tokens, before spending time on it."""
-    limit = state.max_model_len * _max_token_chars(state.tokenizer)
+    limit = state.max_prompt_chars
     if num_chars > limit:
         raise bad_request(
             f"This model's maximum context length is {state.max_model_len} tokens; a text of {num_chars} "
@@ -155,19 +156,6 @@ def _bound_text(state: State, num_chars: int, param: str) -> None:
             param=param,
             code="context_length_exceeded",
         )
-
-
-_TOKEN_CHARS: dict[int, int] = {}
-
-
-def _max_token_chars(tokenizer: Tokenizer | None) -> int:
-    """The most characters one token can stand for (its vocabulary's longest entry, at least 1)."""
-    if tokenizer is None:
-        return 1
-    key = id(tokenizer)
-    if key not in _TOKEN_CHARS:
-        _TOKEN_CHARS[key] = tokenizer.max_token_chars()
-    return _TOKEN_CHARS[key]
 
 
 async def encode(state: State, text: str, add_special_tokens: bool, param: str) -> list[int]:
