@@ -352,16 +352,20 @@ class AsyncEngine:
             pass
 
     def _take_snapshot(self) -> EngineSnapshot:
-        eng = self.engine
-        return EngineSnapshot(
-            num_running=len(eng.scheduler.running),
-            num_waiting=len(eng.scheduler.waiting),
-            num_kv_blocks_total=eng.kv.num_blocks,
-            num_kv_blocks_free=eng.kv.num_free_blocks,
-            prefix_query_tokens=eng.kv.prefix_query_tokens,
-            prefix_hit_tokens=eng.kv.prefix_hit_tokens,
-            num_preemptions=eng.scheduler.num_preemptions,
-        )
+        return snapshot_of(self.engine)
+
+
+def snapshot_of(engine: LLMEngine) -> EngineSnapshot:
+    """The engine's gauges and counters now (on the thread or process that owns the engine)."""
+    return EngineSnapshot(
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting),
+        num_kv_blocks_total=engine.kv.num_blocks,
+        num_kv_blocks_free=engine.kv.num_free_blocks,
+        prefix_query_tokens=engine.kv.prefix_query_tokens,
+        prefix_hit_tokens=engine.kv.prefix_hit_tokens,
+        num_preemptions=engine.scheduler.num_preemptions,
+    )
 
 
 def _deliver(deliveries: list[tuple[asyncio.Queue, RequestOutput | Exception]]) -> None:

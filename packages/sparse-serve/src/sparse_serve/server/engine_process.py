@@ -4,7 +4,7 @@ never take CPU time or the interpreter lock from the step loop.
 The HTTP side (``EngineProcess``) sends commands over one multiprocessing queue (add, abort, call,
 stop); the engine process (``_engine_main``) runs ``step()`` while any request is unfinished and
 answers over another queue with one message per loop turn: the adds it accepted or refused, the
-calls it ran, the step's outputs and a snapshot of the engine's state. A thread of the HTTP side
+calls it ran, the step's outputs and a snapshot of the engine's state (``engine_worker.py``). A thread of the HTTP side
 reads that queue and hands everything to the event loop. ``EngineProcess`` has ``AsyncEngine``'s
 interface, so the routes do not know which one they talk to.
 
@@ -20,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
-import os
 import queue
-import signal
 import threading
 import time
 import uuid
@@ -30,9 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from sparse_cache import ChainError
 from sparse_serve.config import EngineConfig
-from sparse_serve.prune import PruneError
 from sparse_serve.sampling_params import SamplingParams
 from sparse_serve.server.async_engine import (
     EngineInfo,
@@ -41,119 +37,11 @@ from sparse_serve.server.async_engine import (
     RequestStream,
     _settle_future,
 )
+from sparse_serve.server.engine_worker import POLL_S, engine_main, rebuilt
 from sparse_serve.server.metrics import EngineSnapshot, ServerMetrics
 from sparse_serve.tokenizer import Tokenizer
 
 logger = logging.getLogger("uvicorn.error")
-_POLL_S = 0.5  # how often an idle side checks that the other is still there
-
-
-# -- errors that cross the process boundary -------------------------------------------------------
-def _portable(error: Exception) -> tuple:
-    """An engine error as plain values (exceptions with extra fields do not unpickle)."""
-    if isinstance(error, PruneError):
-        return ("prune", str(error), error.code, error.param)
-    if isinstance(error, ChainError):
-        return ("chain", type(error).__module__, type(error).__name__, str(error))
-    if isinstance(error, ValueError):
-        return ("value", str(error))
-    return ("other", f"{type(error).__name__}: {error}")
-
-
-def _rebuilt(portable: tuple) -> Exception:
-    kind = portable[0]
-    if kind == "prune":
-        return PruneError(portable[1], portable[2], portable[3])
-    if kind == "chain":
-        import importlib
-
-        cls = getattr(importlib.import_module(portable[1]), portable[2], ChainError)
-        return cls(portable[3])
-    if kind == "value":
-        return ValueError(portable[1])
-    return RuntimeError(portable[1])
-
-
-# -- the engine process ---------------------------------------------------------------------------
-def _engine_main(config: EngineConfig, inbox, outbox) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on Ctrl-C, then sends "stop"
-    from sparse_serve.engine import LLMEngine
-
-    try:
-        engine = LLMEngine(config)
-    except BaseException as e:
-        outbox.put(("failed", f"{type(e).__name__}: {e}"))
-        return
-    outbox.put(("ready", EngineInfo.of(engine), os.getpid()))
-    parent = os.getppid()
-    while True:
-        if os.getppid() != parent:  # the server is gone (killed): nobody reads what we would compute
-            return
-        cmds = _take(inbox, block=not engine.has_unfinished_requests())
-        if cmds is None:
-            continue
-        acks, calls, stop = _apply(engine, cmds)
-        outputs = []
-        if not stop and engine.has_unfinished_requests():
-            try:
-                outputs = engine.step()
-            except BaseException as e:
-                logger.exception("engine step failed; the engine process exits")
-                outbox.put(("died", f"the engine failed: {type(e).__name__}: {e}"))
-                raise SystemExit(1) from None
-        outbox.put(("turn", acks, calls, outputs, _snapshot(engine)))
-        if stop:
-            return
-
-
-def _take(inbox, block: bool) -> list | None:
-    try:
-        cmds = [inbox.get(timeout=_POLL_S)] if block else []
-    except queue.Empty:
-        return None
-    while True:
-        try:
-            cmds.append(inbox.get_nowait())
-        except queue.Empty:
-            return cmds
-
-
-def _apply(engine, cmds: list) -> tuple[list, list, bool]:
-    acks, calls, stop = [], [], False
-    for cmd in cmds:
-        kind = cmd[0]
-        if kind == "add":
-            _, request_id, prompt_ids, params, chain = cmd
-            try:
-                engine.add_request(prompt_ids, params, request_id, **chain)
-                acks.append((request_id, None))
-            except ValueError as e:
-                acks.append((request_id, _portable(e)))
-        elif kind == "abort":
-            engine.abort_request(cmd[1])
-        elif kind == "call":
-            _, call_id, fn, args = cmd
-            try:
-                calls.append((call_id, fn(engine, *args), None))
-            except Exception as e:
-                calls.append((call_id, None, _portable(e)))
-        elif kind == "stop":
-            for request_id in list(engine._requests):
-                engine.abort_request(request_id)
-            stop = True
-    return acks, calls, stop
-
-
-def _snapshot(engine) -> EngineSnapshot:
-    return EngineSnapshot(
-        num_running=len(engine.scheduler.running),
-        num_waiting=len(engine.scheduler.waiting),
-        num_kv_blocks_total=engine.kv.num_blocks,
-        num_kv_blocks_free=engine.kv.num_free_blocks,
-        prefix_query_tokens=engine.kv.prefix_query_tokens,
-        prefix_hit_tokens=engine.kv.prefix_hit_tokens,
-        num_preemptions=engine.scheduler.num_preemptions,
-    )
 
 
 # -- the HTTP side --------------------------------------------------------------------------------
@@ -182,7 +70,7 @@ class EngineProcess:
         self.on_fatal: Callable[[str], None] | None = None
         ctx = mp.get_context("spawn")  # a fork of a process with threads (and CUDA) is unsafe
         self._inbox, self._outbox = ctx.Queue(), ctx.Queue()
-        self._proc = ctx.Process(target=_engine_main, args=(config, self._inbox, self._outbox), daemon=True)
+        self._proc = ctx.Process(target=engine_main, args=(config, self._inbox, self._outbox), daemon=True)
         self._proc.start()
         self.info, self.pid = self._wait_ready(start_timeout_s)
         self.tokenizer = (
@@ -203,7 +91,7 @@ class EngineProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                msg = self._outbox.get(timeout=_POLL_S)
+                msg = self._outbox.get(timeout=POLL_S)
             except queue.Empty:
                 if not self._proc.is_alive():
                     raise RuntimeError(f"the engine process exited with status {self._proc.exitcode}") from None
@@ -286,7 +174,7 @@ class EngineProcess:
     def _read(self) -> None:
         while True:
             try:
-                msg = self._outbox.get(timeout=_POLL_S)
+                msg = self._outbox.get(timeout=POLL_S)
             except queue.Empty:
                 if not self._proc.is_alive():
                     self._died(f"the engine process exited with status {self._proc.exitcode}")
@@ -322,11 +210,11 @@ class EngineProcess:
         for request_id, error in acks:
             entry = self._open.get(request_id)
             if entry is not None:
-                _settle_future(entry.accepted, None if error is None else _rebuilt(error))
+                _settle_future(entry.accepted, None if error is None else rebuilt(error))
         for call_id, result, error in calls:
             future = self._calls.pop(call_id, None)
             if future is not None:
-                _settle_future(future, None if error is None else _rebuilt(error), result)
+                _settle_future(future, None if error is None else rebuilt(error), result)
         for out in outputs:
             entry = self._open.get(out.request_id)
             if entry is None:
