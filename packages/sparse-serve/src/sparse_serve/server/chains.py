@@ -18,7 +18,6 @@ the others (``chain_exists``, ``chain_capacity``...) 400s.
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Request
@@ -28,6 +27,7 @@ from sparse_cache import ChainInfo, check_ranges
 from sparse_serve.prune import PRUNE_POLICIES
 from sparse_serve.server.async_engine import EngineUnavailableError
 from sparse_serve.server.errors import bad_request, from_engine_error, server_error
+from sparse_serve.server.generation import encode
 from sparse_serve.server.protocol import StrictBody, parse_body, unknown_model
 
 if TYPE_CHECKING:
@@ -150,14 +150,13 @@ async def _parse(request: Request, model, state: _State):
 
 
 async def _prompt_ids(state: _State, prompt: str | list[int]) -> list[int]:
-    """Token ids of a prompt (text is encoded as ``/v1/completions`` encodes it: with special tokens)."""
+    """Token ids of a prompt (text is encoded as ``/v1/completions`` encodes it: with special tokens,
+    bounded in length before it is tokenized)."""
     if not prompt:
         raise bad_request("The prompt is empty.", param="prompt")
     if isinstance(prompt, list):
         return prompt
-    if state.tokenizer is None:
-        raise bad_request("This model has no tokenizer.json; send the prompt as token ids.", param="prompt")
-    return await asyncio.to_thread(state.tokenizer.encode, prompt, True)
+    return await encode(state, prompt, add_special_tokens=True, param="prompt")
 
 
 async def _call(state: _State, fn, *args, code_params: dict[str, str] | None = None):
