@@ -18,7 +18,7 @@ common=(
 )
 for method in dense snapkv quest; do
   echo "== $method $(date -u +%T)"
-  timeout -s INT "$per_method_s" python benchmarks/serving/bench_serving.py "${common[@]}" \
+  timeout -s INT "$per_method_s" "${PYTHON:-python3}" benchmarks/serving/bench_serving.py "${common[@]}" \
     --sparse-method "$method" --out "$out/$method" "$@" || echo "$method ended with status $?"
 done
 echo "== done $(date -u +%T)"
