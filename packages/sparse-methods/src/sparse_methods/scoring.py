@@ -208,8 +208,8 @@ def keep_indices(scores: torch.Tensor, *, kv_len: int, sink: int, recent: int, n
     ``num_middle`` best-scored slots in between.
 
     ``scores``: ``[H, M]`` scores of slots ``0 .. M-1`` with ``M >= kv_len - recent`` (extra
-    columns are ignored). When everything fits (``kv_len <= sink + num_middle + recent``) every slot
-    is kept. Ties go to the earlier slot.
+    columns are ignored; with ``num_middle=0`` they are not read and may have none). When everything
+    fits (``kv_len <= sink + num_middle + recent``) every slot is kept. Ties go to the earlier slot.
     """
     num_heads = scores.shape[0]
     device = scores.device
@@ -218,10 +218,13 @@ def keep_indices(scores: torch.Tensor, *, kv_len: int, sink: int, recent: int, n
     mid_lo, mid_hi = sink, kv_len - recent
     if mid_hi - mid_lo <= num_middle:
         return torch.arange(kv_len, device=device).expand(num_heads, kv_len).contiguous()
-    middle = scores[:, mid_lo:mid_hi].float()
-    # Stable top-k: sort by score descending, ties by position ascending.
-    order = torch.sort(middle, dim=1, descending=True, stable=True).indices[:, :num_middle] + mid_lo
-    chosen = torch.sort(order, dim=1).values
+    if num_middle <= 0:  # sink and recent only: nothing to rank
+        chosen = torch.empty(num_heads, 0, dtype=torch.long, device=device)
+    else:
+        middle = scores[:, mid_lo:mid_hi].float()
+        # Stable top-k: sort by score descending, ties by position ascending.
+        order = torch.sort(middle, dim=1, descending=True, stable=True).indices[:, :num_middle] + mid_lo
+        chosen = torch.sort(order, dim=1).values
     head = torch.arange(sink, device=device).expand(num_heads, sink)
     tail = torch.arange(mid_hi, kv_len, device=device).expand(num_heads, recent)
     return torch.cat([head, chosen, tail], dim=1).contiguous()
