@@ -1,49 +1,254 @@
-"""Shared machinery of physical-eviction methods: per-step request records and pending compactions.
+"""The eviction family's base: a method is a config, per-layer budgets and a ``score()``.
 
-Subclasses decide, per layer and request, which slots to keep (``self.evict(...)``) from inside
-``on_attention_end``; ``finish_step`` hands the engine every decision of the step at once.
+A subclass says how many tokens each layer keeps (``budgets``), which tokens are protected (sink and
+recent, ``protected``) and how the others rank (``score``: per-token, per-KV-head scores, higher =
+keep). Everything else lives here once:
+
+- which requests' attention inputs each step needs (``attention_requests``), derived from when the
+  method compacts and how many recent queries it observes (``observation_window``);
+- the observed queries of each (request, layer): a sliding window of the latest ones, or, for an
+  accumulating scorer (``accumulates``, H2O), a running per-token score that follows its tokens;
+- top-k under the budget with sink / recent protection, per KV head or shared by all heads (a
+  score with one row), and the ``Compaction`` records ``finish_step`` hands the engine;
+- decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
+- the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
+- chain state (``save_state`` / ``restore_state``) and ``release``.
+
+A method that ranks nothing (``observation_window`` None, StreamingLLM) asks for no attention
+inputs at all, so its decode steps stay eligible for CUDA graphs.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
-from sparse_methods.base import Compaction, RequestStep, SparseMethod, StepContext
+from sparse_methods.base import (
+    Category,
+    Compaction,
+    LayerAttention,
+    MemoryPlan,
+    MethodConfig,
+    ModelShape,
+    PrefixCacheMode,
+    RequestStep,
+    SparseMethod,
+    StepContext,
+)
+from sparse_methods.scoring import keep_indices
+
+
+class Phase(enum.StrEnum):
+    """When a compaction can happen."""
+
+    CHUNK = "chunk"
+    """After a prefill chunk that does not end the prompt (bounds a long prompt's peak)."""
+    PROMPT = "prompt"
+    """After the chunk that ends the prompt."""
+    DECODE = "decode"
+    """Every ``decode_eviction_interval`` generated tokens."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreInputs:
+    """What ``score()`` sees for one request in one layer.
+
+    ``queries``: ``[n, num_q_heads, head_dim]`` observed queries (after RoPE), the tokens of the last
+    ``n`` slots: the latest ``observation_window`` observed ones, or for an accumulating scorer the
+    ones this step observed. ``keys``: ``[kv_len, num_kv_heads, head_dim]`` every slot the layer holds,
+    in slot order (this step's keys last). ``scale``: the attention's softmax scale.
+    """
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    scale: float
+
+    @property
+    def query_slots(self) -> torch.Tensor:
+        """``[n]`` slot of each query (the last ``n`` slots)."""
+        kv_len = self.keys.shape[0]
+        return torch.arange(kv_len - self.queries.shape[0], kv_len, device=self.keys.device)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Per request, what survives across steps (and a chain's turns): decode tokens counted for the
+    interval, per layer the observed query window or the running scores."""
+
+    decoded: int = 0
+    window: list[torch.Tensor | None] = field(default_factory=list)
+    scores: list[torch.Tensor | None] = field(default_factory=list)
 
 
 class EvictionMethod(SparseMethod):
-    """Base of the physical-eviction family (KV of dropped tokens is freed, positions unchanged)."""
+    """Base of the physical-eviction family (KV of dropped tokens is freed, positions unchanged).
 
-    def prepare_step(self, step: StepContext) -> None:
-        self._step = {r.request_id: r for r in step.requests}
+    Subclasses set ``name`` and ``Config`` (with a ``decode_eviction_interval`` field) and implement
+    ``budgets`` and, unless ``observation_window`` is None, ``score``.
+    """
+
+    category = Category.PHYSICAL_EVICTION
+    prefix_cache_mode = PrefixCacheMode.CHAIN
+    accumulates: ClassVar[bool] = False
+    """``score()`` is called for every step that observes queries and the results add up per token
+    (H2O; ``score()`` then returns a new tensor, which the base adds the earlier sums into);
+    otherwise it is called only when compacting, with the latest observed queries."""
+
+    def __init__(self, config: MethodConfig, shape: ModelShape) -> None:
+        super().__init__(config, shape)
+        self._states: dict[Hashable, _RequestState] = {}
+        self._step: dict[Hashable, tuple[tuple[int, ...] | None, int]] = {}  # request -> (budgets, rows)
+        self._observing: frozenset[Hashable] = frozenset()
         self._pending: dict[Hashable, list[torch.Tensor | None]] = {}
-        self._wanted = self.select_requests(step)
 
-    def select_requests(self, step: StepContext) -> dict[int, set[Hashable]]:
-        """Layer -> requests whose attention inputs the method needs this step (default: none)."""
-        return {}
+    # -- what a method says ----------------------------------------------------------------------
+    def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
+        """Tokens each layer keeps when compacting at ``phase`` for a request whose prompt has
+        ``prompt_len`` tokens, or None: the method does not compact at that phase."""
+        raise NotImplementedError
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        """``(sink, recent)`` tokens of a ``budget`` always kept (the rest ranks by score): the config's
+        ``sink_keep_tokens`` and ``recent_keep_tokens``, cut to the budget."""
+        sink = min(getattr(self.config, "sink_keep_tokens", 0), budget)
+        return sink, min(getattr(self.config, "recent_keep_tokens", 0), budget - sink)
+
+    @property
+    def observation_window(self) -> int | None:
+        """Latest prompt queries (of the prompt, or of each compacted chunk) that ``score()`` observes;
+        0: every prompt query; None: the method ranks nothing and asks for no attention inputs."""
+        return None
+
+    def score(self, layer: int, inputs: ScoreInputs) -> torch.Tensor:
+        """``[num_kv_heads, M]`` (per-head selection) or ``[1, M]`` (one choice for every head) scores
+        of slots ``0 .. M-1``, higher = keep, with ``M`` at least the slots before the recent ones."""
+        raise NotImplementedError(f"{self.name} ranks no tokens")
+
+    # -- derived: the memory plan --------------------------------------------------------------------
+    @property
+    def _interval(self) -> int | None:
+        return getattr(self.config, "decode_eviction_interval", None)
+
+    def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
+        chunk = self.budgets(prompt_len, Phase.CHUNK)
+        prompt = self.budgets(prompt_len, Phase.PROMPT)
+        decode = self.budgets(prompt_len, Phase.DECODE) if self._interval is not None else None
+        prefill_peak, resident, decode_peak = [], [], []
+        for layer in range(self.shape.num_layers):
+            prefill_peak.append(prompt_len if chunk is None else min(prompt_len, chunk[layer] + chunk_size))
+            kept = min(prompt_len, prompt[layer])
+            resident.append(kept)
+            grown = kept + max_new_tokens
+            decode_peak.append(grown if decode is None else min(grown, max(kept, decode[layer]) + self._interval))
+        return MemoryPlan(tuple(prefill_peak), tuple(resident), tuple(decode_peak))
+
+    # -- derived: the step's schedule ----------------------------------------------------------------
+    def prepare_step(self, step: StepContext) -> None:
+        self._step, self._pending = {}, {}
+        for r in step.requests:
+            state = self._states.get(r.request_id)
+            if state is None:
+                state = self._states[r.request_id] = _RequestState(window=self._layers(), scores=self._layers())
+            budgets = self._compaction(r, state)
+            self._step[r.request_id] = (budgets, self._observed_rows(r))
+            if budgets is not None and self.observation_window is None:
+                self._compact_by_position(r, budgets)
+        self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
+
+    def _layers(self) -> list[torch.Tensor | None]:
+        return [None] * self.shape.num_layers
+
+    def _compaction(self, r: RequestStep, state: _RequestState) -> tuple[int, ...] | None:
+        """Per-layer budgets if this step ends in a compaction of ``r`` (layers within budget stay)."""
+        if r.is_decode:
+            interval = self._interval
+            before, state.decoded = state.decoded, state.decoded + r.num_new_tokens
+            if interval is None or before // interval == state.decoded // interval:
+                return None
+            return self.budgets(r.prompt_len, Phase.DECODE)
+        return self.budgets(r.prompt_len, Phase.PROMPT if r.ends_prefill else Phase.CHUNK)
+
+    def _observed_rows(self, r: RequestStep) -> int:
+        """How many of the step's last queries ``r`` hands to the method (0: none)."""
+        w = self.observation_window
+        if w is None:
+            return 0
+        if r.is_decode:
+            return r.num_new_tokens if self._interval is not None else 0
+        if self.budgets(r.prompt_len, Phase.CHUNK) is not None:  # every chunk compacts: its own last rows
+            return r.num_new_tokens if w == 0 else min(w, r.num_new_tokens)
+        if r.prompt_len <= min(self.budgets(r.prompt_len, Phase.PROMPT)):
+            return 0  # the prompt fits every layer: nothing will be ranked
+        first = r.start if w == 0 else max(r.start, r.prompt_len - w)
+        return max(0, r.end - first)
 
     def attention_requests(self, layer: int) -> Collection[Hashable]:
-        return self._wanted.get(layer, ())
+        return self._observing
 
-    def evict(self, request_id: Hashable, layer: int, keep: torch.Tensor) -> None:
-        """Record ``keep`` (``[num_kv_heads, n]`` ascending slot indices) for one layer of a request."""
-        if keep.dim() != 2 or keep.shape[0] != self.shape.num_kv_heads:
-            raise ValueError(f"keep must be [num_kv_heads={self.shape.num_kv_heads}, n]; got {tuple(keep.shape)}")
-        pending = self._pending.setdefault(request_id, [None] * self.shape.num_layers)
-        pending[layer] = keep
+    # -- derived: observing and compacting ---------------------------------------------------------
+    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
+        rid = request.request_id
+        budgets, rows = self._step[rid]
+        state = self._states[rid]
+        queries, kv_len = view.queries[-rows:], view.keys.shape[0]
+        if self.accumulates:
+            scores = self.score(layer, ScoreInputs(queries, view.keys, view.scale))
+            prev = state.scores[layer]
+            if prev is not None:
+                scores[:, : prev.shape[1]] += prev
+            state.scores[layer] = scores
+        else:
+            prev = state.window[layer]
+            window = queries if prev is None else torch.cat([prev, queries])
+            state.window[layer] = window = window[-self.observation_window :]  # 0: all of them
+        if budgets is None or kv_len <= budgets[layer]:
+            return
+        if not self.accumulates:
+            scores = self.score(layer, ScoreInputs(window, view.keys, view.scale))
+        keep = self._select(scores, kv_len, budgets[layer])
+        self._pending.setdefault(rid, self._layers())[layer] = keep
+        if self.accumulates:  # scores follow their tokens (one row: the shared order)
+            state.scores[layer] = torch.gather(scores, 1, keep[: scores.shape[0]])
+
+    def _select(self, scores: torch.Tensor | None, kv_len: int, budget: int) -> torch.Tensor:
+        """``[num_kv_heads, budget]`` kept slots: sink, recent and the best-scored others."""
+        sink, recent = self.protected(budget)
+        middle = max(0, budget - sink - recent)
+        if scores is None:
+            if middle:
+                raise ValueError(f"{self.name}: a budget above sink + recent needs an observation_window and score()")
+            scores = torch.zeros(1, 0)  # not read: nothing to rank
+        keep = keep_indices(scores, kv_len=kv_len, sink=sink, recent=recent, num_middle=middle)
+        return keep.expand(self.shape.num_kv_heads, -1).contiguous()
+
+    def _compact_by_position(self, r: RequestStep, budgets: tuple[int, ...]) -> None:
+        """A method that ranks nothing keeps sink and recent: decided before the forward, no inputs."""
+        keeps = self._layers()
+        for layer, budget in enumerate(budgets):
+            kv_len = r.kv_lens[layer] + r.num_new_tokens
+            if kv_len > budget:
+                keeps[layer] = self._select(None, kv_len, budget)
+        if any(k is not None for k in keeps):
+            self._pending[r.request_id] = keeps
 
     def finish_step(self) -> Mapping[Hashable, Compaction]:
         out = {rid: Compaction(tuple(keep)) for rid, keep in self._pending.items()}
         self._pending = {}
         return out
 
-    def kv_len_after(self, request: RequestStep, layer: int) -> int:
-        return request.kv_lens[layer] + request.num_new_tokens
+    # -- request events and chains -----------------------------------------------------------------
+    def release(self, request_id: Hashable) -> None:
+        self._states.pop(request_id, None)
 
+    def save_state(self, request_id: Hashable) -> object | None:
+        # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.
+        state = self._states.get(request_id)
+        return None if state is None else _RequestState(state.decoded, list(state.window), list(state.scores))
 
-def all_layers(num_layers: int, requests: Collection[Hashable]) -> dict[int, set[Hashable]]:
-    ids = set(requests)
-    return {layer: ids for layer in range(num_layers)} if ids else {}
+    def restore_state(self, request_id: Hashable, state: object) -> None:
+        if state is not None:
+            self._states[request_id] = _RequestState(state.decoded, list(state.window), list(state.scores))

@@ -1,0 +1,156 @@
+"""The eviction base: a toy method that is a config plus ``score()`` gets top-k with sink / recent
+protection, per-head or shared selection, a memory plan it keeps, decode-time intervals and chain
+state from the base; StreamingLLM asks for no attention inputs at all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import Field
+
+import sparse_methods as sm
+from sparse_methods.base import LayerAttention, MethodConfig, RequestStep, StepContext
+from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
+
+SHAPE = sm.ModelShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8)
+
+
+class KeyNormConfig(MethodConfig):
+    sink_keep_tokens: int = Field(2, ge=0)
+    decode_keep_tokens: int = Field(6, ge=0)
+    recent_keep_tokens: int = Field(4, ge=1)
+    decode_eviction_interval: int | None = Field(3, ge=1)
+    shared: bool = False
+
+
+class KeyNorm(EvictionMethod):
+    """Keep the keys of smallest norm (the whole method: config, budgets, score)."""
+
+    name = "test_keynorm"
+    Config = KeyNormConfig
+
+    def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
+        c = self.config
+        return None if phase is Phase.CHUNK else (c.sink_keep_tokens + c.decode_keep_tokens + c.recent_keep_tokens,) * 2
+
+    @property
+    def observation_window(self) -> int:
+        return 1
+
+    def score(self, layer: int, inputs: ScoreInputs) -> torch.Tensor:
+        scores = -inputs.keys.float().norm(dim=-1).T  # [num_kv_heads, kv_len]
+        return scores.sum(0, keepdim=True) if self.config.shared else scores
+
+
+def _drive(method, keys, prompt_len, chunk, num_decode, rid="r", on_step=None, held=None):
+    """Run one request (its keys per layer ``[n, Hkv, D]`` in arrival order) through chunked prefill and
+    decode, from ``held`` (per layer ``[Hkv, n]`` arrival indices of the slots it holds, None: nothing);
+    returns what each layer holds at the end. Tokens before ``held``'s newest one are processed."""
+    total = prompt_len + num_decode
+    if held is None:
+        held = [torch.empty(SHAPE.num_kv_heads, 0, dtype=torch.long) for _ in range(SHAPE.num_layers)]
+    done = int(held[0].max()) + 1 if held[0].numel() else 0
+    while done < total:
+        n = min(chunk, prompt_len - done) if done < prompt_len else 1
+        step = RequestStep(rid, done, n, prompt_len, tuple(h.shape[1] for h in held))
+        method.prepare_step(StepContext((step,)))
+        new = torch.arange(done, done + n).expand(SHAPE.num_kv_heads, -1)
+        held = [torch.cat([h, new], dim=1) for h in held]
+        for layer in range(SHAPE.num_layers):
+            if rid in method.attention_requests(layer):
+                layer_keys = keys[layer][held[layer].T, torch.arange(SHAPE.num_kv_heads)]  # [kv_len, Hkv, D]
+                queries = torch.randn(n, SHAPE.num_q_heads, SHAPE.head_dim)
+                method.on_attention_end(layer, step, LayerAttention(queries, layer_keys, 0.3))
+        for layer, keep in enumerate(method.finish_step().get(rid, sm.Compaction((None,) * 2)).keep):
+            if keep is not None:
+                held[layer] = held[layer].gather(1, keep)
+        done += n
+        if on_step is not None:
+            on_step(step, held)
+    return held
+
+
+def _keys(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, SHAPE.num_kv_heads, SHAPE.head_dim, generator=g) for _ in range(SHAPE.num_layers)]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_kept_tokens_are_sink_recent_and_the_best_scores(shared):
+    method = KeyNorm(KeyNormConfig(decode_eviction_interval=None, shared=shared), SHAPE)
+    keys = _keys(40)
+    held = _drive(method, keys, 40, chunk=16, num_decode=0)
+    for layer in range(SHAPE.num_layers):
+        norms = keys[layer].norm(dim=-1).T  # [Hkv, 40]
+        rows = norms.sum(0, keepdim=True).expand_as(norms) if shared else norms
+        for head in range(SHAPE.num_kv_heads):
+            best = torch.argsort(rows[head, 2:36], stable=True)[:6] + 2
+            assert set(held[layer][head].tolist()) == {0, 1, *best.tolist(), 36, 37, 38, 39}
+        if shared:
+            assert torch.equal(held[layer][0], held[layer][1])
+
+
+def test_memory_follows_the_plan_and_decode_evicts_every_interval():
+    method = KeyNorm(KeyNormConfig(), SHAPE)
+    plan = method.memory_plan(30, 10, 8)
+    lens = []
+
+    def check(step, held):
+        lens.append(held[0].shape[1])
+        peak = plan.prefill_peak_tokens if step.end < 30 else plan.decode_peak_tokens
+        assert all(h.shape[1] <= p for h, p in zip(held, peak, strict=True))
+
+    _drive(method, _keys(40), 30, chunk=8, num_decode=10, on_step=check)
+    # compacted at the prompt's end, then every 3 generated tokens
+    assert lens == [8, 16, 24, 12, 13, 14, 12, 13, 14, 12, 13, 14, 12, 13]
+
+
+@pytest.mark.parametrize("name", ["keynorm", "snapkv", "h2o"])
+def test_chain_state_resumes_like_one_session(name):
+    """A turn's snapshot restored into the next turn's request (another instance) continues exactly
+    as one request that never ended, twice (a snapshot may be restored more than once)."""
+    params = dict(sink_keep_tokens=2, decode_keep_tokens=6, recent_keep_tokens=4, decode_eviction_interval=3)
+    if name == "snapkv":
+        params["observation_window_size"] = 4
+    if name == "h2o":
+        params = dict(h2o_prefill_budget=12, h2o_decode_budget=10, decode_eviction_interval=3, h2o_per_head=True)
+
+    def build():
+        return KeyNorm(KeyNormConfig(), SHAPE) if name == "keynorm" else sm.build_method(name, SHAPE, **params)
+
+    keys = _keys(80, seed=1)
+    one = build()
+    torch.manual_seed(0)
+    held = _drive(one, keys, 30, chunk=8, num_decode=5)  # turn 1: 30 prompt tokens, 5 generated
+    state = one.save_state("r")
+    torch.manual_seed(1)
+    expected = _drive(one, keys, 38, chunk=8, num_decode=7, held=held)  # turn 2 of the same request
+    for _ in range(2):
+        other = build()
+        other.restore_state("s", state)
+        torch.manual_seed(1)
+        resumed = _drive(other, keys, 38, chunk=8, num_decode=7, rid="s", held=held)
+        assert all(torch.equal(a, b) for a, b in zip(resumed, expected, strict=True))
+    one.release("r")
+    assert one.save_state("r") is None
+
+
+@pytest.mark.parametrize("name", ["streamingllm", "snapkv", "pyramidkv", "h2o"])
+def test_budget_above_context_is_the_identity(name):
+    method = sm.build_method(name, SHAPE, decode_eviction_interval=4)
+    held = _drive(method, _keys(80), 60, chunk=16, num_decode=20)
+    assert all(h.tolist() == [list(range(80))] * SHAPE.num_kv_heads for h in held)
+
+
+def test_streamingllm_asks_for_no_attention_inputs():
+    """Its kept set depends on positions only: no step observes attention (decode stays graph-eligible)."""
+    method = sm.build_method(
+        "streamingllm", SHAPE, sink_keep_tokens=2, recent_keep_tokens=6, decode_eviction_interval=4
+    )
+
+    def check(step, held):
+        assert not any(method.attention_requests(layer) for layer in range(SHAPE.num_layers))
+
+    held = _drive(method, _keys(40), 30, chunk=8, num_decode=10, on_step=check)
+    # the prompt's chunks are cut to 8 slots; then every 4 generated tokens (at tokens 33 and 37)
+    assert held[0][0].tolist() == [0, 1, 32, 33, 34, 35, 36, 37, 38, 39]
