@@ -70,8 +70,8 @@ def test_lm_eval_local_completions_loglikelihood(server, tmp_path, monkeypatch):
         model_args={
             "base_url": server.url + "/v1/completions",
             "model": MODEL,
-            "tokenizer_backend": "huggingface",
-            "tokenizer": str(DEFAULT_MODEL),
+            # The server's /tokenizer_info, /tokenize and /detokenize: no tokenizer on the client side.
+            "tokenizer_backend": "remote",
             "tokenized_requests": True,
             "num_concurrent": 2,
             "max_retries": 1,

@@ -100,6 +100,8 @@ def test_tokenize_and_detokenize(server, offline):
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     r = httpx.post(server.url + "/tokenize", json=chat, headers=AUTH).json()
     assert r["tokens"] == offline.tokenizer.encode("[user] hi\n[assistant]", add_special_tokens=False)
+    info = httpx.get(server.url + "/tokenizer_info", headers=AUTH).json()
+    assert info["eos_token"] and info["chat_template"] == TEMPLATE and info["model_max_length"] == 256
     bad = httpx.post(server.url + "/detokenize", json={"tokens": [10**7]}, headers=AUTH)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 

@@ -1,5 +1,5 @@
 """The generation routes (``/v1/completions``, ``/v1/chat/completions``) and the tokenizer's
-(``/tokenize``, ``/detokenize``).
+(``/tokenize``, ``/detokenize``, ``/tokenizer_info``).
 
 A request becomes one engine request per choice: each prompt (completions take a batch) times
 ``n``. With ``n > 1`` the first sample of a prompt goes first and the others follow once its prompt
@@ -110,6 +110,23 @@ async def tokenize(request: Request) -> dict[str, Any]:
     else:
         ids = await encode(state, body.prompt, add_special_tokens=body.add_special_tokens, param="prompt")
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """The tokenizer's special tokens, chat template and length limit (vLLM's route; what
+    lm-evaluation-harness's remote tokenizer reads, so a client needs no copy of the tokenizer)."""
+    state = _state(request)
+    if state.tokenizer is None or state.chat_template is None:
+        raise bad_request("This model has no tokenizer.json.")
+    bos, eos = state.chat_template.special_tokens
+    return {
+        "bos_token": bos or None,
+        "eos_token": eos or None,
+        "pad_token": None,
+        "chat_template": state.chat_template.source,
+        "model_max_length": state.max_model_len,
+    }
 
 
 @router.post("/detokenize")
