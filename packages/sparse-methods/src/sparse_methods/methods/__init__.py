@@ -1,5 +1,27 @@
 """The registered methods; importing this package registers them all."""
 
-from sparse_methods.methods import compressed_storage, dense, h2o, omnikv, pyramidkv, quest, snapkv, streamingllm
+from sparse_methods.methods import (
+    compressed_storage,
+    dense,
+    h2o,
+    omnikv,
+    pyramidkv,
+    quest,
+    rkv,
+    snapkv,
+    streamingllm,
+    tova,
+)
 
-__all__ = ["compressed_storage", "dense", "h2o", "omnikv", "pyramidkv", "quest", "snapkv", "streamingllm"]
+__all__ = [
+    "compressed_storage",
+    "dense",
+    "h2o",
+    "omnikv",
+    "pyramidkv",
+    "quest",
+    "rkv",
+    "snapkv",
+    "streamingllm",
+    "tova",
+]
