@@ -42,6 +42,15 @@ METHODS = {
         decode_eviction_interval=3,
     ),
     "h2o": dict(sparse_method="h2o", h2o_prefill_budget=40, h2o_decode_budget=24, decode_eviction_interval=3),
+    "tova": dict(sparse_method="tova", decode_keep_tokens=35, decode_eviction_interval=2),
+    "rkv": dict(
+        sparse_method="rkv",
+        sink_keep_tokens=0,
+        decode_keep_tokens=32,
+        recent_keep_tokens=8,
+        rkv_compression_interval=3,
+        rkv_observation_tokens=3,
+    ),
 }
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

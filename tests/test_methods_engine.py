@@ -43,6 +43,15 @@ SMALL_BUDGETS = {
     "h2o_prefill": dict(
         sparse_method="h2o", prefill_sparse_method="h2o_prefill", h2o_prefill_budget=40, h2o_prefill_score_window=8
     ),
+    "tova": dict(sparse_method="tova", decode_keep_tokens=35),  # evicts after every chunk and every token
+    "rkv": dict(  # the prompt stays whole; every 6 generated tokens back to 40
+        sparse_method="rkv",
+        sink_keep_tokens=0,
+        decode_keep_tokens=32,
+        recent_keep_tokens=8,
+        rkv_compression_interval=6,
+        rkv_observation_tokens=4,
+    ),
 }
 LARGE_BUDGETS = {
     "streamingllm": dict(sparse_method="streamingllm", sink_keep_tokens=4, recent_keep_tokens=1000),
@@ -50,6 +59,8 @@ LARGE_BUDGETS = {
     "pyramidkv": dict(sparse_method="pyramidkv", decode_keep_tokens=1000, decode_eviction_interval=4),
     "h2o": dict(sparse_method="h2o", h2o_prefill_budget=1000, h2o_decode_budget=1000, decode_eviction_interval=4),
     "h2o_prefill": dict(sparse_method="h2o", prefill_sparse_method="h2o_prefill", h2o_prefill_budget=1000),
+    "tova": dict(sparse_method="tova", decode_keep_tokens=1000),
+    "rkv": dict(sparse_method="rkv", decode_keep_tokens=1000, rkv_compression_interval=4, rkv_observation_tokens=4),
 }
 
 
