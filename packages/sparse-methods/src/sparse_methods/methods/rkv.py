@@ -70,10 +70,14 @@ def rkv_redundancy(keys: torch.Tensor, *, max_elements: int = 1 << 26) -> torch.
 
 
 class RKVConfig(MethodConfig):
-    sink_keep_tokens: int = Field(64, ge=0, description="Part of the budget sink + keep + recent (no fixed sink).")
-    decode_keep_tokens: int = Field(4096, ge=0, description="Part of the budget sink + keep + recent, in tokens.")
+    sink_keep_tokens: int = Field(
+        64, ge=0, description="Counted in the budget sink + keep + recent, in tokens (no leading tokens are protected)."
+    )
+    decode_keep_tokens: int = Field(4096, ge=0, description="Counted in the budget sink + keep + recent, in tokens.")
     recent_keep_tokens: int = Field(
-        512, ge=0, description="Part of the budget sink + keep + recent (only rkv_observation_tokens are protected)."
+        512,
+        ge=0,
+        description="Counted in the budget sink + keep + recent, in tokens (rkv_observation_tokens are protected).",
     )
     rkv_compression_interval: int = Field(
         128, ge=1, description="Cut the cache back to the budget every this many generated tokens."
@@ -81,7 +85,9 @@ class RKVConfig(MethodConfig):
     rkv_observation_tokens: int = Field(
         8, ge=1, description="Latest generated tokens whose queries score importance; always kept."
     )
-    rkv_alpha: float = Field(0.1, ge=0.0, le=1.0, description="score = alpha * importance - (1 - alpha) * redundancy.")
+    rkv_alpha: float = Field(
+        0.1, ge=0.0, le=1.0, description="Weight of importance: score = alpha * importance - (1 - alpha) * redundancy."
+    )
     rkv_kernel_size: int = Field(7, ge=1, description="Max-pooling kernel of importance along tokens (odd).")
     rkv_score_chunk_mb: int = Field(512, ge=1, description="Workspace of the pairwise key similarities, in MiB.")
 
