@@ -137,3 +137,21 @@ def test_serve_exits_nonzero_when_its_engine_dies():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_on_cpu_the_engine_leaves_the_server_a_core(monkeypatch):
+    """Measured: with every core running the engine's OpenMP threads, a 2-core machine's steps got
+    ~20x slower under 32 streams (the server's event loop and the spinning threads preempt each other)."""
+    import torch
+
+    from sparse_serve.server import engine_worker
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(engine_worker.os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    engine_worker._leave_a_core_to_the_server(EngineConfig(**ENGINE))
+    assert calls == [1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice wins
+    engine_worker._leave_a_core_to_the_server(EngineConfig(**ENGINE))
+    assert calls == [1]
