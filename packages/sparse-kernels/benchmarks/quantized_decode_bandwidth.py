@@ -108,12 +108,12 @@ def variants(scheme: str, bits: int) -> list[dict]:
     if scheme == "bf16":
         return []
     if scheme == "kivi":
-        configs = [dict(num_warps=2), dict(num_stages=3), dict(PLANES=True), dict(UNPACK_WORDS=False)]
+        configs = [dict(num_warps=2), dict(num_stages=3), dict(UNPACK_WORDS=False)]
         configs += [dict(num_stages=1), dict(num_warps=8), dict(num_warps=2, num_stages=3)]
     else:
         configs = [dict(BLOCK_N=64), dict(num_stages=3), dict(num_warps=2), dict(num_warps=8), dict(BLOCK_N=256)]
         if bits in (2, 4):
-            configs[1:1] = [dict(PLANES=True), dict(PLANES=True, BLOCK_N=64), dict(UNPACK_WORDS=False)]
+            configs[1:1] = [dict(UNPACK_WORDS=False)]
         configs += [dict(BLOCK_N=64, num_stages=3), dict(BLOCK_N=32)]
     return configs + [dict(per_sm=4), dict(per_sm=16)]
 
@@ -123,9 +123,8 @@ def apply(cfg: dict, scheme: str) -> None:
     for key in ("BLOCK_N", "num_warps", "num_stages"):
         if key in cfg:
             target[key] = cfg[key]
-    for key in ("UNPACK_WORDS", "PLANES"):
-        if key in cfg:
-            qlaunch.QUANT_DECODE_CONFIG[key] = cfg[key]
+    if "UNPACK_WORDS" in cfg:
+        qlaunch.QUANT_DECODE_CONFIG["UNPACK_WORDS"] = cfg["UNPACK_WORDS"]
     if "per_sm" in cfg:
         buffers.PROGRAMS_PER_SM = cfg["per_sm"]
 

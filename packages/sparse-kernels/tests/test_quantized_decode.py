@@ -181,20 +181,3 @@ def test_quantized_decode_replays_under_cuda_graph(quantized_batch, scheme, bits
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.cpu(), _expected(second, q), **TOL["cuda"])
-
-
-@pytest.mark.parametrize(("scheme", "bits"), [("kivi", 2), ("turboquant", 4)], ids=["kivi2", "turboquant4"])
-def test_bit_plane_kernel(quantized_batch, triton_device, monkeypatch, scheme, bits):
-    # The bit-plane split kernel (quantized_planes.py), a launch option for 2- and 4-bit codes.
-    from sparse_kernels._triton import quantized_decode_launch
-
-    monkeypatch.setitem(quantized_decode_launch.QUANT_DECODE_CONFIG, "PLANES", True)
-    batch = quantized_batch(
-        [1, 17, 97], scheme=scheme, bits=bits, block_size=16, num_kv_heads=NUM_KV_HEADS, head_dim=64, seed=13
-    )
-    q = torch.randn(3, 3 * NUM_KV_HEADS, 64, generator=torch.Generator().manual_seed(14))
-    wrapper = BatchDecodeWithPagedKVCache(triton_device, backend="triton", num_splits=2)
-    _plan(wrapper, batch, 3)
-    assert quantized_decode_launch.use_planes(batch.kv)
-    out = wrapper.run_quantized(q.to(triton_device), batch.kv_on(triton_device))
-    torch.testing.assert_close(out.cpu(), _expected(batch, q), **TOL[torch.device(triton_device).type])

@@ -13,18 +13,15 @@ from sparse_kernels._decode_layout import DecodeLayout
 from sparse_kernels._triton.decode import decode_reduce_kernel
 from sparse_kernels._triton.launch import pdl_args
 from sparse_kernels._triton.quantized_decode import quantized_decode_split_kernel
-from sparse_kernels._triton.quantized_planes import quantized_planes_split_kernel
 from sparse_kernels._triton.quantized_tiles import SCHEME_IDS
 from sparse_kernels.quantized_kv import QuantizedKV, codes_per_word, words_per_row
 
 LOG2_E = 1.4426950408889634
 # Tokens per step and launch shape of the per-token schemes (fp8, TurboQuant); KIVI steps one page.
 # UNPACK_WORDS: load each packed word once and shift it into its channels (2 and 4 bits), instead of a
-# load per channel. PLANES: 2- and 4-bit codes through the bit-plane kernel (quantized_planes.py).
-# Chosen from the sm_90 instruction counts of the loop body per token (BLOCK_N 128 issues ~25% fewer
-# instructions per token than 64 for fp8 and TurboQuant, and the planes kernel more than the reshape);
-# benchmarks/quantized_decode_bandwidth.py sweeps them on an H200 (NOTES.md).
-QUANT_DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "UNPACK_WORDS": True, "PLANES": False}
+# load per channel (4-10x slower on an H200; 3-bit rows, 10 codes a word, always take it). The best
+# defaults of a sweep on an H200 at 128K (benchmarks/NOTES.md, session 5).
+QUANT_DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "UNPACK_WORDS": True}
 KIVI_DECODE_CONFIG = {"num_warps": 4, "num_stages": 2}
 
 
@@ -60,19 +57,6 @@ def scheme_args(kv: QuantizedKV) -> dict[str, Any]:
 
 
 _codebooks: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
-
-
-def use_planes(kv: QuantizedKV) -> bool:
-    """Whether decode takes the bit-plane kernel: 2- or 4-bit codes, ``head_dim / 4`` a power of two >= 16."""
-    units = kv.head_dim // 4
-    return (
-        QUANT_DECODE_CONFIG["PLANES"]
-        and kv.scheme != "fp8"
-        and kv.bits in (2, 4)
-        and kv.head_dim % 4 == 0
-        and units >= 16
-        and units & (units - 1) == 0
-    )
 
 
 def kv_pointers(kv: QuantizedKV) -> list[torch.Tensor]:
@@ -119,8 +103,7 @@ def run_quantized_decode_triton(
         "BLOCK_N": block_n(kv),
     }
     grid = (layout.batch, layout.num_kv_heads, num_splits)
-    split_kernel = quantized_planes_split_kernel if use_planes(kv) else quantized_decode_split_kernel
-    split_kernel[grid](
+    quantized_decode_split_kernel[grid](
         q,
         *kv_pointers(kv),
         bufs.indptr,
