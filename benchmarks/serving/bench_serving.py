@@ -281,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, rate in enumerate(rates):
             lens = (args.prompt_lens, args.output_lens)
             workload = make_workload(args.num_requests, *lens, rate, args.max_token_id, args.seed + i)
-            warmup = make_workload(args.num_warmup, *lens, math.inf, args.max_token_id, -1 - args.seed - i)
+            # Far from every run's seed (random.Random(-n) equals Random(n), so negatives collide).
+            warmup_seed = 1_000_003 + args.seed + i
+            warmup = make_workload(args.num_warmup, *lens, math.inf, args.max_token_id, warmup_seed)
             asyncio.run(run_rate(url, model, [], warmup))
             before = server_metrics(url)
             records, duration = asyncio.run(run_rate(url, model, workload))
