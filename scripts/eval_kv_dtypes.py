@@ -73,7 +73,13 @@ def main() -> None:
     for name in args.stores.split(","):
         cfg = STORES[name]
         llm = LLM(
-            str(DEFAULT_MODEL), device=args.device, max_model_len=args.length + 64, max_num_batched_tokens=2048, **cfg
+            str(DEFAULT_MODEL),
+            device=args.device,
+            max_model_len=args.length + 64,
+            max_num_batched_tokens=2048,
+            max_num_seqs=64,
+            num_kv_blocks=64 * -(-(args.length + 64) // 16) + 64,  # every running request at full length
+            **cfg,
         )
         samples = make_samples(grid, llm.tokenizer, haystack)
         t0 = time.perf_counter()
