@@ -154,3 +154,24 @@ def test_streamingllm_asks_for_no_attention_inputs():
     held = _drive(method, _keys(40), 30, chunk=8, num_decode=10, on_step=check)
     # the prompt's chunks are cut to 8 slots; then every 4 generated tokens (at tokens 33 and 37)
     assert held[0][0].tolist() == [0, 1, 32, 33, 34, 35, 36, 37, 38, 39]
+
+
+class DecodeOnly(KeyNorm):
+    """Compacts only during decode: ``budgets`` says None for the prompt (no compaction there)."""
+
+    name = "test_decode_only"
+
+    def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
+        return super().budgets(prompt_len, phase) if phase is Phase.DECODE else None
+
+
+def test_no_prompt_compaction_is_none():
+    """None for the prompt phase means: the prompt stays whole; the plan and the schedule follow."""
+    method = DecodeOnly(KeyNormConfig(), SHAPE)
+    plan = method.memory_plan(30, 10, 8)
+    assert plan.resident_tokens == (30, 30)
+    assert plan.decode_peak_tokens == (max(30, 12) + 3,) * 2
+    lens = []
+    _drive(method, _keys(40), 30, chunk=8, num_decode=10, on_step=lambda step, held: lens.append(held[0].shape[1]))
+    # the prompt is kept whole; decode evicts back to 12 every 3 generated tokens
+    assert lens == [8, 16, 24, 30, 31, 32, 12, 13, 14, 12, 13, 14, 12, 13]

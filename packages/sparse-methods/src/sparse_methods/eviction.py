@@ -140,7 +140,7 @@ class EvictionMethod(SparseMethod):
         prefill_peak, resident, decode_peak = [], [], []
         for layer in range(self.shape.num_layers):
             prefill_peak.append(prompt_len if chunk is None else min(prompt_len, chunk[layer] + chunk_size))
-            kept = min(prompt_len, prompt[layer])
+            kept = prefill_peak[-1] if prompt is None else min(prompt_len, prompt[layer])  # None: no compaction
             resident.append(kept)
             grown = kept + max_new_tokens
             decode_peak.append(grown if decode is None else min(grown, max(kept, decode[layer]) + self._interval))
@@ -181,8 +181,9 @@ class EvictionMethod(SparseMethod):
             return r.num_new_tokens if self._interval is not None else 0
         if self.budgets(r.prompt_len, Phase.CHUNK) is not None:  # every chunk compacts: its own last rows
             return r.num_new_tokens if w == 0 else min(w, r.num_new_tokens)
-        if r.prompt_len <= min(self.budgets(r.prompt_len, Phase.PROMPT)):
-            return 0  # the prompt fits every layer: nothing will be ranked
+        prompt = self.budgets(r.prompt_len, Phase.PROMPT)
+        if prompt is None or r.prompt_len <= min(prompt):
+            return 0  # the prompt is not compacted or fits every layer: nothing will be ranked
         first = r.start if w == 0 else max(r.start, r.prompt_len - w)
         return max(0, r.end - first)
 

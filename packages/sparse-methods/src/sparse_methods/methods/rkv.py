@@ -114,10 +114,8 @@ class RKV(EvictionMethod):
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
         c = self.config
-        if phase is Phase.CHUNK:
+        if phase is not Phase.DECODE:  # the prompt is never compressed
             return None
-        if phase is Phase.PROMPT:  # the prompt is never compressed: it is its own budget
-            return (prompt_len,) * self.shape.num_layers
         return (c.sink_keep_tokens + c.decode_keep_tokens + c.recent_keep_tokens,) * self.shape.num_layers
 
     def protected(self, budget: int) -> tuple[int, int]:
