@@ -42,10 +42,11 @@ class KeyNorm(EvictionMethod):
         return scores.sum(0, keepdim=True) if self.config.shared else scores
 
 
-def _drive(method, keys, prompt_len, chunk, num_decode, rid="r", on_step=None, held=None):
+def _drive(method, keys, prompt_len, chunk, num_decode, rid="r", on_step=None, held=None, tagged=False):
     """Run one request (its keys per layer ``[n, Hkv, D]`` in arrival order) through chunked prefill and
     decode, from ``held`` (per layer ``[Hkv, n]`` arrival indices of the slots it holds, None: nothing);
-    returns what each layer holds at the end. Tokens before ``held``'s newest one are processed."""
+    returns what each layer holds at the end. Tokens before ``held``'s newest one are processed.
+    ``tagged``: each query's last channel is its token's arrival index."""
     total = prompt_len + num_decode
     if held is None:
         held = [torch.empty(SHAPE.num_kv_heads, 0, dtype=torch.long) for _ in range(SHAPE.num_layers)]
@@ -60,6 +61,8 @@ def _drive(method, keys, prompt_len, chunk, num_decode, rid="r", on_step=None, h
             if rid in method.attention_requests(layer):
                 layer_keys = keys[layer][held[layer].T, torch.arange(SHAPE.num_kv_heads)]  # [kv_len, Hkv, D]
                 queries = torch.randn(n, SHAPE.num_q_heads, SHAPE.head_dim)
+                if tagged:
+                    queries[..., -1] = torch.arange(done, done + n, dtype=queries.dtype)[:, None]
                 method.on_attention_end(layer, step, LayerAttention(queries, layer_keys, 0.3))
         for layer, keep in enumerate(method.finish_step().get(rid, sm.Compaction((None,) * 2)).keep):
             if keep is not None:
@@ -175,3 +178,39 @@ def test_no_prompt_compaction_is_none():
     _drive(method, _keys(40), 30, chunk=8, num_decode=10, on_step=lambda step, held: lens.append(held[0].shape[1]))
     # the prompt is kept whole; decode evicts back to 12 every 3 generated tokens
     assert lens == [8, 16, 24, 30, 31, 32, 12, 13, 14, 12, 13, 14, 12, 13]
+
+
+def test_resumed_window_names_only_this_chains_latest_slots():
+    """R-KV (prompt never observed) resumed in a chain with a decode eviction inside its observation
+    window: ``score()`` sees only queries of the latest slots, and ``query_slots`` names those slots."""
+    params = dict(
+        sink_keep_tokens=0, decode_keep_tokens=6, recent_keep_tokens=4, rkv_compression_interval=5,
+        rkv_observation_tokens=4,
+    )
+    keys = _keys(40, seed=2)
+    for layer_keys in keys:
+        layer_keys[..., -1] = torch.arange(40, dtype=layer_keys.dtype)[:, None]  # each key tagged too
+    seen = []
+
+    def build():
+        method = sm.build_method("rkv", SHAPE, **params)
+        score = method.score
+
+        def recording(layer, inputs):
+            seen.append((inputs.queries[:, 0, -1].tolist(), inputs.keys[inputs.query_slots, 0, -1].tolist()))
+            return score(layer, inputs)
+
+        method.score = recording
+        return method
+
+    one = build()
+    held = _drive(one, keys, 10, chunk=8, num_decode=8, tagged=True)  # turn 1: evicts at 5 generated
+    other = build()
+    other.restore_state("s", one.save_state("r"))
+    seen.clear()
+    # turn 2: 3 new prompt tokens (18-20), then generated 21, 22: the chain's 10th token evicts
+    _drive(other, keys, 21, chunk=8, num_decode=2, rid="s", held=held, tagged=True)
+    assert len(seen) == SHAPE.num_layers
+    for queries, slots in seen:
+        assert queries == slots
+        assert queries == list(range(23 - len(queries), 23))

@@ -77,7 +77,9 @@ class ScoreInputs:
 @dataclass(slots=True)
 class _RequestState:
     """Per request, what survives across steps (and a chain's turns): decode tokens counted for the
-    interval, per layer the observed query window or the running scores."""
+    interval, per layer the observed query window or the running scores. The window only ever holds
+    the queries of the latest slots: a step that brings tokens it does not observe (a resumed turn's
+    unobserved prompt, say) empties it first."""
 
     decoded: int = 0
     window: list[torch.Tensor | None] = field(default_factory=list)
@@ -154,7 +156,10 @@ class EvictionMethod(SparseMethod):
             if state is None:
                 state = self._states[r.request_id] = _RequestState(window=self._layers(), scores=self._layers())
             budgets = self._compaction(r, state)
-            self._step[r.request_id] = (budgets, self._observed_rows(r))
+            rows = self._observed_rows(r)
+            if rows < r.num_new_tokens:  # unobserved tokens arrive: earlier queries are no longer the last slots
+                state.window = self._layers()
+            self._step[r.request_id] = (budgets, rows)
             if budgets is not None and self.observation_window is None:
                 self._compact_by_position(r, budgets)
         self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
