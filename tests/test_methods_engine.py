@@ -215,3 +215,19 @@ def test_long_bs1full_prefill_runs_whole_prompts_alone(llama):
     long_steps = [s for s in steps if any(lengths[rid] > 64 for rid, _ in s)]
     assert sorted(long_steps) == [[("long-a", 150)], [("long-b", 130)]]
     assert any(("short", 20) in s for s in steps)
+
+
+@pytest.mark.parametrize("method", ["streamingllm", "pyramidkv", "tova"])
+def test_decode_eviction_interval_zero_means_never(llama, method):
+    """``decode_eviction_interval=0`` through ``LLM(...)``: no decode-time eviction even for a method
+    whose default evicts on an interval; a prompt within the budget then decodes exactly as dense."""
+    budget = dict(sink_keep_tokens=4, recent_keep_tokens=28) if method == "streamingllm" else dict(decode_keep_tokens=40)
+    prompts = _prompts([20, 24])
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm = _llm(llama, sparse_method=method, decode_eviction_interval=0, **budget)
+    assert llm.engine.method.config.decode_eviction_interval == 0
+    assert set(llm.engine.method.memory_plan(20, 40, 32).decode_peak_tokens) == {60}  # grows, never cut
+    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    assert ours == [o.token_ids for o in _llm(llama).generate(prompts, params)]
+    with pytest.raises(ValueError, match="decode_eviction_interval"):
+        _llm(llama, sparse_method=method, decode_eviction_interval=-1, **budget)

@@ -19,7 +19,7 @@ class KeyNormConfig(MethodConfig):
     sink_keep_tokens: int = Field(2, ge=0)
     decode_keep_tokens: int = Field(6, ge=0)
     recent_keep_tokens: int = Field(4, ge=1)
-    decode_eviction_interval: int | None = Field(3, ge=1)
+    decode_eviction_interval: int = Field(3, ge=0)
     shared: bool = False
 
 
@@ -80,7 +80,7 @@ def _keys(n, seed=0):
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_kept_tokens_are_sink_recent_and_the_best_scores(shared):
-    method = KeyNorm(KeyNormConfig(decode_eviction_interval=None, shared=shared), SHAPE)
+    method = KeyNorm(KeyNormConfig(decode_eviction_interval=0, shared=shared), SHAPE)
     keys = _keys(40)
     held = _drive(method, keys, 40, chunk=16, num_decode=0)
     for layer in range(SHAPE.num_layers):

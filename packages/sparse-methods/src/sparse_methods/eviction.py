@@ -89,7 +89,7 @@ class _RequestState:
 class EvictionMethod(SparseMethod):
     """Base of the physical-eviction family (KV of dropped tokens is freed, positions unchanged).
 
-    Subclasses set ``name`` and ``Config`` (with a ``decode_eviction_interval`` field) and implement
+    Subclasses set ``name`` and ``Config`` (with a ``decode_eviction_interval`` field, 0: never) and implement
     ``budgets`` and, unless ``observation_window`` is None, ``score``.
     """
 
@@ -133,7 +133,8 @@ class EvictionMethod(SparseMethod):
     # -- derived: the memory plan --------------------------------------------------------------------
     @property
     def _interval(self) -> int | None:
-        return getattr(self.config, "decode_eviction_interval", None)
+        """Generated tokens between decode-time evictions; None: never (``decode_eviction_interval`` 0)."""
+        return getattr(self.config, "decode_eviction_interval", 0) or None
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         chunk = self.budgets(prompt_len, Phase.CHUNK)

@@ -35,8 +35,8 @@ class H2OConfig(MethodConfig):
         128, ge=0, description="Last prompt (or chunk) queries whose attention is accumulated; 0 = all."
     )
     h2o_per_head: bool = Field(False, description="Score and select per KV head (paper) instead of per layer (SE).")
-    decode_eviction_interval: int | None = Field(
-        None, ge=1, description="Evict to h2o_decode_budget every this many generated tokens (None: never)."
+    decode_eviction_interval: int = Field(
+        0, ge=0, description="Evict to h2o_decode_budget every this many generated tokens (0: never)."
     )
     prefill_sparse_method: Literal["h2o_prefill"] | None = Field(
         None, description="`h2o_prefill`: compact after every prefill chunk, not only the last."

@@ -21,8 +21,8 @@ from sparse_methods.scoring import pyramid_budgets
 
 class PyramidKVConfig(SnapKVConfig):
     pyramidkv_beta: float = Field(20.0, ge=1.0, description="Pyramid steepness: the top layer keeps budget/beta.")
-    decode_eviction_interval: int | None = Field(
-        1024, ge=1, description="Evict back to each layer's budget every this many generated tokens (None: never)."
+    decode_eviction_interval: int = Field(
+        1024, ge=0, description="Evict back to each layer's budget every this many generated tokens (0: never)."
     )
 
 

@@ -37,8 +37,8 @@ class SnapKVConfig(MethodConfig):
     score_gqa_reduce: Literal["mean", "max", "sum"] = Field(
         "mean", description="How a KV group's query heads' scores combine into the KV head's score."
     )
-    decode_eviction_interval: int | None = Field(
-        None, ge=1, description="Evict back to the budget every this many generated tokens (None: never)."
+    decode_eviction_interval: int = Field(
+        0, ge=0, description="Evict back to the budget every this many generated tokens (0: never)."
     )
 
     @model_validator(mode="after")

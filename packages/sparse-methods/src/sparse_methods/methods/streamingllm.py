@@ -21,8 +21,8 @@ from sparse_methods.registry import register
 class StreamingLLMConfig(MethodConfig):
     sink_keep_tokens: int = Field(64, ge=0, description="Leading tokens always kept (attention sinks), in tokens.")
     recent_keep_tokens: int = Field(512, ge=1, description="Most recent tokens always kept, in tokens.")
-    decode_eviction_interval: int | None = Field(
-        16, ge=1, description="Evict back to the budget every this many generated tokens (None: never)."
+    decode_eviction_interval: int = Field(
+        16, ge=0, description="Evict back to the budget every this many generated tokens (0: never)."
     )
 
 

@@ -28,8 +28,8 @@ class TOVAConfig(MethodConfig):
     sink_keep_tokens: int = Field(0, ge=0, description="Leading tokens always kept, in tokens.")
     decode_keep_tokens: int = Field(4096, ge=0, description="Tokens kept by the last query's attention, in tokens.")
     recent_keep_tokens: int = Field(1, ge=1, description="Most recent tokens always kept, in tokens.")
-    decode_eviction_interval: int | None = Field(
-        1, ge=1, description="Evict back to the budget every this many generated tokens (None: never)."
+    decode_eviction_interval: int = Field(
+        1, ge=0, description="Evict back to the budget every this many generated tokens (0: never)."
     )
 
 
