@@ -131,3 +131,36 @@ def dequantize_pool(kv: QuantizedKV, pool: CompactPool, dtype: torch.dtype) -> t
         k = torch.cat([k, kv.k_tail[pool.tails].float()])
         v = torch.cat([v, kv.v_tail[pool.tails].float()])
     return k.to(dtype).contiguous(), v.to(dtype).contiguous()
+
+
+def run_dequantized(
+    cached,
+    kv: QuantizedKV,
+    q: torch.Tensor,
+    out: torch.Tensor,
+    csr,
+    tails,
+    *,
+    block_size: int,
+    page_size: int,
+    device,
+    plan_inner,
+):
+    """The reference of ``run_quantized`` for decode and prefill alike: dequantize only the planned blocks
+    (and tail rows) into a small pool and run the plain reference wrapper over it.
+
+    ``csr``: the plan's host ``(kv_indptr, kv_indices, kv_last_len)``; ``plan_inner(kv_indices)`` returns
+    a reference wrapper planned over the small pool's indices. ``cached``: this function's previous
+    return value for the same plan (or None); the pool and the inner plan are reused while the plan lasts.
+    Writes ``out``; returns what to pass as ``cached`` next time.
+    """
+    if cached is None or cached[0] != (tails is not None):
+        kv_indptr, kv_indices, kv_last_len = csr
+        pool = compact_pool(
+            kv_indptr, kv_indices, kv_last_len, tails, block_size=block_size, page_size=page_size, device=device
+        )
+        cached = (tails is not None, pool, plan_inner(pool.kv_indices))
+    _, pool, inner = cached
+    k, v = dequantize_pool(kv, pool, torch.float32)
+    out.copy_(inner.run(q.float(), k, v))
+    return cached

@@ -10,7 +10,7 @@ from sparse_kernels._decode_reference import build_list_plan, run_list_decode
 from sparse_kernels._paged_plan import PagedPlan, build_plan
 from sparse_kernels._paged_run import run_paged_attention
 from sparse_kernels._paged_wrapper import DEFAULT_MAX_TILE_ELEMENTS, PagedAttentionWrapper, output_buffer
-from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, compact_pool, dequantize_pool, rotate
+from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, rotate, run_dequantized
 from sparse_kernels.quantized_kv import QuantizedKV
 
 
@@ -236,7 +236,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             return self._run_quantized_reference(q, kv, out)
         from sparse_kernels._triton.quantized_decode_launch import run_quantized_decode_triton
 
-        if kv.scheme != "turboquant":
+        if kv.rotation is None:
             return run_quantized_decode_triton(layout, self._buffers, self._num_splits, q, kv, out)
         rotated = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         run_quantized_decode_triton(layout, self._buffers, self._num_splits, rotate(q, kv), kv, rotated)
@@ -244,24 +244,15 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
 
     def _run_quantized_reference(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor) -> torch.Tensor:
         layout = self._layout
-        tails = self._tail_index if kv.scheme == "kivi" else None
-        if self._quantized_reference is None or self._quantized_reference[0] != (tails is not None):
-            kv_indptr, kv_indices, kv_last_len = self._csr
-            pool = compact_pool(
-                kv_indptr,
-                kv_indices,
-                kv_last_len,
-                tails,
-                block_size=layout.block_size,
-                page_size=layout.page_size,
-                device=self.device,
-            )
+        kv_indptr, _, kv_last_len = self._csr
+
+        def plan_inner(kv_indices: torch.Tensor) -> BatchDecodeWithPagedKVCache:
             inner = BatchDecodeWithPagedKVCache(
                 self.device, backend="reference", max_tile_elements=self.max_tile_elements
             )
             inner.plan(
                 kv_indptr,
-                pool.kv_indices,
+                kv_indices,
                 kv_last_len,
                 num_qo_heads=layout.num_qo_heads,
                 num_kv_heads=layout.num_kv_heads,
@@ -271,10 +262,14 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
                 head_sparse=layout.head_sparse,
                 page_size=layout.page_size,
             )
-            self._quantized_reference = (tails is not None, pool, inner)
-        _, pool, inner = self._quantized_reference
-        k, v = dequantize_pool(kv, pool, torch.float32)
-        return out.copy_(inner.run(q.float(), k, v))
+            return inner
+
+        tails = self._tail_index if kv.has_tail else None
+        self._quantized_reference = run_dequantized(
+            self._quantized_reference, kv, q, out, self._csr, tails,
+            block_size=layout.block_size, page_size=layout.page_size, device=self.device, plan_inner=plan_inner,
+        )  # fmt: skip
+        return out
 
     def planned_kv_indices(self) -> torch.Tensor:
         """Triton backend: the device buffer of this plan's ``kv_indices`` (its first ``nnz`` entries).

@@ -9,7 +9,7 @@ from sparse_kernels._paged_plan import build_plan
 from sparse_kernels._paged_run import check_run_inputs, run_paged_attention
 from sparse_kernels._paged_validate import check_heads, check_indptr, check_paged_kv, check_qo_fits, check_sm_scale
 from sparse_kernels._paged_wrapper import PagedAttentionWrapper, output_buffer
-from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, compact_pool, dequantize_pool, rotate
+from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, rotate, run_dequantized
 from sparse_kernels.quantized_kv import QuantizedKV
 
 
@@ -192,8 +192,8 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             return self._run_quantized_reference(q, kv, out)
         from sparse_kernels._triton.quantized_prefill import run_quantized_prefill_triton
 
-        tails = self._tail_device if kv.scheme == "kivi" else None
-        if kv.scheme != "turboquant":
+        tails = self._tail_device if kv.has_tail else None
+        if kv.rotation is None:
             return run_quantized_prefill_triton(plan, tails, q, kv, out)
         rotated = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         run_quantized_prefill_triton(plan, tails, rotate(q, kv), kv, rotated)
@@ -201,25 +201,16 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
 
     def _run_quantized_reference(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor) -> torch.Tensor:
         plan = self._plan
-        tails = self._tail_index if kv.scheme == "kivi" else None
-        if self._quantized_reference is None or self._quantized_reference[0] != (tails is not None):
-            qo_indptr, kv_indptr, kv_indices, kv_last_len = self._csr
-            pool = compact_pool(
-                kv_indptr,
-                kv_indices,
-                kv_last_len,
-                tails,
-                block_size=plan.block_size,
-                page_size=plan.block_size,
-                device=self.device,
-            )
+        qo_indptr, kv_indptr, kv_indices, kv_last_len = self._csr
+
+        def plan_inner(pool_indices: torch.Tensor) -> BatchPrefillWithPagedKVCache:
             inner = BatchPrefillWithPagedKVCache(
                 self.device, backend="reference", max_tile_elements=self.max_tile_elements
             )
             inner.plan(
                 qo_indptr,
                 kv_indptr,
-                pool.kv_indices,
+                pool_indices,
                 kv_last_len,
                 num_qo_heads=plan.num_qo_heads,
                 num_kv_heads=plan.num_kv_heads,
@@ -228,7 +219,11 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
                 causal=self._causal,
                 sm_scale=plan.sm_scale,
             )
-            self._quantized_reference = (tails is not None, pool, inner)
-        _, pool, inner = self._quantized_reference
-        k, v = dequantize_pool(kv, pool, torch.float32)
-        return out.copy_(inner.run(q.float(), k, v))
+            return inner
+
+        tails = self._tail_index if kv.has_tail else None
+        self._quantized_reference = run_dequantized(
+            self._quantized_reference, kv, q, out, (kv_indptr, kv_indices, kv_last_len), tails,
+            block_size=plan.block_size, page_size=plan.block_size, device=self.device, plan_inner=plan_inner,
+        )  # fmt: skip
+        return out
