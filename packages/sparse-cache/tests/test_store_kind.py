@@ -2,7 +2,7 @@
 
 import pytest
 
-from sparse_cache import StoreKind, paged, quantized_paged
+from sparse_cache import StoreKind, latent_paged, paged, quantized_paged
 
 
 def test_plain_paged_is_k_and_v_in_the_model_dtype():
@@ -69,3 +69,16 @@ def test_store_kind_is_frozen():
     assert isinstance(kind, StoreKind)
     with pytest.raises(AttributeError):
         kind.block_size = 32
+
+
+def test_latent_store_is_one_row_of_latent_plus_rope_per_token():
+    kind = latent_paged(16, 512, 64)
+    assert kind.latent and not kind.quantized and not kind.summaries and not kind.has_tail
+    assert [t.name for t in kind.block_tensors] == ["kv"]
+    assert (kind.num_kv_heads, kind.head_dim, kind.latent_dim) == (1, 576, 512)
+    assert kind.bytes_per_token(2) == 576 * 2  # DeepSeek-V2 / GLM-4.7-Flash: 1152 bytes per token and layer
+    with_summaries = latent_paged(16, 512, 64, summaries=True)
+    assert with_summaries.summaries and with_summaries.latent
+    assert with_summaries.bytes_per_block(2) == (16 + 2) * 576 * 2
+    with pytest.raises(ValueError):
+        latent_paged(16, 0, 64)

@@ -16,7 +16,7 @@ from sparse_cache.chain_errors import (
 )
 from sparse_cache.kv_cache_manager import KVCacheManager, PrefixMatch
 from sparse_cache.pruning import PrunePlan, PruneRange, check_ranges, plan_prune
-from sparse_cache.store_kind import MODEL_DTYPE, StoreKind, TensorSpec, paged, quantized_paged
+from sparse_cache.store_kind import MODEL_DTYPE, StoreKind, TensorSpec, latent_paged, paged, quantized_paged
 from sparse_cache.tail_rows import TailRows
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "check_ranges",
     "hash_block",
     "hash_full_blocks",
+    "latent_paged",
     "paged",
     "plan_prune",
     "quantized_paged",

@@ -7,6 +7,10 @@ shapes and dtypes, and so the real bytes per token. The serving engine allocates
 tensors from it and sizes the pool by it, so admission packs requests by the bytes they really
 hold; methods only declare what they need.
 
+A latent store (multi-head latent attention, DeepSeek-V2) holds one row per token: the normalized
+latent ``c_kv`` (``latent_dim`` channels) then the decoupled, post-RoPE key. Attention reads it as one
+KV head of ``head_dim = latent_dim + rope_dim`` channels whose values are the first ``latent_dim``.
+
 Shapes leave out the leading dimension: ``num_blocks`` for block tensors, the number of tail rows
 for tail tensors. A dtype is a torch dtype name, or ``"model"`` for the model's KV dtype. The
 quantized layouts are those that ``sparse_kernels.QuantizedKV`` documents and its kernels read.
@@ -22,6 +26,7 @@ _ITEMSIZE = {"float8_e4m3fn": 1, "int8": 1, "uint8": 1, "float16": 2, "bfloat16"
 PAGED = "paged"
 PAGED_WITH_SUMMARIES = "paged + block summaries"
 QUANTIZED_PAGED = "quantized paged"
+LATENT_PAGED = "latent paged"
 
 QUANT_SCHEMES = {"fp8": (8,), "kivi": (2, 4), "turboquant": (2, 3, 4)}
 
@@ -50,6 +55,8 @@ class StoreKind:
     elementwise key min / max) or ``quantized paged`` (``scheme`` in ``fp8``, ``kivi``,
     ``turboquant`` with ``bits``; KIVI's value channel group ``group``; TurboQuant's rotation
     ``seed``). ``tail_tensors`` are held once per running request (KIVI's incomplete page).
+    ``latent paged``: one head of ``head_dim`` channels per token, the first ``latent_dim`` of
+    which are also the values (see ``latent_paged``).
     """
 
     kind: str
@@ -62,6 +69,11 @@ class StoreKind:
     bits: int = 16
     group: int = 0
     seed: int = 0
+    latent_dim: int = 0
+
+    @property
+    def latent(self) -> bool:
+        return self.kind == LATENT_PAGED
 
     @property
     def quantized(self) -> bool:
@@ -69,7 +81,7 @@ class StoreKind:
 
     @property
     def summaries(self) -> bool:
-        return self.kind == PAGED_WITH_SUMMARIES
+        return any(t.name == "kmin" for t in self.block_tensors)
 
     @property
     def has_tail(self) -> bool:
@@ -88,6 +100,9 @@ class StoreKind:
         return sum(t.nbytes(model_itemsize) for t in self.tail_tensors)
 
     def describe(self) -> str:
+        if self.latent:
+            summaries = " + block summaries" if self.summaries else ""
+            return f"{self.kind}{summaries} ({self.latent_dim} latent + {self.head_dim - self.latent_dim} rope)"
         if not self.quantized:
             return self.kind
         return f"{self.kind} ({self.scheme}, {self.bits} bits)"
@@ -104,6 +119,18 @@ def paged(block_size: int, num_kv_heads: int, head_dim: int, *, summaries: bool 
     summary = (num_kv_heads, head_dim)
     tensors += (TensorSpec("kmin", summary, MODEL_DTYPE), TensorSpec("kmax", summary, MODEL_DTYPE))
     return StoreKind(PAGED_WITH_SUMMARIES, block_size, num_kv_heads, head_dim, tensors)
+
+
+def latent_paged(block_size: int, latent_dim: int, rope_dim: int, *, summaries: bool = False) -> StoreKind:
+    """Multi-head latent attention's cache: per block ``kv [block_size, 1, latent_dim + rope_dim]`` in
+    the model dtype, each row the normalized latent ``c_kv`` then the post-RoPE decoupled key; with
+    ``summaries``, each block's elementwise min / max row ``[1, latent_dim + rope_dim]`` too."""
+    _check_positive(block_size, latent_dim, rope_dim)
+    d = latent_dim + rope_dim
+    tensors = (TensorSpec("kv", (block_size, 1, d), MODEL_DTYPE),)
+    if summaries:
+        tensors += (TensorSpec("kmin", (1, d), MODEL_DTYPE), TensorSpec("kmax", (1, d), MODEL_DTYPE))
+    return StoreKind(LATENT_PAGED, block_size, 1, d, tensors, latent_dim=latent_dim)
 
 
 def quantized_paged(

@@ -19,7 +19,8 @@ def causal_attention(
     q : torch.Tensor
         ``[Tq, num_qo_heads, head_dim]``. Query ``i`` sits at position ``Tk - Tq + i``.
     k, v : torch.Tensor
-        ``[Tk, num_kv_heads, head_dim]``, contiguous in sequence order. ``num_qo_heads`` must be a
+        ``[Tk, num_kv_heads, head_dim]`` and ``[Tk, num_kv_heads, v_dim]`` (``v_dim`` may differ, as in
+        multi-head latent attention), contiguous in sequence order. ``num_qo_heads`` must be a
         multiple of ``num_kv_heads`` (GQA: query head ``h`` reads KV head ``h // g``).
     sm_scale : float, optional
         Softmax scale; ``head_dim ** -0.5`` by default.
@@ -29,11 +30,12 @@ def causal_attention(
     Returns
     -------
     torch.Tensor
-        ``[Tq, num_qo_heads, head_dim]`` in ``q``'s dtype; scores and softmax are computed in float32.
+        ``[Tq, num_qo_heads, v_dim]`` in ``q``'s dtype; scores and softmax are computed in float32.
     """
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or k.shape[:2] != v.shape[:2]:
         raise ValueError(
-            f"expected q [Tq,Hq,D], k/v [Tk,Hkv,D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            f"expected q [Tq,Hq,D], k [Tk,Hkv,D], v [Tk,Hkv,Dv]; "
+            f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     num_q, num_qo_heads, head_dim = q.shape
     num_k, num_kv_heads, _ = k.shape

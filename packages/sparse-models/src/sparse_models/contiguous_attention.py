@@ -38,13 +38,13 @@ class ContiguousCausalAttention:
         return self.sliding_window[layer_idx]
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """``q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]``; see ``AttentionBackend.forward``."""
+        """``q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] -> [T, Hq, Dv]``; see ``AttentionBackend.forward``."""
         num_tokens, num_heads, _ = q.shape
         if num_tokens != self.bounds[-1]:
             raise ValueError(f"got {num_tokens} tokens but cu_seqlens covers {self.bounds[-1]}")
         group = num_heads // k.shape[1]  # q heads per KV head; q head h reads KV head h // group
         window = self._window(layer_idx)
-        out = torch.empty_like(q)
+        out = q.new_empty(num_tokens, num_heads, v.shape[2])
         for start, end in zip(self.bounds, self.bounds[1:], strict=False):
             if start == end:
                 continue

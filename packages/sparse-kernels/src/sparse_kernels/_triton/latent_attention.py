@@ -1,0 +1,181 @@
+"""Triton paged attention over a latent (MLA) cache: every query head against one shared KV row.
+
+The cache row of a token is ``[c_kv (LATENT) | k_rope (ROPE)]``; the score of query row ``q`` is
+``q[:LATENT] . c_kv + q[LATENT:] . k_rope`` and the value is ``c_kv`` itself, so a program loads each
+cache row once for all the query rows it holds. Query rows are a request's (token, head) pairs
+flattened token-major: row ``r`` is token ``r // NUM_HEADS``, head ``r % NUM_HEADS``. One program
+takes ``BLOCK_M`` consecutive rows of one request (its tile, from the plan) and one split of the
+request's keys; decode plans one tile per request and several splits (flash-decoding), prefill one
+split and as many tiles as the rows need.
+
+With ``SPLIT`` the program writes its unnormalized-then-divided partial output and its base-2
+log-sum-exp per row (``-inf`` where it saw no key) for ``merge_splits``; without, the final output.
+Token ``j`` of a request is pool slot ``indices[start + j // PAGE_SIZE] * PAGE_SIZE + j % PAGE_SIZE``.
+Causal: query token ``t`` of a request with ``n`` new tokens and ``L`` keys sees keys ``<= L - n + t``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_kernels._triton.launch import Kernel, dot_args
+
+
+def _latent_attention_kernel(
+    q_ptr,
+    cache_ptr,
+    qo_indptr_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    kv_last_len_ptr,
+    tile_req_ptr,
+    tile_row_ptr,
+    out_ptr,
+    o_part_ptr,
+    lse_part_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    scale_log2,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    req = tl.load(tile_req_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    q_lo = tl.load(qo_indptr_ptr + req)
+    qo_len = tl.load(qo_indptr_ptr + req + 1) - q_lo
+    page_lo = tl.load(kv_indptr_ptr + req)
+    page_hi = tl.load(kv_indptr_ptr + req + 1)
+    kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(kv_last_len_ptr + req)
+
+    rows = row0 + tl.arange(0, BLOCK_M)
+    mask_m = rows < qo_len * NUM_HEADS
+    tok = rows // NUM_HEADS
+    head = rows % NUM_HEADS
+    last_key = kv_len - qo_len + tok  # causal bound per row
+    if CAUSAL:
+        tile_last_tok = tl.minimum(row0 + BLOCK_M - 1, qo_len * NUM_HEADS - 1) // NUM_HEADS
+        hi_all = tl.minimum(kv_len, kv_len - qo_len + tile_last_tok + 1)
+    else:
+        hi_all = kv_len
+    chunk = tl.cdiv(tl.cdiv(hi_all, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, hi_all)
+
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_c = offs_c < LATENT
+    mask_r = offs_r < ROPE
+    q_rows = q_ptr + (q_lo + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q_c = tl.load(q_rows[:, None] + offs_c[None, :], mask=mask_m[:, None] & mask_c[None, :], other=0.0)
+    q_r = tl.load(q_rows[:, None] + LATENT + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    q_c = q_c.to(DOT_DTYPE)
+    q_r = q_r.to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        page = tl.load(kv_indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: large pools
+        row_ptr = cache_ptr + slot * (LATENT + ROPE)
+        kv_c = tl.load(row_ptr[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
+        kv_r = tl.load(row_ptr[:, None] + LATENT + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        kv_c = kv_c.to(DOT_DTYPE)
+        qk = tl.dot(q_c, tl.trans(kv_c), input_precision=PRECISION)
+        qk += tl.dot(q_r, tl.trans(kv_r.to(DOT_DTYPE)), input_precision=PRECISION)
+        qk = qk * scale_log2  # [BLOCK_M, BLOCK_N], base 2
+        seen = mask_n[None, :]
+        if CAUSAL:
+            seen = seen & (offs_n[None, :] <= last_key[:, None])
+        qk = tl.where(seen, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_c, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]
+    g_rows = (q_lo + tok).to(tl.int64) * NUM_HEADS + head  # the row in the whole batch
+    if SPLIT:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        part = (g_rows * num_splits + split) * LATENT
+        tl.store(o_part_ptr + part[:, None] + offs_c[None, :], out, mask=mask_m[:, None] & mask_c[None, :])
+        tl.store(lse_part_ptr + g_rows * num_splits + split, lse, mask=mask_m)
+    else:
+        o_rows = out_ptr + (q_lo + tok).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(
+            o_rows[:, None] + offs_c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_c[None, :]
+        )
+
+
+latent_attention_kernel = Kernel(_latent_attention_kernel)
+
+
+def run_latent_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    plan,
+    out: torch.Tensor,
+    o_part: torch.Tensor | None,
+    lse_part: torch.Tensor | None,
+) -> None:
+    """Launch over ``plan`` (a ``sparse_kernels.latent_attention.LatentPlan``); inputs already checked.
+
+    ``q [T, H, LATENT + ROPE]`` (unit stride last dim), ``cache [num_blocks, block_size, 1, LATENT + ROPE]``
+    contiguous, ``out [T, H, LATENT]``; with ``plan.num_splits > 1`` the partials go to ``o_part
+    [T * H, splits, LATENT]`` fp32 and ``lse_part [T * H, splits]`` fp32 for the caller's merge.
+    """
+    split = plan.num_splits > 1
+    dummy = out if not split else o_part
+    latent_attention_kernel[(plan.num_tiles, plan.num_splits)](
+        q,
+        cache,
+        plan.qo_indptr,
+        plan.kv_indptr,
+        plan.kv_indices,
+        plan.kv_last_len,
+        plan.tile_req,
+        plan.tile_row,
+        out,
+        dummy if o_part is None else o_part,
+        dummy if lse_part is None else lse_part,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        plan.sm_scale * 1.4426950408889634,
+        plan.num_splits,
+        NUM_HEADS=plan.num_heads,
+        LATENT=plan.latent_dim,
+        ROPE=plan.rope_dim,
+        PAGE_SIZE=plan.block_size,
+        CAUSAL=plan.causal,
+        SPLIT=split,
+        BLOCK_M=plan.block_m,
+        BLOCK_C=max(16, triton.next_power_of_2(plan.latent_dim)),
+        BLOCK_R=max(16, triton.next_power_of_2(plan.rope_dim)),
+        BLOCK_N=plan.block_n,
+        num_warps=plan.num_warps,
+        **dot_args(q.dtype, q.device),
+    )

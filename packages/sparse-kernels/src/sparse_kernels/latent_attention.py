@@ -1,0 +1,217 @@
+"""Paged attention over a latent cache (multi-head latent attention, DeepSeek-V2: arXiv 2405.04434).
+
+In the absorbed form MLA is multi-query attention with one KV head: the cache holds per token one
+row ``[c_kv | k_rope]`` (``latent_dim + rope_dim`` channels, 512 + 64 for DeepSeek-V2 and
+GLM-4.7-Flash), each query head brings ``[q_nope W_UK | q_rope]`` of the same width, and the value
+of a token is its ``c_kv``, the first ``latent_dim`` channels of the same row (never stored twice).
+The output ``[T, H, latent_dim]`` is still in latent space; the model applies ``W_UV`` and ``o_proj``.
+
+``plan_latent`` (host, once per step) turns FlashInfer-style CSR metadata into the kernel's tiles
+and splits; ``latent_attention`` (device only) runs the Triton kernel or the plain reference over the
+plan. Decode (one new token per request) and prefill over a cached prefix are the same call: decode
+plans one tile of all heads per request and splits the keys (flash-decoding); prefill plans tiles
+of ``block_m`` (token, head) rows. ``store_latent`` writes the step's rows into their slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparse_kernels._backend import host_to_device, resolve_backend
+from sparse_kernels.attention_reference import causal_attention
+from sparse_kernels.kv_store import store_kv
+
+
+@dataclass(frozen=True, slots=True)
+class LatentPlan:
+    """One step's work for ``latent_attention``: CSR metadata on the device (int32) and its host
+    copies (``*_cpu``, for the reference), the kernel's tiles (``tile_req``: the request of each
+    tile, ``tile_row``: its first (token, head) row within the request) and splits."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_len: torch.Tensor
+    tile_req: torch.Tensor
+    tile_row: torch.Tensor
+    qo_indptr_cpu: torch.Tensor
+    kv_indptr_cpu: torch.Tensor
+    kv_indices_cpu: torch.Tensor
+    kv_last_len_cpu: torch.Tensor
+    num_heads: int
+    latent_dim: int
+    rope_dim: int
+    block_size: int
+    sm_scale: float
+    causal: bool
+    num_splits: int
+    block_m: int
+    block_n: int
+    num_warps: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_req.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr_cpu[-1])
+
+
+def plan_latent(
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_len: torch.Tensor,
+    *,
+    num_heads: int,
+    latent_dim: int,
+    rope_dim: int,
+    block_size: int,
+    sm_scale: float,
+    device: torch.device | str,
+    causal: bool = True,
+    num_splits: int | None = None,
+) -> LatentPlan:
+    """Plan one batch of requests (host tensors, int32).
+
+    Parameters
+    ----------
+    qo_indptr : [B + 1], request ``b``'s query tokens are rows ``qo_indptr[b] : qo_indptr[b + 1]`` of q.
+    kv_indptr, kv_indices, kv_last_len : the pages of each request's keys (its new tokens included,
+        already stored), as in FlashInfer: ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]`` are block
+        ids and the last one holds ``kv_last_len[b]`` tokens.
+    num_splits : key splits per tile; None picks them for decode batches (every request one token)
+        so that the GPU has work for all its cores, and 1 otherwise.
+    """
+    device = torch.device(device)
+    qo_indptr, kv_indptr = qo_indptr.to(torch.int32).cpu(), kv_indptr.to(torch.int32).cpu()
+    kv_indices, kv_last_len = kv_indices.to(torch.int32).cpu(), kv_last_len.to(torch.int32).cpu()
+    qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+    decode = all(n == 1 for n in qo_lens)
+    block_m = min(64, max(16, _next_pow2(num_heads))) if decode else 32
+    tile_req, tile_row = [], []
+    for b, n in enumerate(qo_lens):
+        for row in range(0, n * num_heads, block_m):
+            tile_req.append(b)
+            tile_row.append(row)
+    if num_splits is None:
+        num_splits = _decode_splits(kv_indptr, kv_last_len, block_size, len(tile_req), device) if decode else 1
+    as_dev = lambda xs: host_to_device(torch.tensor(xs, dtype=torch.int32), device)  # noqa: E731
+    return LatentPlan(
+        qo_indptr=host_to_device(qo_indptr, device),
+        kv_indptr=host_to_device(kv_indptr, device),
+        kv_indices=host_to_device(kv_indices, device),
+        kv_last_len=host_to_device(kv_last_len, device),
+        tile_req=as_dev(tile_req),
+        tile_row=as_dev(tile_row),
+        qo_indptr_cpu=qo_indptr,
+        kv_indptr_cpu=kv_indptr,
+        kv_indices_cpu=kv_indices,
+        kv_last_len_cpu=kv_last_len,
+        num_heads=num_heads,
+        latent_dim=latent_dim,
+        rope_dim=rope_dim,
+        block_size=block_size,
+        sm_scale=sm_scale,
+        causal=causal,
+        num_splits=max(1, int(num_splits)),
+        block_m=block_m,
+        block_n=32,
+        num_warps=8 if device.type == "cuda" else 4,
+    )
+
+
+def latent_attention(
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    plan: LatentPlan,
+    *,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attend ``q [T, H, latent_dim + rope_dim]`` over the planned pages of ``cache [num_blocks,
+    block_size, 1, latent_dim + rope_dim]``; returns ``[T, H, latent_dim]`` in q's dtype (into ``out``
+    when given). Device-only: no host sync on the Triton path."""
+    _check(q, cache, plan)
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], plan.latent_dim)
+    if q.shape[0] == 0:
+        return out
+    if resolve_backend(backend, q.device) == "reference":
+        out.copy_(latent_attention_reference(q, cache, plan))
+        return out
+    from sparse_kernels._triton.latent_attention import run_latent_attention
+
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if plan.num_splits == 1:
+        run_latent_attention(q, cache, plan, out, None, None)
+        return out
+    rows = q.shape[0] * q.shape[1]
+    o_part = torch.empty(rows, plan.num_splits, plan.latent_dim, dtype=torch.float32, device=q.device)
+    lse_part = torch.empty(rows, plan.num_splits, dtype=torch.float32, device=q.device)
+    run_latent_attention(q, cache, plan, out, o_part, lse_part)
+    out.copy_(merge_splits(o_part, lse_part).view_as(out))
+    return out
+
+
+def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
+    """Combine split-K partials: ``o_part [R, S, D]`` (each normalized over its split) with base-2
+    log-sum-exps ``lse_part [R, S]`` (``-inf``: the split saw no key) -> ``[R, D]`` fp32."""
+    top = lse_part.amax(dim=1, keepdim=True)
+    weight = torch.exp2(lse_part - top.clamp(min=-1e30))  # dead splits weigh 0
+    return (o_part * weight[..., None]).sum(dim=1) / weight.sum(dim=1, keepdim=True)
+
+
+def latent_attention_reference(q: torch.Tensor, cache: torch.Tensor, plan: LatentPlan) -> torch.Tensor:
+    """Plain torch: per request, gather its rows and run single-sequence attention with the first
+    ``latent_dim`` channels as the values (fp32 softmax); ``[T, H, latent_dim]`` in q's dtype."""
+    out = q.new_empty(q.shape[0], q.shape[1], plan.latent_dim)
+    qo, kv, indices, last = plan.qo_indptr_cpu, plan.kv_indptr_cpu, plan.kv_indices_cpu, plan.kv_last_len_cpu
+    for b in range(qo.numel() - 1):
+        q_lo, q_hi = int(qo[b]), int(qo[b + 1])
+        if q_lo == q_hi:
+            continue
+        pages = indices[int(kv[b]) : int(kv[b + 1])].to(device=cache.device, dtype=torch.int64)
+        kv_len = (pages.numel() - 1) * plan.block_size + int(last[b])
+        rows = cache[pages].flatten(0, 1)[:kv_len]  # [L, 1, D]
+        out[q_lo:q_hi] = causal_attention(q[q_lo:q_hi], rows, rows[..., : plan.latent_dim], plan.sm_scale, plan.causal)
+    return out
+
+
+def store_latent(rows: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor, *, backend: str = "auto") -> None:
+    """Write the step's latent rows ``[N, 1, latent_dim + rope_dim]`` into their slots of ``cache``
+    (``slot_mapping [N]`` int32, ``-1`` = a padded row left out). Graph-safe.
+
+    ``store_kv``'s kernel with the same tensor as K and V: the row is written twice (idempotent);
+    a single-tensor store would halve this small write."""
+    store_kv(rows, rows, cache, cache, slot_mapping, backend=backend)
+
+
+def _check(q: torch.Tensor, cache: torch.Tensor, plan: LatentPlan) -> None:
+    d = plan.latent_dim + plan.rope_dim
+    if q.dim() != 3 or q.shape[1] != plan.num_heads or q.shape[2] != d:
+        raise ValueError(f"q must be [T, {plan.num_heads}, {d}], got {tuple(q.shape)}")
+    if q.shape[0] != plan.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens, the plan {plan.num_tokens}")
+    if cache.dim() != 4 or cache.shape[1] != plan.block_size or cache.shape[2] != 1 or cache.shape[3] != d:
+        raise ValueError(f"cache must be [num_blocks, {plan.block_size}, 1, {d}], got {tuple(cache.shape)}")
+    if not cache.is_contiguous():
+        raise ValueError("the latent cache must be contiguous")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _decode_splits(kv_indptr, kv_last_len, block_size: int, num_tiles: int, device: torch.device) -> int:
+    """Enough splits that ~2 programs run per streaming multiprocessor, none shorter than 256 keys."""
+    if num_tiles == 0:
+        return 1
+    pages = (kv_indptr[1:] - kv_indptr[:-1]).clamp(min=1)
+    max_len = int(((pages - 1) * block_size + kv_last_len).max())
+    cores = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(-(-2 * cores // num_tiles), -(-max_len // 256)))
