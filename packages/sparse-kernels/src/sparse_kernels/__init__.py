@@ -29,6 +29,7 @@ from sparse_kernels.kv_quant import (
 from sparse_kernels.kv_store import store_kv
 from sparse_kernels.linear import linear
 from sparse_kernels.logits_attention import logits_attention, softmax_stats
+from sparse_kernels.moe import fused_moe
 from sparse_kernels.page_bounds import page_bounds
 from sparse_kernels.paged_decode import BatchDecodeWithPagedKVCache
 from sparse_kernels.paged_logits import paged_logits
@@ -53,6 +54,7 @@ __all__ = [
     "causal_attention",
     "compact_kv",
     "fused_add_rms_norm",
+    "fused_moe",
     "head_max_probs",
     "launch_settings",
     "linear",
