@@ -78,3 +78,67 @@ def test_prefill_triton_rejects_mismatched_inputs(paged_batch, triton_device):
         wrapper.run(batch.q[:-1], batch.k_cache, batch.v_cache)
     with pytest.raises(ValueError, match="out must be"):
         wrapper.run(batch.q, batch.k_cache, batch.v_cache, out=torch.empty_like(batch.q, dtype=torch.float64))
+
+
+# Tile configurations the kernel must get right whatever the default is: GQA-packed rows (one program
+# per KV head holding its group's heads), tiles narrower and wider than a page, more than one warp group.
+CONFIGS = {
+    "packed-m64-n32": {"BLOCK_M": 64, "BLOCK_N": 32, "PACK": True, "num_warps": 4, "num_stages": 2},
+    "rows-m32-n16": {"BLOCK_M": 32, "BLOCK_N": 16, "PACK": False, "num_warps": 4, "num_stages": 2},
+    "packed-m128-n64": {"BLOCK_M": 128, "BLOCK_N": 64, "PACK": True, "num_warps": 8, "num_stages": 3},
+}
+
+
+@pytest.mark.parametrize(
+    "config, case",
+    [
+        ("packed-m64-n32", "b17-bs16-g4-d64-fp32"),
+        ("rows-m32-n16", "b17-bs16-g4-d64-fp32"),
+        ("packed-m128-n64", "prefix1100-bs16-g4-d64-bf16"),
+    ],
+)
+def test_prefill_triton_tile_configs_match_oracle(paged_batch, triton_device, monkeypatch, config, case):
+    from sparse_kernels._triton import prefill
+
+    monkeypatch.setattr(prefill, "PREFILL_CONFIG", CONFIGS[config])
+    qo_lens, kv_lens, block_size, group, head_dim, dtype = CASES[case]
+    batch = _make(paged_batch, triton_device, qo_lens, kv_lens, block_size, group, head_dim, dtype, seed=3)
+    wrapper = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
+    batch.plan_prefill(wrapper)
+    pack = group if CONFIGS[config]["PACK"] else 1
+    assert wrapper._plan.tile_queries == CONFIGS[config]["BLOCK_M"] // pack
+    out = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
+    torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[dtype])
+
+
+def _windowed_reference(batch, window_left: int) -> torch.Tensor:
+    """Plain causal attention where a query at p sees keys p - window_left .. p only."""
+    outs = []
+    for b, (k, v) in enumerate(zip(batch.k_seqs, batch.v_seqs, strict=True)):
+        q = batch.q[int(batch.qo_indptr[b]) : int(batch.qo_indptr[b + 1])].cpu().float()
+        n, group = k.shape[0], q.shape[1] // k.shape[1]
+        pos = torch.arange(n - q.shape[0], n)[:, None]
+        keys = torch.arange(n)[None, :]
+        visible = (keys <= pos) & (keys >= pos - window_left)
+        kk, vv = (t.float().repeat_interleave(group, dim=1) for t in (k, v))
+        s = torch.einsum("qhd,khd->hqk", q, kk) * q.shape[-1] ** -0.5
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", p, vv))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("packed, window_left", [(True, 0), (False, 5), (True, 40)])
+def test_prefill_triton_window(paged_batch, triton_device, monkeypatch, packed, window_left):
+    import dataclasses
+
+    from sparse_kernels._triton import prefill
+
+    config = CONFIGS["packed-m64-n32" if packed else "rows-m32-n16"]
+    monkeypatch.setattr(prefill, "PREFILL_CONFIG", config)
+    batch = _make(paged_batch, triton_device, [70, 1, 9], [130, 97, 9], 16, 4, 64, torch.float32, seed=4)
+    wrapper = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
+    batch.plan_prefill(wrapper)
+    plan = dataclasses.replace(wrapper._plan, window_left=window_left)
+    out = torch.empty_like(batch.q)
+    prefill.run_prefill_triton(plan, batch.q, batch.k_cache, batch.v_cache, out)
+    torch.testing.assert_close(out.cpu(), _windowed_reference(batch, window_left), **TOL[torch.float32])

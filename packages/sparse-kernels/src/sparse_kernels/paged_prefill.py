@@ -89,9 +89,10 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         self._quantized_reference = None
         self._causal = causal
         if self.backend == "triton":
-            from sparse_kernels._triton.prefill import PREFILL_CONFIG, TritonPrefillPlan, query_tiles
+            from sparse_kernels._triton.prefill import TritonPrefillPlan, query_tiles, tile_queries
 
-            tile_req, tile_row = query_tiles(qo_lens, PREFILL_CONFIG["BLOCK_M"])
+            queries = tile_queries(num_qo_heads, num_kv_heads)
+            tile_req, tile_row = query_tiles(qo_lens, queries)
             dev = [
                 host_to_device(t, self.device)
                 for t in (tile_req, tile_row, qo_indptr, kv_indptr, kv_indices, kv_last_len)
@@ -105,6 +106,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
                 block_size=block_size,
                 causal=causal,
                 sm_scale=sm_scale,
+                tile_queries=queries,
             )
             return
         self._plan = build_plan(

@@ -1,9 +1,16 @@
 """Triton paged prefill over a cached prefix: varlen queries, causal mask aligned to each KV end, GQA.
 
-Grid ``(num_q_tiles, num_qo_heads)``. ``plan`` cuts every request's queries into tiles of ``BLOCK_M``
-rows and lists each tile's request and first row, so the kernel needs no search. Query ``i`` of a
-request with ``qo_len`` queries and ``kv_len`` keys sits at position ``kv_len - qo_len + i``; a tile
-stops reading keys after its last query's position when causal.
+Grid ``(num_q_tiles, num_kv_heads * GROUP // PACK)``. ``plan`` cuts every request's queries into tiles
+of ``BLOCK_M // PACK`` queries and lists each tile's request and first query, so the kernel needs no
+search. With ``PACK = GROUP`` one program holds the tile's queries for all ``GROUP`` query heads of a
+KV head as its ``BLOCK_M`` rows (row ``r``: query ``r // PACK``, head ``r % PACK`` of the group), so
+each K/V tile read from the pages serves the whole group; with ``PACK = 1`` a program holds one query
+head.
+
+Query ``i`` of a request with ``qo_len`` queries and ``kv_len`` keys sits at position
+``kv_len - qo_len + i``. Causal tiles are read in two loops: the keys every row of the tile sees
+(up to the tile's first query position) without masks, then the diagonal with the causal mask.
+``WINDOW_LEFT >= 0`` limits each query at ``p`` to keys ``p - WINDOW_LEFT .. p`` (every tile masked).
 """
 
 from __future__ import annotations
@@ -15,6 +22,73 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, dot_args
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    start,
+    q_pos,
+    hi,
+    k_ptr,
+    v_ptr,
+    kv_indices_ptr,
+    page_lo,
+    kv_head_off,
+    offs_d,
+    mask_d,
+    scale_log2,
+    window_left,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """One KV tile ``[start, start + BLOCK_N)`` folded into the online softmax of the program's rows."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        mask_n = offs_n < hi
+        block = tl.load(kv_indices_ptr + page_lo + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
+    else:
+        block = tl.load(kv_indices_ptr + page_lo + offs_n // BLOCK_SIZE)
+    kv_row = (block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kv_head_off
+    kv_off = kv_row[:, None] + offs_d[None, :]
+    if MASKED:
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptr + kv_off)
+        v = tl.load(v_ptr + kv_off)
+    else:
+        k = tl.load(k_ptr + kv_off, mask=mask_d[None, :], other=0.0)
+        v = tl.load(v_ptr + kv_off, mask=mask_d[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        keep = mask_n[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= q_pos[:, None])
+        if WINDOW:
+            keep = keep & (offs_n[None, :] >= q_pos[:, None] - window_left)
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED and WINDOW:
+        # A row may see no key of a tile before its window starts: keep its state finite.
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+    return acc, m_new, l_i
 
 
 def _prefill_kernel(
@@ -33,11 +107,14 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     scale_log2,
+    window_left,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    PACK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -45,8 +122,8 @@ def _prefill_kernel(
     PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    hq = tl.program_id(1)
-    h = hq // GROUP
+    head0 = tl.program_id(1) * PACK  # first query head of this program
+    h = head0 // GROUP
     b = tl.load(tile_req_ptr + tile)
     row0 = tl.load(tile_row_ptr + tile)
     qo_lo = tl.load(qo_indptr_ptr + b)
@@ -54,47 +131,53 @@ def _prefill_kernel(
     page_lo = tl.load(kv_indptr_ptr + b)
     kv_len = (tl.load(kv_indptr_ptr + b + 1) - page_lo - 1) * BLOCK_SIZE + tl.load(kv_last_len_ptr + b)
 
-    offs_m = row0 + tl.arange(0, BLOCK_M)
+    QUERIES: tl.constexpr = BLOCK_M // PACK
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = row0 + offs_r // PACK  # the query of each row
+    heads = head0 + offs_r % PACK
     offs_d = tl.arange(0, BLOCK_D)
     mask_m = offs_m < qo_len
     mask_d = offs_d < HEAD_DIM
     rows = (qo_lo + offs_m).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + hq * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_M, BLOCK_D]
+    q_off = rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(DOT_DTYPE)
     q_pos = kv_len - qo_len + offs_m  # padded rows sit past the end: they see every key, harmlessly
+    first_pos = kv_len - qo_len + row0
     if CAUSAL:
-        hi = tl.minimum(kv_len, kv_len - qo_len + row0 + BLOCK_M)
+        hi = tl.minimum(kv_len, first_pos + QUERIES)
     else:
         hi = kv_len
+    # Keys below ``full`` are seen by every row of the tile: no mask needed there.
+    if WINDOW:
+        lo = tl.maximum(first_pos - window_left, 0) // BLOCK_N * BLOCK_N
+        full = lo
+    elif CAUSAL:
+        lo = 0
+        full = (first_pos + 1) // BLOCK_N * BLOCK_N
+    else:
+        lo = 0
+        full = kv_len // BLOCK_N * BLOCK_N
+    kv_head_off = h * HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        block = tl.load(kv_indices_ptr + page_lo + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        kv_row = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM
-        # K is read transposed, [BLOCK_D, BLOCK_N], so the dot needs no transpose.
-        k = tl.load(k_ptr + kv_row[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-        keep = mask_n[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-        m_i = m_new
+    for start in range(lo, full, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, q_pos, hi, k_ptr, v_ptr, kv_indices_ptr, page_lo, kv_head_off, offs_d,
+            mask_d, scale_log2, window_left, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, EVEN_D, CAUSAL,
+            WINDOW, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
+    for start in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, q_pos, hi, k_ptr, v_ptr, kv_indices_ptr, page_lo, kv_head_off, offs_d,
+            mask_d, scale_log2, window_left, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, EVEN_D, CAUSAL,
+            WINDOW, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
+    out_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(
-        out_ptr + rows[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
+        out_ptr + out_off,
         (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
@@ -102,8 +185,18 @@ def _prefill_kernel(
 
 prefill_kernel = Kernel(_prefill_kernel)
 
-# Tile sizes; the GPU defaults suit head_dim 64-128 in bf16 (fp32 runs IEEE dots at the same tiles).
-PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# Tile sizes; ``PACK`` says whether a program holds a KV head's whole query group (GQA sharing of the
+# K/V tile loads). The GPU defaults suit head_dim 64-128 in bf16; fp32 runs IEEE dots at the same tiles.
+PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "PACK": False, "num_warps": 4, "num_stages": 2}
+
+
+def tile_queries(num_qo_heads: int, num_kv_heads: int, config: dict | None = None) -> int:
+    """Queries per tile of the plan: ``BLOCK_M`` rows, shared by the group's heads when packed."""
+    config = config or PREFILL_CONFIG
+    pack = num_qo_heads // num_kv_heads if config["PACK"] else 1
+    if config["BLOCK_M"] % pack:
+        raise ValueError(f"BLOCK_M {config['BLOCK_M']} is not a multiple of the GQA group {pack}")
+    return config["BLOCK_M"] // pack
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +204,7 @@ class TritonPrefillPlan:
     """Device tensors of one prefill step (all int32) and the layout ``run`` checks against."""
 
     tile_req: torch.Tensor  # [num_tiles]: request of each query tile
-    tile_row: torch.Tensor  # [num_tiles]: first query row of the tile within its request
+    tile_row: torch.Tensor  # [num_tiles]: first query of the tile within its request
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
@@ -123,6 +216,8 @@ class TritonPrefillPlan:
     block_size: int
     causal: bool
     sm_scale: float
+    tile_queries: int = 64  # queries per tile (what ``tile_req``/``tile_row`` were cut with)
+    window_left: int = -1  # a query at p sees keys p - window_left .. p; -1: no window
 
 
 def query_tiles(qo_lens: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,13 +229,22 @@ def query_tiles(qo_lens: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torc
     return tile_req.to(torch.int32), tile_row.to(torch.int32)
 
 
-def run_prefill_triton(plan: TritonPrefillPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out):
-    """Launch over the plan; ``q``/``out`` rows may be strided, the last dim must be unit-stride."""
+def run_prefill_triton(
+    plan: TritonPrefillPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out, config=None
+):
+    """Launch over the plan; ``q``/``out`` rows may be strided, the last dim must be unit-stride.
+
+    ``config`` overrides ``PREFILL_CONFIG`` (benchmarks); its queries per tile must equal the plan's.
+    """
+    config = dict(PREFILL_CONFIG if config is None else config)
+    group = plan.num_qo_heads // plan.num_kv_heads
+    pack = group if config.pop("PACK") else 1
+    if config["BLOCK_M"] // pack != plan.tile_queries:
+        raise ValueError(f"the plan cut tiles of {plan.tile_queries} queries; config has {config['BLOCK_M'] // pack}")
     q = q.to(k_cache.dtype)
     if q.stride(2) != 1:
         q = q.contiguous()
-    group = plan.num_qo_heads // plan.num_kv_heads
-    prefill_kernel[(plan.tile_req.numel(), plan.num_qo_heads)](
+    prefill_kernel[(plan.tile_req.numel(), plan.num_qo_heads // pack)](
         q,
         k_cache,
         v_cache,
@@ -156,13 +260,16 @@ def run_prefill_triton(plan: TritonPrefillPlan, q: torch.Tensor, k_cache: torch.
         out.stride(0),
         out.stride(1),
         plan.sm_scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        max(plan.window_left, 0),
         NUM_KV_HEADS=plan.num_kv_heads,
         GROUP=group,
+        PACK=pack,
         HEAD_DIM=plan.head_dim,
         BLOCK_SIZE=plan.block_size,
         CAUSAL=plan.causal,
+        WINDOW=plan.window_left >= 0,
         BLOCK_D=max(16, triton.next_power_of_2(plan.head_dim)),
         **dot_args(k_cache.dtype, k_cache.device),
-        **PREFILL_CONFIG,
+        **config,
     )
     return out

@@ -14,7 +14,7 @@ import torch
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel
-from sparse_kernels._triton.prefill import PREFILL_CONFIG, TritonPrefillPlan
+from sparse_kernels._triton.prefill import TritonPrefillPlan
 from sparse_kernels._triton.quantized_decode_launch import kv_pointers, quant_dot_args, scheme_args
 from sparse_kernels._triton.quantized_tiles import (
     kivi_key_page,
@@ -193,7 +193,7 @@ def run_quantized_prefill_triton(
         HEAD_DIM=plan.head_dim,
         BLOCK_SIZE=plan.block_size,
         CAUSAL=plan.causal,
-        BLOCK_M=PREFILL_CONFIG["BLOCK_M"],
+        BLOCK_M=plan.tile_queries,
         BLOCK_N=kv.block_size if kivi else QUANT_PREFILL_CONFIG["BLOCK_N"],
         **scheme,
         **quant_dot_args(q.device),
