@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sparse_models.mla_config import MLA_ARCHITECTURES, MlaConfig, parse_mla, parse_mlp_layer_types
 from sparse_models.registry import UnsupportedArchitectureError, is_registered, supported_architectures
 
 
@@ -38,6 +39,7 @@ _FAMILIES: dict[str, _Family] = {
     "MistralForCausalLM": _Family(sliding="all"),
     "Qwen2ForCausalLM": _Family(qkv_bias=True, out_bias_follows_qkv=False, sliding="qwen"),
     "Qwen3ForCausalLM": _Family(qk_norm=True, default_head_dim=128, sliding="qwen"),
+    **{arch: _Family() for arch in MLA_ARCHITECTURES},
 }
 
 
@@ -62,6 +64,11 @@ class ModelConfig:
     ``layer_types`` has one entry per layer, ``"full_attention"`` or ``"sliding_attention"``;
     ``layer_sliding_windows`` turns it into the window each layer's attention must apply. Model code
     does not mask: the attention backend does, so it is handed these windows by whoever builds it.
+
+    ``mla``: multi-head latent attention's shape (DeepSeek-V2/V3, GLM-4.7-Flash), None for GQA models.
+    An MLA model's ``num_key_value_heads`` and ``head_dim`` are its attention as the KV cache sees it:
+    one head of ``mla.cache_dim`` channels. ``mlp_layer_types``: per layer ``"dense"`` or ``"sparse"``
+    (routed experts).
     """
 
     architecture: str
@@ -86,6 +93,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # HF allows an int or a list; always a tuple here
     torch_dtype: torch.dtype | None
+    mla: MlaConfig | None = None
+    mlp_layer_types: tuple[str, ...] = ()
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
@@ -113,6 +122,8 @@ class ModelConfig:
         rope_theta, rope_scaling = _parse_rope(raw)
         num_layers = raw["num_hidden_layers"]
         sliding_window, layer_types = _parse_sliding(raw, family, num_layers)
+        mla = parse_mla(architecture, raw) if architecture in MLA_ARCHITECTURES else None
+        mlp_layer_types = parse_mlp_layer_types(architecture, raw) if mla else ("dense",) * num_layers
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -120,8 +131,8 @@ class ModelConfig:
             intermediate_size=raw["intermediate_size"],
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or family.default_head_dim or hidden // heads,
+            num_key_value_heads=1 if mla else raw.get("num_key_value_heads") or heads,
+            head_dim=mla.cache_dim if mla else raw.get("head_dim") or family.default_head_dim or hidden // heads,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
@@ -136,6 +147,8 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(raw.get("eos_token_id")),
             torch_dtype=_dtype(raw.get("dtype") or raw.get("torch_dtype")),  # transformers 5 renamed the key
+            mla=mla,
+            mlp_layer_types=mlp_layer_types,
         )
 
     @classmethod
