@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_cache import MODEL_DTYPE, StoreKind, paged, quantized_paged
+from sparse_cache import MODEL_DTYPE, StoreKind, latent_paged, paged, quantized_paged
 from sparse_kernels.kv_quant import lloyd_max_codebook, turboquant_rotation
 from sparse_kernels.quantized_kv import QuantizedKV
 from sparse_methods import SparseMethod
@@ -45,7 +45,7 @@ class KVPool:
 
     @property
     def num_blocks(self) -> int:
-        return self.layers[0]["k"].shape[0]
+        return next(iter(self.layers[0].values())).shape[0]
 
     @property
     def num_tail_rows(self) -> int:
@@ -53,7 +53,12 @@ class KVPool:
 
     @property
     def device(self) -> torch.device:
-        return self.layers[0]["k"].device
+        return next(iter(self.layers[0].values())).device
+
+    @property
+    def latent(self) -> tuple[torch.Tensor, ...] | None:
+        """Latent stores: per layer ``[num_blocks, block_size, 1, latent_dim + rope_dim]``; else None."""
+        return tuple(layer["kv"] for layer in self.layers) if self.store.latent else None
 
     @property
     def k(self) -> tuple[torch.Tensor, ...]:
@@ -93,6 +98,10 @@ def store_kind(
     """The store kind for ``method`` over a ``kv_cache_dtype`` store (``auto``: the model dtype)."""
     h, d = cfg.num_key_value_heads, cfg.head_dim
     summaries = method is not None and method.kv_store is MethodStore.PAGED_WITH_SUMMARIES
+    if cfg.mla is not None:  # multi-head latent attention: one latent row per token
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"MLA models keep a latent store in the model dtype, not {kv_cache_dtype!r}")
+        return latent_paged(block_size, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, summaries=summaries)
     if kv_cache_dtype == "auto":
         return paged(block_size, h, d, summaries=summaries)
     if summaries:

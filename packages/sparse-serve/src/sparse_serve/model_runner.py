@@ -89,10 +89,12 @@ class ModelRunner:
             max_num_tokens=max(config.max_num_batched_tokens, graph_batch),
             max_batch_size=max(config.max_num_seqs, graph_batch),
             max_num_pages=config.max_num_seqs * -(-max_model_len_hint // self.block_size) + graph_batch,
+            sm_scale=cfg.mla.softmax_scale if cfg.mla is not None else None,
         )
         self.method = method
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # MLA's latent plans are not in fixed buffers yet: its decode runs eagerly.
+        if self.device.type == "cuda" and not config.enforce_eager and not self.store.latent:
             self.graphs = DecodeGraphs(self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device)
             self.graphs.capture()
         self.sampler = Sampler(config.seed, self.device)

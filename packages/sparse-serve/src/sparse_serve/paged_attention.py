@@ -24,6 +24,7 @@ from sparse_kernels.kv_quant import dequantize_blocks
 from sparse_kernels.quantized_store import store_kv_quantized
 from sparse_methods import LayerAttention, SparseMethod
 from sparse_serve.kv_pool import KVPool
+from sparse_serve.latent_paged_attention import LatentPagedAttention
 from sparse_serve.selective_decode import SelectiveDecode
 from sparse_serve.selective_prefill import SelectivePrefill
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots, to_device
@@ -106,7 +107,9 @@ class PagedAttention:
         max_num_tokens: int | None = None,
         max_batch_size: int | None = None,
         max_num_pages: int | None = None,
+        sm_scale: float | None = None,
     ):
+        """``sm_scale``: the softmax scale the model passes (default ``head_dim ** -0.5``)."""
         self.pool = pool
         self.device = pool.device
         self.quantized = pool.quantized  # per layer, or None for plain stores
@@ -120,7 +123,12 @@ class PagedAttention:
         # The first group's plan has fixed-capacity buffers (CUDA graphs replay against them).
         self._plans: list[_GroupPlan] = [_GroupPlan(self.device, max_num_tokens, max_batch_size, max_num_pages)]
         self._meta: StepMetadata | None = None
-        self.sm_scale = head_dim**-0.5
+        self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
+        self.latent = None  # MLA: queries and cached rows in latent space (``LatentPagedAttention``)
+        if pool.store.latent:
+            self.latent = LatentPagedAttention(
+                pool.latent, num_heads=num_q_heads, latent_dim=pool.store.latent_dim, block_size=block_size
+            )
         self.selective = SelectiveDecode(
             self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
         )
@@ -132,6 +140,9 @@ class PagedAttention:
         """Prepare one step: copy each layer group's slot mapping and plan its kernels."""
         self._meta = meta
         self._observed_slots = {}
+        if self.latent is not None:
+            self.latent.plan(meta, self.sm_scale)
+            return
         while len(self._plans) < len(meta.groups):
             self._plans.append(_GroupPlan(self.device))
         tails = self._tail_index(meta) if self.pool.store.has_tail else None
@@ -179,6 +190,8 @@ class PagedAttention:
             raise ValueError(f"attention scale {scale} differs from the planned {self.sm_scale}")
         meta = self._meta
         group_idx = meta.layer_group[layer_idx]
+        if self.latent is not None:
+            return self._forward_latent(layer_idx, group_idx, q, k)
         plan = self._plans[group_idx]
         if self.quantized is not None:
             return self._forward_quantized(layer_idx, plan, meta.groups[group_idx], q, k, v)
@@ -225,6 +238,14 @@ class PagedAttention:
             wanted = self.method.attention_requests(layer_idx)
             if wanted:
                 self._observe(layer_idx, q, k_cache, group, wanted)
+        return out
+
+    def _forward_latent(self, layer_idx: int, group_idx: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """A latent store: ``rows [T, 1, D]`` are the cached rows (their values are a prefix of them)."""
+        out = self.latent.forward(layer_idx, group_idx, q, rows)
+        wanted = self.method.attention_requests(layer_idx) if self.method is not None else None
+        if wanted:
+            self._observe(layer_idx, q, self.pool.latent[layer_idx], self._meta.groups[group_idx], wanted)
         return out
 
     def _forward_quantized(self, layer_idx: int, plan: _GroupPlan, group, q, k, v) -> torch.Tensor:

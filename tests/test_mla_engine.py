@@ -1,0 +1,101 @@
+"""MLA models in the engine: greedy tokens equal HF transformers (fp32, CPU) over the latent store,
+under paged decode, chunked prefill and prefix caching; the pool holds one latent row per token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import hf_greedy
+
+from sparse_serve import LLM, SamplingParams
+
+MAX_NEW = 10
+_SHAPE = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # large logits: few near-ties, so greedy parity is meaningful
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MLA = {
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(q_lora_rank=None, first_k_dense_replace=2)),
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        dict(q_lora_rank=32, mlp_layer_types=["dense"] * 2),
+    ),
+}
+REGIMES = {
+    "block16": dict(block_size=16),
+    "chunk7": dict(block_size=4, max_num_batched_tokens=7),
+    "prefix_cache": dict(block_size=4, enable_prefix_caching=True),
+}
+
+
+@pytest.fixture(scope="module")
+def mla_checkpoint(tmp_path_factory):
+    """``mla_checkpoint(name, **overrides)`` -> (folder, HF model in eval mode, fp32)."""
+    import transformers as tf
+
+    made = {}
+
+    def make(name: str, **overrides):
+        key = (name, tuple(sorted(overrides.items())))
+        if key not in made:
+            config_cls, model_cls, extra = MLA[name]
+            torch.manual_seed(1234)
+            model = getattr(tf, model_cls)(getattr(tf, config_cls)(**{**_SHAPE, **extra, **overrides})).eval()
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path)
+            made[key] = (path, model)
+        return made[key]
+
+    return make
+
+
+def _prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 384) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(3, 384) for _ in range(n)] for n in (5, 23, 1, 40)]
+
+
+@pytest.mark.parametrize("name", MLA)
+@pytest.mark.parametrize("regime", REGIMES)
+def test_mla_greedy_matches_hf(mla_checkpoint, name, regime):
+    path, hf_model = mla_checkpoint(name)
+    prompts = _prompts(seed=3, shared_prefix=20 if regime == "prefix_cache" else 0)
+    expected = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(path), device="cpu", dtype="float32", **REGIMES[regime])
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    engine = llm.engine
+    if regime == "prefix_cache":
+        assert list(llm.generate([prompts[0]], params)[0].token_ids) == expected[0]
+        outs = llm.generate(prompts[1:], params)
+        assert [list(o.token_ids) for o in outs] == expected[1:]
+        assert all(o.num_cached_tokens >= 20 for o in outs)
+    else:
+        outs = llm.generate(prompts, params)
+        assert [list(o.token_ids) for o in outs] == expected
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_latent_pool_holds_one_row_per_token(mla_checkpoint):
+    path, _ = mla_checkpoint("glm4_moe_lite")
+    runner = LLM(str(path), device="cpu", dtype="float32", block_size=8, num_kv_blocks=10).engine.runner
+    assert runner.store.latent and runner.store.describe() == "latent paged (32 latent + 16 rope)"
+    assert [t.name for t in runner.store.block_tensors] == ["kv"]
+    assert runner.kv.nbytes() == 2 * 10 * 8 * (32 + 16) * 4  # layers x blocks x tokens x row x fp32
+    assert runner.kv_bytes_per_block == 2 * 8 * (32 + 16) * 4
+    with pytest.raises(ValueError, match="latent store"):
+        LLM(str(path), device="cpu", dtype="float32", kv_cache_dtype="fp8")
