@@ -42,6 +42,20 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8)),
+    # Layers 0 and 2 routed (8 experts, 3 per token), layer 1 dense via mlp_only_layers.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            initializer_range=0.1,
+        ),
+    ),
 }
 
 # Lengths chosen so Mistral's window (8) is exceeded and the batch is ragged.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from sparse_models.mla_config import MLA_ARCHITECTURES, MlaConfig, parse_mla, parse_mlp_layer_types
+from sparse_models.moe_config import QWEN_MOE_ARCHITECTURES, MoeConfig, parse_qwen_moe
 from sparse_models.registry import UnsupportedArchitectureError, is_registered, supported_architectures
 
 
@@ -39,6 +40,7 @@ _FAMILIES: dict[str, _Family] = {
     "MistralForCausalLM": _Family(sliding="all"),
     "Qwen2ForCausalLM": _Family(qkv_bias=True, out_bias_follows_qkv=False, sliding="qwen"),
     "Qwen3ForCausalLM": _Family(qk_norm=True, default_head_dim=128, sliding="qwen"),
+    "Qwen3MoeForCausalLM": _Family(qk_norm=True, sliding="qwen"),  # HF 5: head_dim defaults to hidden / heads
     **{arch: _Family() for arch in MLA_ARCHITECTURES},
 }
 
@@ -68,7 +70,7 @@ class ModelConfig:
     ``mla``: multi-head latent attention's shape (DeepSeek-V2/V3, GLM-4.7-Flash), None for GQA models.
     An MLA model's ``num_key_value_heads`` and ``head_dim`` are its attention as the KV cache sees it:
     one head of ``mla.cache_dim`` channels. ``mlp_layer_types``: per layer ``"dense"`` or ``"sparse"``
-    (routed experts).
+    (routed experts). ``moe``: the routed experts' shape (``sparse_models.moe_config``), None without.
     """
 
     architecture: str
@@ -95,6 +97,7 @@ class ModelConfig:
     torch_dtype: torch.dtype | None
     mla: MlaConfig | None = None
     mlp_layer_types: tuple[str, ...] = ()
+    moe: MoeConfig | None = None
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
@@ -124,6 +127,9 @@ class ModelConfig:
         sliding_window, layer_types = _parse_sliding(raw, family, num_layers)
         mla = parse_mla(architecture, raw) if architecture in MLA_ARCHITECTURES else None
         mlp_layer_types = parse_mlp_layer_types(architecture, raw) if mla else ("dense",) * num_layers
+        moe = None
+        if architecture in QWEN_MOE_ARCHITECTURES:
+            moe, mlp_layer_types = parse_qwen_moe(raw)
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -149,6 +155,7 @@ class ModelConfig:
             torch_dtype=_dtype(raw.get("dtype") or raw.get("torch_dtype")),  # transformers 5 renamed the key
             mla=mla,
             mlp_layer_types=mlp_layer_types,
+            moe=moe,
         )
 
     @classmethod

@@ -47,8 +47,10 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
 
     Parameters
     ----------
-    model : a registered model; may define ``packed_modules_mapping`` and ``skip_checkpoint_suffixes``
-        (names of tensors that are not parameters, e.g. ``rotary_emb.inv_freq``).
+    model : a registered model; may define ``packed_modules_mapping``, ``skip_checkpoint_suffixes``
+        (names of tensors that are not parameters, e.g. ``rotary_emb.inv_freq``) and
+        ``route_checkpoint_name(name) -> (parameter name, shard id) | None``, tried first, for names
+        the packing table cannot express (one tensor per expert stacked into one parameter).
     tensors : pairs in any order; consumed lazily so a checkpoint streams tensor by tensor.
     skip : further exact checkpoint names to ignore (e.g. ``lm_head.weight`` when it is tied).
 
@@ -58,6 +60,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
         An unexpected or misshaped tensor (named), or parameters left unloaded (all named).
     """
     packed = getattr(model, "packed_modules_mapping", {})
+    route = getattr(model, "route_checkpoint_name", lambda name: None)
     suffixes = tuple(getattr(model, "skip_checkpoint_suffixes", ()))
     skip = set(skip)
     params = dict(model.named_parameters())
@@ -65,7 +68,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
     for ckpt_name, tensor in tensors:
         if ckpt_name in skip or (suffixes and ckpt_name.endswith(suffixes)):
             continue
-        param_name, shard_id = _route(ckpt_name, packed)
+        param_name, shard_id = route(ckpt_name) or _route(ckpt_name, packed)
         param = params.get(param_name)
         if param is None:
             raise CheckpointError(f"unexpected tensor {ckpt_name!r} in checkpoint (no parameter {param_name!r})")

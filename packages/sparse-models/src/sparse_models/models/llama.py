@@ -15,6 +15,8 @@ kernel, and q/k norm + RoPE, SiLU*mul are one kernel each. On CPU the same calls
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -77,12 +79,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = mlp
 
     def forward(
         self,
@@ -107,13 +109,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, make_mlp: Callable[[ModelConfig, int], nn.Module]):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, make_mlp(config, i)) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
@@ -129,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
 
     Class attributes read by the loader: ``packed_modules_mapping`` (checkpoint module ->
     ``(merged module, shard id)``) and ``skip_checkpoint_suffixes`` (non-parameters some
-    checkpoints carry).
+    checkpoints carry). A family that is this decoder with another MLP on some layers (Qwen3-MoE's
+    routed experts) subclasses it and overrides ``make_mlp``.
     """
 
     packed_modules_mapping = {
@@ -144,10 +149,15 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.make_mlp)
         self.lm_head = LMHead(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_idx``: the dense SwiGLU MLP."""
+        return MLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Final-normed hidden states of every token.
