@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_kernels._paged_validate import check_heads, check_paged_kv, check_run_tensors, check_sm_scale
+from sparse_kernels._paged_validate import (
+    check_heads,
+    check_paged_kv,
+    check_run_tensors,
+    check_sm_scale,
+    check_window_left,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +29,7 @@ class DecodeLayout:
     head_sparse: bool
     num_pages: int  # kv_indptr[-1]
     sm_scale: float
+    window_left: int = -1  # token j of a list (query at j = len - 1) is seen iff j >= len - 1 - window_left
 
     @property
     def group(self) -> int:
@@ -46,6 +53,7 @@ def check_decode_plan(
     sm_scale: float | None,
     head_sparse: bool,
     page_size: int | None,
+    window_left: int = -1,
 ) -> DecodeLayout:
     """Validate a decode plan's arguments (see ``BatchDecodeWithPagedKVCache.plan``)."""
     check_heads(num_qo_heads, num_kv_heads, head_dim, block_size)
@@ -70,6 +78,7 @@ def check_decode_plan(
         head_sparse=head_sparse,
         num_pages=int(kv_indptr[-1]),
         sm_scale=check_sm_scale(sm_scale, head_dim),
+        window_left=check_window_left(window_left),
     )
 
 

@@ -66,6 +66,8 @@ def _tile(req, head, src, nk, indptr, kv_indices, lens, layout: DecodeLayout, de
     page_idx = torch.minimum(pos // page, indptr[src + 1][:, None] - start - 1)
     slots = kv_indices.to(torch.int64)[start + page_idx] * page + pos % page
     valid = pos < lens[src][:, None]
+    if layout.window_left >= 0:  # the query sits at the list's last token
+        valid &= pos >= lens[src][:, None] - 1 - layout.window_left
     slots = torch.where(valid, slots, slots[:, :1])
     cols = torch.where(valid, start * page + pos, start * page)
     return ListTile(

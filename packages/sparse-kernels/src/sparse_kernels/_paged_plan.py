@@ -86,8 +86,12 @@ def build_tile(
     block_size: int,
     causal: bool,
     device: torch.device,
+    window_left: int = -1,
 ) -> PagedTile:
-    """Build one tile's index tensors on the host (vectorised), then copy them to ``device``."""
+    """Build one tile's index tensors on the host (vectorised), then copy them to ``device``.
+
+    ``window_left >= 0``: a query at position ``p`` sees keys ``p - window_left .. p`` only.
+    """
     requests, q0, q1 = bounds
     req = torch.tensor(requests, dtype=torch.int64)  # [bt]
     qo_start = qo_indptr.to(torch.int64)[req, None]  # [bt, 1]
@@ -109,7 +113,10 @@ def build_tile(
     # Key padding points at the request's first slot: real, finite data, so a masked position can
     # never bring NaN/Inf from an unwritten slot into probs @ V (0 * NaN = NaN).
     slots = torch.where(pos < kv_len, slots, slots[:, :1])
-    masked = (pos[:, None, :] > limit[:, :, None])[:, None, None]  # [bt, 1, 1, nq, nk]
+    masked = pos[:, None, :] > limit[:, :, None]  # [bt, nq, nk]
+    if window_left >= 0:
+        masked |= pos[:, None, :] < (q_pos - window_left)[:, :, None]
+    masked = masked[:, None, None]  # [bt, 1, 1, nq, nk]
 
     src = torch.nonzero(real_q)  # [n, 2] (request-in-tile, query row - q0)
     src_rows = src[:, 0] * (q1 - q0) + src[:, 1]
@@ -138,12 +145,15 @@ def build_plan(
     sm_scale: float,
     max_tile_elements: int,
     device: torch.device,
+    window_left: int = -1,
 ) -> PagedPlan:
-    """Tile the (already validated) batch and build every tile's device tensors."""
+    """Tile the (already validated) batch and build every tile's device tensors (``window_left``: see
+    ``build_tile``)."""
     qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
     bounds = split_tiles(qo_lens, kv_lens.tolist(), num_qo_heads, num_kv_heads * head_dim, max_tile_elements)
     tiles = tuple(
-        build_tile(t, qo_indptr, kv_indptr, kv_indices, num_blocks, kv_lens, block_size, causal, device) for t in bounds
+        build_tile(t, qo_indptr, kv_indptr, kv_indices, num_blocks, kv_lens, block_size, causal, device, window_left)
+        for t in bounds
     )
     return PagedPlan(
         tiles=tiles,

@@ -15,6 +15,13 @@ def check_index_tensor(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be a CPU tensor (plan runs on the host), got device {t.device}")
 
 
+def check_window_left(window_left: int) -> int:
+    """A sliding window's ``window_left``: a query at ``p`` sees keys ``p - window_left .. p``; -1: none."""
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"window_left must be an int >= -1 (-1: no window), got {window_left!r}")
+    return window_left
+
+
 def check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
     """Validate the head layout and block size."""
     for name, value in (

@@ -78,6 +78,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         head_sparse: bool = False,
         page_size: int | None = None,
         tail_index: torch.Tensor | None = None,
+        window_left: int = -1,
     ) -> None:
         """Validate the step's paged layout and stage what ``run`` reads (host; not graph-captured).
 
@@ -111,6 +112,12 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             at or past ``(kv_len_b // block_size) * block_size`` are read from ``kv.k_tail[tail_index[b]]`` /
             ``kv.v_tail[...]`` (ignored for a request whose last page is full). Staged into a fixed device
             buffer like the CSR, so a captured ``run_quantized`` replays it.
+        window_left : int
+            Sliding window (FlashInfer's convention): the query sits at its list's last token ``n - 1``
+            and sees tokens ``n - 1 - window_left .. n - 1`` only; -1 (default) means no window. Token
+            ``j`` of a list counts as position ``j``, so the window means positions for dense lists.
+            The Triton kernel skips the pages wholly before the window. HF's ``sliding_window=W``
+            is ``window_left = W - 1``. Not with ``run_quantized`` yet.
 
         Raises
         ------
@@ -128,6 +135,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             sm_scale=sm_scale,
             head_sparse=head_sparse,
             page_size=page_size,
+            window_left=window_left,
         )
         tail_index = check_tail_index(tail_index, layout.batch)
         if tail_index is not None and head_sparse:
@@ -218,6 +226,8 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         """
         self._planned()
         layout = self._layout
+        if layout.window_left >= 0:
+            raise NotImplementedError("run_quantized does not apply a sliding window (window_left) yet")
         check_quantized_kv(
             kv,
             block_size=layout.block_size,
@@ -301,4 +311,5 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             sm_scale=layout.sm_scale,
             max_tile_elements=self.max_tile_elements,
             device=self.device,
+            window_left=layout.window_left,
         )

@@ -7,7 +7,14 @@ import torch
 from sparse_kernels._backend import host_to_device
 from sparse_kernels._paged_plan import build_plan
 from sparse_kernels._paged_run import check_run_inputs, run_paged_attention
-from sparse_kernels._paged_validate import check_heads, check_indptr, check_paged_kv, check_qo_fits, check_sm_scale
+from sparse_kernels._paged_validate import (
+    check_heads,
+    check_indptr,
+    check_paged_kv,
+    check_qo_fits,
+    check_sm_scale,
+    check_window_left,
+)
 from sparse_kernels._paged_wrapper import PagedAttentionWrapper, output_buffer
 from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, rotate, run_dequantized
 from sparse_kernels.quantized_kv import QuantizedKV
@@ -43,6 +50,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         causal: bool = True,
         sm_scale: float | None = None,
         tail_index: torch.Tensor | None = None,
+        window_left: int = -1,
     ) -> None:
         """Validate the step's layout and build the device index tensors ``run`` will use.
 
@@ -68,6 +76,10 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             int32 CPU ``[B]``, for ``run_quantized`` over KIVI: request ``b``'s tokens at or past
             ``(kv_len_b // block_size) * block_size`` (its incomplete last page) are read from tail row
             ``tail_index[b]`` of ``kv.k_tail`` / ``kv.v_tail``.
+        window_left : int
+            Sliding window (FlashInfer's convention): a query at position ``p`` sees keys
+            ``max(0, p - window_left) .. p`` only; -1 (default) means no window. HF's
+            ``sliding_window=W`` is ``window_left = W - 1``. Not with ``run_quantized`` yet.
 
         Raises
         ------
@@ -81,6 +93,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         num_blocks, kv_lens = check_paged_kv(kv_indptr, kv_indices, kv_last_len, block_size)
         check_qo_fits(qo_lens, kv_lens)
         sm_scale = check_sm_scale(sm_scale, head_dim)
+        self._window_left = check_window_left(window_left)
         tail_index = check_tail_index(tail_index, qo_lens.numel())
         self._csr = (qo_indptr.clone(), kv_indptr.clone(), kv_indices.clone(), kv_last_len.clone())
         self._tail_index = None if tail_index is None else tail_index.clone()
@@ -107,6 +120,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
                 causal=causal,
                 sm_scale=sm_scale,
                 tile_queries=queries,
+                window_left=window_left,
             )
             return
         self._plan = build_plan(
@@ -123,6 +137,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             sm_scale=sm_scale,
             max_tile_elements=self.max_tile_elements,
             device=self.device,
+            window_left=window_left,
         )
 
     def run(
@@ -176,6 +191,8 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             ``out``: shaped like ``q``, in ``q``'s dtype (softmax in float32).
         """
         plan = self._planned()
+        if self._window_left >= 0:
+            raise NotImplementedError("run_quantized does not apply a sliding window (window_left) yet")
         check_quantized_kv(
             kv,
             block_size=plan.block_size,

@@ -6,6 +6,10 @@ handles all query heads of KV group ``h`` at once, so each K/V row is loaded onc
 tokens are cut into ``num_splits`` chunks of a multiple of ``BLOCK_N`` tokens; splits that start past
 the list's end return at once. The reduce recomputes how many splits were live from the same lengths.
 
+With a sliding window (``window_left >= 0``) the query, at the list's last token ``n - 1``, sees tokens
+from ``first = max(0, n - 1 - window_left)`` on: the splits cut ``[first, n)`` instead of ``[0, n)``, so
+pages wholly before the window are never read and the partial one is read from ``first``.
+
 Token ``j`` of a list is pool slot ``indices[start + j // PAGE_SIZE] * PAGE_SIZE + j % PAGE_SIZE``:
 PAGE_SIZE is the pool's block size (entries are block ids) or 1 (entries are slot ids). Softmax runs in
 base 2 (scale pre-multiplied by log2 e); the stored log-sum-exps are base 2 as well.
@@ -13,9 +17,19 @@ base 2 (scale pre-multiplied by log2 e); the stored log-sum-exps are base 2 as w
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
+
+
+@triton.jit
+def _window_start(kv_len, window_left, WINDOW: tl.constexpr):
+    """First token the list's last-token query sees: ``max(0, kv_len - 1 - window_left)``, 0 without a window."""
+    if WINDOW:
+        return tl.maximum(kv_len - 1 - window_left, 0)
+    else:
+        return kv_len * 0
 
 
 def _decode_split_kernel(
@@ -31,11 +45,13 @@ def _decode_split_kernel(
     stride_qh,
     scale_log2,
     num_splits,
+    window_left,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_SPARSE: tl.constexpr,
+    WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -55,8 +71,9 @@ def _decode_split_kernel(
     page_lo = tl.load(indptr_ptr + lst)
     page_hi = tl.load(indptr_ptr + lst + 1)
     kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    first = _window_start(kv_len, window_left, WINDOW)
+    chunk = tl.cdiv(tl.cdiv(kv_len - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
     if lo < kv_len:
         pdl_enter(USE_GDC)
         hi = tl.minimum(lo + chunk, kv_len)
@@ -110,11 +127,13 @@ def _decode_reduce_kernel(
     stride_ob,
     stride_oh,
     num_splits,
+    window_left,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_SPARSE: tl.constexpr,
+    WINDOW: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -129,8 +148,9 @@ def _decode_reduce_kernel(
     page_lo = tl.load(indptr_ptr + lst)  # host metadata: read before the wait, as in the split kernel
     page_hi = tl.load(indptr_ptr + lst + 1)
     kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
-    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    live = tl.cdiv(kv_len, chunk)  # splits that wrote a partial result
+    span = kv_len - _window_start(kv_len, window_left, WINDOW)
+    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    live = tl.cdiv(span, chunk)  # splits that wrote a partial result
     pdl_enter(USE_GDC)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
@@ -163,11 +183,13 @@ def _decode_scores_kernel(
     stride_score_head,
     scale_log2,
     num_splits,
+    window_left,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_SPARSE: tl.constexpr,
+    WINDOW: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -215,7 +237,9 @@ def _decode_scores_kernel(
             kv_row = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM
             k = tl.load(k_ptr + kv_row[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
             s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2
-            p = tl.where(mask_g[:, None], tl.exp2(s - lse[:, None]), 0.0)
+            # Tokens before the window get probability 0 (the pass covers the whole list to write them).
+            seen = mask_g[:, None] & (offs_n >= _window_start(kv_len, window_left, WINDOW))[None, :]
+            p = tl.where(seen, tl.exp2(s - lse[:, None]), 0.0)
             tl.store(scores_ptr + col0 + offs_n, tl.sum(p, 0), mask=mask_n)
 
 

@@ -38,12 +38,14 @@ def run_decode_triton(
         "HEAD_DIM": layout.head_dim,
         "PAGE_SIZE": layout.page_size,
         "HEAD_SPARSE": layout.head_sparse,
+        "WINDOW": layout.window_left >= 0,
         "BLOCK_D": max(16, triton.next_power_of_2(layout.head_dim)),
         "BLOCK_N": block_n,
     }
     block_g = max(16, triton.next_power_of_2(layout.group))  # tl.dot needs M >= 16
     dots = dot_args(k_cache.dtype, k_cache.device)
     scale_log2 = layout.sm_scale * LOG2_E
+    window_left = max(layout.window_left, 0)
     grid = (layout.batch, layout.num_kv_heads, num_splits)
     decode_split_kernel[grid](
         q,
@@ -58,6 +60,7 @@ def run_decode_triton(
         q.stride(1),
         scale_log2,
         num_splits,
+        window_left,
         BLOCK_G=block_g,
         **shape,
         **dots,
@@ -74,6 +77,7 @@ def run_decode_triton(
         out.stride(0),
         out.stride(1),
         num_splits,
+        window_left,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         **shape,
         num_warps=4,
@@ -93,6 +97,7 @@ def run_decode_triton(
             0 if layout.head_sparse else scores_out.stride(0),
             scale_log2,
             num_splits,
+            window_left,
             BLOCK_G=block_g,
             BLOCK_PAGE=max(2, triton.next_power_of_2(layout.page_size)),
             **shape,

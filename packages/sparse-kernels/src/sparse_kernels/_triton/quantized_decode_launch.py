@@ -133,6 +133,8 @@ def run_quantized_decode_triton(
         out.stride(0),
         out.stride(1),
         num_splits,
+        0,  # window_left: run_quantized takes no window yet
+        WINDOW=False,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         **shape,
         num_warps=4,
