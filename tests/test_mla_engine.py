@@ -99,3 +99,70 @@ def test_latent_pool_holds_one_row_per_token(mla_checkpoint):
     assert runner.kv_bytes_per_block == 2 * 8 * (32 + 16) * 4
     with pytest.raises(ValueError, match="latent store"):
         LLM(str(path), device="cpu", dtype="float32", kv_cache_dtype="fp8")
+
+
+LARGE_BUDGETS = {
+    "snapkv": dict(sparse_method="snapkv", decode_keep_tokens=1000, decode_eviction_interval=4),
+    "h2o": dict(sparse_method="h2o", h2o_prefill_budget=1000, h2o_decode_budget=1000, decode_eviction_interval=4),
+    "streamingllm": dict(sparse_method="streamingllm", sink_keep_tokens=4, recent_keep_tokens=1000),
+}
+
+
+@pytest.mark.parametrize("case", LARGE_BUDGETS)
+def test_mla_budget_above_context_is_dense(mla_checkpoint, case):
+    """An eviction method scoring through the absorbed queries keeps everything at large budgets."""
+    path, _ = mla_checkpoint("glm4_moe_lite")
+    prompts = _prompts(seed=5)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    base = dict(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=16)
+    dense = [o.token_ids for o in LLM(str(path), **base).generate(prompts, params)]
+    assert [o.token_ids for o in LLM(str(path), **base, **LARGE_BUDGETS[case]).generate(prompts, params)] == dense
+
+
+def test_mla_snapkv_evicts_latents_to_its_budget(mla_checkpoint):
+    """A small SnapKV budget compacts each layer's latents: after prefill a long prompt holds the
+    planned resident tokens, its freed blocks go back, and every request finishes."""
+    path, _ = mla_checkpoint("deepseek_v2")
+    llm = LLM(
+        str(path),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        sparse_method="snapkv",
+        decode_keep_tokens=12,
+        recent_keep_tokens=4,
+        sink_keep_tokens=2,
+        observation_window_size=4,
+        decode_eviction_interval=0,
+    )
+    engine = llm.engine
+    engine.add_request(_prompts(seed=9)[3], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), "r")
+    engine.step()  # the whole 40-token prompt, then compaction
+    req = engine.scheduler.running[0]
+    plan = engine.method.memory_plan(40, 3, engine.config.max_num_batched_tokens)
+    assert list(req.kv_lens) == list(plan.resident_tokens) == [2 + 12 + 4] * 2  # sink + keep + recent
+    assert len(engine.kv.table("r").block_ids) == -(-max(req.kv_lens) // 4)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_latent_compaction_moves_kept_rows_to_the_front():
+    from sparse_cache import latent_paged
+    from sparse_methods import Compaction
+    from sparse_serve.kv_compaction import apply_compaction
+    from sparse_serve.kv_pool import allocate_kv_pool
+
+    pool = allocate_kv_pool(latent_paged(4, 6, 2), 1, 5, torch.float32, "cpu")
+    pool.latent[0].copy_(torch.randn(5, 4, 1, 8))
+    blocks, kept = [3, 0, 4], torch.tensor([[0, 2, 5, 6, 9]])
+    slots = torch.tensor([b * 4 + i for b in blocks for i in range(4)])[:10]
+    before = pool.latent[0].view(-1, 8)[slots].clone()
+    assert apply_compaction(pool, blocks, [10], Compaction(keep=(kept,)), 4) == [5]
+    torch.testing.assert_close(pool.latent[0].view(-1, 8)[slots[:5]], before[kept[0]])
+
+
+def test_methods_without_mla_support_are_refused(mla_checkpoint):
+    path, _ = mla_checkpoint("glm4_moe_lite")
+    with pytest.raises(ValueError, match="quest does not support MLA models"):
+        LLM(str(path), device="cpu", dtype="float32", sparse_method="quest")

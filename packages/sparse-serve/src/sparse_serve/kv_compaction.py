@@ -46,7 +46,10 @@ def apply_compaction(
     inputs = _device_inputs(block_ids, [(kv_lens[layer], keep.shape[1]) for layer, keep in layers], block_size, device)
     for layer, keep in layers:
         slots, slot_indptr, keep_indptr = inputs[kv_lens[layer], keep.shape[1]]
-        if pool.quantized is not None:
+        if pool.store.latent:  # one head: gather every kept row, then write them to the front
+            flat = pool.latent[layer].view(-1, pool.store.head_dim)
+            flat[slots[: keep.shape[1]].long()] = flat[slots[keep[0]].long()]
+        elif pool.quantized is not None:
             tails = None if tail_row is None else torch.tensor([tail_row], dtype=torch.int32, device=device)
             compact_quantized(
                 pool.quantized[layer], slots, keep, slot_indptr=slot_indptr, keep_indptr=keep_indptr, tail_index=tails

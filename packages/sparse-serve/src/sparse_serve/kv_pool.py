@@ -15,7 +15,7 @@ import torch
 from sparse_cache import MODEL_DTYPE, StoreKind, latent_paged, paged, quantized_paged
 from sparse_kernels.kv_quant import lloyd_max_codebook, turboquant_rotation
 from sparse_kernels.quantized_kv import QuantizedKV
-from sparse_methods import SparseMethod
+from sparse_methods import SparseMethod, get_method_class, method_names
 from sparse_methods import StoreKind as MethodStore
 from sparse_models import ModelConfig
 
@@ -99,6 +99,11 @@ def store_kind(
     h, d = cfg.num_key_value_heads, cfg.head_dim
     summaries = method is not None and method.kv_store is MethodStore.PAGED_WITH_SUMMARIES
     if cfg.mla is not None:  # multi-head latent attention: one latent row per token
+        if method is not None and not method.supports_mla:
+            able = [name for name in method_names() if get_method_class(name).supports_mla]
+            raise ValueError(
+                f"method {method.name} does not support MLA models ({cfg.architecture}); those that do: {able}"
+            )
         if kv_cache_dtype != "auto":
             raise ValueError(f"MLA models keep a latent store in the model dtype, not {kv_cache_dtype!r}")
         return latent_paged(block_size, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, summaries=summaries)

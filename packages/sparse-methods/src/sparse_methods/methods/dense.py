@@ -15,6 +15,7 @@ class Dense(SparseMethod):
     name = "dense"
     category = Category.DENSE
     prefix_cache_mode = PrefixCacheMode.RADIX
+    supports_mla = True
     Config = DenseConfig
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:

@@ -50,6 +50,7 @@ register_prefill_method("h2o_prefill", for_methods=frozenset({"h2o"}))
 class H2O(EvictionMethod):
     name = "h2o"
     Config = H2OConfig
+    supports_mla = True  # scores through the absorbed queries: one KV head of latent + rope channels
     accumulates = True
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:

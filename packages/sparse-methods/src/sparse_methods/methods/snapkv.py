@@ -55,6 +55,7 @@ class SnapKVConfig(MethodConfig):
 class SnapKV(EvictionMethod):
     name = "snapkv"
     Config = SnapKVConfig
+    supports_mla = True  # scores through the absorbed queries: one KV head of latent + rope channels
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
         c = self.config
