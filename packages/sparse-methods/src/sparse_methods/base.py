@@ -274,6 +274,9 @@ class SparseMethod(ABC):
     kv_cache_dtype: ClassVar[str | None] = None
     """Compressed-storage methods: the KV dtype they store in (``fp8``, ``kivi``, ``turboquant``);
     None: the engine's ``kv_cache_dtype`` decides (the model dtype by default)."""
+    supports_mla: ClassVar[bool] = False
+    """Runs on multi-head latent attention models (DeepSeek-V2/V3, GLM-4.7-Flash): their cache is one
+    KV head of ``kv_lora_rank + rope`` channels (the latent store) seen through absorbed queries."""
     Config: ClassVar[type[MethodConfig]]
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
