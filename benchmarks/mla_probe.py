@@ -65,12 +65,14 @@ def main() -> None:
         err = _check(q, cache, plan) if batch * kv_len <= 2**18 else None
         ms = median_ms(lambda q=q, cache=cache, plan=plan: latent_attention(q, cache, plan, backend="triton"))
         read = batch * kv_len * (LATENT + ROPE) * 2
+        pct = 100 * read / (ms * 1e-3) / bandwidth
         rows.append(dict(kind="decode", batch=batch, kv_len=kv_len, splits=plan.num_splits, ms=ms,
-                         max_abs_err=err, gb_s=read / ms / 1e6, pct_copy_bw=100 * read / (ms * 1e-3) / bandwidth))  # fmt: skip
+                         max_abs_err=err, gb_s=read / ms / 1e6, pct_copy_bw=pct))  # fmt: skip
     for batch, kv_len, q_len in [(1, 4096, 4096), (1, 16384, 2048), (4, 8192, 512)]:
         q, cache, plan = _case(batch, kv_len, q_len)
         err = _check(q, cache, plan) if q_len * kv_len <= 2**23 else None
-        ms = median_ms(lambda q=q, cache=cache, plan=plan: latent_attention(q, cache, plan, backend="triton"), iters=5)
+        run = lambda q=q, cache=cache, plan=plan: latent_attention(q, cache, plan, backend="triton")  # noqa: E731
+        ms = median_ms(run, iters=5)
         pairs = batch * (q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2)  # causal
         flops = 2 * HEADS * (LATENT + ROPE + LATENT) * pairs
         rows.append(dict(kind="prefill", batch=batch, kv_len=kv_len, q_len=q_len, ms=ms, max_abs_err=err,
@@ -79,7 +81,8 @@ def main() -> None:
         print(json.dumps(row))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_bw": bandwidth, "rows": rows}, indent=1))
+        report = {"device": torch.cuda.get_device_name(), "copy_bw": bandwidth, "rows": rows}
+        args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
