@@ -42,7 +42,7 @@ def test_paged_prefill_logits_match_hf(tiny_checkpoint, family, block_size):
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
 def test_chunked_prefill_over_cached_prefix_matches_hf(tiny_checkpoint, family):
     path, hf_model = tiny_checkpoint(family)
     prompt = list(range(3, 53))

@@ -41,10 +41,13 @@ def family_config(family: str):
         return tf.Qwen3Config(**_COMMON, head_dim=32), tf.Qwen3ForCausalLM
     if family == "mistral":
         return tf.MistralConfig(**_COMMON, sliding_window=None), tf.MistralForCausalLM
+    if family == "qwen3_moe":  # layers 0 and 2 routed (8 experts, 2 per token, renormalised), layer 1 dense
+        moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+        return tf.Qwen3MoeConfig(**_COMMON, **moe, head_dim=32, mlp_only_layers=[1]), tf.Qwen3MoeForCausalLM
     raise KeyError(family)
 
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
