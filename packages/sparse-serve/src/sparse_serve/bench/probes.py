@@ -21,21 +21,32 @@ from torch import nn
 from sparse_kernels import launch_settings
 
 
-def weight_bytes_per_step(model: nn.Module) -> int:
+def weight_bytes_per_step(model: nn.Module, batch_size: int | None = None) -> int:
     """Parameter bytes a decode step reads: all of them, except an input embedding table that no
-    other module shares (a lookup reads a few rows; a tied LM head reads the whole table anyway)."""
+    other module shares (a lookup reads a few rows; a tied LM head reads the whole table anyway).
+
+    Given ``batch_size``, a module that says what share of its weights a step of that many tokens
+    reads (``bytes_read(num_tokens)``: routed experts, whose unchosen experts stay unread) counts
+    that: the expected number of distinct experts under uniform routing, ``E * (1 - (1 - k/E)^B)``,
+    not a measured one. Without it every weight counts.
+    """
     owners: dict[int, list[nn.Module]] = {}
     params: dict[int, torch.Tensor] = {}
+    partial = 0.0
+    skip: set[int] = set()
     for module in model.modules():
+        if batch_size is not None and callable(getattr(module, "bytes_read", None)):
+            partial += module.bytes_read(batch_size)
+            skip.update(id(p) for p in module.parameters())
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), []).append(module)
             params[id(p)] = p
-    total = 0
+    total = round(partial)
     for pid, p in params.items():
         mods = owners[pid]
         embedding = isinstance(mods[0], nn.Embedding) or type(mods[0]).__name__ == "VocabEmbedding"
         lookup_only = len(mods) == 1 and embedding
-        if not lookup_only:
+        if not lookup_only and pid not in skip:
             total += p.numel() * p.element_size()
     return total
 
