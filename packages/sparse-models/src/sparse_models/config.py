@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from sparse_models.gemma_config import GEMMA_ARCHITECTURES, GemmaConfig, gemma_layer_types, gemma_rope, parse_gemma
 from sparse_models.mla_config import MLA_ARCHITECTURES, MlaConfig, parse_mla, parse_mlp_layer_types
 from sparse_models.moe_config import QWEN_MOE_ARCHITECTURES, MoeConfig, parse_qwen_moe
 from sparse_models.registry import UnsupportedArchitectureError, is_registered, supported_architectures
@@ -32,7 +33,7 @@ class _Family:
     out_bias_follows_qkv: bool = True  # Llama/Qwen3 put ``attention_bias`` on o_proj too; Qwen2 does not
     qk_norm: bool = False
     default_head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    sliding: str = "none"  # "none" | "all" (Mistral) | "qwen" (use_sliding_window + max_window_layers)
+    sliding: str = "none"  # "none" | "all" (Mistral) | "qwen" (use_sliding_window + max_window_layers) | "gemma"
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -42,6 +43,7 @@ _FAMILIES: dict[str, _Family] = {
     "Qwen3ForCausalLM": _Family(qk_norm=True, default_head_dim=128, sliding="qwen"),
     "Qwen3MoeForCausalLM": _Family(qk_norm=True, sliding="qwen"),  # HF 5: head_dim defaults to hidden / heads
     **{arch: _Family() for arch in MLA_ARCHITECTURES},
+    **{arch: _Family(qk_norm=True, default_head_dim=256, sliding="gemma") for arch in GEMMA_ARCHITECTURES},
 }
 
 
@@ -71,6 +73,7 @@ class ModelConfig:
     An MLA model's ``num_key_value_heads`` and ``head_dim`` are its attention as the KV cache sees it:
     one head of ``mla.cache_dim`` channels. ``mlp_layer_types``: per layer ``"dense"`` or ``"sparse"``
     (routed experts). ``moe``: the routed experts' shape (``sparse_models.moe_config``), None without.
+    ``gemma``: what Gemma 3 adds (``sparse_models.gemma_config``), None for other families.
     """
 
     architecture: str
@@ -98,6 +101,16 @@ class ModelConfig:
     mla: MlaConfig | None = None
     mlp_layer_types: tuple[str, ...] = ()
     moe: MoeConfig | None = None
+    gemma: GemmaConfig | None = None
+
+    @property
+    def softmax_scale(self) -> float:
+        """The attention's softmax scale (``head_dim ** -0.5`` unless the family says otherwise)."""
+        if self.mla is not None:
+            return self.mla.softmax_scale
+        if self.gemma is not None:
+            return self.gemma.softmax_scale
+        return self.head_dim**-0.5
 
     @property
     def layer_sliding_windows(self) -> tuple[int | None, ...]:
@@ -119,10 +132,18 @@ class ModelConfig:
         family = _FAMILIES.get(architecture, _Family())
         hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
         attention_bias = family.qkv_bias if family.qkv_bias is not None else bool(raw.get("attention_bias", False))
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise NotImplementedError(f"hidden_act={act!r} is not supported (only 'silu')")
-        rope_theta, rope_scaling = _parse_rope(raw)
+        gemma = None
+        if architecture in GEMMA_ARCHITECTURES:  # RoPE per layer type; the MLP's activation is checked there
+            rope_theta, rope_scaling = _parse_rope(gemma_rope(raw, "full_attention"))
+            local_theta, local_scaling = _parse_rope(gemma_rope(raw, "sliding_attention"))
+            if local_scaling is not None:
+                raise NotImplementedError("scaled RoPE on Gemma's sliding-window layers is not supported")
+            gemma = parse_gemma(raw, local_theta)
+        else:
+            act = raw.get("hidden_act", "silu")
+            if act != "silu":
+                raise NotImplementedError(f"hidden_act={act!r} is not supported (only 'silu')")
+            rope_theta, rope_scaling = _parse_rope(raw)
         num_layers = raw["num_hidden_layers"]
         sliding_window, layer_types = _parse_sliding(raw, family, num_layers)
         mla = parse_mla(architecture, raw) if architecture in MLA_ARCHITECTURES else None
@@ -143,7 +164,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma is not None)),  # Gemma ties by default
             attention_bias=attention_bias,
             attention_out_bias=attention_bias if family.out_bias_follows_qkv else False,
             mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -156,6 +177,7 @@ class ModelConfig:
             mla=mla,
             mlp_layer_types=mlp_layer_types,
             moe=moe,
+            gemma=gemma,
         )
 
     @classmethod
@@ -205,6 +227,8 @@ def _parse_rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 def _parse_sliding(raw: dict[str, Any], family: _Family, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     window = raw.get("sliding_window")
+    if family.sliding == "gemma":
+        return raw.get("sliding_window", 4096), gemma_layer_types(raw)
     if family.sliding == "qwen" and not raw.get("use_sliding_window", False):
         window = None
     if window is None or family.sliding == "none":
