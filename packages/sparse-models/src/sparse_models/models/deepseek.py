@@ -18,7 +18,7 @@ from torch import nn
 from sparse_models.attention import AttentionBackend
 from sparse_models.config import ModelConfig
 from sparse_models.layers import Linear, LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
-from sparse_models.models.llama import MLP
+from sparse_models.models.llama import MLP, DecoderLayer
 from sparse_models.registry import register_model
 
 _LORA_NORM_EPS = 1e-6  # HF builds q_a_layernorm / kv_a_layernorm with the default eps, not rms_norm_eps
@@ -80,26 +80,6 @@ def _layout(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2).contiguous()
 
 
-class MlaDecoderLayer(nn.Module):
-    """Pre-norm block as in ``llama.DecoderLayer``: returns ``(mlp_out, residual)`` for the next norm to add."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MlaAttention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp
-
-    def forward(self, x, residual, positions, rotary, attn) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, rotary, attn)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
 def _mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
     if config.mlp_layer_types[layer_idx] == "dense":
         return MLP(config)
@@ -113,7 +93,7 @@ class MlaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(mla.qk_rope_head_dim, config.max_position_embeddings, config.rope_theta)
         self.layers = nn.ModuleList(
-            MlaDecoderLayer(config, i, _mlp(config, i)) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, _mlp(config, i), MlaAttention(config, i)) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

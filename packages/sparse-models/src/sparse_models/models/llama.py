@@ -79,10 +79,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module):
+    """``attention``: the block's attention module (another family's, e.g. MLA); default GQA ``Attention``."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module, attention: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx) if attention is None else attention
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
 
