@@ -69,8 +69,11 @@ class BatchBlockSparsePrefillWithPagedKVCache(PagedAttentionWrapper):
         block_size: int,
         causal: bool = True,
         sm_scale: float | None = None,
+        window_left: int = -1,
     ) -> None:
         """Validate the step's layout (as ``BatchPrefillWithPagedKVCache.plan``) and cut it into tiles.
+
+        A sliding-window layer (``window_left >= 0``) is local already: it runs the dense kernel's window.
 
         Raises
         ------
@@ -95,10 +98,18 @@ class BatchBlockSparsePrefillWithPagedKVCache(PagedAttentionWrapper):
             host=(kv_indptr.clone(), kv_indices.clone()),
         )
         self.layout = None
-        if int(qo_lens.max()) <= self.params.min_sparse_q_len:
+        if int(qo_lens.max()) <= self.params.min_sparse_q_len or window_left >= 0:
             shape = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+            window = {} if window_left < 0 else {"window_left": window_left}
             self._dense.plan(
-                qo_indptr, kv_indptr, kv_indices, kv_last_len, **shape, block_size=block_size, sm_scale=sm_scale
+                qo_indptr,
+                kv_indptr,
+                kv_indices,
+                kv_last_len,
+                **shape,
+                block_size=block_size,
+                sm_scale=sm_scale,
+                **window,
             )
             return
         self.layout = tile_layout(
