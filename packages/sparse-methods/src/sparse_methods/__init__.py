@@ -23,13 +23,16 @@ from sparse_methods.base import (
     StepContext,
     StoreKind,
 )
+from sparse_methods.prefill_attention import PrefillAttention
 from sparse_methods.registry import (
     build_method,
     check_prefill_method,
     get_method_class,
     make_config,
+    make_prefill_attention,
     method_names,
     parameter_fields,
+    parameter_owners,
     prefill_method_names,
     register,
 )
@@ -42,6 +45,7 @@ __all__ = [
     "MemoryPlan",
     "MethodConfig",
     "ModelShape",
+    "PrefillAttention",
     "PrefillPolicy",
     "PrefillView",
     "PrefixCacheMode",
@@ -54,8 +58,10 @@ __all__ = [
     "check_prefill_method",
     "get_method_class",
     "make_config",
+    "make_prefill_attention",
     "method_names",
     "parameter_fields",
+    "parameter_owners",
     "prefill_method_names",
     "register",
 ]

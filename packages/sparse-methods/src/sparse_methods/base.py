@@ -28,10 +28,13 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from sparse_methods.prefill_attention import PrefillAttention
 
 
 class Category(enum.StrEnum):
@@ -278,6 +281,9 @@ class SparseMethod(ABC):
     """Runs on multi-head latent attention models (DeepSeek-V2/V3, GLM-4.7-Flash): their cache is one
     KV head of ``kv_lora_rank + rope`` channels (the latent store) seen through absorbed queries."""
     Config: ClassVar[type[MethodConfig]]
+    prefill_attention: PrefillAttention | None = None
+    """How prefill chunks attend when a prefill attention method is chosen (``build_method`` sets it);
+    None: dense prefill attention."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         if not isinstance(config, self.Config):
@@ -293,7 +299,8 @@ class SparseMethod(ABC):
 
     def fingerprint(self) -> dict:
         """What this method's KV depends on besides tokens (goes into cache salts)."""
-        return {"sparse_method": self.name, **self.config.model_dump()}
+        prefill = {} if self.prefill_attention is None else {"prefill": self.prefill_attention.fingerprint()}
+        return {"sparse_method": self.name, **self.config.model_dump(), **prefill}
 
     # -- lifecycle hooks -----------------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> None:  # noqa: B027 - hooks are optional

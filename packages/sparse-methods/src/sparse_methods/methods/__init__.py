@@ -3,6 +3,7 @@
 from sparse_methods.methods import (
     compressed_storage,
     dense,
+    flashprefill,
     h2o,
     omnikv,
     pyramidkv,
@@ -16,6 +17,7 @@ from sparse_methods.methods import (
 __all__ = [
     "compressed_storage",
     "dense",
+    "flashprefill",
     "h2o",
     "omnikv",
     "pyramidkv",
