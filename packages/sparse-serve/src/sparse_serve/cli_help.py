@@ -10,8 +10,8 @@ def method_parameter_help(name: str) -> str:
     """``"[pyramidkv, snapkv] <description> (default 7616); [omnikv] <description> (default 4096)"``: methods
     with the same description and default grouped, in registry order."""
     groups: dict[tuple[str, str], list[str]] = {}
-    for method in sparse_methods.method_names():
-        info = sparse_methods.get_method_class(method).Config.model_fields.get(name)
+    for method, config in sparse_methods.parameter_owners().items():
+        info = config.model_fields.get(name)
         if info is not None:
             key = ((info.description or "").rstrip("."), repr(info.default))
             groups.setdefault(key, []).append(method)

@@ -188,6 +188,11 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
     """Combinations of a method and a quantized store that are not built yet are clear errors."""
     if method is None or not store.quantized:
         return
+    if method.prefill_attention is not None:
+        raise ValueError(
+            f"prefill_sparse_method {method.prefill_attention.name!r} reads a plain KV store; it does not run over "
+            f"a {store.scheme} KV store yet"
+        )
     layers = range(num_layers)
     if any(method.selects_decode(layer) or method.selects_prefill(layer) for layer in layers):
         raise ValueError(

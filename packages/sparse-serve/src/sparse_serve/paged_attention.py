@@ -10,6 +10,8 @@ which requests it wants per layer (``attention_requests``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from sparse_cache import TailRows
@@ -37,14 +39,17 @@ class _GroupPlan:
     that each plan fills in place, so a captured CUDA graph keeps reading the current step's values.
     """
 
-    def __init__(self, device: torch.device, max_tokens: int | None = None, max_batch_size=None, max_num_pages=None):
+    def __init__(
+        self, device: torch.device, make_prefill, max_tokens: int | None = None, max_batch_size=None, max_num_pages=None
+    ):
         self.device = device
         self.decode = BatchDecodeWithPagedKVCache(device, max_batch_size=max_batch_size, max_num_pages=max_num_pages)
-        self.prefill = BatchPrefillWithPagedKVCache(device)
+        self.prefill = make_prefill(device)
         self._slots = torch.empty(max_tokens, dtype=torch.int32, device=device) if max_tokens else None
         self._tails = torch.empty(max_tokens, dtype=torch.int32, device=device) if max_tokens else None
         self.slot_mapping: torch.Tensor | None = None
         self.tail_index: torch.Tensor | None = None  # per token row: its request's tail row (tailed stores)
+        self.window_left = -1  # the sliding window of the layers this plan serves (-1: none)
 
     def _load(self, host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
         n = host.numel()
@@ -53,6 +58,10 @@ class _GroupPlan:
         view = buffer[:n]
         view.copy_(host.pin_memory(), non_blocking=True)
         return view
+
+    def _window(self) -> dict:
+        # Only windowed plans pass it: a method's own prefill wrapper (global layers) need not take it.
+        return {} if self.window_left < 0 else {"window_left": self.window_left}
 
     def plan(
         self,
@@ -75,6 +84,7 @@ class _GroupPlan:
                 sm_scale=sm_scale,
                 **shape,
                 **extra,
+                **self._window(),
             )
         if meta.num_prefill_requests:
             extra = {} if tails is None else {"tail_index": tails[1][nd:]}
@@ -87,6 +97,7 @@ class _GroupPlan:
                 sm_scale=sm_scale,
                 **shape,
                 **extra,
+                **self._window(),
             )
 
 
@@ -108,8 +119,11 @@ class PagedAttention:
         max_batch_size: int | None = None,
         max_num_pages: int | None = None,
         sm_scale: float | None = None,
+        layer_windows: Sequence[int] = (),
     ):
-        """``sm_scale``: the softmax scale the model passes (default ``head_dim ** -0.5``)."""
+        """``sm_scale``: the softmax scale the model passes (default ``head_dim ** -0.5``). ``layer_windows``:
+        per layer its sliding window as the kernels' ``window_left`` (-1: full attention; empty: none).
+        Windowed layers attend through plans of their own, dense: sparse methods act on full layers only."""
         self.pool = pool
         self.device = pool.device
         self.quantized = pool.quantized  # per layer, or None for plain stores
@@ -120,9 +134,19 @@ class PagedAttention:
         self.block_size = block_size
         self.shape = dict(num_qo_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
         self.method = method
+        # Prefill chunks attend through the method's prefill attention (e.g. block-sparse) where it has one.
+        prefill_attention = None if method is None else method.prefill_attention
+        self._make_prefill = (
+            BatchPrefillWithPagedKVCache if prefill_attention is None else prefill_attention.prefill_wrapper
+        )
         # The first group's plan has fixed-capacity buffers (CUDA graphs replay against them).
-        self._plans: list[_GroupPlan] = [_GroupPlan(self.device, max_num_tokens, max_batch_size, max_num_pages)]
+        self._plans: list[_GroupPlan] = [
+            _GroupPlan(self.device, self._make_prefill, max_num_tokens, max_batch_size, max_num_pages)
+        ]
         self._meta: StepMetadata | None = None
+        self._layer_window = {layer: w for layer, w in enumerate(layer_windows) if w >= 0}
+        self._window_caps = (max_num_tokens, max_batch_size, max_num_pages)  # each window's first plan
+        self._window_plans: dict[int, list[_GroupPlan]] = {w: [] for w in sorted(set(self._layer_window.values()))}
         self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
         self.latent = None  # MLA: queries and cached rows in latent space (``LatentPagedAttention``)
         if pool.store.latent:
@@ -144,10 +168,15 @@ class PagedAttention:
             self.latent.plan(meta, self.sm_scale)
             return
         while len(self._plans) < len(meta.groups):
-            self._plans.append(_GroupPlan(self.device))
+            self._plans.append(_GroupPlan(self.device, self._make_prefill))
         tails = self._tail_index(meta) if self.pool.store.has_tail else None
         for plan, group in zip(self._plans, meta.groups, strict=False):
             plan.plan(group, meta, self.shape, self.sm_scale, tails)
+        for window, plans in self._window_plans.items():
+            while len(plans) < len(meta.groups):
+                plans.append(self._windowed_plan(window, self._window_caps if not plans else ()))
+            for plan, group in zip(plans, meta.groups, strict=False):
+                plan.plan(group, meta, self.shape, self.sm_scale, tails)
         if self.pool.kmin is not None:
             # A decode-only step writes one token per request, each into its own block: the summaries
             # follow from the slot mapping on the device (graph-safe). Prefill chunks recompute blocks.
@@ -159,6 +188,11 @@ class PagedAttention:
             self.selective.plan_step(self.method, meta, meta.groups[0], table=table)
         else:
             self.selective.reset()
+
+    def _windowed_plan(self, window_left: int, caps: tuple) -> _GroupPlan:
+        plan = _GroupPlan(self.device, BatchPrefillWithPagedKVCache, *caps)
+        plan.window_left = window_left
+        return plan
 
     def _tail_index(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token row's and each item's tail row, int32 on the host. A padded decode graph has
@@ -192,7 +226,8 @@ class PagedAttention:
         group_idx = meta.layer_group[layer_idx]
         if self.latent is not None:
             return self._forward_latent(layer_idx, group_idx, q, k)
-        plan = self._plans[group_idx]
+        window = self._layer_window.get(layer_idx)
+        plan = self._plans[group_idx] if window is None else self._window_plans[window][group_idx]
         if self.quantized is not None:
             return self._forward_quantized(layer_idx, plan, meta.groups[group_idx], q, k, v)
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
@@ -207,7 +242,7 @@ class PagedAttention:
                 block_summary(k_cache, blocks, valid, kmin, kmax)
         nd = meta.num_decode_tokens
         has_prefill = meta.num_prefill_requests > 0
-        method = self.method
+        method = self.method if window is None else None  # sparse methods act on full-attention layers only
         select_decode = nd > 0 and method is not None and method.selects_decode(layer_idx)
         select_prefill = has_prefill and method is not None and method.selects_prefill(layer_idx)
         if not has_prefill and not select_decode:
@@ -234,8 +269,8 @@ class PagedAttention:
                 self.selective_prefill.run(method, layer_idx, q[nd:], k_cache, v_cache, meta, group, out[nd:])
             elif has_prefill:
                 plan.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
-        if self.method is not None:
-            wanted = self.method.attention_requests(layer_idx)
+        if method is not None:
+            wanted = method.attention_requests(layer_idx)
             if wanted:
                 self._observe(layer_idx, q, k_cache, group, wanted)
         return out
