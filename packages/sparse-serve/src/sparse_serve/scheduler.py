@@ -15,6 +15,10 @@ first) before an allocation fails, so it goes before any running request is pree
 resuming a chain already holds the chain's retained KV while it waits and computes only the rest;
 when such held KV leaves the oldest waiting request no room and nothing runs, the newest waiting
 holders give theirs up and recompute, so queued chains never stall the engine.
+
+``hold_decodes`` (benchmarks): requests whose prompt is done wait to decode until no request is
+waiting or prefilling, so the decode steps that follow run with the whole batch (it holds only while
+some prefill can run; a step with nothing else to do decodes).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class Scheduler:
     full_prefill : whether a request's prompt must be prefilled in one pass, alone (prefill policy).
     compacts : whether the method may compact a request's KV in place: then the blocks a resumed chain
         shares with a fork count as needed again (they are copied before a compaction rewrites them).
+    hold_decodes : hold prefilled requests' decodes while other requests wait or prefill.
     """
 
     def __init__(
@@ -64,9 +69,11 @@ class Scheduler:
         prefill_peak: Callable[[Request], int] = _dense_prefill_peak,
         full_prefill: Callable[[Request], bool] = lambda req: False,
         compacts: bool = False,
+        hold_decodes: bool = False,
     ):
         self.kv = kv
         self.compacts = compacts
+        self.hold_decodes = hold_decodes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefill_peak = prefill_peak
@@ -84,6 +91,21 @@ class Scheduler:
     def schedule(self, exclude: Collection[Request] = ()) -> ScheduledBatch:
         """The next step's work. ``exclude``: running requests that sit this step out (they stay
         running; a pipelined engine passes those whose in-flight token ends them by length)."""
+        if self.hold_decodes and self._prefilling():
+            order = {req: i for i, req in enumerate(self.running)}
+            decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_len]
+            batch = self._schedule({*exclude, *decoding})
+            self.running.sort(key=lambda r: order.get(r, len(order)))  # held ones keep their arrival order
+            if batch or not decoding:
+                return batch
+            rest = self._schedule(exclude)  # nothing else could run: decode rather than stall
+            return ScheduledBatch(rest.items, batch.preempted + rest.preempted)
+        return self._schedule(exclude)
+
+    def _prefilling(self) -> bool:
+        return bool(self.waiting) or any(r.num_computed_tokens < r.prefill_len for r in self.running)
+
+    def _schedule(self, exclude: Collection[Request]) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         items: list[tuple[Request, int]] = []
         preempted: list[Request] = []
