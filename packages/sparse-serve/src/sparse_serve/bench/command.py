@@ -1,4 +1,5 @@
-"""``sparse-serve bench``: decode throughput against the memory roofline, with an HF baseline."""
+"""``sparse-serve bench``: decode throughput against the memory roofline, prefill time and TFLOP/s,
+end-to-end batches, with an HF baseline."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def _batches(text: str) -> tuple[int | None, ...]:
 
 def add_bench_parser(sub, add_engine_flags: Callable, engine_config_from_args: Callable) -> None:
     """Register ``bench`` on the CLI's subparsers (the engine flags come from ``cli``)."""
-    p = sub.add_parser("bench", help="decode throughput (tok/s, ms/step, bandwidth vs copy, memory) + HF baseline")
+    p = sub.add_parser(
+        "bench", help="decode throughput (tok/s, ms/step, bandwidth vs copy), prefill TFLOP/s, e2e + HF baseline"
+    )
     p.add_argument("--model", default=str(DEFAULT_BENCH_MODEL), help="model folder (default: Qwen3-8B shape config)")
     p.add_argument("--prompt-len", type=_ints, default=(32768, 131072), help="comma-separated prompt lengths")
     p.add_argument("--output-len", type=int, default=256, help="tokens per request (memory planned for all)")
@@ -41,12 +44,30 @@ def add_bench_parser(sub, add_engine_flags: Callable, engine_config_from_args: C
         "--prefill",
         choices=("synthetic", "real"),
         default="synthetic",
-        help="synthetic: the KV a method keeps after prefill, filled with noise; real: run the prompts",
+        help="synthetic: the KV a method keeps after prefill, filled with noise; real: run the prompts "
+        "(timed: prefill seconds, tokens/s, TFLOP/s; decodes wait until the whole batch is prefilled)",
+    )
+    p.add_argument(
+        "--e2e",
+        type=_ints,
+        default=(),
+        metavar="N[,N...]",
+        help="end-to-end mode instead of the decode cases: N requests of --prompt-len in / --output-len out "
+        "arrive at once; wall time to the last token (prefill included), tokens/s, TTFT",
+    )
+    p.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="profile one prefill chunk per prompt length (its last: after the whole prefix); top kernels",
     )
     p.add_argument("--warmup-steps", type=int, default=3, help="decode steps run before timing")
     p.add_argument("--timed-steps", type=int, default=None, help="decode steps timed (default: all remaining)")
     p.add_argument("--profile-steps", type=int, default=0, help="extra steps under the profiler (GPU busy ms/step)")
-    p.add_argument("--hf-baseline", action="store_true", help="also time HF transformers at batch 1 (run first)")
+    p.add_argument(
+        "--hf-baseline",
+        action="store_true",
+        help="also time HF transformers at batch 1 (run first): decode, and prefill with --prefill real",
+    )
     p.add_argument("--hf-steps", type=int, default=20, help="HF decode steps timed per prompt length")
     p.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
     p.add_argument("--out", type=Path, default=Path("results/bench/latest"), help="folder for bench.json/.md/.png")
@@ -77,7 +98,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def _bench(args: argparse.Namespace, engine_config_from_args: Callable) -> int:
-    from sparse_serve.bench.report import markdown_table, write_report
+    from sparse_serve.bench.report import markdown_tables, write_report
     from sparse_serve.bench.suite import BenchPlan, run_bench
     from sparse_serve.config import EngineConfig
 
@@ -94,12 +115,14 @@ def _bench(args: argparse.Namespace, engine_config_from_args: Callable) -> int:
         profile_steps=args.profile_steps,
         hf_baseline=args.hf_baseline,
         hf_steps=args.hf_steps,
+        e2e=args.e2e,
+        profile_prefill=args.profile_prefill,
         seed=config.seed,
         commit=args.commit,
     )
     report = run_bench(config, plan, progress=not args.no_progress)
     report["command"] = _command_line(args)
     paths = write_report(args.out, report, append=args.append)
-    print(markdown_table(report["runs"]))
+    print(markdown_tables(report["runs"]))
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return 0

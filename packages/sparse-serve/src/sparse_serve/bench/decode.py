@@ -2,8 +2,9 @@
 
 Synthetic prefill (``engine.add_synthetic_request``) makes each request hold exactly the KV its
 method keeps after prefill, filled with the pool's noise, so 128K-context decode is measurable in
-seconds; real prefill runs the prompts through the engine first and times only the decode steps
-that follow (short prompts). Either way the bytes a step must read are counted from the requests'
+seconds; real prefill runs the prompts through the engine first (timed on its own, with decodes
+held until the whole batch is prefilled, so the timed decode steps run with the whole batch) and
+then times the decode steps that follow. Either way the bytes a step must read are counted from the requests'
 KV lengths before the step, so achieved bandwidth is measured, not assumed.
 """
 
@@ -19,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sparse_methods import SparseMethod
+from sparse_serve.bench.prefill import random_prompt, run_prefill, synchronize
 from sparse_serve.bench.probes import peak_memory, profile_device, reset_peak_memory
 from sparse_serve.engine import LLMEngine
 from sparse_serve.sampling_params import SamplingParams
@@ -64,29 +66,21 @@ def max_batch_size(engine: LLMEngine, prompt_len: int, output_len: int, prefill:
     return min(fit, engine.config.max_num_seqs)
 
 
-def _add_requests(engine: LLMEngine, case: DecodeCase, batch: int, seed: int) -> list[str]:
+def _add_requests(engine: LLMEngine, case: DecodeCase, batch: int, prompts: torch.Generator) -> list[str]:
     """Add the batch (all or none: a request that does not fit aborts those added before it)."""
     params = SamplingParams(max_tokens=case.output_len, temperature=0.0, ignore_eos=True)
-    g = torch.Generator().manual_seed(seed)
-    vocab = engine.runner.model_config.vocab_size
     ids: list[str] = []
     try:
         for _ in range(batch):
             if case.prefill == "synthetic":
                 ids.append(engine.add_synthetic_request(case.prompt_len, params))
             else:
-                prompt = torch.randint(0, vocab, (case.prompt_len,), generator=g).tolist()
-                ids.append(engine.add_request(prompt, params))
+                ids.append(engine.add_request(random_prompt(engine, case.prompt_len, prompts), params))
     except ValueError:
         for rid in ids:
             engine.abort_request(rid)
         raise
     return ids
-
-
-def _prefill_done(engine: LLMEngine) -> bool:
-    sched = engine.scheduler
-    return not sched.waiting and all(r.num_computed_tokens >= r.prefill_len for r in sched.running)
 
 
 def _graph_replays(engine: LLMEngine) -> int:
@@ -135,31 +129,37 @@ def _step_kv_tokens_reference(engine: LLMEngine) -> tuple[int, int]:
 
 
 def run_decode_case(
-    engine: LLMEngine, case: DecodeCase, *, kv_bytes_per_slot: int, seed: int = 0, progress: bool = True
+    engine: LLMEngine,
+    case: DecodeCase,
+    *,
+    kv_bytes_per_slot: int,
+    seed: int = 0,
+    prompts: torch.Generator | None = None,
+    progress: bool = True,
 ) -> dict:
     """Measure one case on an idle engine; returns its raw timings (``summarize`` makes the metrics).
 
-    ``kv_bytes_per_slot``: K + V bytes of one token in one layer. Raises RuntimeError when a request
-    was preempted (the batch did not really fit) and ValueError when it cannot be added. The
+    ``kv_bytes_per_slot``: K + V bytes of one token in one layer. ``prompts``: draws the real
+    prefill's prompt ids (default: seeded with ``seed``; pass one generator to every case so that no
+    case's prompts share a prefix with another's in the prefix cache). Raises RuntimeError when a
+    request was preempted (the batch did not really fit) and ValueError when it cannot be added. The
     engine is idle again afterwards (what is left of the batch is aborted).
     """
     device = engine.runner.device
     batch = case.batch_size or max_batch_size(engine, case.prompt_len, case.output_len, case.prefill)
-    preemptions = engine.scheduler.num_preemptions
+    preemptions, hits = engine.scheduler.num_preemptions, engine.prefix_hit_tokens
     reset_peak_memory(device)
-    t0 = time.perf_counter()
-    ids = _add_requests(engine, case, batch, seed)
+    ids = _add_requests(engine, case, batch, prompts or torch.Generator().manual_seed(seed))
+    engine.scheduler.hold_decodes = case.prefill == "real"  # so that the timed steps run the whole batch
     try:
-        prefill_steps = 0
-        while case.prefill == "real" and not _prefill_done(engine):
-            engine.step()
-            prefill_steps += 1
-        prefill_s = time.perf_counter() - t0
+        prefill_s, prefill_steps = run_prefill(engine) if case.prefill == "real" else (None, 0)
+        engine.scheduler.hold_decodes = False
         raw = _time_decode(engine, case, f"{case.prompt_len} tok x{batch}", progress)
         if case.profile_steps and device.type == "cuda":
             raw.update(profile_device(engine.step, case.profile_steps, engine.has_unfinished_requests))
         raw["peak_memory_bytes"] = peak_memory(device)
     finally:
+        engine.scheduler.hold_decodes = False
         for rid in ids:
             engine.abort_request(rid)
     if engine.scheduler.num_preemptions != preemptions:
@@ -172,7 +172,8 @@ def run_decode_case(
         "gpu_kernel_ms_per_step": None,
         **raw,
         "prefill_steps": prefill_steps,
-        "prefill_seconds": prefill_s if case.prefill == "real" else None,
+        "prefill_seconds": prefill_s,
+        "prefix_hit_tokens": engine.prefix_hit_tokens - hits,
         "kv_bytes_in_use": raw["kv_blocks_in_use"] * engine.runner.kv_bytes_per_block,
         "kv_bytes_per_slot": kv_bytes_per_slot,
     }
@@ -197,7 +198,7 @@ def _time_decode(engine: LLMEngine, case: DecodeCase, desc: str, progress: bool)
         if not engine.has_unfinished_requests():
             break
         if i == case.warmup_steps:
-            _synchronize(device)
+            synchronize(device)
             wall_start = time.perf_counter()
         kv_slots, n_running = _step_kv_tokens(engine)
         replays = _graph_replays(engine)
@@ -214,16 +215,11 @@ def _time_decode(engine: LLMEngine, case: DecodeCase, desc: str, progress: bool)
         raw["tokens"].append(sum(len(o.delta_token_ids) for o in outputs))
         used_blocks = max(used_blocks, engine.runner.num_blocks - engine.num_free_blocks)
     if wall_start is not None:
-        _synchronize(device)
+        synchronize(device)
         raw["wall_seconds"] = time.perf_counter() - wall_start
     raw["async_scheduling"] = engine.async_scheduling
     raw["pipelined_steps"] = engine.num_pipelined_steps - pipelined  # warm-up included
     return {**raw, "kv_blocks_in_use": used_blocks, "cuda_graph_steps": graph_steps}
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def summarize(raw: dict, weight_bytes: int, copy_bytes_per_s: float | None) -> dict:
@@ -240,7 +236,8 @@ def summarize(raw: dict, weight_bytes: int, copy_bytes_per_s: float | None) -> d
         "ms_per_step_median": 1e3 * statistics.median(times),
         "ms_per_step_p90": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))],
         "tokens_per_s": sum(raw["tokens"]) / total,
-        "min_running": min(raw["running"]),
+        "min_running": min(raw["running"]),  # requests resident before each timed step
+        "max_running": max(raw["running"]),
         "weight_bytes_per_step": weight_bytes,
         "kv_bytes_per_step": kv_bytes,
         "bytes_per_step": step_bytes,

@@ -1,11 +1,12 @@
 """HF transformers on the same shape, batch 1, as the side-by-side baseline.
 
 The model is built from the same config.json with random weights (bf16 on GPU, sdpa attention).
-Its ``DynamicCache`` is filled with random K/V of the prompt's length instead of running prefill
-("synthetic prefill": a 128K-token HF prefill would take minutes and a huge attention workspace);
-then ``model(next_token, past_key_values=cache)`` decode steps are timed, greedy, as HF's own
-generate loop runs them. The caller frees the memory (``free_device_memory``) before the engine
-sizes its pool.
+Decode: its ``DynamicCache`` is filled with random K/V of the prompt's length instead of running
+prefill ("synthetic prefill"); then ``model(next_token, past_key_values=cache)`` decode steps are
+timed, greedy, as HF's own generate loop runs them. Prefill: one forward of the whole random prompt
+into a fresh ``DynamicCache`` with ``logits_to_keep=1`` (HF computes the last row's logits only, as
+generate does), device synchronized around it, after one warm-up forward of a short prompt. The
+caller frees the memory (``free_device_memory``) before the engine sizes its pool.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 
 import torch
 
+from sparse_serve.bench.prefill import synchronize
 from sparse_serve.bench.probes import (
     kv_bytes_per_token,
     peak_memory,
@@ -25,9 +27,11 @@ from sparse_serve.bench.probes import (
 )
 
 
-def _build_model(model_path: str, dtype: torch.dtype, device: torch.device):
+def build_hf_model(model_path: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """(model, HF config) with random weights, in eval mode, on ``device``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    torch.manual_seed(seed)
     config = AutoConfig.from_pretrained(model_path)
     with torch.device(device):
         try:
@@ -37,13 +41,17 @@ def _build_model(model_path: str, dtype: torch.dtype, device: torch.device):
     return model.eval(), config
 
 
-def _random_cache(config, prompt_len: int, dtype: torch.dtype, device: torch.device, seed: int):
+def _new_cache(config):
     from transformers import DynamicCache
 
     try:
-        cache = DynamicCache(config=config)
-    except TypeError:
-        cache = DynamicCache()
+        return DynamicCache(config=config)
+    except TypeError:  # transformers < 4.56
+        return DynamicCache()
+
+
+def _random_cache(config, prompt_len: int, dtype: torch.dtype, device: torch.device, seed: int):
+    cache = _new_cache(config)
     g = torch.Generator(device).manual_seed(seed)
     shape = (1, config.num_key_value_heads, prompt_len, _head_dim(config))
     for layer in range(config.num_hidden_layers):
@@ -59,22 +67,21 @@ def _head_dim(config) -> int:
 
 @torch.inference_mode()
 def run_hf_decode(
-    model_path: str,
+    model,
+    config,
     prompt_len: int,
     *,
     steps: int,
     warmup_steps: int,
-    dtype: torch.dtype,
-    device: torch.device,
     seed: int = 0,
     profile_steps: int = 0,
 ) -> dict:
-    """Time ``steps`` batch-1 decode steps of HF transformers after a random cache of ``prompt_len``.
+    """Time ``steps`` batch-1 decode steps of HF ``model`` (``build_hf_model``) after a random cache
+    of ``prompt_len``.
 
     Returns the raw timings in ``decode.run_decode_case``'s layout plus the model's weight bytes.
     """
-    torch.manual_seed(seed)
-    model, config = _build_model(model_path, dtype, device)
+    dtype, device = model.dtype, model.device
     weight_bytes = weight_bytes_per_step(model)
     slot_bytes = kv_bytes_per_token(1, config.num_key_value_heads, _head_dim(config), dtype)
     reset_peak_memory(device)
@@ -120,6 +127,35 @@ def run_hf_decode(
         },
     }
     return {"raw": raw, "weight_bytes": weight_bytes}
+
+
+@torch.inference_mode()
+def run_hf_prefill(model, config, prompt_len: int, *, seed: int = 0, warmup_len: int = 512) -> dict:
+    """Time one batch-1 prefill of a random ``prompt_len``-token prompt through HF ``model``.
+
+    Returns ``{"seconds", "peak_memory_bytes", "warmup_len"}``; the warm-up forward (``warmup_len``
+    tokens) is not timed.
+    """
+    device = model.device
+    g = torch.Generator().manual_seed(seed)
+
+    def prefill(n: int) -> float:
+        ids = torch.randint(0, config.vocab_size, (1, n), generator=g).to(device)
+        cache = _new_cache(config)
+        synchronize(device)
+        start = time.perf_counter()
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        if logits.shape[1] != 1:
+            raise RuntimeError(f"HF computed {logits.shape[1]} rows of logits, not the last one only")
+        return seconds
+
+    warmup = min(warmup_len, prompt_len)
+    prefill(warmup)
+    reset_peak_memory(device)
+    seconds = prefill(prompt_len)
+    return {"seconds": seconds, "peak_memory_bytes": peak_memory(device), "warmup_len": warmup}
 
 
 def free_device_memory(device: torch.device) -> None:

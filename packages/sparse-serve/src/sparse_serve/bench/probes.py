@@ -147,16 +147,36 @@ def profile_device(step: Callable[[], object], steps: int, more: Callable[[], bo
     the device sat idle waiting for the host (Python, metadata, launches). Empty when profiling fails:
     it is a diagnostic, the run's numbers do not depend on it.
     """
+    out = profile_events(step, steps, more, cuda=True)
+    if not out:
+        return {}
+    return {
+        "gpu_kernel_ms_per_step": out["busy_ms_per_step"],
+        "profiled_steps": out["profiled_steps"],
+        "gpu_kernels_top": out["top"],
+    }
+
+
+def profile_events(
+    step: Callable[[], object], steps: int, more: Callable[[], bool] = lambda: True, *, cuda: bool, top: int = 12
+) -> dict:
+    """``step`` up to ``steps`` times under torch.profiler: busy ms per step and the ``top`` names by time.
+
+    cuda: the device's kernels and copies (busy = the union of their intervals); otherwise the CPU's
+    operators, ranked by self time (they nest, so their own time is what adds up). Empty on failure.
+    """
     try:
         from torch.autograd import DeviceType
         from torch.profiler import ProfilerActivity, profile
 
         done = 0
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=activities) as prof:
             while done < steps and more():
                 step()
                 done += 1
-        events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+        kind = DeviceType.CUDA if cuda else DeviceType.CPU
+        events = [e for e in prof.events() if e.device_type == kind]
     except Exception:  # noqa: BLE001
         return {}
     if not done or not events:
@@ -168,12 +188,14 @@ def profile_device(step: Callable[[], object], steps: int, more: Callable[[], bo
             end = e
     by_name: dict[str, list[float]] = {}
     for e in events:
-        by_name.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:12]
+        own = e.time_range.end - e.time_range.start if cuda else e.self_cpu_time_total
+        by_name.setdefault(e.name, []).append(own)
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return {
-        "gpu_kernel_ms_per_step": busy / 1e3 / done,
+        "busy_ms_per_step": busy / 1e3 / done,
         "profiled_steps": done,
-        "gpu_kernels_top": [
-            {"name": name[:120], "ms_per_step": sum(t) / 1e3 / done, "calls_per_step": len(t) / done} for name, t in top
+        "top": [
+            {"name": name[:120], "ms_per_step": sum(t) / 1e3 / done, "calls_per_step": len(t) / done}
+            for name, t in ranked
         ],
     }

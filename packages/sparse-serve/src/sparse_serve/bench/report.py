@@ -1,8 +1,8 @@
-"""Write benchmark invocations as ``bench.json``, a markdown table ``bench.md`` and ``bench.png``.
+"""Write benchmark invocations as ``bench.json``, markdown tables ``bench.md`` and ``bench.png``.
 
-A folder may collect several invocations (``--append``: e.g. one per method); the table and the
+A folder may collect several invocations (``--append``: e.g. one per method); the tables and the
 plot cover all of them, and the ratios (engine vs HF at batch 1, each method vs dense at dense's
-largest batch) pair runs of the same prompt length.
+largest batch, end to end vs dense) pair runs of the same prompt length.
 """
 
 from __future__ import annotations
@@ -10,8 +10,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-GB = 1e9
-GIB = 2**30
+from sparse_serve.bench.report_tables import (
+    GB,
+    GIB,  # noqa: F401 (agent_report's)
+    _fmt,  # noqa: F401 (agent_report's)
+    e2e_table,
+    label,
+    markdown_table,
+    mode,
+    prefill_table,
+    profile_table,
+    ratios,
+)
 
 
 def write_report(out_dir: str | Path, invocation: dict, *, append: bool = False) -> list[Path]:
@@ -46,77 +56,11 @@ def all_runs(invocations: list[dict]) -> list[dict]:
     return runs
 
 
-def _label(run: dict) -> str:
-    if run["engine"] == "hf-transformers":
-        return "HF transformers"
-    label = run["sparse_method"]
-    store = run.get("kv_store", "")
-    if store.startswith("quantized"):  # e.g. "kivi [kivi, 2 bits]", "snapkv [fp8, 8 bits]"
-        label += " [" + store[store.index("(") + 1 : -1] + "]"
-    label += " (async)" if run.get("async_scheduling") else ""
-    if (run.get("kernels") or {}).get("pdl") is False:
-        label += " (PDL off)"
-    return label
-
-
-def _fmt(value, scale: float = 1.0, digits: int = 1) -> str:
-    return "" if value is None else f"{value / scale:.{digits}f}"
-
-
-def markdown_table(runs: list[dict]) -> str:
-    head = (
-        "| engine / method | prefill | prompt | output | batch | steps | ms/step | median ms | tok/s "
-        "| GB/step (W+KV) | GB/s | % copy BW | bytes-bound ms | GPU busy ms | peak GiB | KV in use GiB |"
-    )
-    lines = [head, "|---" * 16 + "|"]
-    for r in runs:
-        batch = f"{r['batch_size']} (max)" if r.get("batch_size_arg") == "max" else str(r["batch_size"])
-        cells = [_label(r), r["prefill"], str(r["prompt_len"]), str(r["output_len"]), batch]
-        if "error" in r:
-            lines.append("| " + " | ".join(cells) + f" | error: {r['error'][:80]} |" + " |" * 10)
-            continue
-        m, raw = r["metrics"], r["raw"]
-        cells += [
-            str(m["steps_timed"]),
-            _fmt(m["ms_per_step"], digits=2),
-            _fmt(m.get("ms_per_step_median"), digits=2),
-            _fmt(m["tokens_per_s"]),
-            _fmt(m["bytes_per_step"], GB, 2),
-            _fmt(m["achieved_bytes_per_s"], GB, 0),
-            _fmt(m.get("fraction_of_copy_bw"), 0.01, 1),
-            _fmt(m.get("bytes_bound_ms_per_step"), digits=2),
-            _fmt(raw.get("gpu_kernel_ms_per_step"), digits=2),
-            _fmt(raw.get("peak_memory_bytes"), GIB, 1),
-            _fmt(raw.get("kv_bytes_in_use"), GIB, 1),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def ratios(runs: list[dict]) -> list[str]:
-    """Side-by-side ratios of aggregate decode tok/s, as markdown bullet lines."""
-    ok = [r for r in runs if "error" not in r]
-    engine = [r for r in ok if r["engine"] == "sparse-engine"]
-    lines = []
-    for hf in (r for r in ok if r["engine"] == "hf-transformers"):
-        for r in engine:
-            if r["sparse_method"] == "dense" and r["batch_size"] == 1 and r["prompt_len"] == hf["prompt_len"]:
-                x = r["metrics"]["tokens_per_s"] / hf["metrics"]["tokens_per_s"]
-                lines.append(
-                    f"- {_label(r)} engine vs HF transformers, batch 1, prompt {r['prompt_len']}: **{x:.2f}x**"
-                )
-    for dense in (r for r in engine if r["sparse_method"] == "dense" and r.get("batch_size_arg") == "max"):
-        for r in engine:
-            if r["sparse_method"] == "dense" or r["prompt_len"] != dense["prompt_len"]:
-                continue
-            x = r["metrics"]["tokens_per_s"] / dense["metrics"]["tokens_per_s"]
-            which = " (its max)" if r.get("batch_size_arg") == "max" else ""
-            lines.append(
-                f"- {r['sparse_method']} at batch {r['batch_size']}{which} vs dense at its max batch "
-                f"{dense['batch_size']}, prompt {r['prompt_len']} (output {r['output_len']} vs {dense['output_len']}): "
-                f"**{x:.2f}x**"
-            )
-    return lines
+def markdown_tables(runs: list[dict]) -> str:
+    """The decode, prefill and end-to-end tables of ``runs`` (those that have rows)."""
+    decode = markdown_table(runs) if any(mode(r) == "decode" for r in runs) else ""
+    parts = [decode, prefill_table(runs), e2e_table(runs)]
+    return "\n".join(p for p in parts if p)
 
 
 def _kernels_note(env: dict) -> str:
@@ -129,7 +73,7 @@ def _kernels_note(env: dict) -> str:
 
 def markdown_report(invocations: list[dict]) -> str:
     runs = all_runs(invocations)
-    parts = ["# Decode throughput\n"]
+    parts = ["# sparse-serve bench\n"]
     for i, inv in enumerate(invocations):
         env, copy = inv["environment"], inv["copy_bandwidth"]
         parts.append(
@@ -140,21 +84,51 @@ def markdown_report(invocations: list[dict]) -> str:
         )
         for run in [r for r in inv["runs"] if r["engine"] == "sparse-engine"][:1]:
             parts.append(_settings_line(run))
-    parts.append(markdown_table(runs))
+    decode = any(mode(r) == "decode" for r in runs)
+    if decode:
+        parts.append(markdown_table(runs))
     lines = ratios(runs)
     if lines:
-        parts.append("\nAggregate decode tok/s ratios (measured in the runs above):\n\n" + "\n".join(lines) + "\n")
-    parts.append(
-        "\nms/step is the mean over the timed steady-state steps (warm-up skipped): their end-to-end wall time "
-        "(device synchronized before the first and after the last) over their number; median ms is the median "
-        "of the single step() calls (unsynchronized: a diagnostic of outliers). (async): pipelined decode "
-        "steps (async_scheduling). GB/step counts weights read "
-        "once (the input embedding only by its rows) plus every resident KV slot read once per layer and request; "
-        "% copy BW is that over the step time, against the device copy bandwidth measured in the same process. "
-        "bytes-bound ms = GB/step / copy bandwidth; GPU busy ms (profiled steps, when asked) is the union of the "
-        "device's kernel and copy intervals per step, so ms/step minus it is host time the GPU sat idle.\n"
-    )
+        parts.append("\nRatios (measured in the runs above):\n\n" + "\n".join(lines) + "\n")
+    if decode:
+        parts.append(_DECODE_NOTE)
+    prefill = prefill_table(runs)
+    if prefill:
+        parts += ["## Prefill\n", prefill, _PREFILL_NOTE]
+    e2e = e2e_table(runs)
+    if e2e:
+        parts += ["## End to end\n", e2e, _E2E_NOTE]
+    profiles = [p for inv in invocations for p in inv.get("prefill_profiles", [])]
+    if profiles:
+        parts += ["## Profiled prefill chunks\n", *(profile_table(p) for p in profiles)]
     return "\n".join(parts)
+
+
+_DECODE_NOTE = (
+    "\nms/step is the mean over the timed steady-state steps (warm-up skipped): their end-to-end wall time "
+    "(device synchronized before the first and after the last) over their number; median ms is the median "
+    "of the single step() calls (unsynchronized: a diagnostic of outliers). resident min-max: requests "
+    "running before each timed step (with real prefill, decodes wait until the whole batch is prefilled). "
+    "(async): pipelined decode steps (async_scheduling). GB/step counts weights read "
+    "once (the input embedding only by its rows) plus every resident KV slot read once per layer and request; "
+    "% copy BW is that over the step time, against the device copy bandwidth measured in the same process. "
+    "bytes-bound ms = GB/step / copy bandwidth; GPU busy ms (profiled steps, when asked) is the union of the "
+    "device's kernel and copy intervals per step, so ms/step minus it is host time the GPU sat idle.\n"
+)
+_PREFILL_NOTE = (
+    "\nprefill s: from the step of the batch's first chunk to the end of the step of its last (device "
+    "synchronized; decodes held meanwhile, so prefill work only); HF transformers: one forward of the whole "
+    "prompt (batch 1, fresh DynamicCache, logits of the last token only) after a short warm-up. TFLOP/s counts "
+    "the q/k/v/o projections, the gated MLP, causal attention over the cached prefix (QK^T and PV) and the LM "
+    "head of each prompt's last token, as dense (`sparse_serve.bench.flops`). vs HF: prefill tokens/s over HF's "
+    "at batch 1 and the same prompt length (at batch 1, HF's seconds over ours).\n"
+)
+_E2E_NOTE = (
+    "\nEvery request arrives at once; wall s runs from the arrival to the last token (prefill included, the "
+    "engine's own scheduling: chunked prefill mixed with decodes). total tok/s counts prompt and output "
+    "tokens; TTFT is arrival to first token; mean ITL is each request's (last - first token) / (tokens - 1), "
+    "averaged. vs dense: dense's wall time over this run's, same prompt, output and requests.\n"
+)
 
 
 def _settings_line(run: dict) -> str:
@@ -173,34 +147,55 @@ def _settings_line(run: dict) -> str:
 
 
 def _plot(path: Path, invocations: list[dict]) -> Path | None:
+    """Decode tok/s against the batch size; beside it, when any run timed its prefill, prefill TFLOP/s
+    against the prompt length."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        import matplotlib.ticker
     except ImportError:  # plots are optional: `uv sync --extra plot` (or the dev group) brings matplotlib
         return None
-    series: dict[str, list[tuple[int, float]]] = {}
-    for r in all_runs(invocations):
-        if "error" not in r:
-            n = r["prompt_len"]
-            key = f"{_label(r)}, " + (f"{n // 1024}K" if n >= 1024 else str(n))
-            series.setdefault(key, []).append((r["batch_size"], r["metrics"]["tokens_per_s"]))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    runs = all_runs(invocations)
+    decode: dict[str, list[tuple[int, float]]] = {}
+    prefill: dict[str, list[tuple[int, float]]] = {}
+    for r in (r for r in runs if "error" not in r and mode(r) == "decode"):
+        n = r["prompt_len"]
+        decode.setdefault(f"{label(r)}, " + (f"{n // 1024}K" if n >= 1024 else str(n)), []).append(
+            (r["batch_size"], r["metrics"]["tokens_per_s"])
+        )
+    for r in (r for r in runs if (r.get("prefill_metrics") or {}).get("tflops_per_s") is not None):
+        key = f"{label(r)}, batch {r['batch_size']}"
+        prefill.setdefault(key, []).append((r["prompt_len"], r["prefill_metrics"]["tflops_per_s"]))
+    panels = [p for p in (decode, prefill) if p]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    gpu = invocations[-1]["environment"].get("gpu") or invocations[-1]["environment"].get("device")
+    for ax, series in zip(axes[0], panels, strict=True):
+        _lines(ax, series)
+        if series is decode:
+            ax.set_yscale("log")
+            ax.set_xlabel("batch size (requests decoding together)")
+            ax.set_ylabel("aggregate decode tokens/s")
+            ax.set_title(f"Decode throughput ({gpu})", fontsize=10)
+        else:
+            ax.set_xlabel("prompt length (tokens)")
+            ax.set_ylabel("prefill TFLOP/s (dense-equivalent FLOPs)")
+            ax.set_title(f"Prefill ({gpu})", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _lines(ax, series: dict[str, list[tuple[int, float]]]) -> None:
+    import matplotlib.ticker
+
     for key, points in sorted(series.items()):
         xs, ys = zip(*sorted(points), strict=True)
         hf = key.startswith("HF")
         ax.plot(xs, ys, marker="s" if hf else "o", linestyle=":" if hf else "-", label=key)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-    ax.set_yscale("log")
-    ax.set_xlabel("batch size (requests decoding together)")
-    ax.set_ylabel("aggregate decode tokens/s")
-    gpu = invocations[-1]["environment"].get("gpu") or invocations[-1]["environment"].get("device")
-    ax.set_title(f"Decode throughput ({gpu})", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path

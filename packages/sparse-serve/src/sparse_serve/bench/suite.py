@@ -1,5 +1,7 @@
 """One benchmark invocation: the copy-bandwidth probe, the HF baseline (first, then freed), then
-the engine's decode cases over prompt lengths x batch sizes for one engine config."""
+for one engine config either the decode cases over prompt lengths x batch sizes (with real prefill
+timed before each) or the end-to-end cases over prompt lengths x request counts; optionally one
+profiled prefill chunk per prompt length."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from tqdm.auto import tqdm
 import sparse_methods
 from sparse_models import read_model_config
 from sparse_serve.bench.decode import DecodeCase, max_batch_size, run_decode_case, summarize
-from sparse_serve.bench.hf_baseline import free_device_memory, run_hf_decode
+from sparse_serve.bench.e2e import E2ECase, run_e2e_case, summarize_e2e
+from sparse_serve.bench.hf_baseline import build_hf_model, free_device_memory, run_hf_decode, run_hf_prefill
+from sparse_serve.bench.prefill import prefill_summary, profile_prefill_chunk, warm_prefill
 from sparse_serve.bench.probes import copy_bandwidth, environment, kv_bytes_per_token, weight_bytes_per_step
 from sparse_serve.config import EngineConfig
 from sparse_serve.engine import LLMEngine
@@ -22,7 +26,11 @@ from sparse_serve.model_runner import resolve_device, resolve_dtype
 
 @dataclass(frozen=True, slots=True)
 class BenchPlan:
-    """What to measure. ``batch_sizes`` entries of None mean ``max`` (the largest batch that fits)."""
+    """What to measure. ``batch_sizes`` entries of None mean ``max`` (the largest batch that fits).
+
+    e2e : request counts of the end-to-end mode (replaces the decode cases when given).
+    profile_prefill : profile one prefill chunk per prompt length (the last chunk of a prompt).
+    """
 
     prompt_lens: tuple[int, ...]
     batch_sizes: tuple[int | None, ...]
@@ -33,6 +41,8 @@ class BenchPlan:
     profile_steps: int = 0
     hf_baseline: bool = False
     hf_steps: int = 20
+    e2e: tuple[int, ...] = ()
+    profile_prefill: bool = False
     seed: int = 0
     commit: str | None = None
 
@@ -49,31 +59,63 @@ def run_bench(config: EngineConfig, plan: BenchPlan, *, progress: bool = True) -
     }
     copy_bps = report["copy_bandwidth"]["bytes_per_s"]
     if plan.hf_baseline:  # before the engine sizes its KV pool from the free memory
-        for prompt_len in tqdm(plan.prompt_lens, desc="HF baseline", disable=not progress):
-            report["runs"].append(_hf_run(config, plan, prompt_len, dtype, device, copy_bps))
+        report["runs"] += _hf_runs(config, plan, dtype, device, copy_bps, progress)
     engine = LLMEngine(config)
     if plan.prefill == "synthetic":
         engine.runner.randomize_kv(plan.seed)
+    prompts = torch.Generator().manual_seed(plan.seed)  # one stream: no two prompts share a cached prefix
+    if plan.prefill == "real" or plan.e2e or plan.profile_prefill:
+        warm_prefill(engine, prompts, max(plan.prompt_lens))
+    if plan.profile_prefill:
+        profiles = [profile_prefill_chunk(engine, n, prompts) for n in plan.prompt_lens]
+        report["prefill_profiles"] = [{"sparse_method": config.sparse_method, **p} for p in profiles if p]
+    if plan.e2e:
+        report["runs"] += _e2e_runs(engine, plan, prompts, progress)
+    else:
+        report["runs"] += _decode_runs(engine, plan, prompts, copy_bps, progress)
+    del engine
+    gc.collect()
+    return report
+
+
+def _decode_runs(engine: LLMEngine, plan: BenchPlan, prompts: torch.Generator, copy_bps: float, progress: bool):
     settings = engine_settings(engine)
     cfg = engine.runner.model_config
     weight_bytes = weight_bytes_per_step(engine.runner.model)
     slot_bytes = kv_bytes_per_token(1, cfg.num_key_value_heads, cfg.head_dim, engine.runner.dtype)
     if engine.runner.store.quantized:  # a slot read is its codes and scales (compressed bytes)
         slot_bytes = engine.runner.store.bytes_per_token(engine.runner.kv.k[0].element_size())
-    cases = _cases(engine, plan)
-    for case, is_max in tqdm(cases, desc=f"{config.sparse_method} decode", disable=not progress):
+    runs = []
+    for case, is_max in tqdm(_cases(engine, plan), desc=f"{engine.config.sparse_method} decode", disable=not progress):
         run = {**settings, "engine": "sparse-engine", "prefill": plan.prefill, **_case_fields(case)}
         try:
-            raw = run_decode_case(engine, case, kv_bytes_per_slot=slot_bytes, seed=plan.seed, progress=progress)
+            raw = run_decode_case(engine, case, kv_bytes_per_slot=slot_bytes, prompts=prompts, progress=progress)
         except (ValueError, RuntimeError) as e:
-            report["runs"].append({**run, "error": str(e)})
+            runs.append({**run, "error": str(e)})
             continue
         raw["batch_size_arg"] = "max" if is_max else case.batch_size
         run.update(batch_size=raw["batch_size"], batch_size_arg=raw["batch_size_arg"])
-        report["runs"].append({**run, "metrics": summarize(raw, weight_bytes, copy_bps), "raw": raw})
-    del engine
-    gc.collect()
-    return report
+        if raw["prefill_seconds"] is not None:
+            run["prefill_metrics"] = prefill_summary(cfg, case.prompt_len, raw["batch_size"], raw["prefill_seconds"])
+        runs.append({**run, "metrics": summarize(raw, weight_bytes, copy_bps), "raw": raw})
+    return runs
+
+
+def _e2e_runs(engine: LLMEngine, plan: BenchPlan, prompts: torch.Generator, progress: bool) -> list[dict]:
+    settings = engine_settings(engine)
+    runs = []
+    for prompt_len in plan.prompt_lens:
+        for n in plan.e2e:
+            case = E2ECase(prompt_len, plan.output_len, n)
+            run = {**settings, "engine": "sparse-engine", "mode": "e2e", "prefill": "real", "prompt_len": prompt_len}
+            run.update(output_len=plan.output_len, batch_size=n, batch_size_arg=n, num_requests=n)
+            try:
+                raw = run_e2e_case(engine, case, prompts, progress=progress)
+            except (ValueError, RuntimeError) as e:
+                runs.append({**run, "error": str(e)})
+                continue
+            runs.append({**run, "metrics": summarize_e2e(raw, prompt_len), "raw": raw})
+    return runs
 
 
 def _cases(engine: LLMEngine, plan: BenchPlan) -> list[tuple[DecodeCase, bool]]:
@@ -110,8 +152,46 @@ def _case_fields(case: DecodeCase) -> dict:
     }
 
 
-def _hf_run(config: EngineConfig, plan: BenchPlan, prompt_len: int, dtype, device, copy_bps: float) -> dict:
-    run = {
+def _hf_runs(config: EngineConfig, plan: BenchPlan, dtype, device, copy_bps: float, progress: bool) -> list[dict]:
+    """HF transformers at batch 1 per prompt length: decode, and prefill when the engine's is real."""
+    try:
+        model, hf_config = build_hf_model(config.model, dtype, device, plan.seed)
+    except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
+        return [{**_hf_fields(plan, n, dtype), "error": f"{type(e).__name__}: {e}"[:500]} for n in plan.prompt_lens]
+    cfg = read_model_config(config.model)
+    runs = []
+    for prompt_len in tqdm(plan.prompt_lens, desc="HF baseline", disable=not progress):
+        run = _hf_fields(plan, prompt_len, dtype)
+        if plan.prefill == "real":
+            try:
+                out = run_hf_prefill(model, hf_config, prompt_len, seed=plan.seed)
+                run["prefill_metrics"] = {**prefill_summary(cfg, prompt_len, 1, out.pop("seconds")), **out}
+            except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
+                run["prefill_error"] = f"{type(e).__name__}: {e}"[:500]
+            finally:
+                free_device_memory(device)
+        try:
+            out = run_hf_decode(
+                model,
+                hf_config,
+                prompt_len,
+                steps=plan.hf_steps,
+                warmup_steps=plan.warmup_steps,
+                seed=plan.seed,
+                profile_steps=plan.profile_steps,
+            )
+            runs.append({**run, "metrics": summarize(out["raw"], out["weight_bytes"], copy_bps), "raw": out["raw"]})
+        except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
+            runs.append({**run, "error": f"{type(e).__name__}: {e}"[:500]})
+        finally:
+            free_device_memory(device)
+    del model
+    free_device_memory(device)
+    return runs
+
+
+def _hf_fields(plan: BenchPlan, prompt_len: int, dtype) -> dict:
+    return {
         "engine": "hf-transformers",
         "sparse_method": "dense",
         "prefill": "synthetic (random DynamicCache)",
@@ -121,21 +201,6 @@ def _hf_run(config: EngineConfig, plan: BenchPlan, prompt_len: int, dtype, devic
         "batch_size_arg": 1,
         "dtype": str(dtype).removeprefix("torch."),
     }
-    try:
-        out = run_hf_decode(
-            config.model,
-            prompt_len,
-            steps=plan.hf_steps,
-            warmup_steps=plan.warmup_steps,
-            dtype=dtype,
-            device=device,
-            profile_steps=plan.profile_steps,
-        )
-    except (torch.OutOfMemoryError, RuntimeError, ValueError) as e:
-        return {**run, "error": f"{type(e).__name__}: {e}"[:500]}
-    finally:
-        free_device_memory(device)
-    return {**run, "metrics": summarize(out["raw"], out["weight_bytes"], copy_bps), "raw": out["raw"]}
 
 
 def engine_settings(engine: LLMEngine) -> dict:
