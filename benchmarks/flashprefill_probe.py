@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch
+from prefill_kernel_probe import cuda_time  # the same timing as the dense probe (this script's folder)
 
 from sparse_kernels import BatchPrefillWithPagedKVCache
 from sparse_kernels._triton import block_sparse_prefill as kernel
@@ -27,21 +27,6 @@ from sparse_kernels.block_sparse_prefill import BatchBlockSparsePrefillWithPaged
 from sparse_kernels.prefill_block_selection import BlockSparseParams, select_blocks
 
 HQ, HKV, D, BS = 32, 8, 128, 16
-
-
-def cuda_time(fn, reps: int = 3) -> float:
-    """Best of ``reps`` seconds per call, after a warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
 
 
 def parse_config(name: str) -> dict:

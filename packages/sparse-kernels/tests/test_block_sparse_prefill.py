@@ -196,3 +196,17 @@ def test_params_and_plan_are_validated(paged_batch):
         batch.plan_prefill(BatchBlockSparsePrefillWithPagedKVCache(params=_params(0.1)), causal=False)
     with pytest.raises(RuntimeError, match="plan"):
         BatchBlockSparsePrefillWithPagedKVCache(params=_params(0.1)).run(batch.q, batch.k_cache, batch.v_cache)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("threshold", [0.0, 0.01])
+def test_triton_equals_reference_at_8k_on_gpu(paged_batch, threshold):
+    """SE's block sizes (128 x 128) over a 2048-query chunk at the end of 8K keys, bf16, head_dim 128."""
+    batch = paged_batch([2048, 700], [8192, 3000], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                        dtype=torch.bfloat16, seed=7).to("cuda")  # fmt: skip
+    params = BlockSparseParams(threshold, min_sparse_q_len=512)
+    out = _wrapper(batch, params, "cuda", "triton").run(batch.q, batch.k_cache, batch.v_cache)
+    expected = _wrapper(batch, params, "cuda", "reference").run(batch.q, batch.k_cache, batch.v_cache)
+    torch.testing.assert_close(out, expected, **TOL[torch.bfloat16])
+    if threshold == 0:
+        torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[torch.bfloat16])
