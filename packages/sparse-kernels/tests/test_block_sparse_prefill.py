@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from sparse_kernels import BatchPrefillWithPagedKVCache
-from sparse_kernels.block_sparse_prefill import BatchBlockSparsePrefillWithPagedKVCache
+from sparse_kernels.block_sparse_prefill import (
+    BatchBlockSparsePrefillWithPagedKVCache,
+    block_sparse_attention_reference,
+)
 from sparse_kernels.prefill_block_selection import BlockSparseParams
 
 NUM_KV_HEADS = 2
@@ -205,8 +208,13 @@ def test_triton_equals_reference_at_8k_on_gpu(paged_batch, threshold):
     batch = paged_batch([2048, 700], [8192, 3000], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=128,
                         dtype=torch.bfloat16, seed=7).to("cuda")  # fmt: skip
     params = BlockSparseParams(threshold, min_sparse_q_len=512)
-    out = _wrapper(batch, params, "cuda", "triton").run(batch.q, batch.k_cache, batch.v_cache)
-    expected = _wrapper(batch, params, "cuda", "reference").run(batch.q, batch.k_cache, batch.v_cache)
+    wrapper = _wrapper(batch, params, "cuda", "triton")
+    out = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
+    k_mean, v_mean, lists = wrapper.select(batch.q, batch.k_cache, batch.v_cache)  # the same selection
+    expected = block_sparse_attention_reference(
+        batch.q, batch.k_cache, batch.v_cache, wrapper.layout, lists, k_mean, v_mean, wrapper._plan,
+        torch.empty_like(batch.q),
+    )  # fmt: skip
     torch.testing.assert_close(out, expected, **TOL[torch.bfloat16])
     if threshold == 0:
         torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[torch.bfloat16])
