@@ -50,19 +50,29 @@ def test_reference_matches_per_token_formula():
     torch.testing.assert_close(fused_moe_reference(x, w13, w2, ids, weights), expected)
 
 
-@pytest.mark.parametrize(("num_tokens", "top_k", "block_m"), [(1, 1, 16), (1, 8, 16), (37, 2, 16), (64, 4, 8)])
+ALIGN_CASES = [(1, 1, 16, 16), (1, 8, 16, 16), (37, 2, 16, 20), (64, 4, 8, 16), (300, 3, 16, 12)]
+
+
+@pytest.mark.parametrize(("num_tokens", "top_k", "block_m", "num_experts"), ALIGN_CASES)
 @pytest.mark.parametrize("skew", [0.0, 3.0])
-def test_align_groups_every_entry_once_in_single_expert_tiles(num_tokens, top_k, block_m, skew):
-    num_experts = 16
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_align_groups_every_entry_once_in_single_expert_tiles(
+    num_tokens, top_k, block_m, num_experts, skew, backend, triton_device
+):
     ids, _ = _routing(num_tokens, num_experts, top_k, skew=skew, seed=num_tokens)
-    tiles = align_by_expert(ids.to(torch.int32), num_experts, block_m)
+    device = triton_device if backend == "triton" else "cpu"
+    tiles = align_by_expert(ids.to(device), num_experts, block_m, backend=backend)
     n = num_tokens * top_k
     assert tiles.num_tiles == max_expert_tiles(n, num_experts, block_m)
-    rows = tiles.sorted_ids.view(-1, block_m).long()
+    if backend == "triton":  # the one-launch kernel and the torch ops agree exactly
+        ref = align_by_expert(ids, num_experts, block_m, backend="reference")
+        assert torch.equal(tiles.sorted_ids.cpu(), ref.sorted_ids)
+        assert torch.equal(tiles.tile_experts.cpu(), ref.tile_experts)
+    rows = tiles.sorted_ids.cpu().view(-1, block_m).long()
     flat = ids.reshape(-1)
     real = rows < n
     assert sorted(rows[real].tolist()) == list(range(n))  # every entry exactly once
-    for tile, expert in enumerate(tiles.tile_experts.tolist()):
+    for tile, expert in enumerate(tiles.tile_experts.cpu().tolist()):
         entries = rows[tile][real[tile]]
         if expert == num_experts:  # grid padding: nothing in it
             assert entries.numel() == 0
@@ -70,7 +80,7 @@ def test_align_groups_every_entry_once_in_single_expert_tiles(num_tokens, top_k,
         assert entries.numel() > 0 and (flat[entries] == expert).all()  # one expert, no empty tiles
         assert (entries.diff() > 0).all()  # entry order within an expert
         assert real[tile][: entries.numel()].all()  # padding only after an expert's last entry
-    used = tiles.tile_experts[tiles.tile_experts < num_experts]
+    used = tiles.tile_experts.cpu()[tiles.tile_experts.cpu() < num_experts]
     assert (used.diff() >= 0).all()  # experts in ascending order
     expected_tiles = sum(-(-int((flat == e).sum()) // block_m) for e in range(num_experts))
     assert used.numel() == expected_tiles  # a tile per started block of each non-empty expert only

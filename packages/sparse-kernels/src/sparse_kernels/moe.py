@@ -84,11 +84,11 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config: dict) -> 
         raise ValueError("the Triton path needs w13 and w2 with unit stride on their last dimension")
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     num_tokens, top_k = topk_ids.shape
-    tiles = align_by_expert(topk_ids, w13.shape[0], config["BLOCK_M"])
+    tiles = align_by_expert(topk_ids, w13.shape[0], config["BLOCK_M"], backend="triton")
     weights = topk_weights.reshape(-1).float().contiguous()  # [T * k], entry order
     act = moe_gemm_triton(hidden, w13, tiles, gated=True, a_row_div=top_k, topk_weights=None, config=config)
     contrib = moe_gemm_triton(act, w2, tiles, gated=False, a_row_div=1, topk_weights=weights, config=config)
-    return contrib.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(hidden.dtype)
+    return contrib.view(num_tokens, top_k, -1).sum(1)  # one launch; reduced-precision sums accumulate in fp32
 
 
 def fused_moe_reference(

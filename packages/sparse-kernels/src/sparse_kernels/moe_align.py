@@ -5,7 +5,7 @@ A step routes each of its ``T`` tokens to ``k`` experts: ``T * k`` *entries*, en
 expert in consecutive rows, and every tile of ``block_m`` rows owned by a single expert, so each
 expert's run is padded up to a multiple of ``block_m``. The result has a fixed size that depends only
 on ``T * k``, ``E`` and ``block_m`` (not on the routing), so the step needs no host sync and replays
-under a CUDA graph: tiles past the last expert's are marked with expert id ``E`` and their programs
+under a CUDA graph (one Triton launch for decode-sized steps, ``sparse_kernels._triton.moe_align``): tiles past the last expert's are marked with expert id ``E`` and their programs
 exit at once, and the tile count bound is small at decode (``T * k`` entries need at most
 ``T * k`` tiles however they are spread), so a decode step only ever reads the chosen experts' weights.
 """
@@ -15,6 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from sparse_kernels._backend import resolve_backend
+
+# Entries (T * k) up to which the Triton backend aligns in one launch (the program holds them all).
+ALIGN_KERNEL_MAX = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,20 +53,29 @@ def max_expert_tiles(num_entries: int, num_experts: int, block_m: int) -> int:
     return (num_entries + min(num_experts, num_entries) * (block_m - 1)) // block_m
 
 
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertTiles:
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, backend: str = "auto") -> ExpertTiles:
     """Sort the entries of ``topk_ids [T, k]`` (ids in ``[0, num_experts)``) by expert into tiles.
 
-    Device-only torch ops of routing-independent shapes (graph-safe, no host sync); ids outside
-    ``[0, num_experts)`` are not checked and corrupt the result.
+    Graph-safe (no host sync, routing-independent shapes); ids outside ``[0, num_experts)`` are not
+    checked and corrupt the result. ``backend``: as everywhere (``sparse_kernels._backend``); Triton
+    takes steps of up to ``ALIGN_KERNEL_MAX`` entries in one launch, larger ones (prefill, where a
+    few more launches do not matter) and the reference run device-side torch ops. Both give the same
+    tiles, entries in ascending order within an expert.
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, k], got {list(topk_ids.shape)}")
     if block_m < 1 or num_experts < 1:
         raise ValueError(f"block_m and num_experts must be positive, got {block_m} and {num_experts}")
+    num_entries = topk_ids.numel()
+    num_tiles = max_expert_tiles(num_entries, num_experts, block_m)
+    if 0 < num_entries <= ALIGN_KERNEL_MAX and resolve_backend(backend, topk_ids.device) == "triton":
+        from sparse_kernels._triton.moe_align import align_by_expert_triton
+
+        flat = topk_ids.reshape(-1)
+        sorted_ids, tile_experts = align_by_expert_triton(flat, num_experts, block_m, num_tiles)
+        return ExpertTiles(sorted_ids, tile_experts, num_entries, num_experts, block_m)
     device = topk_ids.device
     flat = topk_ids.reshape(-1).long()  # [N] expert of each entry
-    num_entries = flat.numel()
-    num_tiles = max_expert_tiles(num_entries, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)  # [E] inclusive: expert e's run is [padded_end[e] - padded[e], padded_end[e])
