@@ -37,6 +37,12 @@ CONFIGS = {
     "p128n64w4s3": {"BLOCK_M": 128, "BLOCK_N": 64, "PACK": True, "num_warps": 4, "num_stages": 3},
     "p64n64w4s3": {"BLOCK_M": 64, "BLOCK_N": 64, "PACK": True, "num_warps": 4, "num_stages": 3},
     "p256n64w8s2": {"BLOCK_M": 256, "BLOCK_N": 64, "PACK": True, "num_warps": 8, "num_stages": 2},
+    "p128n64w4s4": {"BLOCK_M": 128, "BLOCK_N": 64, "PACK": True, "num_warps": 4, "num_stages": 4},
+    "p128n64w4s2": {"BLOCK_M": 128, "BLOCK_N": 64, "PACK": True, "num_warps": 4, "num_stages": 2},
+    "p128n32w4s3": {"BLOCK_M": 128, "BLOCK_N": 32, "PACK": True, "num_warps": 4, "num_stages": 3},
+    "p128n128w4s2": {"BLOCK_M": 128, "BLOCK_N": 128, "PACK": True, "num_warps": 4, "num_stages": 2},
+    "p128n128w4s3": {"BLOCK_M": 128, "BLOCK_N": 128, "PACK": True, "num_warps": 4, "num_stages": 3},
+    "m128n64w4s4": {"BLOCK_M": 128, "BLOCK_N": 64, "PACK": False, "num_warps": 4, "num_stages": 4},
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_kernels import prefix_attention
 from sparse_kernels._backend import host_to_device
 from sparse_kernels._paged_plan import build_plan
 from sparse_kernels._paged_run import check_run_inputs, run_paged_attention
@@ -17,6 +18,7 @@ from sparse_kernels._paged_validate import (
 )
 from sparse_kernels._paged_wrapper import PagedAttentionWrapper, output_buffer
 from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, rotate, run_dequantized
+from sparse_kernels.prefix_attention import attention_with_lse, merge_into, prefix_pages, use_split
 from sparse_kernels.quantized_kv import QuantizedKV
 
 
@@ -101,27 +103,14 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         self._partial_pages = bool((kv_last_len < block_size).any())
         self._quantized_reference = None
         self._causal = causal
+        self._split = None
         if self.backend == "triton":
-            from sparse_kernels._triton.prefill import TritonPrefillPlan, query_tiles, tile_queries
-
-            queries = tile_queries(num_qo_heads, num_kv_heads)
-            tile_req, tile_row = query_tiles(qo_lens, queries)
-            dev = [
-                host_to_device(t, self.device)
-                for t in (tile_req, tile_row, qo_indptr, kv_indptr, kv_indices, kv_last_len)
-            ]
-            self._plan = TritonPrefillPlan(
-                *dev,
-                num_qo_tokens=int(qo_indptr[-1]),
-                num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                block_size=block_size,
-                causal=causal,
-                sm_scale=sm_scale,
-                tile_queries=queries,
-                window_left=window_left,
-            )
+            layout = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+            layout.update(block_size=block_size, causal=causal, sm_scale=sm_scale, window_left=window_left)
+            self._plan = self._triton_plan(qo_lens, qo_indptr, kv_indptr, kv_indices, kv_last_len, layout)
+            splittable = self.device.type == "cuda" or prefix_attention.SPLIT_WITHOUT_FUSED
+            if causal and window_left < 0 and tail_index is None and splittable:
+                self._split = self._plan_split(qo_lens, kv_lens, qo_indptr, kv_indptr, kv_indices, kv_last_len, layout)
             return
         self._plan = build_plan(
             qo_indptr,
@@ -139,6 +128,35 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             device=self.device,
             window_left=window_left,
         )
+
+    def _triton_plan(self, qo_lens, qo_indptr, kv_indptr, kv_indices, kv_last_len, layout: dict):
+        from sparse_kernels._triton.prefill import TritonPrefillPlan, query_tiles, tile_queries
+
+        queries = tile_queries(layout["num_qo_heads"], layout["num_kv_heads"])
+        tile_req, tile_row = query_tiles(qo_lens, queries)
+        tensors = (tile_req, tile_row, qo_indptr, kv_indptr, kv_indices, kv_last_len)
+        dev = [host_to_device(t, self.device) for t in tensors]
+        return TritonPrefillPlan(*dev, num_qo_tokens=int(qo_indptr[-1]), tile_queries=queries, **layout)
+
+    def _plan_split(self, qo_lens, kv_lens, qo_indptr, kv_indptr, kv_indices, kv_last_len, layout: dict):
+        """The cascade split (``prefix_attention``): requests with a long cached prefix read its whole
+        pages by the fused dense attention and only the rest through the paged kernel."""
+        pages = prefix_pages(qo_lens, kv_lens, layout["block_size"])
+        if not bool(pages.any()):
+            return None
+        starts = kv_indptr[:-1].long()
+        counts = kv_indptr.diff().long() - pages
+        keep = torch.repeat_interleave(starts + pages, counts) + (
+            torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        )
+        rest_indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)]).to(torch.int32)
+        rest = self._triton_plan(qo_lens, qo_indptr, rest_indptr, kv_indices[keep], kv_last_len, layout)
+        requests = [
+            (int(qo_indptr[b]), int(qo_indptr[b + 1]), int(starts[b]), int(pages[b]))
+            for b in range(pages.numel())
+            if pages[b] > 0
+        ]
+        return rest, requests
 
     def run(
         self,
@@ -169,7 +187,20 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         from sparse_kernels._triton.prefill import run_prefill_triton
 
         check_run_inputs(plan, q, k_cache, v_cache)
-        return run_prefill_triton(plan, q, k_cache, v_cache, output_buffer(q, out))
+        out = output_buffer(q, out)
+        if self._split is None or not use_split(q):
+            return run_prefill_triton(plan, q, k_cache, v_cache, out)
+        rest, requests = self._split
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+        run_prefill_triton(rest, q, k_cache, v_cache, out, lse=lse)
+        _, _, num_kv_heads, head_dim = k_cache.shape
+        for lo, hi, start, pages in requests:
+            blocks = plan.kv_indices[start : start + pages].long()
+            k = k_cache[blocks].view(-1, num_kv_heads, head_dim)
+            v = v_cache[blocks].view(-1, num_kv_heads, head_dim)
+            prefix_out, prefix_lse = attention_with_lse(q[lo:hi], k, v, plan.sm_scale)
+            merge_into(out[lo:hi], lse[lo:hi], prefix_out, prefix_lse)
+        return out
 
     def run_quantized(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention for one layer over quantized paged KV (device-only; graph-capturable for a fixed plan).

@@ -96,6 +96,7 @@ def _prefill_kernel(
     k_ptr,
     v_ptr,
     out_ptr,
+    lse_ptr,
     tile_req_ptr,
     tile_row_ptr,
     qo_indptr_ptr,
@@ -110,6 +111,7 @@ def _prefill_kernel(
     window_left,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    STORE_LSE: tl.constexpr,
     PACK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -181,22 +183,27 @@ def _prefill_kernel(
         (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
+    if STORE_LSE:  # natural-log log-sum-exp of each row's scaled scores, [T, num_qo_heads] float32
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+        tl.store(lse_ptr + rows * (NUM_KV_HEADS * GROUP) + heads, lse, mask=mask_m)
 
 
 prefill_kernel = Kernel(_prefill_kernel)
 
 # Tile sizes; ``PACK`` says whether a program holds a KV head's whole query group (GQA sharing of the
 # K/V tile loads). The GPU defaults suit head_dim 64-128 in bf16; fp32 runs IEEE dots at the same tiles.
-PREFILL_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "PACK": False, "num_warps": 4, "num_stages": 2}
+PREFILL_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 64, "PACK": True, "num_warps": 4, "num_stages": 3}
+
+
+def _pack(config: dict, group: int) -> int:
+    """Query heads per program: the whole GQA group when packing is asked for and it divides ``BLOCK_M``."""
+    return group if config["PACK"] and config["BLOCK_M"] % group == 0 else 1
 
 
 def tile_queries(num_qo_heads: int, num_kv_heads: int, config: dict | None = None) -> int:
     """Queries per tile of the plan: ``BLOCK_M`` rows, shared by the group's heads when packed."""
     config = config or PREFILL_CONFIG
-    pack = num_qo_heads // num_kv_heads if config["PACK"] else 1
-    if config["BLOCK_M"] % pack:
-        raise ValueError(f"BLOCK_M {config['BLOCK_M']} is not a multiple of the GQA group {pack}")
-    return config["BLOCK_M"] // pack
+    return config["BLOCK_M"] // _pack(config, num_qo_heads // num_kv_heads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,15 +237,18 @@ def query_tiles(qo_lens: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torc
 
 
 def run_prefill_triton(
-    plan: TritonPrefillPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out, config=None
+    plan: TritonPrefillPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out, config=None, lse=None
 ):
     """Launch over the plan; ``q``/``out`` rows may be strided, the last dim must be unit-stride.
 
-    ``config`` overrides ``PREFILL_CONFIG`` (benchmarks); its queries per tile must equal the plan's.
+    ``lse``: a contiguous float32 ``[T, num_qo_heads]`` buffer for each row's log-sum-exp (natural
+    log of the scaled scores' exp-sum), when given. ``config`` overrides ``PREFILL_CONFIG``
+    (benchmarks); its queries per tile must equal the plan's.
     """
     config = dict(PREFILL_CONFIG if config is None else config)
     group = plan.num_qo_heads // plan.num_kv_heads
-    pack = group if config.pop("PACK") else 1
+    pack = _pack(config, group)
+    del config["PACK"]
     if config["BLOCK_M"] // pack != plan.tile_queries:
         raise ValueError(f"the plan cut tiles of {plan.tile_queries} queries; config has {config['BLOCK_M'] // pack}")
     q = q.to(k_cache.dtype)
@@ -249,6 +259,7 @@ def run_prefill_triton(
         k_cache,
         v_cache,
         out,
+        out if lse is None else lse,
         plan.tile_req,
         plan.tile_row,
         plan.qo_indptr,
@@ -263,6 +274,7 @@ def run_prefill_triton(
         max(plan.window_left, 0),
         NUM_KV_HEADS=plan.num_kv_heads,
         GROUP=group,
+        STORE_LSE=lse is not None,
         PACK=pack,
         HEAD_DIM=plan.head_dim,
         BLOCK_SIZE=plan.block_size,

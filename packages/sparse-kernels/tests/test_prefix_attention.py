@@ -1,0 +1,98 @@
+"""Cascade prefill: the cached prefix's whole pages by a dense attention, the rest by the paged Triton
+kernel with its log-sum-exp, merged: equal to the one-pass paged attention.
+
+On CPU the split runs with the prefix part's plain formula (``SPLIT_WITHOUT_FUSED``) and thresholds
+lowered to the test's sizes; on CUDA in bf16 the prefix part is cuDNN's fused attention, checked at 32K
+against torch SDPA on contiguous K/V.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_kernels import BatchPrefillWithPagedKVCache, prefix_attention
+from sparse_kernels.prefix_attention import attention_with_lse, merge_into, prefix_pages
+
+TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
+
+
+def _plain(q, k, v, scale):
+    group = q.shape[1] // k.shape[1]
+    s = torch.einsum("thd,nhd->htn", q.double(), k.double().repeat_interleave(group, 1)) * scale
+    return torch.einsum("htn,nhd->thd", torch.softmax(s, -1), v.double().repeat_interleave(group, 1)), s.logsumexp(-1).T
+
+
+def test_attention_with_lse_matches_plain_formula():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, 32, generator=g) for n, h in ((7, 8), (19, 2), (19, 2)))
+    out, lse = attention_with_lse(q, k, v, 0.3)
+    ref, ref_lse = _plain(q, k, v, 0.3)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_of_two_key_sets_equals_attention_over_both():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 4, 16, generator=g)
+    k, v = torch.randn(30, 2, 16, generator=g), torch.randn(30, 2, 16, generator=g)
+    out, lse = attention_with_lse(q, k[:11], v[:11], 0.25)
+    other, other_lse = attention_with_lse(q, k[11:], v[11:], 0.25)
+    merge_into(out, lse, other, other_lse)
+    torch.testing.assert_close(out.double(), _plain(q, k, v, 0.25)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_pages_takes_whole_pages_of_long_prefixes_only(monkeypatch):
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_PREFIX", 32)
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 4)
+    qo = torch.tensor([4, 4, 3, 10])
+    kv = torch.tensor([4 + 40, 4 + 31, 3 + 100, 10 + 32])
+    assert prefix_pages(qo, kv, 16).tolist() == [2, 0, 0, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_prefill_equals_one_pass(paged_batch, triton_device, monkeypatch, dtype):
+    monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_PREFIX", 16)
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
+    # Prefixes of 0, 1 page + a partial page, 3 pages exactly; one request too short to split.
+    qo_lens, kv_lens = [20, 9, 33, 1], [20, 9 + 27, 33 + 48, 60]
+    batch = paged_batch(
+        qo_lens, kv_lens, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype, seed=5
+    ).to(triton_device)
+    wrapper = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
+    batch.plan_prefill(wrapper)
+    rest, requests = wrapper._split
+    assert [(lo, pages) for lo, _, _, pages in requests] == [(20, 1), (29, 3)]
+    out = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
+    torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[dtype])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("chunk", [(30720, 32768), (0, 8192)])
+def test_split_prefill_32k_against_sdpa_on_cuda(chunk):
+    import torch.nn.functional as F
+
+    lo, hi = chunk
+    hq, hkv, d, bs = 32, 8, 128, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    pages = hi // bs
+    perm = torch.randperm(pages, device="cuda", generator=g)
+    k_cache = torch.randn(pages, bs, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v_cache = torch.randn(pages, bs, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(hi - lo, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    wrapper = BatchPrefillWithPagedKVCache("cuda", backend="triton")
+    wrapper.plan(
+        torch.tensor([0, hi - lo], dtype=torch.int32),
+        torch.tensor([0, pages], dtype=torch.int32),
+        perm.int().cpu(),
+        torch.tensor([bs], dtype=torch.int32),
+        num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+    )  # fmt: skip
+    assert (wrapper._split is not None) == (lo > 0)
+    out = wrapper.run(q, k_cache, v_cache)
+    k, v = (c[perm].reshape(hi, hkv, d).transpose(0, 1)[None].float() for c in (k_cache, v_cache))
+    mask = torch.arange(hi, device="cuda")[None, :] <= torch.arange(lo, hi, device="cuda")[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None].float(), k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out.float(), ref[0].transpose(0, 1), atol=2e-2, rtol=2e-2)
