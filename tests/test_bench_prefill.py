@@ -130,3 +130,30 @@ def test_held_decodes_run_when_nothing_else_can():
             if out.finished:
                 done[out.request_id] = len(out.token_ids)
     assert done == dict.fromkeys(ids, OUTPUT) and engine.scheduler.num_preemptions == 0
+
+
+def test_prefill_table_ratios_pair_same_prompt_and_batch():
+    from sparse_serve.bench.report_tables import prefill_table
+
+    def run(engine, tok_s, method="dense", prefill_method=None, batch=1):
+        p = {"seconds": 1.0, "tokens_per_s": tok_s, "flops": 4e12, "attention_flops": 1e12, "tflops_per_s": 4.0}
+        return {
+            "engine": engine,
+            "sparse_method": method,
+            "prefill_sparse_method": prefill_method,
+            "prompt_len": 1000,
+            "batch_size": batch,
+            "prefill_metrics": p,
+        }
+
+    runs = [run("hf-transformers", 100.0), run("sparse-engine", 150.0), run("sparse-engine", 450.0, "dense", "fp")]
+    runs += [run("sparse-engine", 400.0, batch=4), run("sparse-engine", 600.0, "snapkv", batch=4)]
+    rows = [line.split(" | ") for line in prefill_table(runs).splitlines()[2:]]
+    assert [(r[0].strip("| "), r[7], r[8]) for r in rows] == [
+        ("HF transformers", "", ""),
+        ("dense", "1.50x", ""),
+        ("dense + fp prefill", "4.50x", "3.00x"),
+        ("dense", "4.00x", ""),
+        ("snapkv", "6.00x", "1.50x"),
+    ]
+    assert all(r[6] == "25.0" for r in rows)  # attention share of the FLOPs

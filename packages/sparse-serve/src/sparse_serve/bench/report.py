@@ -121,7 +121,8 @@ _PREFILL_NOTE = (
     "prompt (batch 1, fresh DynamicCache, logits of the last token only) after a short warm-up. TFLOP/s counts "
     "the q/k/v/o projections, the gated MLP, causal attention over the cached prefix (QK^T and PV) and the LM "
     "head of each prompt's last token, as dense (`sparse_serve.bench.flops`). vs HF: prefill tokens/s over HF's "
-    "at batch 1 and the same prompt length (at batch 1, HF's seconds over ours).\n"
+    "at batch 1 and the same prompt length (at batch 1, HF's seconds over ours); vs dense: over the dense "
+    "engine's at the same prompt length and batch.\n"
 )
 _E2E_NOTE = (
     "\nEvery request arrives at once; wall s runs from the arrival to the last token (prefill included, the "

@@ -15,6 +15,8 @@ def label(run: dict) -> str:
     if run["engine"] == "hf-transformers":
         return "HF transformers"
     text = run["sparse_method"]
+    if run.get("prefill_sparse_method"):
+        text += f" + {run['prefill_sparse_method']} prefill"
     store = run.get("kv_store", "")
     if store.startswith("quantized"):  # e.g. "kivi [kivi, 2 bits]", "snapkv [fp8, 8 bits]"
         text += " [" + store[store.index("(") + 1 : -1] + "]"
@@ -78,10 +80,26 @@ def hf_prefill_speedup(run: dict, runs: list[dict]) -> float | None:
     return None
 
 
+def _is_dense(run: dict) -> bool:
+    return run["engine"] == "sparse-engine" and run["sparse_method"] == "dense" and not run.get("prefill_sparse_method")
+
+
+def _dense_prefill_speedup(run: dict, runs: list[dict]) -> float | None:
+    """The run's prefill tokens/s over dense's (same prompt length and batch), for the other methods."""
+    if run["engine"] != "sparse-engine" or _is_dense(run) or "prefill_metrics" not in run:
+        return None
+    for d in runs:
+        same = (d["prompt_len"], d["batch_size"]) == (run["prompt_len"], run["batch_size"])
+        if _is_dense(d) and same and "prefill_metrics" in d:
+            return run["prefill_metrics"]["tokens_per_s"] / d["prefill_metrics"]["tokens_per_s"]
+    return None
+
+
 def prefill_table(runs: list[dict]) -> str:
-    """Runs with a timed prefill: seconds from the first chunk to the last, tokens/s, TFLOP/s, vs HF."""
+    """Runs with a timed prefill: seconds from the first chunk to the last, tokens/s, TFLOP/s, vs HF
+    and vs dense (tokens/s ratios)."""
     head = "engine / method | prompt | batch | prefill s | prefill tok/s | TFLOP/s | attention % of FLOPs | "
-    head += "vs HF (tok/s ratio) | peak GiB"
+    head += "vs HF (tok/s ratio) | vs dense (tok/s ratio) | peak GiB"
     rows = []
     for r in runs:
         cells = [label(r), str(r["prompt_len"]), _batch(r)]
@@ -89,7 +107,7 @@ def prefill_table(runs: list[dict]) -> str:
             rows.append(cells + [f"error: {r['prefill_error'][:80]}"])
         elif "prefill_metrics" in r:
             p = r["prefill_metrics"]
-            x = hf_prefill_speedup(r, runs)
+            x, y = hf_prefill_speedup(r, runs), _dense_prefill_speedup(r, runs)
             peak = p.get("peak_memory_bytes", (r.get("raw") or {}).get("peak_memory_bytes"))
             rows.append(
                 cells
@@ -99,6 +117,7 @@ def prefill_table(runs: list[dict]) -> str:
                     _fmt(p["tflops_per_s"], digits=1),
                     _fmt(p["attention_flops"] / p["flops"] if p["flops"] else None, 0.01, 1),
                     "" if x is None else f"{x:.2f}x",
+                    "" if y is None else f"{y:.2f}x",
                     _fmt(peak, GIB, 1),
                 ]
             )
@@ -140,7 +159,7 @@ def _e2e_dense(run: dict, e2e: list[dict]) -> dict | None:
     def shape(r: dict) -> tuple[int, int, int]:
         return r["prompt_len"], r["output_len"], r["num_requests"]
 
-    dense = (r for r in e2e if r["sparse_method"] == "dense" and "error" not in r and shape(r) == shape(run))
+    dense = (r for r in e2e if _is_dense(r) and "error" not in r and shape(r) == shape(run))
     return next(dense, None)
 
 
