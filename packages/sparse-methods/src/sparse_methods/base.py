@@ -280,6 +280,10 @@ class SparseMethod(ABC):
     supports_mla: ClassVar[bool] = False
     """Runs on multi-head latent attention models (DeepSeek-V2/V3, GLM-4.7-Flash): their cache is one
     KV head of ``kv_lora_rank + rope`` channels (the latent store) seen through absorbed queries."""
+    supports_sliding_window: ClassVar[bool] = False
+    """Runs on models with sliding-window layers (Gemma 3, Mistral / Qwen2 with a window): the engine
+    attends densely over those layers' windows and the method acts on the full-attention layers only
+    (it must not select, observe or evict in a windowed layer)."""
     Config: ClassVar[type[MethodConfig]]
     prefill_attention: PrefillAttention | None = None
     """How prefill chunks attend when a prefill attention method is chosen (``build_method`` sets it);

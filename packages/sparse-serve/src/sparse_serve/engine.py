@@ -69,12 +69,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model_cfg = read_model_config(config.model)
-        model_max_len = model_cfg.max_position_embeddings
-        # Paged attention here is full attention; a sliding window changes nothing while every
-        # sequence fits inside it, so the window caps the length instead of being approximated.
-        windows = [w for w in model_cfg.layer_sliding_windows if w is not None]
-        if windows:
-            model_max_len = min(model_max_len, *windows)
+        model_max_len = model_cfg.max_position_embeddings  # sliding windows are applied in the kernels
         if config.max_model_len is not None and config.max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len} tokens"

@@ -68,6 +68,7 @@ class ModelRunner:
                 f"(block_size={config.block_size})"
             )
         _check_method_over_store(method, self.store, cfg.num_hidden_layers)
+        _check_windows(method, self.store, cfg)
         # One tail row per running request (KIVI's incomplete page), taken on its first write.
         self.num_tail_rows = config.max_num_seqs if self.store.has_tail else 0
         self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
@@ -89,7 +90,8 @@ class ModelRunner:
             max_num_tokens=max(config.max_num_batched_tokens, graph_batch),
             max_batch_size=max(config.max_num_seqs, graph_batch),
             max_num_pages=config.max_num_seqs * -(-max_model_len_hint // self.block_size) + graph_batch,
-            sm_scale=cfg.mla.softmax_scale if cfg.mla is not None else None,
+            sm_scale=cfg.softmax_scale,
+            layer_windows=tuple(-1 if w is None else w - 1 for w in cfg.layer_sliding_windows),  # HF W: w - 1
         )
         self.method = method
         self.graphs: DecodeGraphs | None = None
@@ -181,6 +183,19 @@ class ModelRunner:
         requests = meta.sampled
         return self.sampler.sample(
             logits, [r.request_id for r in requests], [r.sampling_params for r in requests], requests
+        )
+
+
+def _check_windows(method: SparseMethod | None, store, cfg: ModelConfig) -> None:
+    """Sliding-window layers attend densely over a plain store; a method must say it leaves them alone."""
+    if all(w is None for w in cfg.layer_sliding_windows):
+        return
+    if store.quantized:
+        raise ValueError(f"sliding-window layers ({cfg.architecture}) do not run over a {store.scheme} KV store yet")
+    if method is not None and not method.supports_sliding_window:
+        raise ValueError(
+            f"{method.name} does not support models with sliding-window layers ({cfg.architecture}) yet; "
+            "methods that do act on the full-attention layers only"
         )
 
 

@@ -16,6 +16,7 @@ class Dense(SparseMethod):
     category = Category.DENSE
     prefix_cache_mode = PrefixCacheMode.RADIX
     supports_mla = True
+    supports_sliding_window = True
     Config = DenseConfig
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:

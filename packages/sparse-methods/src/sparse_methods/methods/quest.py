@@ -55,6 +55,7 @@ class Quest(SparseMethod):
     category = Category.QUERY_AWARE_SELECTION
     prefix_cache_mode = PrefixCacheMode.RADIX
     kv_store = StoreKind.PAGED_WITH_SUMMARIES
+    supports_sliding_window = True  # selects pages in full-attention layers; windowed ones stay dense
     Config = QuestConfig
 
     @property

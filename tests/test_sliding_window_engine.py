@@ -1,0 +1,147 @@
+"""Sliding-window models in the engine: greedy tokens equal HF transformers (fp32, CPU) on tiny Gemma 3
+(local and global layers), Mistral and Qwen2 with windows shorter than the prompts, under paged
+decode, chunked prefill and prefix caching; the window no longer caps the model length; methods that
+support windows act on full-attention layers only, the others are refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import hf_greedy
+
+from sparse_serve import LLM, SamplingParams
+
+MAX_NEW = 10
+WINDOW = 6
+_SHAPE = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # large logits: few near-ties, so greedy parity is meaningful
+    bos_token_id=1,
+    eos_token_id=2,
+    sliding_window=WINDOW,
+)
+GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
+MODELS = {
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        # Gemma scales the (tied) embedding by sqrt(hidden): a smaller init keeps its greedy tokens varied.
+        dict(head_dim=16, query_pre_attn_scalar=24, layer_types=GEMMA_LAYERS, initializer_range=0.02),
+    ),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, max_window_layers=1)),
+}
+REGIMES = {
+    "block1": dict(block_size=1),
+    "block16": dict(block_size=16),
+    "chunk7": dict(block_size=4, max_num_batched_tokens=7),
+    "prefix_cache": dict(block_size=4, enable_prefix_caching=True),
+}
+
+
+@pytest.fixture(scope="module")
+def window_checkpoint(tmp_path_factory):
+    """``window_checkpoint(name)`` -> (folder, HF model in eval mode, fp32)."""
+    import transformers as tf
+
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            config_cls, model_cls, extra = MODELS[name]
+            torch.manual_seed(1234)
+            model = getattr(tf, model_cls)(getattr(tf, config_cls)(**{**_SHAPE, **extra})).eval()
+            with torch.no_grad():  # Gemma's (1 + w) norms start at 0: randomise them so a wrong route shows
+                for pname, p in model.named_parameters():
+                    if "norm" in pname or pname.endswith("bias"):
+                        p.normal_(0.0, 0.2)
+            path = tmp_path_factory.mktemp(name)
+            model.save_pretrained(path)
+            made[name] = (path, model)
+        return made[name]
+
+    return make
+
+
+def _prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 384) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(3, 384) for _ in range(n)] for n in (5, 23, 1, 40)]
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    return [list(o.token_ids) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_greedy_matches_hf_with_windows(window_checkpoint, name, regime):
+    path, hf_model = window_checkpoint(name)
+    prompts = _prompts(seed=7, shared_prefix=12 if regime == "prefix_cache" else 0)
+    expected = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(path), device="cpu", dtype="float32", **REGIMES[regime])
+    engine = llm.engine
+    assert engine.max_model_len > WINDOW  # no longer capped at the window
+    if regime == "prefix_cache":  # one prompt first, so its blocks are cached when the others arrive
+        assert _greedy(llm, prompts[:1]) == expected[:1]
+        assert _greedy(llm, prompts[1:]) == expected[1:]
+        assert engine.prefix_hit_tokens >= 12 // 4 * 4 * (len(prompts) - 1)
+    else:
+        assert _greedy(llm, prompts) == expected
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_window_matters(window_checkpoint):
+    """Guards the parity above: the prompts really outrun the window (HF without it disagrees)."""
+    path, hf_model = window_checkpoint("gemma3")
+    prompts = _prompts(seed=7)
+    windowed = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    assert all(len(set(tokens)) > 2 for tokens in windowed)  # not a degenerate repetition
+    hf_model.config.sliding_window = 10**6
+    try:
+        assert [hf_greedy(hf_model, p, MAX_NEW) for p in prompts] != windowed
+    finally:
+        hf_model.config.sliding_window = WINDOW
+
+
+QUEST = dict(sparse_method="quest", quest_chunk_size=4, block_size=4)
+
+
+def test_quest_budget_above_context_equals_dense(window_checkpoint):
+    path, hf_model = window_checkpoint("gemma3")
+    prompts = _prompts(seed=3)
+    expected = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    big = dict(sink_keep_tokens=4, decode_keep_tokens=256, recent_keep_tokens=4, quest_skip_layers=0)
+    assert _greedy(LLM(str(path), device="cpu", dtype="float32", **QUEST, **big), prompts) == expected
+
+
+def test_quest_leaves_windowed_layers_alone(window_checkpoint):
+    """Quest with a small budget on layers >= 2 only: layer 2 slides, so Quest must not touch it, and
+    the tokens equal dense HF although every prompt is longer than the budget."""
+    path, hf_model = window_checkpoint("gemma3")
+    prompts = _prompts(seed=3)
+    expected = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    small = dict(sink_keep_tokens=4, decode_keep_tokens=4, recent_keep_tokens=4, quest_skip_layers=2)
+    assert _greedy(LLM(str(path), device="cpu", dtype="float32", **QUEST, **small), prompts) == expected
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (dict(sparse_method="snapkv"), "does not support models with sliding-window layers"),
+        (dict(kv_cache_dtype="fp8"), "do not run over a fp8 KV store"),
+    ],
+)
+def test_unsupported_combinations_are_errors(window_checkpoint, params, match):
+    path, _ = window_checkpoint("mistral")
+    with pytest.raises(ValueError, match=match):
+        LLM(str(path), device="cpu", dtype="float32", **params)
