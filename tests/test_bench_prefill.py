@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from sparse_models import ModelConfig, read_model_config
 from sparse_serve.bench.command import DEFAULT_BENCH_MODEL
@@ -51,8 +52,8 @@ def test_prefill_flops_of_the_qwen3_8b_shape():
     assert f.attention / f.total == pytest.approx(0.736, abs=0.001)
 
 
-def _bench(tmp_path, *extra: str) -> dict:
-    argv = ["bench", "--model", str(DEFAULT_MODEL), "--device", "cpu", "--num-kv-blocks", str(BLOCKS)]
+def _bench(tmp_path, *extra: str, device: str = "cpu") -> dict:
+    argv = ["bench", "--model", str(DEFAULT_MODEL), "--device", device, "--num-kv-blocks", str(BLOCKS)]
     argv += ["--prompt-len", str(PROMPT), "--output-len", str(OUTPUT), "--warmup-steps", "1"]
     argv += ["--max-num-seqs", "32", "--out", str(tmp_path), "--no-progress", *extra]
     assert main(argv) == 0
@@ -61,16 +62,18 @@ def _bench(tmp_path, *extra: str) -> dict:
 
 def test_real_prefill_is_timed_and_the_whole_batch_decodes(tmp_path):
     # chunks of 64 < prompt 100: without holding decodes, early requests decode (and finish) while
-    # later ones still prefill, so the timed steps would run with part of the batch
+    # later ones still prefill, so the timed steps would run with part of the batch; pipelined decode
+    # steps (async scheduling) as on the GPU
     report = _bench(
         tmp_path,
         *("--prefill", "real", "--batch-size", "1,max", "--max-num-batched-tokens", str(CHUNK)),
-        *("--hf-baseline", "--hf-steps", "2", "--profile-prefill"),
+        *("--hf-baseline", "--hf-steps", "2", "--profile-prefill", "--async-scheduling"),
     )
     (inv,) = report["invocations"]
     hf, one, full = inv["runs"]
     cfg = read_model_config(DEFAULT_MODEL)
     assert full["batch_size_arg"] == "max" and full["batch_size"] > 1
+    assert full["raw"]["async_scheduling"] and full["raw"]["pipelined_steps"] > 0  # decode steps pipelined
     for run in (one, full):
         b, m, raw, p = run["batch_size"], run["metrics"], run["raw"], run["prefill_metrics"]
         assert raw["running"] == [b] * m["steps_timed"] and m["min_running"] == m["max_running"] == b
@@ -90,7 +93,7 @@ def test_real_prefill_is_timed_and_the_whole_batch_decodes(tmp_path):
     assert profile["flops"] == prefill_flops(cfg, PROMPT - CHUNK, CHUNK).total
     md = (tmp_path / "bench.md").read_text()
     x = one["prefill_metrics"]["tokens_per_s"] / hp["tokens_per_s"]
-    assert f"prefill tok/s, dense engine vs HF transformers, batch 1, prompt {PROMPT}: **{x:.2f}x**" in md
+    assert f"prefill tok/s, dense (async) engine vs HF transformers, batch 1, prompt {PROMPT}: **{x:.2f}x**" in md
     assert "## Prefill" in md and "## Profiled prefill chunks" in md and f"{full['batch_size']} (max)" in md
 
 
@@ -157,3 +160,23 @@ def test_prefill_table_ratios_pair_same_prompt_and_batch():
         ("snapkv", "6.00x", "1.50x"),
     ]
     assert all(r[6] == "25.0" for r in rows)  # attention share of the FLOPs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_real_prefill_whole_batch_and_kernel_profile(tmp_path):
+    report = _bench(
+        tmp_path,
+        *("--prefill", "real", "--batch-size", "max", "--max-num-batched-tokens", str(CHUNK)),
+        *("--hf-baseline", "--hf-steps", "2", "--profile-prefill"),
+        device="cuda",
+    )
+    (inv,) = report["invocations"]
+    hf, full = inv["runs"]
+    b, m = full["batch_size"], full["metrics"]
+    assert b > 1 and full["raw"]["running"] == [b] * m["steps_timed"] and full["raw"]["cuda_graph_steps"] > 0
+    assert full["prefill_metrics"]["tokens"] == b * PROMPT and full["raw"]["prefix_hit_tokens"] == 0
+    assert hf["prefill_metrics"]["seconds"] > 0 and hf["prefill_metrics"]["peak_memory_bytes"] > 0
+    (profile,) = inv["prefill_profiles"]
+    assert profile["device"] == "cuda" and profile["busy_ms"] > 0 and profile["prefix_len"] == CHUNK
+    assert profile["top"] and all(k["ms_per_step"] > 0 for k in profile["top"])
