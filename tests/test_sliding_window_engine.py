@@ -9,25 +9,14 @@ import random
 
 import pytest
 import torch
+from tiny_models import _COMMON as TINY_SHAPE
 from tiny_models import hf_greedy
 
 from sparse_serve import LLM, SamplingParams
 
 MAX_NEW = 10
 WINDOW = 6
-_SHAPE = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    initializer_range=0.2,  # large logits: few near-ties, so greedy parity is meaningful
-    bos_token_id=1,
-    eos_token_id=2,
-    sliding_window=WINDOW,
-)
+_SHAPE = {**TINY_SHAPE, "sliding_window": WINDOW}
 GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 MODELS = {
     "gemma3": (
@@ -145,3 +134,16 @@ def test_unsupported_combinations_are_errors(window_checkpoint, params, match):
     path, _ = window_checkpoint("mistral")
     with pytest.raises(ValueError, match=match):
         LLM(str(path), device="cpu", dtype="float32", **params)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])
+def test_cuda_graphs_with_windows_equal_eager(window_checkpoint, name):
+    """On the GPU the windowed layers run the Triton kernels, decode under CUDA graphs: same tokens as eager."""
+    path, _ = window_checkpoint(name)
+    prompts = _prompts(seed=5)
+    runs = [
+        _greedy(LLM(str(path), device="cuda", dtype="float32", block_size=16, enforce_eager=eager), prompts)
+        for eager in (True, False)
+    ]
+    assert runs[0] == runs[1]
