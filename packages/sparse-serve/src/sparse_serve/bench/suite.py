@@ -61,7 +61,7 @@ def run_bench(config: EngineConfig, plan: BenchPlan, *, progress: bool = True) -
     if plan.hf_baseline:  # before the engine sizes its KV pool from the free memory
         report["runs"] += _hf_runs(config, plan, dtype, device, copy_bps, progress)
     engine = LLMEngine(config)
-    if plan.prefill == "synthetic":
+    if plan.prefill == "synthetic" and not plan.e2e:  # e2e prefills its prompts
         engine.runner.randomize_kv(plan.seed)
     prompts = torch.Generator().manual_seed(plan.seed)  # one stream: no two prompts share a cached prefix
     if plan.prefill == "real" or plan.e2e or plan.profile_prefill:
