@@ -45,6 +45,17 @@ def test_prefill_flops_by_hand():
     assert sum(chunks) == prefill_flops(cfg, 20).total
 
 
+def test_prefill_flops_sliding_window_caps_each_query():
+    cfg = ModelConfig.from_hf_dict({**TINY, "architectures": ["MistralForCausalLM"], "sliding_window": 6})
+    dense = ModelConfig.from_hf_dict(TINY)
+    assert cfg.layer_sliding_windows == (6, 6, 6)
+    for c, p in ((3, 0), (3, 2), (5, 3), (4, 9), (20, 0)):
+        pairs = sum(min(n, 6) for n in range(p + 1, p + c + 1))  # query n sees n keys, at most 6
+        assert prefill_flops(cfg, c, p).attention == 3 * 2 * 2 * 4 * 2 * pairs
+        assert prefill_flops(cfg, c, p).projections == prefill_flops(dense, c, p).projections
+    assert prefill_flops(cfg, 3, 2).attention == prefill_flops(dense, 3, 2).attention  # within the window
+
+
 def test_prefill_flops_of_the_qwen3_8b_shape():
     # issue 16: 128K prefill in 20.9 s is "about 330 TFLOP/s" counting attention and projections
     f = prefill_flops(read_model_config(DEFAULT_BENCH_MODEL), 131072)

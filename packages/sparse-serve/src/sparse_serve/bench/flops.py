@@ -3,7 +3,8 @@
 A matrix product of ``[m, k] @ [k, n]`` is ``2 * m * k * n`` FLOPs. Per layer and token: the q/k/v/o
 projections and the gated MLP (gate, up, down). Causal attention over the cached prefix: a chunk of
 ``c`` queries at offset ``p`` scores query ``i`` (1-based) against ``p + i`` keys, for QK^T and again
-for PV, so ``2 * 2 * head_dim * num_heads * (c * p + c * (c + 1) / 2)`` per layer. The LM head runs
+for PV, so ``2 * 2 * head_dim * num_heads * (c * p + c * (c + 1) / 2)`` per layer (a sliding-window
+layer: each query's keys capped at the window). The LM head runs
 for the request's last prompt token only (one row). Norms, RoPE, activations, biases and softmax
 are left out (a few per cent at most). Methods that drop KV during prefill are counted as dense:
 the number is the dense-equivalent work, the same for every method.
@@ -44,11 +45,11 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, prefix_len: int = 0, *, las
     hidden, layers, d = cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim
     q_width, kv_width = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     per_token = 2 * hidden * (q_width + 2 * kv_width) + 2 * q_width * hidden
-    pairs = num_tokens * prefix_len + num_tokens * (num_tokens + 1) // 2
+    pairs = sum(_attended_pairs(num_tokens, prefix_len, w) for w in cfg.layer_sliding_windows)
     return PrefillFlops(
         projections=layers * num_tokens * per_token,
         mlp=num_tokens * sum(_mlp_flops_per_token(cfg, layer) for layer in range(layers)),
-        attention=layers * 2 * 2 * d * cfg.num_attention_heads * pairs,
+        attention=2 * 2 * d * cfg.num_attention_heads * pairs,
         lm_head=2 * hidden * cfg.vocab_size if last_chunk else 0,
     )
 
@@ -59,3 +60,14 @@ def _mlp_flops_per_token(cfg: ModelConfig, layer: int) -> int:
     if moe is not None and kinds and kinds[layer] == "sparse":
         return 2 * cfg.hidden_size * moe.num_experts + moe.top_k * 3 * 2 * cfg.hidden_size * moe.intermediate_size
     return 3 * 2 * cfg.hidden_size * cfg.intermediate_size
+
+
+def _attended_pairs(num_tokens: int, prefix_len: int, window: int | None) -> int:
+    """Query-key pairs of a causal chunk: query ``n`` (``prefix_len < n <= prefix_len + num_tokens``,
+    1-based) sees ``n`` keys, or ``window`` when that is fewer."""
+    first, last = prefix_len + 1, prefix_len + num_tokens
+    if window is None or last <= window:
+        return (first + last) * num_tokens // 2
+    if first > window:
+        return num_tokens * window
+    return (first + window) * (window - first + 1) // 2 + (last - window) * window
