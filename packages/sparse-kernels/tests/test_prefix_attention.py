@@ -63,9 +63,33 @@ def test_split_prefill_equals_one_pass(paged_batch, triton_device, monkeypatch, 
     wrapper = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
     batch.plan_prefill(wrapper)
     rest, requests = wrapper._split
-    assert [(lo, pages) for lo, _, _, pages in requests] == [(20, 1), (29, 3)]
+    assert [(lo, pages) for lo, _, _, pages, _ in requests] == [(20, 1), (29, 3)]
     out = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
     torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[dtype])
+
+
+def test_split_reads_an_ascending_page_run_in_place(paged_batch, triton_device, monkeypatch):
+    monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_PREFIX", 16)
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
+    batch = paged_batch(
+        [9, 33], [9 + 27, 33 + 48], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=32, seed=6
+    ).to(triton_device)
+    # Renumber the second request's pages so its 3 prefix pages are one ascending run of pool blocks.
+    lo, hi = int(batch.kv_indptr[1]), int(batch.kv_indptr[2])
+    order = batch.kv_indices[lo:hi].long()
+    base = batch.k_cache.shape[0]
+    for cache in ("k_cache", "v_cache"):
+        old = getattr(batch, cache)
+        setattr(batch, cache, torch.cat([old, old[order.to(old.device)]]))
+    batch.kv_indices[lo:hi] = torch.arange(base, base + hi - lo, dtype=torch.int32)
+    wrapper = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
+    batch.plan_prefill(wrapper)
+    runs = [run for *_, run in wrapper._split[1]]
+    assert runs[1] == base and (runs[0] == -1 or runs[0] >= 0)
+    torch.testing.assert_close(
+        wrapper.run(batch.q, batch.k_cache, batch.v_cache).cpu(), batch.reference(), **TOL[torch.float32]
+    )
 
 
 @pytest.mark.gpu

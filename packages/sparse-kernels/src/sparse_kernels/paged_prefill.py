@@ -151,11 +151,13 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         )
         rest_indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)]).to(torch.int32)
         rest = self._triton_plan(qo_lens, qo_indptr, rest_indptr, kv_indices[keep], kv_last_len, layout)
-        requests = [
-            (int(qo_indptr[b]), int(qo_indptr[b + 1]), int(starts[b]), int(pages[b]))
-            for b in range(pages.numel())
-            if pages[b] > 0
-        ]
+        requests = []
+        for b in torch.nonzero(pages).flatten().tolist():
+            start, n = int(starts[b]), int(pages[b])
+            ids = kv_indices[start : start + n]
+            # Pages in one ascending run (a fresh pool hands them out so) are read in place, not gathered.
+            run = int(ids[0]) if n == 1 or bool((ids.diff() == 1).all()) else -1
+            requests.append((int(qo_indptr[b]), int(qo_indptr[b + 1]), start, n, run))
         return rest, requests
 
     def run(
@@ -194,10 +196,13 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
         run_prefill_triton(rest, q, k_cache, v_cache, out, lse=lse)
         _, _, num_kv_heads, head_dim = k_cache.shape
-        for lo, hi, start, pages in requests:
-            blocks = plan.kv_indices[start : start + pages].long()
-            k = k_cache[blocks].view(-1, num_kv_heads, head_dim)
-            v = v_cache[blocks].view(-1, num_kv_heads, head_dim)
+        for lo, hi, start, pages, run in requests:
+            if run >= 0:
+                k, v = k_cache[run : run + pages], v_cache[run : run + pages]
+            else:
+                blocks = plan.kv_indices[start : start + pages].long()
+                k, v = k_cache[blocks], v_cache[blocks]
+            k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
             prefix_out, prefix_lse = attention_with_lse(q[lo:hi], k, v, plan.sm_scale)
             merge_into(out[lo:hi], lse[lo:hi], prefix_out, prefix_lse)
         return out
