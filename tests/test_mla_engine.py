@@ -1,5 +1,7 @@
 """MLA models in the engine: greedy tokens equal HF transformers (fp32, CPU) over the latent store,
-under paged decode, chunked prefill and prefix caching; the pool holds one latent row per token."""
+under paged decode, chunked prefill and prefix caching, with layer 0 a dense MLP and layer 1 routed
+experts (DeepSeek-V2: greedy softmax; GLM-4.7-Flash: sigmoid over 2 groups with a selection bias,
+shared experts); the pool holds one latent row per token."""
 
 from __future__ import annotations
 
@@ -24,16 +26,20 @@ _SHAPE = dict(
     qk_rope_head_dim=16,
     v_head_dim=16,
     max_position_embeddings=512,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
     initializer_range=0.2,  # large logits: few near-ties, so greedy parity is meaningful
     bos_token_id=1,
     eos_token_id=2,
 )
 MLA = {
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(q_lora_rank=None, first_k_dense_replace=2)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(q_lora_rank=None, first_k_dense_replace=1)),
     "glm4_moe_lite": (
         "Glm4MoeLiteConfig",
         "Glm4MoeLiteForCausalLM",
-        dict(q_lora_rank=32, mlp_layer_types=["dense"] * 2),
+        dict(q_lora_rank=32, mlp_layer_types=["dense", "sparse"], n_group=2, topk_group=1),
     ),
 }
 REGIMES = {
@@ -56,6 +62,10 @@ def mla_checkpoint(tmp_path_factory):
             config_cls, model_cls, extra = MLA[name]
             torch.manual_seed(1234)
             model = getattr(tf, model_cls)(getattr(tf, config_cls)(**{**_SHAPE, **extra, **overrides})).eval()
+            with torch.no_grad():  # HF starts the selection bias at zero
+                for name, buf in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        buf.copy_(torch.rand_like(buf) * 0.2)
             path = tmp_path_factory.mktemp(name)
             model.save_pretrained(path)
             made[key] = (path, model)

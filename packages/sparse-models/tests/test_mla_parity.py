@@ -1,5 +1,7 @@
 """MLA models (DeepSeek-V2/V3, GLM-4.7-Flash) equal HF transformers' logits on tiny random checkpoints
-(fp32, every layer a dense MLP), and the absorbed form equals the per-head form it replaces."""
+(fp32, dense-only and with routed-expert layers), the absorbed form equals the per-head form it
+replaces, and the DeepSeek routers equal HF's (or, for V2's group-limited choice, which HF cannot
+run, a per-token reference)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,27 @@ MLA_FAMILIES = {
         dict(q_lora_rank=24, mlp_layer_types=["dense"] * 2),
     ),
 }
+_EXPERTS = dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, initializer_range=0.1)
+# Layer 0 dense, layer 1 routed: V2 greedy softmax; V3 sigmoid over 4 groups of 2 (2 chosen) with a
+# selection bias; GLM one group, 2 shared experts, not renormalised.
+MOE_FAMILIES = {
+    "deepseek_v2_moe": (
+        "DeepseekV2Config",
+        "DeepseekV2ForCausalLM",
+        dict(_EXPERTS, q_lora_rank=None, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=1.5),
+    ),
+    "deepseek_v3_moe": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(_EXPERTS, q_lora_rank=24, first_k_dense_replace=1, n_group=4, topk_group=2, n_shared_experts=1),
+    ),
+    "glm4_moe_lite_moe": (
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        dict(_EXPERTS, q_lora_rank=24, mlp_layer_types=["dense", "sparse"], n_shared_experts=2, norm_topk_prob=False),
+    ),
+}
+MLA_FAMILIES.update(MOE_FAMILIES)
 
 
 def make_mla_model(name: str, seed: int = 0, **overrides):
@@ -51,6 +74,9 @@ def make_mla_model(name: str, seed: int = 0, **overrides):
         for pname, param in model.named_parameters():
             if pname.endswith("bias") or "norm" in pname:
                 param.add_(torch.randn_like(param) * 0.1)
+        for bname, buf in model.named_buffers():  # V3 / GLM's selection bias starts at zero
+            if bname.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.05)
     return model
 
 
@@ -60,6 +86,7 @@ def test_mla_logits_match_hf(name, tmp_path, random_batch, our_logits, hf_logits
     hf_model.save_pretrained(tmp_path)
     model, config = load_model(tmp_path)
     assert config.mla is not None and (config.num_key_value_heads, config.head_dim) == (1, 32 + 8)
+    assert ("sparse" in config.mlp_layer_types) == (name in MOE_FAMILIES)
     seqs = random_batch(config.vocab_size)
     torch.testing.assert_close(our_logits(model, seqs), hf_logits(hf_model, seqs), atol=ATOL, rtol=0)
 

@@ -21,7 +21,7 @@ import torch
 
 from sparse_models.gemma_config import GEMMA_ARCHITECTURES, GemmaConfig, gemma_layer_types, gemma_rope, parse_gemma
 from sparse_models.mla_config import MLA_ARCHITECTURES, MlaConfig, parse_mla, parse_mlp_layer_types
-from sparse_models.moe_config import QWEN_MOE_ARCHITECTURES, MoeConfig, parse_qwen_moe
+from sparse_models.moe_config import QWEN_MOE_ARCHITECTURES, MoeConfig, parse_deepseek_moe, parse_qwen_moe
 from sparse_models.registry import UnsupportedArchitectureError, is_registered, supported_architectures
 
 
@@ -148,7 +148,7 @@ class ModelConfig:
         sliding_window, layer_types = _parse_sliding(raw, family, num_layers)
         mla = parse_mla(architecture, raw) if architecture in MLA_ARCHITECTURES else None
         mlp_layer_types = parse_mlp_layer_types(architecture, raw) if mla else ("dense",) * num_layers
-        moe = None
+        moe = parse_deepseek_moe(architecture, raw) if mla and "sparse" in mlp_layer_types else None
         if architecture in QWEN_MOE_ARCHITECTURES:
             moe, mlp_layer_types = parse_qwen_moe(raw)
         return cls(

@@ -7,7 +7,7 @@ per token (see ``sparse_models.mla_config``). Attention runs in the absorbed for
 rows ``[c_kv | k_rope]`` as multi-query attention with values ``c_kv``; ``W_UV`` and ``o_proj`` then
 map the latent output back. ``W_UK`` / ``W_UV`` are views of ``kv_b_proj``'s weight ``[H * (nope +
 v), kv_lora_rank]``, loaded as the checkpoint stores it. V3 and GLM differ from V2 only in the RoPE
-layout flag and in their routers (``mlp_layer_types``: which layers are MoE).
+layout flag and in their routers (``deepseek_moe.py``; ``mlp_layer_types``: which layers are MoE).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from torch import nn
 from sparse_models.attention import AttentionBackend
 from sparse_models.config import ModelConfig
 from sparse_models.layers import Linear, LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
+from sparse_models.layers.moe import route_expert_weight
+from sparse_models.models.deepseek_moe import DeepseekMoe
 from sparse_models.models.llama import MLP, DecoderLayer
 from sparse_models.registry import register_model
 
@@ -81,9 +83,7 @@ def _layout(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 
 def _mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
-    if config.mlp_layer_types[layer_idx] == "dense":
-        return MLP(config)
-    raise NotImplementedError(f"{config.architecture}: routed-expert (MoE) layers are not supported yet")
+    return MLP(config) if config.mlp_layer_types[layer_idx] == "dense" else DeepseekMoe(config)
 
 
 class MlaModel(nn.Module):
@@ -110,7 +110,8 @@ class DeepseekForCausalLM(nn.Module):
 
     ``forward`` / ``compute_logits`` as ``LlamaForCausalLM``. The attention backend receives queries
     ``[T, H, cache_dim]``, the rows to cache ``[T, 1, cache_dim]`` as keys and their first
-    ``kv_lora_rank`` channels as values, and returns ``[T, H, kv_lora_rank]``.
+    ``kv_lora_rank`` channels as values, and returns ``[T, H, kv_lora_rank]``. Per-expert checkpoint
+    tensors are stacked into each routed layer's ``FusedExperts`` at load.
     """
 
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
@@ -129,3 +130,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    @staticmethod
+    def route_checkpoint_name(name: str) -> tuple[str, tuple[int, str]] | None:
+        return route_expert_weight(name)
