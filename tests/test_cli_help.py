@@ -39,7 +39,7 @@ def _check_method_flag(name: str, text: str) -> None:
 
 def test_decode_keep_tokens_help_is_per_method():
     text = _flag_help("generate")["--decode-keep-tokens"]
-    assert "[pyramidkv, snapkv] Best-scored middle tokens kept, in tokens (default 7616)" in text
+    assert "[adakv, pyramidkv, snapkv] Best-scored middle tokens kept, in tokens (default 7616)" in text
     assert "[omnikv] Tokens the filter layers select, in tokens (default 4096)" in text
 
 

@@ -204,7 +204,8 @@ class PrefillView:
 class Selection:
     """What one decode query reads: ``indices`` ``[num_kv_heads, n]`` ascending, in units of
     ``page_size`` slots of the request's table (``page_size=1``: single tokens). The newest slot's
-    page must be the last entry of every row."""
+    page must be the last entry of every row. Single-slot rows may lead with ``-1`` entries, which
+    read nothing (heads that read fewer slots than others, e.g. AdaKV's per-head budgets)."""
 
     indices: torch.Tensor
     page_size: int

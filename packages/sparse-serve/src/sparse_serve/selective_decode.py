@@ -355,7 +355,8 @@ class SelectiveDecode:
             return [([blocks[p] for p in row], tail if row[-1] == num_pages - 1 else bs, bs) for row in rows]
         if chosen.page_size != 1:
             raise ValueError(f"a selection's page_size must be the block size ({bs}) or 1, got {chosen.page_size}")
-        return [([blocks[t // bs] * bs + t % bs for t in row], 1, 1) for row in chosen.indices.tolist()]
+        # Slot rows may lead with -1 (a head that reads fewer slots than others: ragged lists).
+        return [([blocks[t // bs] * bs + t % bs for t in row if t >= 0], 1, 1) for row in chosen.indices.tolist()]
 
 
 def _fit(buf: torch.Tensor, needed: int, capacity: int | None) -> torch.Tensor:

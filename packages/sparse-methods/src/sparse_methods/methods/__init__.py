@@ -1,6 +1,7 @@
 """The registered methods; importing this package registers them all."""
 
 from sparse_methods.methods import (
+    adakv,
     compressed_storage,
     dense,
     flashprefill,
@@ -15,6 +16,7 @@ from sparse_methods.methods import (
 )
 
 __all__ = [
+    "adakv",
     "compressed_storage",
     "dense",
     "flashprefill",

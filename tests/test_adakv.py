@@ -1,0 +1,193 @@
+"""AdaKV (per-head adaptive budgets over SnapKV scores) on CPU with tiny random models: kept sets after
+a prefill equal kvpress's AdaKVPress(SnapKVPress) configured the same way; each head attends only to
+its own tokens during decode (greedy tokens equal a plain per-head-masked decode written here); a
+budget above the context is dense; the memory plan holds the largest head the budgets allow."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_method_oracles import PROMPT_LEN, _dense_keys, _positions, _prompt
+
+from sparse_methods import ModelShape, build_method
+from sparse_methods.methods.adakv import adaptive_keep
+from sparse_serve import LLM, SamplingParams
+from sparse_serve.step_metadata import table_slots
+
+
+def _kvpress_adakv_kept(model, prompt, ratio, window, alpha) -> list[list[set[int]]]:
+    from kvpress import AdaKVPress, SnapKVPress
+
+    press = AdaKVPress(SnapKVPress(compression_ratio=ratio, window_size=window, kernel_size=5), alpha_safeguard=alpha)
+    with torch.no_grad(), press(model):
+        model(torch.tensor([prompt]), past_key_values=__import__("transformers").DynamicCache())
+    kept = []
+    n = len(prompt)
+    for layer in model.model.layers:
+        _, heads, seqs = layer.self_attn.masked_key_indices
+        sets = [set(range(n)) for _ in range(model.config.num_key_value_heads)]
+        for h, t in zip(heads.tolist(), seqs.tolist(), strict=True):
+            sets[h].discard(t)
+        layer.self_attn.masked_key_indices = None
+        kept.append(sets)
+    return kept
+
+
+def _llm(path, **params) -> LLM:
+    return LLM(
+        str(path), device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=4096, sparse_method="adakv", **params
+    )
+
+
+def _engine_kept(llm, model, prompt) -> list[list[set[int]]]:
+    """Prefill in one step, then per (layer, head) the tokens the head attends to (fillers left out)."""
+    engine = llm.engine
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0))
+    engine.step()
+    req = engine.scheduler.running[0]
+    table = engine.kv.table(rid)
+    dense = _dense_keys(model, prompt)
+    kept = []
+    for layer, kv_len in enumerate(req.kv_lens):
+        slots = table_slots(table.block_ids, kv_len, engine.config.block_size)
+        keys = engine.runner.kv.k[layer].view(-1, *engine.runner.kv.k[layer].shape[2:])[slots]
+        own = engine.method.head_slots(rid, layer, kv_len) or [torch.arange(kv_len)] * keys.shape[1]
+        kept.append([_positions(keys[own[h], h], dense[layer][h]) for h in range(keys.shape[1])])
+    engine.abort_request(rid)
+    return kept
+
+
+def _kvpress_params(n_kept: int, window: int, alpha: float) -> dict:
+    return dict(
+        sink_keep_tokens=0,
+        recent_keep_tokens=window,
+        observation_window_size=window,
+        decode_keep_tokens=n_kept - window,
+        score_kernel_size=5,
+        score_pooling="avg",
+        score_gqa_reduce="mean",
+        alpha_safeguard=alpha,
+    )
+
+
+@pytest.mark.parametrize(("ratio", "window", "alpha"), [(0.5, 64, 0.2), (0.7, 16, 0.5)])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_adakv_matches_kvpress(tiny_checkpoint, family, ratio, window, alpha):
+    path, model = tiny_checkpoint(family)
+    prompt = _prompt(4)
+    n_kept = int(PROMPT_LEN * (1 - ratio))
+    ours = _engine_kept(_llm(path, **_kvpress_params(n_kept, window, alpha)), model, prompt)
+    assert ours == _kvpress_adakv_kept(model, prompt, ratio, window, alpha)
+    # Budgets really are per head (ragged) and sum to H x budget per layer.
+    sizes = [[len(s) for s in layer] for layer in ours]
+    assert all(sum(layer) == len(layer) * n_kept for layer in sizes)
+    assert any(len(set(layer)) > 1 for layer in sizes)
+
+
+def _masked_decode_reference(model, prompt, kept, steps) -> list[int]:
+    """Greedy decode of an HF model whose head ``h`` of layer ``l`` sees only prompt tokens ``kept[l][h]``
+    (plus every generated token): a boolean per-head mask over a dense cache."""
+    from transformers import DynamicCache
+
+    n = len(prompt)
+    cache = DynamicCache()
+    ids = torch.tensor([prompt])
+    out = []
+    with torch.no_grad():
+        logits = model(ids, past_key_values=cache).logits[0, -1]
+        g = model.config.num_attention_heads // model.config.num_key_value_heads
+        for _ in range(steps):
+            tok = int(logits.argmax())
+            out.append(tok)
+            length = cache.get_seq_length() + 1
+            masks = []
+            for sets in kept:
+                m = torch.zeros(model.config.num_key_value_heads, length, dtype=torch.bool)
+                for h, s in enumerate(sets):
+                    m[h, sorted(s)] = True
+                m[:, n:] = True
+                masks.append(m.repeat_interleave(g, 0))
+            logits = _run_masked(model, tok, cache, masks)
+    return out
+
+
+def _run_masked(model, tok, cache, masks):
+    """One decode step where layer ``l``'s query head ``h`` attends to ``masks[l][h]`` only."""
+    handles = []
+    for layer, attn in enumerate(model.model.layers):
+        mask = torch.where(masks[layer], 0.0, float("-inf"))[None, :, None, :]  # [1, Hq, 1, L]
+
+        def pre(module, args, kwargs, mask=mask):
+            kwargs["attention_mask"] = mask
+            return args, kwargs
+
+        handles.append(attn.self_attn.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        impl = model.config._attn_implementation
+        model.config._attn_implementation = "eager"
+        return model(torch.tensor([[tok]]), past_key_values=cache).logits[0, -1]
+    finally:
+        model.config._attn_implementation = impl
+        for h in handles:
+            h.remove()
+
+
+def test_adakv_decode_reads_each_heads_own_tokens(tiny_checkpoint):
+    path, model = tiny_checkpoint("llama")
+    prompt = _prompt(5)
+    params = _kvpress_params(60, 16, 0.2)
+    kept = _engine_kept(_llm(path, **params), model, prompt)
+    out = _llm(path, **params).generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    assert list(out.token_ids) == _masked_decode_reference(model, prompt, kept, 8)
+    union = [[set().union(*layer)] * len(layer) for layer in kept]  # fillers visible: other tokens
+    assert list(out.token_ids) != _masked_decode_reference(model, prompt, union, 8)
+
+
+def test_adakv_budget_above_context_is_dense(tiny_checkpoint):
+    path, _ = tiny_checkpoint("qwen3")
+    prompt = _prompt(6, 90)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    dense = LLM(str(path), device="cpu", dtype="float32", max_num_batched_tokens=4096).generate([prompt], greedy)[0]
+    ours = _llm(path, sink_keep_tokens=4, decode_keep_tokens=80, recent_keep_tokens=32).generate([prompt], greedy)[0]
+    assert ours.token_ids == dense.token_ids
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    heads=st.integers(1, 4),
+    kv_len=st.integers(8, 60),
+    budget=st.integers(2, 40),
+    sink=st.integers(0, 3),
+    recent=st.integers(1, 6),
+    alpha=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
+    seed=st.integers(0, 1000),
+)
+def test_adaptive_keep_properties(heads, kv_len, budget, sink, recent, alpha, seed):
+    """Each head keeps its protected slots and its safeguard; the layer keeps H x budget; fillers pad
+    every row to the largest head; the plan's largest head bounds every outcome."""
+    budget = max(budget, sink + recent)
+    if kv_len <= budget:
+        return
+    scores = torch.rand(heads, kv_len, generator=torch.Generator().manual_seed(seed))
+    keep, valid = adaptive_keep(scores, kv_len=kv_len, sink=sink, recent=recent, budget=budget, alpha=alpha)
+    counts = valid.sum(1)
+    assert int(counts.sum()) == heads * budget
+    assert int(counts.max()) == keep.shape[1]
+    assert bool((keep.diff(dim=1) > 0).all())
+    floor = max(sink + recent, max(1, int(budget * alpha)) if alpha else 0)
+    assert int(counts.min()) >= min(floor, budget)
+    for h in range(heads):
+        own = set(keep[h][valid[h]].tolist())
+        assert set(range(sink)) | set(range(kv_len - recent, kv_len)) <= own
+    method = build_method(
+        "adakv",
+        ModelShape(1, heads, heads, 4),
+        sink_keep_tokens=sink,
+        recent_keep_tokens=recent,
+        observation_window_size=1,
+        decode_keep_tokens=budget - sink - recent,
+        alpha_safeguard=alpha,
+    )
+    assert keep.shape[1] <= method.max_head_tokens(kv_len)
