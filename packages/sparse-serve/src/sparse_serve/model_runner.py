@@ -128,7 +128,7 @@ class ModelRunner:
         if self.kv.quantized is not None:
             randomize_quantized(self.kv, g)
             return
-        for cache in (*self.kv.k, *self.kv.v):
+        for cache in self.kv.latent or (*self.kv.k, *self.kv.v):
             cache.normal_(generator=g)
         if self.kv.kmin is not None:  # block summaries follow the noise (Quest's bounds see real keys)
             blocks = torch.arange(self.num_blocks, dtype=torch.int32, device=self.device)

@@ -85,6 +85,8 @@ def _decode_runs(engine: LLMEngine, plan: BenchPlan, prompts: torch.Generator, c
     slot_bytes = kv_bytes_per_token(1, cfg.num_key_value_heads, cfg.head_dim, engine.runner.dtype)
     if engine.runner.store.quantized:  # a slot read is its codes and scales (compressed bytes)
         slot_bytes = engine.runner.store.bytes_per_token(engine.runner.kv.k[0].element_size())
+    elif engine.runner.store.latent:  # one row of latent + rope channels, not a K and a V
+        slot_bytes = int(engine.runner.store.bytes_per_token(engine.runner.kv.latent[0].element_size()))
     runs = []
     for case, is_max in tqdm(_cases(engine, plan), desc=f"{engine.config.sparse_method} decode", disable=not progress):
         run = {**settings, "engine": "sparse-engine", "prefill": plan.prefill, **_case_fields(case)}
