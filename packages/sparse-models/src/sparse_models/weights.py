@@ -27,9 +27,15 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` with an exact shape check (copy_ would silently broadcast)."""
-    if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch: checkpoint has {tuple(src.shape)}, parameter expects {tuple(dst.shape)}")
+    check_shape(src, dst.shape)
     dst.copy_(src)
+
+
+def check_shape(src: torch.Tensor, expected: tuple[int, ...] | torch.Size) -> None:
+    """A checkpoint tensor has exactly ``expected``'s shape (a tensor-parallel slice checks the full
+    tensor before cutting its part)."""
+    if tuple(src.shape) != tuple(expected):
+        raise ValueError(f"shape mismatch: checkpoint has {tuple(src.shape)}, parameter expects {tuple(expected)}")
 
 
 def _route(name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, str | None]:

@@ -12,6 +12,12 @@ rows first) and ``down_proj [E, H, I]``, so a checkpoint saved fused loads as is
 Hub store one module per expert (``...experts.{e}.gate_proj.weight`` etc.); a model class routes
 those names here with ``route_expert_weight`` (its ``route_checkpoint_name``), and the loader hands
 each tensor to ``weight_loader`` with the shard id ``(e, "gate" | "up" | "down")``.
+
+Tensor parallelism splits every expert's width ``I`` over the ranks (each rank holds ``I / world`` of
+the gate/up rows and the matching down columns of all experts) and sums the outputs. Rather than
+``E / world`` whole experts per rank: the router and the kernel stay as they are, and each rank reads
+its share of every chosen expert, so decode's weight reads stay balanced however the tokens route
+(whole experts per rank would leave the ranks holding the popular experts the slowest).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import torch
 from torch import nn
 
 from sparse_kernels import fused_moe
-from sparse_models.weights import copy_checked
+from sparse_models.distributed import all_reduce, shard
+from sparse_models.weights import check_shape, copy_checked
 
 _EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 
@@ -37,10 +44,13 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.intermediate_size = intermediate_size
-        experts = range(num_experts)
-        self.gate_up_proj = self._param((num_experts, 2 * intermediate_size, hidden_size), experts, ("gate", "up"))
-        self.down_proj = self._param((num_experts, hidden_size, intermediate_size), experts, ("down",))
+        self.full_intermediate_size = intermediate_size
+        self.start, self.intermediate_size = shard(intermediate_size, "moe_intermediate_size")
+        local, experts = self.intermediate_size, range(num_experts)
+        self.gate_up_proj = self._param((num_experts, 2 * local, hidden_size), experts, ("gate", "up"))
+        self.down_proj = self._param((num_experts, hidden_size, local), experts, ("down",))
+        self.gate_up_proj.logical_shape = (num_experts, 2 * intermediate_size, hidden_size)
+        self.down_proj.logical_shape = (num_experts, hidden_size, intermediate_size)
 
     def _param(self, shape: tuple[int, ...], experts: range, projs: tuple[str, ...]) -> nn.Parameter:
         param = nn.Parameter(torch.empty(shape), requires_grad=False)
@@ -50,9 +60,17 @@ class FusedExperts(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         """Load a whole stacked tensor (``shard_id`` None), or one expert's gate / up / down matrix
-        (``(e, "gate" | "up" | "down")``, as ``route_expert_weight`` names it)."""
+        (``(e, "gate" | "up" | "down")``, as ``route_expert_weight`` names it); each keeps this rank's
+        width slice."""
         if shard_id is None:
-            copy_checked(param.data, loaded)
+            check_shape(loaded, param.logical_shape)
+            if param is self.down_proj:
+                copy_checked(param.data, loaded.narrow(2, self.start, self.intermediate_size))
+                return
+            full = self.full_intermediate_size
+            for e in range(self.num_experts):
+                self.weight_loader(param, loaded[e, :full], (e, "gate"))
+                self.weight_loader(param, loaded[e, full:], (e, "up"))
             return
         expert, proj = shard_id
         if not 0 <= expert < self.num_experts:
@@ -64,12 +82,19 @@ class FusedExperts(nn.Module):
             "up": slice(self.intermediate_size, None),
             "down": slice(None),
         }
-        copy_checked(param.data[expert, rows[proj]], loaded)
+        axis = 1 if proj == "down" else 0  # the width I: gate/up rows, down columns
+        if loaded.dim() != 2 or loaded.shape[axis] != self.full_intermediate_size:
+            raise ValueError(
+                f"{proj}_proj of expert {expert}: checkpoint has {tuple(loaded.shape)}, width "
+                f"{self.full_intermediate_size} expected"
+            )
+        mine = loaded.narrow(axis, self.start, self.intermediate_size)
+        copy_checked(param.data[expert, rows[proj]], mine)
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """``hidden [T, H]``, ``topk_ids [T, k]`` int, ``topk_weights [T, k]`` float -> ``[T, H]`` in
         ``hidden``'s dtype: each token's experts' outputs weighted and summed."""
-        return fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+        return all_reduce(fused_moe(hidden, self.gate_up_proj, self.down_proj, topk_ids, topk_weights))
 
     def bytes_read(self, num_tokens: int) -> float:
         """Expected weight bytes one forward over ``num_tokens`` tokens reads, under uniform routing.

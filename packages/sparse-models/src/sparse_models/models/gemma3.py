@@ -18,7 +18,8 @@ from torch import nn
 
 from sparse_models.attention import AttentionBackend
 from sparse_models.config import ModelConfig
-from sparse_models.layers import Linear, LMHead, MergedLinear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from sparse_models.layers import LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
+from sparse_models.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 from sparse_models.models.llama import Attention, LlamaForCausalLM
 from sparse_models.registry import register_model
 from sparse_models.weights import copy_checked
@@ -50,9 +51,9 @@ class GemmaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear.even(config.hidden_size, {"gate": size, "up": size})
         self.act = GeluTanhAndMul()
-        self.down_proj = Linear(size, config.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -8,6 +8,9 @@ Mistral slides a window over the KV (which the attention backend applies, not th
 Tensors are a flat varlen batch: the tokens of all sequences concatenated, ``T`` in total; which
 token belongs to which sequence is the attention backend's business alone.
 
+Under tensor parallelism (``sparse_models.distributed``) each rank runs its share of the heads and of
+the MLP's width: q/k/v and gate/up are column-parallel, o and down row-parallel (one all-reduce each).
+
 Each decoder layer returns its MLP output and the residual stream apart; the next layer's first norm
 adds them (vLLM's ``RMSNorm(x, residual)``), so on CUDA every residual add rides in a fused add+norm
 kernel, and q/k norm + RoPE, SiLU*mul are one kernel each. On CPU the same calls run HF's ops.
@@ -22,15 +25,8 @@ from torch import nn
 
 from sparse_models.attention import AttentionBackend
 from sparse_models.config import ModelConfig
-from sparse_models.layers import (
-    Linear,
-    LMHead,
-    MergedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    SiluAndMul,
-    VocabEmbedding,
-)
+from sparse_models.layers import LMHead, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
+from sparse_models.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
 from sparse_models.registry import register_model
 
 
@@ -38,14 +34,16 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=config.attention_bias
+        num_heads, num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.qkv_proj = qkv_parallel_linear(
+            config.hidden_size, self.head_dim, num_heads, num_kv_heads, config.attention_bias
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_out_bias)
+        # This rank's heads (all of them on one rank).
+        self.num_heads = self.qkv_proj.shard_sizes["q"] // self.head_dim
+        self.num_kv_heads = self.qkv_proj.shard_sizes["k"] // self.head_dim
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, config.hidden_size, bias=config.attention_out_bias)
         self.q_norm = self.k_norm = None
         if config.qk_norm:  # Qwen3: per head, over head_dim, before RoPE
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -70,9 +68,11 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear.even(
+            config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias
+        )
         self.act = SiluAndMul()
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
