@@ -76,6 +76,29 @@ def test_merge_splits_ignores_splits_that_saw_no_key():
     torch.testing.assert_close(merge_splits(o, lse), torch.tensor([[7.0 / 3, 10.0 / 3]]))
 
 
+def test_triton_merge_equals_merge_splits(triton_device):
+    """The one-launch merge weighs the splits as the plain one, dead splits (NaN partials) left unread,
+    and writes each (token, head) row through out's strides."""
+    import triton
+
+    from sparse_kernels._triton.latent_attention import latent_merge_kernel
+
+    g = torch.Generator().manual_seed(0)
+    tokens, heads, splits, latent = 3, 5, 6, 24
+    o_part = torch.randn(tokens * heads, splits, latent, generator=g)
+    lse = torch.randn(tokens * heads, splits, generator=g) * 4
+    dead = torch.rand(tokens * heads, splits, generator=g) < 0.4
+    dead[:, 0] = False  # every row saw some key
+    lse[dead], o_part[dead] = float("-inf"), float("nan")
+    expected = merge_splits(o_part.nan_to_num(), lse).view(tokens, heads, latent)
+    out = torch.full((tokens, heads + 2, latent), float("nan"), device=triton_device)[:, 1:-1]  # strided
+    latent_merge_kernel[(tokens * heads,)](
+        o_part.to(triton_device), lse.to(triton_device), out, out.stride(0), out.stride(1), splits,
+        NUM_HEADS=heads, LATENT=latent, BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=32,
+    )  # fmt: skip
+    torch.testing.assert_close(out.cpu(), expected)
+
+
 def test_store_latent_writes_rows_and_skips_padding():
     cache = torch.zeros(3, 4, 1, 6)
     rows = torch.randn(3, 1, 6)

@@ -23,6 +23,14 @@ from sparse_kernels._backend import host_to_device, resolve_backend
 from sparse_kernels.attention_reference import causal_attention
 from sparse_kernels.kv_store import store_kv
 
+# Keys per inner step and launch shape of the Triton kernel, per kind of step (decode: one token per
+# request, all heads in one tile, split-K). Until benchmarks/mla_probe.py --sweep picks better ones on
+# the H200 these are the first kernel's (num_stages 3: Triton's default).
+LATENT_TILES = {
+    "decode": {"block_n": 32, "num_warps": 8, "num_stages": 3},
+    "prefill": {"block_n": 32, "num_warps": 8, "num_stages": 3},
+}
+
 
 @dataclass(frozen=True, slots=True)
 class LatentPlan:
@@ -50,6 +58,7 @@ class LatentPlan:
     block_m: int
     block_n: int
     num_warps: int
+    num_stages: int
 
     @property
     def num_tiles(self) -> int:
@@ -74,6 +83,7 @@ def plan_latent(
     device: torch.device | str,
     causal: bool = True,
     num_splits: int | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> LatentPlan:
     """Plan one batch of requests (host tensors, int32).
 
@@ -85,6 +95,7 @@ def plan_latent(
         ids and the last one holds ``kv_last_len[b]`` tokens.
     num_splits : key splits per tile; None picks them for decode batches (every request one token)
         so that the GPU has work for all its cores, and 1 otherwise.
+    tiles : ``block_n`` / ``num_warps`` / ``num_stages`` overriding ``LATENT_TILES`` (for sweeps).
     """
     device = torch.device(device)
     qo_indptr, kv_indptr = qo_indptr.to(torch.int32).cpu(), kv_indptr.to(torch.int32).cpu()
@@ -97,6 +108,7 @@ def plan_latent(
         for row in range(0, n * num_heads, block_m):
             tile_req.append(b)
             tile_row.append(row)
+    tiles = {**LATENT_TILES["decode" if decode else "prefill"], **(tiles or {})}
     if num_splits is None:
         num_splits = _decode_splits(kv_indptr, kv_last_len, block_size, len(tile_req), device) if decode else 1
     as_dev = lambda xs: host_to_device(torch.tensor(xs, dtype=torch.int32), device)  # noqa: E731
@@ -119,8 +131,9 @@ def plan_latent(
         causal=causal,
         num_splits=max(1, int(num_splits)),
         block_m=block_m,
-        block_n=32,
-        num_warps=8 if device.type == "cuda" else 4,
+        block_n=tiles["block_n"],
+        num_warps=tiles["num_warps"] if device.type == "cuda" else 4,
+        num_stages=tiles["num_stages"],
     )
 
 
@@ -153,14 +166,14 @@ def latent_attention(
     rows = q.shape[0] * q.shape[1]
     o_part = torch.empty(rows, plan.num_splits, plan.latent_dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(rows, plan.num_splits, dtype=torch.float32, device=q.device)
-    run_latent_attention(q, cache, plan, out, o_part, lse_part)
-    out.copy_(merge_splits(o_part, lse_part).view_as(out))
+    run_latent_attention(q, cache, plan, out, o_part, lse_part)  # merges into out
     return out
 
 
 def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
-    """Combine split-K partials: ``o_part [R, S, D]`` (each normalized over its split) with base-2
-    log-sum-exps ``lse_part [R, S]`` (``-inf``: the split saw no key) -> ``[R, D]`` fp32."""
+    """Combine split-K partials (plain torch; the Triton path merges in one launch of its own):
+    ``o_part [R, S, D]`` (each normalized over its split) with base-2 log-sum-exps ``lse_part [R, S]``
+    (``-inf``: the split saw no key) -> ``[R, D]`` fp32."""
     top = lse_part.amax(dim=1, keepdim=True)
     weight = torch.exp2(lse_part - top.clamp(min=-1e30))  # dead splits weigh 0
     return (o_part * weight[..., None]).sum(dim=1) / weight.sum(dim=1, keepdim=True)

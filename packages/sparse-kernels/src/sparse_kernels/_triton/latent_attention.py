@@ -9,7 +9,8 @@ request's keys; decode plans one tile per request and several splits (flash-deco
 split and as many tiles as the rows need.
 
 With ``SPLIT`` the program writes its unnormalized-then-divided partial output and its base-2
-log-sum-exp per row (``-inf`` where it saw no key) for ``merge_splits``; without, the final output.
+log-sum-exp per row (``-inf`` where it saw no key), and ``_latent_merge_kernel`` (one launch, one
+program per row) weighs the splits into the output; without, the program writes the final output.
 Token ``j`` of a request is pool slot ``indices[start + j // PAGE_SIZE] * PAGE_SIZE + j % PAGE_SIZE``.
 Causal: query token ``t`` of a request with ``n`` new tokens and ``L`` keys sees keys ``<= L - n + t``.
 """
@@ -129,7 +130,35 @@ def _latent_attention_kernel(
         )
 
 
+def _latent_merge_kernel(
+    o_part_ptr,
+    lse_part_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    LATENT: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head over the whole batch
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_s = offs_s < num_splits
+    mask_c = offs_c < LATENT
+    lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=mask_s, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.maximum(top, -1e30)))  # dead splits weigh 0
+    part = o_part_ptr + (row * num_splits + offs_s)[:, None] * LATENT + offs_c[None, :]
+    o = tl.load(part, mask=(w > 0)[:, None] & mask_c[None, :], other=0.0)  # dead splits are not read
+    o = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    dst = out_ptr + (row // NUM_HEADS) * stride_ot + (row % NUM_HEADS) * stride_oh + offs_c
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_c)
+
+
 latent_attention_kernel = Kernel(_latent_attention_kernel)
+latent_merge_kernel = Kernel(_latent_merge_kernel)
 
 
 def run_latent_attention(
@@ -139,12 +168,14 @@ def run_latent_attention(
     out: torch.Tensor,
     o_part: torch.Tensor | None,
     lse_part: torch.Tensor | None,
+    merge: bool = True,
 ) -> None:
     """Launch over ``plan`` (a ``sparse_kernels.latent_attention.LatentPlan``); inputs already checked.
 
     ``q [T, H, LATENT + ROPE]`` (unit stride last dim), ``cache [num_blocks, block_size, 1, LATENT + ROPE]``
-    contiguous, ``out [T, H, LATENT]``; with ``plan.num_splits > 1`` the partials go to ``o_part
-    [T * H, splits, LATENT]`` fp32 and ``lse_part [T * H, splits]`` fp32 for the caller's merge.
+    contiguous, ``out [T, H, LATENT]``; with ``plan.num_splits > 1`` the partials go to the scratch
+    ``o_part [T * H, splits, LATENT]`` fp32 and ``lse_part [T * H, splits]`` fp32, then one merge
+    launch writes ``out`` (``merge=False`` leaves the partials to the caller: the probe's plain merge).
     """
     split = plan.num_splits > 1
     dummy = out if not split else o_part
@@ -177,5 +208,20 @@ def run_latent_attention(
         BLOCK_R=max(16, triton.next_power_of_2(plan.rope_dim)),
         BLOCK_N=plan.block_n,
         num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
         **dot_args(q.dtype, q.device),
     )
+    if split and merge:
+        latent_merge_kernel[(q.shape[0] * q.shape[1],)](
+            o_part,
+            lse_part,
+            out,
+            out.stride(0),
+            out.stride(1),
+            plan.num_splits,
+            NUM_HEADS=plan.num_heads,
+            LATENT=plan.latent_dim,
+            BLOCK_S=max(2, triton.next_power_of_2(plan.num_splits)),
+            BLOCK_C=max(16, triton.next_power_of_2(plan.latent_dim)),
+            num_warps=4,
+        )
