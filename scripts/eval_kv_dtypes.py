@@ -1,7 +1,10 @@
-"""Quality of the quantized KV stores on the embedded model, next to dense, on the same samples.
+"""Quality of the quantized KV stores (or of sparse prefill) on the embedded model, next to dense.
 
-Every store (dense bf16/fp32, fp8, KIVI 4 and 2 bits, TurboQuant 4 and 3 bits) answers the same
-prompts: the harness's five retrieval tasks at the model's longest trained context (4096 tokens)
+Every configuration of the chosen set answers the same prompts. ``--set kv_dtypes`` (default):
+dense bf16/fp32, fp8, KIVI 4 and 2 bits, TurboQuant 4 and 3 bits. ``--set prefill``: dense and
+flashprefill_v2 at several thresholds, each prompt prefilled in one chunk (``--chunk``) with sparse
+selection from 512 queries on (the default ``min_sparse_q_len`` of 4096 would leave a 4096-token
+prompt dense). The prompts: the harness's five retrieval tasks at the model's longest trained context (4096 tokens)
 over nine needle depths. Accuracy is reported with a Wilson 95% interval, and the difference to
 dense is paired (same prompts): its 95% interval comes from the discordant pairs, so "within one
 point of dense" can be read off directly. Writes ``summary.{json,md}`` under ``--out``.
@@ -31,6 +34,15 @@ STORES = {
     "turboquant-4": dict(sparse_method="turboquant", turboquant_bits=4),
     "turboquant-3": dict(sparse_method="turboquant", turboquant_bits=3),
 }
+_SPARSE_PREFILL = dict(prefill_sparse_method="flashprefill_v2", flashprefill_v2_min_sparse_q_len=512)
+PREFILL = {
+    "dense": {},
+    **{
+        f"flashprefill-{t}": dict(_SPARSE_PREFILL, flashprefill_v2_abs_threshold=t)
+        for t in (0.002, 0.01, 0.05, 0.2)
+    },
+}
+SETS = {"kv_dtypes": STORES, "prefill": PREFILL}
 DEPTHS = (0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 
 
@@ -60,23 +72,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", type=int, default=4096, help="context length (the longest trained: 4096)")
     parser.add_argument("--samples-per-cell", type=int, default=8, help="per (task, depth)")
-    parser.add_argument("--stores", default=",".join(STORES))
+    parser.add_argument("--set", choices=SETS, default="kv_dtypes", help="which configurations to compare")
+    parser.add_argument("--stores", default=None, help="comma-separated names within the set (default: all)")
+    parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", type=Path, default=Path("results/eval/kv_dtypes"))
+    parser.add_argument("--out", type=Path, default=None, help="default: results/eval/<set>")
     args = parser.parse_args()
+    configs = SETS[args.set]
+    args.out = args.out or Path("results/eval") / args.set
     tasks = tuple(args.tasks.split(","))
     grid = EvalGrid(tasks, (args.length,), DEPTHS, samples_per_cell=args.samples_per_cell, seed=0)
     haystack = Haystack.from_stdlib()
     runs: dict[str, list] = {}
     settings = {}
-    for name in args.stores.split(","):
-        cfg = STORES[name]
+    for name in (args.stores or ",".join(configs)).split(","):
+        cfg = configs[name]
         llm = LLM(
             str(DEFAULT_MODEL),
             device=args.device,
             max_model_len=args.length + 64,
-            max_num_batched_tokens=2048,
+            max_num_batched_tokens=args.chunk,
             max_num_seqs=64,
             num_kv_blocks=64 * -(-(args.length + 64) // 16) + 64,  # every running request at full length
             **cfg,
@@ -127,7 +143,10 @@ def write(args, grid: EvalGrid, runs: dict[str, list], settings: dict) -> None:
         "tasks": list(grid.tasks),
         "depths": list(grid.depths),
         "samples_per_cell": grid.samples_per_cell,
-        "command": f"uv run python scripts/eval_kv_dtypes.py --device {args.device} --samples-per-cell {grid.samples_per_cell}",
+        "command": (
+            f"uv run python scripts/eval_kv_dtypes.py --set {args.set} --chunk {args.chunk} --device {args.device} "
+            f"--samples-per-cell {grid.samples_per_cell}"
+        ),
     }
     (args.out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [
