@@ -91,18 +91,24 @@ def _lists_as_sets(lists, layout) -> dict[tuple[int, int, int], tuple[set, set]]
     return out
 
 
-@pytest.mark.parametrize("threshold", [0.0, 0.05, 0.3, 1.0])
-@pytest.mark.parametrize("group", [1, 3])
-def test_selection_equals_plain_per_tile_loop(paged_batch, threshold, group):
+@pytest.mark.parametrize(
+    "backend, threshold, group",
+    [("reference", t, g) for t in (0.0, 0.05, 0.3, 1.0) for g in (1, 3)] + [("triton", 0.05, 3), ("triton", 1.0, 1)],
+)
+def test_selection_equals_plain_per_tile_loop(paged_batch, triton_device, backend, threshold, group):
+    device = triton_device if backend == "triton" else "cpu"
     batch = _batch(paged_batch, "cpu", group=group, seed=int(threshold * 100) + group)
     params = _params(threshold, attention_sink_blocks=1, window_blocks=2)
-    wrapper = _wrapper(batch, params)
-    k_mean, _, lists = wrapper.select(batch.q, batch.k_cache, batch.v_cache)
-    assert _lists_as_sets(lists, wrapper.layout) == _plain_selection(batch, params)
-    for b in (0, 1, 3):  # block means of the sparse requests
-        k = batch.k_seqs[b]
-        for j in range(wrapper.layout.num_blocks[b]):
-            torch.testing.assert_close(k_mean[b, j], k[16 * j : 16 * (j + 1)].mean(0), atol=1e-6, rtol=1e-6)
+    expected = _plain_selection(batch, params)
+    wrapper = _wrapper(batch.to(device), params, device, backend)
+    k_mean, v_mean, lists = wrapper.select(batch.q, batch.k_cache, batch.v_cache)
+    assert _lists_as_sets(lists, wrapper.layout) == expected
+    for b in range(len(batch.k_seqs)):  # block means of the sparse requests (zeros for the dense one)
+        for mean, seq in ((k_mean, batch.k_seqs[b]), (v_mean, batch.v_seqs[b])):
+            for j in range(wrapper.layout.max_blocks):
+                block = seq[16 * j : 16 * (j + 1)]
+                truth = block.mean(0) if wrapper.layout.sparse[b] and len(block) else torch.zeros_like(seq[0])
+                torch.testing.assert_close(mean[b, j].cpu(), truth, atol=1e-6, rtol=1e-6)
 
 
 def test_selection_drops_blocks_at_positive_thresholds(paged_batch):
@@ -151,6 +157,27 @@ def test_triton_equals_reference(paged_batch, triton_device, threshold, mean_cor
     out = torch.full_like(batch.q, float("nan"))
     assert wrapper.run(batch.q, batch.k_cache, batch.v_cache, out=out) is out
     torch.testing.assert_close(out.cpu(), expected, **TOL[dtype])
+
+
+def test_triton_reads_a_block_in_several_key_steps(paged_batch, triton_device, monkeypatch):
+    """Blocks of 64 keys read in 16-key steps (4 per kept block), GQA group 3 splitting positions across
+    tiles of 32 rows: the kernel's list walk and diagonal against the reference on the same selection."""
+    from sparse_kernels._triton import block_sparse_prefill as kernel
+
+    monkeypatch.setitem(kernel.BLOCK_SPARSE_PREFILL_CONFIG, "BLOCK_N", 16)
+    batch = _batch(paged_batch, "cpu", group=3, seed=11, qo=[150, 90], kv=[330, 90])
+    batch.q *= 20
+    params = _params(0.2, k_block_m=32, k_block_n=64, window_blocks=1, last_query_blocks=2)
+    reference = _wrapper(batch, params)
+    lists = reference.select(batch.q, batch.k_cache, batch.v_cache)[2]
+    expected = reference.run(batch.q, batch.k_cache, batch.v_cache)
+    batch.to(triton_device)
+    wrapper = _wrapper(batch, params, triton_device, "triton")
+    assert _lists_as_sets(wrapper.select(batch.q, batch.k_cache, batch.v_cache)[2], wrapper.layout) == _lists_as_sets(
+        lists, reference.layout
+    )
+    assert int(lists.mean_counts.sum()) > 0
+    torch.testing.assert_close(wrapper.run(batch.q, batch.k_cache, batch.v_cache).cpu(), expected, **TOL[torch.float32])
 
 
 def test_mean_correction_is_exact_for_constant_blocks(paged_batch):

@@ -115,26 +115,23 @@ class BatchBlockSparsePrefillWithPagedKVCache(PagedAttentionWrapper):
         self.layout = tile_layout(
             qo_indptr,
             kv_lens,
-            kv_indptr,
-            kv_indices,
             params=self.params,
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            block_size=block_size,
             device=self.device,
         )
 
     def select(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor):
         """The planned step's block means and selection: ``(k_mean, v_mean, BlockLists)`` (device-only)."""
-        layout = self._sparse_layout()
+        layout, plan = self._sparse_layout(), self._plan
         if self.backend == "triton":
-            from sparse_kernels._triton.block_sparse_prefill import block_means_triton
+            from sparse_kernels._triton.prefill_block_selection import block_means_triton, select_blocks_triton
 
-            k_mean, v_mean = block_means_triton(k_cache, v_cache, layout.slots)
-        else:
-            k_mean, v_mean = block_means_reference(k_cache, v_cache, layout)
-        return k_mean, v_mean, select_blocks(q, k_mean, layout, self._plan.sm_scale)
+            k_mean, v_mean = block_means_triton(k_cache, v_cache, plan, layout)
+            return k_mean, v_mean, select_blocks_triton(q, k_mean, plan, layout)
+        k_mean, v_mean = block_means_reference(k_cache, v_cache, layout, plan.host_kv_indptr, plan.host_kv_indices)
+        return k_mean, v_mean, select_blocks(q, k_mean, layout, plan.sm_scale)
 
     def run(
         self,

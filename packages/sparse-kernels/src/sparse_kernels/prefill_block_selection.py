@@ -73,8 +73,7 @@ class TileLayout:
     ``first_k`` / ``last_k`` the blocks of its first / last query, ``active`` how many blocks are scored
     (0: a dense tile), ``mean_end`` blocks below it that are dropped enter the mean correction (0: none).
     Per request (host): ``qo_starts``, ``qo_lens``, ``kv_lens``, ``num_blocks``, ``tile_starts`` (``[B + 1]``)
-    and ``sparse`` (whether its tiles are scored). ``slots``: int64 ``[B, max_blocks, k_block_n]`` pool
-    slot of each key of each block (-1 past the end), on the device, for the block means.
+    and ``sparse`` (whether its tiles are scored).
     """
 
     params: BlockSparseParams
@@ -93,7 +92,6 @@ class TileLayout:
     num_blocks: tuple[int, ...]
     tile_starts: tuple[int, ...]
     sparse: tuple[bool, ...]
-    slots: torch.Tensor
 
     @property
     def num_tiles(self) -> int:
@@ -125,17 +123,15 @@ class BlockLists:
 def tile_layout(
     qo_indptr: torch.Tensor,
     kv_lens: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
     *,
     params: BlockSparseParams,
     num_qo_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    block_size: int,
     device: torch.device,
 ) -> TileLayout:
-    """Cut a step (host CSR, as ``BatchPrefillWithPagedKVCache.plan`` takes) into tiles; see the module doc."""
+    """Cut a step (host ``qo_indptr`` and KV lengths) into tiles; see the module doc. Host work is a few
+    vector ops over the tiles and one copy to the device."""
     from sparse_kernels._backend import host_to_device
 
     p, group = params, num_qo_heads // num_kv_heads
@@ -163,44 +159,36 @@ def tile_layout(
         group,
         num_kv_heads,
         head_dim,
-        *(host_to_device(t, device) for t in per_tile),
+        *host_to_device(torch.stack(per_tile), device).unbind(0),
         qo_starts=tuple(qo_starts),
         qo_lens=tuple(qo_lens),
         kv_lens=tuple(kv),
         num_blocks=tuple(num_blocks),
         tile_starts=tuple(tile_starts),
         sparse=tuple(sparse),
-        slots=host_to_device(_block_slots(kv, kv_indptr, kv_indices, block_size, p.k_block_n, sparse), device),
     )
 
 
-def _block_slots(kv_lens, kv_indptr, kv_indices, block_size: int, k_block_n: int, sparse) -> torch.Tensor:
-    """int64 ``[B, max_blocks, k_block_n]`` pool slot of every key (-1 past the end and for dense requests)."""
-    max_blocks = max(-(-n // k_block_n) for n in kv_lens)
-    slots = torch.full((len(kv_lens), max_blocks * k_block_n), -1, dtype=torch.int64)
-    for b, n in enumerate(kv_lens):
-        if sparse[b]:
-            pos = torch.arange(n)
-            blocks = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].to(torch.int64)
-            slots[b, :n] = blocks[pos // block_size] * block_size + pos % block_size
-    return slots.view(len(kv_lens), max_blocks, k_block_n)
-
-
 def block_means_reference(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, layout: TileLayout
+    k_cache: torch.Tensor, v_cache: torch.Tensor, layout: TileLayout, kv_indptr: torch.Tensor, kv_indices: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 ``[B, max_blocks, num_kv_heads, head_dim]`` mean key and value of every block of every
-    sparse request (zeros elsewhere): each block's mean over its tokens (the last block's may be fewer)."""
-    flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-    flat_v = v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
-    valid = layout.slots >= 0  # [B, nb, n]
-    idx = layout.slots.clamp(min=0)
-    count = valid.sum(-1).clamp(min=1)[..., None, None].float()
-    means = []
-    for flat in (flat_k, flat_v):
-        x = torch.where(valid[..., None, None], flat[idx].float(), 0.0)  # [B, nb, n, Hkv, D]
-        means.append(x.sum(2) / count)
-    return means[0], means[1]
+    sparse request (zeros elsewhere): each block's mean over its tokens (the last block's may be fewer).
+    ``kv_indptr`` / ``kv_indices``: the step's host CSR."""
+    _, block_size, hkv, dim = k_cache.shape
+    k_block_n, batch = layout.params.k_block_n, len(layout.kv_lens)
+    k_mean = torch.zeros(batch, layout.max_blocks, hkv, dim, device=k_cache.device)
+    v_mean = torch.zeros_like(k_mean)
+    for b, n in enumerate(layout.kv_lens):
+        if layout.sparse[b]:
+            pos = torch.arange(n)
+            blocks = kv_indices[int(kv_indptr[b]) : int(kv_indptr[b + 1])].long()
+            slots = (blocks[pos // block_size] * block_size + pos % block_size).to(k_cache.device)
+            block = (pos // k_block_n).to(k_cache.device)
+            count = torch.bincount(block, minlength=layout.max_blocks).clamp(min=1)[:, None, None].float()
+            for mean, cache in ((k_mean, k_cache), (v_mean, v_cache)):
+                mean[b].index_add_(0, block, cache.view(-1, hkv, dim)[slots].float()).div_(count)
+    return k_mean, v_mean
 
 
 def select_blocks(q: torch.Tensor, k_mean: torch.Tensor, layout: TileLayout, sm_scale: float) -> BlockLists:

@@ -1,32 +1,22 @@
-"""Triton block-sparse prefill over paged KV (FlashPrefill's attention) and the block means it scores.
+"""Triton block-sparse prefill over paged KV (FlashPrefill's attention).
 
-Attention grid ``(num_tiles, num_kv_heads)``: one program per query tile of ``K_BLOCK_M`` packed rows
-(every query head of the KV head's group, position major), so each K/V tile loaded serves the whole
-group. It reads only the tile's kept key blocks (ascending ids, each ``K_BLOCK_N`` keys gathered page
-by page in steps of ``BLOCK_N``), online softmax, causal mask aligned to each KV end; with mean
-correction it then folds in each dropped block as one pooled key/value whose logit carries
-``log2(block length)`` (the block's tokens, all equal to the mean).
+Grid ``(num_tiles, num_kv_heads)``: one program per query tile of ``K_BLOCK_M`` packed rows (every
+query head of the KV head's group, position major), so each K/V tile loaded serves the whole group.
+The kept blocks every row sees whole come first in the tile's ascending list: they are read in
+``BLOCK_N``-key steps by the dense prefill kernel's own unmasked tile step (``_attend_tile``; the list
+entry and the page ids are the only indirection), then the diagonal, the keys from the first block
+some row does not see whole up to the tile's last query, in masked steps as the dense kernel does
+(every block there is kept: the local window covers it). With mean correction the dropped blocks
+then enter as one pooled key/value each, whose logit carries ``log2(block length)``.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, dot_args
-
-
-@triton.jit
-def _online_update(s, v, m_i, l_i, acc, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """One online-softmax step over logits ``s`` [M, N] (log2 units) and values ``v`` [N, D]."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays empty
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-    return m_new, l_i, acc
+from sparse_kernels._triton.prefill import _attend_tile
 
 
 def _block_sparse_prefill_kernel(
@@ -81,33 +71,42 @@ def _block_sparse_prefill_kernel(
     mask_m = packed < qo_len * GROUP
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q_rows = (qo_lo + pos).to(tl.int64)
+    rows = (qo_lo + pos).to(tl.int64)
     q = tl.load(
-        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=mask_m[:, None] & mask_d[None, :],
         other=0.0,
     ).to(DOT_DTYPE)  # [K_BLOCK_M, BLOCK_D]
     q_pos = kv_len - qo_len + pos  # padded rows sit past the end: they see every key, harmlessly
+    first_pos = kv_len - qo_len + row0 // GROUP
+    hi = tl.minimum(kv_len, kv_len - qo_len + (row0 + K_BLOCK_M - 1) // GROUP + 1)
+    diag = (first_pos + 1) // K_BLOCK_N  # blocks from here on are not seen whole by every row
+    last_k = (hi - 1) // K_BLOCK_N
+    kv_head_off = h * HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    STEPS: tl.constexpr = K_BLOCK_N // BLOCK_N
 
     m_i = tl.full([K_BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([K_BLOCK_M], tl.float32)
     acc = tl.zeros([K_BLOCK_M, BLOCK_D], tl.float32)
     lists = (h * num_tiles + tile).to(tl.int64)
-    n_keep = tl.load(keep_counts_ptr + lists)
-    for i in range(0, n_keep):
-        j = tl.load(keep_ids_ptr + lists * max_blocks + i)
-        for sub in range(0, K_BLOCK_N, BLOCK_N):
-            offs_n = j * K_BLOCK_N + sub + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < kv_len
-            page = tl.load(kv_indices_ptr + page_lo + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-            slot = page.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE
-            kv_row = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM
-            k = tl.load(k_ptr + kv_row[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2  # [K_BLOCK_M, BLOCK_N]
-            s = tl.where(mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None]), s, float("-inf"))
-            v = tl.load(v_ptr + kv_row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, DOT_DTYPE, PRECISION)
+    ids = keep_ids_ptr + lists * max_blocks
+    n_full = tl.load(keep_counts_ptr + lists) - (last_k - diag + 1)  # the list ends with diag..last_k
+    for step in range(0, n_full * STEPS):
+        start = tl.load(ids + step // STEPS) * K_BLOCK_N + (step % STEPS) * BLOCK_N
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, q_pos, hi, k_ptr, v_ptr, kv_indices_ptr, page_lo, kv_head_off, offs_d,
+            mask_d, scale_log2, 0, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, EVEN_D, True, False,
+            DOT_DTYPE, PRECISION,
+        )  # fmt: skip
+    for start in range(diag * K_BLOCK_N, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, start, q_pos, hi, k_ptr, v_ptr, kv_indices_ptr, page_lo, kv_head_off, offs_d,
+            mask_d, scale_log2, 0, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, EVEN_D, True, False,
+            DOT_DTYPE, PRECISION,
+        )  # fmt: skip
     if MEAN_CORRECTION:
+        # Every row has seen a key by now (the diagonal), so its running max is finite.
         n_mean = tl.load(mean_counts_ptr + lists)
         for c in range(0, n_mean, BLOCK_C):
             offs_c = c + tl.arange(0, BLOCK_C)
@@ -119,80 +118,24 @@ def _block_sparse_prefill_kernel(
             length = tl.minimum(kv_len - j * K_BLOCK_N, K_BLOCK_N).to(tl.float32)
             s = tl.where(mask_c[None, :], s + tl.log2(length)[None, :], float("-inf"))
             vm = tl.load(v_mean_ptr + mean_row[:, None] + offs_d[None, :], mask=mask_c[:, None] & mask_d[None, :])
-            m_i, l_i, acc = _online_update(s, vm, m_i, l_i, acc, DOT_DTYPE, PRECISION)
-    o_rows = (qo_lo + pos).to(tl.int64)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), vm.to(DOT_DTYPE), input_precision=PRECISION)
+            m_i = m_new
     tl.store(
-        out_ptr + o_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_d[None, :],
     )
 
 
-def _block_mean_kernel(
-    k_ptr,
-    v_ptr,
-    slots_ptr,
-    k_mean_ptr,
-    v_mean_ptr,
-    max_blocks,
-    NUM_KV_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    K_BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Grid ``(max_blocks, B, NUM_KV_HEADS)``: mean key and value of one block, float32 (0 if empty)."""
-    j = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    k_sum = tl.zeros([BLOCK_D], tl.float32)
-    v_sum = tl.zeros([BLOCK_D], tl.float32)
-    count = tl.zeros([ROWS], tl.float32)
-    base = (b.to(tl.int64) * max_blocks + j) * K_BLOCK_N
-    for r in range(0, K_BLOCK_N, ROWS):
-        slot = tl.load(slots_ptr + base + r + tl.arange(0, ROWS))
-        valid = slot >= 0
-        row = slot * (NUM_KV_HEADS * HEAD_DIM) + h * HEAD_DIM
-        mask = valid[:, None] & mask_d[None, :]
-        k_sum += tl.sum(tl.load(k_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32), 0)
-        v_sum += tl.sum(tl.load(v_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32), 0)
-        count += valid.to(tl.float32)
-    n = tl.maximum(tl.sum(count, 0), 1.0)
-    out = ((b.to(tl.int64) * max_blocks + j) * NUM_KV_HEADS + h) * HEAD_DIM + offs_d
-    tl.store(k_mean_ptr + out, k_sum / n, mask=mask_d)
-    tl.store(v_mean_ptr + out, v_sum / n, mask=mask_d)
-
-
 block_sparse_prefill_kernel = Kernel(_block_sparse_prefill_kernel)
-block_mean_kernel = Kernel(_block_mean_kernel)
 
-# Inner tiles; K_BLOCK_M (the selection's query tile) is the program's row count.
-BLOCK_SPARSE_PREFILL_CONFIG = {"BLOCK_N": 64, "BLOCK_C": 32, "num_warps": 8, "num_stages": 2}
-
-
-def block_means_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
-    """float32 ``[B, max_blocks, Hkv, D]`` mean keys and values of the blocks ``slots`` lists (see the layout)."""
-    batch, max_blocks, k_block_n = slots.shape
-    _, _, num_kv_heads, head_dim = k_cache.shape
-    k_mean = torch.empty(batch, max_blocks, num_kv_heads, head_dim, dtype=torch.float32, device=k_cache.device)
-    v_mean = torch.empty_like(k_mean)
-    block_mean_kernel[(max_blocks, batch, num_kv_heads)](
-        k_cache,
-        v_cache,
-        slots,
-        k_mean,
-        v_mean,
-        max_blocks,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        K_BLOCK_N=k_block_n,
-        ROWS=min(16, k_block_n),
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        num_warps=4,
-    )
-    return k_mean, v_mean
+# Inner tiles (the dense prefill kernel's best on the H200); K_BLOCK_M, the selection's query tile, is
+# the program's row count.
+BLOCK_SPARSE_PREFILL_CONFIG = {"BLOCK_N": 64, "BLOCK_C": 32, "num_warps": 4, "num_stages": 3}
 
 
 def run_block_sparse_prefill_triton(plan, layout, lists, q, k_cache, v_cache, k_mean, v_mean, out):
