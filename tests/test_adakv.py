@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_method_oracles import PROMPT_LEN, _dense_keys, _positions, _prompt
+from transformers import DynamicCache
 
 from sparse_methods import ModelShape, build_method
 from sparse_methods.methods.adakv import adaptive_keep
@@ -22,9 +23,13 @@ def _kvpress_adakv_kept(model, prompt, ratio, window, alpha) -> list[list[set[in
 
     press = AdaKVPress(SnapKVPress(compression_ratio=ratio, window_size=window, kernel_size=5), alpha_safeguard=alpha)
     with torch.no_grad(), press(model):
-        model(torch.tensor([prompt]), past_key_values=__import__("transformers").DynamicCache())
+        model(torch.tensor([prompt]), past_key_values=DynamicCache())
+    return masked_kept(model, len(prompt))
+
+
+def masked_kept(model, n: int) -> list[list[set[int]]]:
+    """Per (layer, KV head) the prompt tokens a kvpress masking press left unmasked (it clears the masks)."""
     kept = []
-    n = len(prompt)
     for layer in model.model.layers:
         _, heads, seqs = layer.self_attn.masked_key_indices
         sets = [set(range(n)) for _ in range(model.config.num_key_value_heads)]
@@ -37,7 +42,13 @@ def _kvpress_adakv_kept(model, prompt, ratio, window, alpha) -> list[list[set[in
 
 def _llm(path, **params) -> LLM:
     return LLM(
-        str(path), device="cpu", dtype="float32", block_size=16, max_num_batched_tokens=4096, sparse_method="adakv", **params
+        str(path),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_num_batched_tokens=4096,
+        sparse_method="adakv",
+        **params,
     )
 
 
@@ -46,6 +57,13 @@ def _engine_kept(llm, model, prompt) -> list[list[set[int]]]:
     engine = llm.engine
     rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0))
     engine.step()
+    kept = head_kept(engine, rid, model, prompt)
+    engine.abort_request(rid)
+    return kept
+
+
+def head_kept(engine, rid, model, prompt) -> list[list[set[int]]]:
+    """Per (layer, KV head) the prompt tokens the head attends to in the engine (fillers left out)."""
     req = engine.scheduler.running[0]
     table = engine.kv.table(rid)
     dense = _dense_keys(model, prompt)
@@ -53,9 +71,9 @@ def _engine_kept(llm, model, prompt) -> list[list[set[int]]]:
     for layer, kv_len in enumerate(req.kv_lens):
         slots = table_slots(table.block_ids, kv_len, engine.config.block_size)
         keys = engine.runner.kv.k[layer].view(-1, *engine.runner.kv.k[layer].shape[2:])[slots]
-        own = engine.method.head_slots(rid, layer, kv_len) or [torch.arange(kv_len)] * keys.shape[1]
+        own = engine.method.masks.head_slots(rid, layer, kv_len) or [torch.arange(kv_len)] * keys.shape[1]
         kept.append([_positions(keys[own[h], h], dense[layer][h]) for h in range(keys.shape[1])])
-    engine.abort_request(rid)
+    assert len(table.block_ids) == -(-max(req.kv_lens) // engine.config.block_size)  # blocks given back
     return kept
 
 

@@ -7,6 +7,9 @@ frozen records, never engine objects, so another engine can host the same classe
 1. ``prepare_step(step)`` once per forward step, with every scheduled request's ``RequestStep``.
 2. per layer, after the layer's attention: for each request id in ``attention_requests(layer)``,
    ``on_attention_end(layer, request, view)`` with the request's new queries and its keys.
+   A method may ask for extra forward passes over a request's KV once its prompt is processed
+   (``replay_passes``, e.g. KVzip's context reconstruction): the engine runs them as ordinary
+   steps whose ``RequestStep.replay`` is set, keeps none of their KV and samples nothing.
 3. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per
    layer and KV head); the engine gathers the kept slots to the front of each layer and frees
    whole blocks that no layer uses any more.
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -131,6 +134,9 @@ class RequestStep:
     num_new_tokens: int
     prompt_len: int
     kv_lens: tuple[int, ...]
+    replay: int | None = None
+    """Index of the method's replay pass (``replay_passes``) this step runs for the request, or None:
+    the step processes the request's own tokens."""
 
     @property
     def end(self) -> int:
@@ -138,12 +144,26 @@ class RequestStep:
 
     @property
     def is_decode(self) -> bool:
-        return self.start >= self.prompt_len
+        return self.start >= self.prompt_len and self.replay is None
 
     @property
     def ends_prefill(self) -> bool:
         """This step processes the prompt's last token."""
         return self.start < self.prompt_len <= self.end
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayPass:
+    """An extra forward pass a method asks for once a request's prompt is processed (``replay_passes``).
+
+    ``parts``: text (tokenized by the engine, without special tokens) and token-id tuples, joined in
+    order. The engine runs the tokens as one chunk at the positions after the request's processed
+    tokens, attending to the request's KV and causally to themselves; their K/V are dropped after the
+    pass and nothing is sampled. The method observes the pass like any step (``attention_requests``,
+    ``on_attention_end`` with ``RequestStep.replay`` set) and may compact in ``finish_step``.
+    """
+
+    parts: tuple[str | tuple[int, ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +305,11 @@ class SparseMethod(ABC):
     """Runs on models with sliding-window layers (Gemma 3, Mistral / Qwen2 with a window): the engine
     attends densely over those layers' windows and the method acts on the full-attention layers only
     (it must not select, observe or evict in a windowed layer)."""
+    supports_tensor_parallel: ClassVar[bool] = False
+    """Runs with the heads split over ranks: each rank's instance sees its KV heads and the query
+    heads of their groups (``ModelShape``; the engine gathers a replicated KV head's group), so what
+    it selects or evicts per KV head is the same on every rank that holds that head. A method whose
+    decision spans KV heads (a selection shared by all of them) needs a reduction over ranks first."""
     Config: ClassVar[type[MethodConfig]]
     prefill_attention: PrefillAttention | None = None
     """How prefill chunks attend when a prefill attention method is chosen (``build_method`` sets it);
@@ -384,6 +409,11 @@ class SparseMethod(ABC):
         choice ``decode_selection`` makes, made on the device without host sync. Entries past a
         row's length (padding rows of a CUDA graph) are allowed and read the row's last entry."""
         raise NotImplementedError(f"{self.name} has no batched selection")
+
+    def replay_passes(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> tuple[ReplayPass, ...]:
+        """Extra passes to run for a request once its prompt is processed, in order, before its first
+        decode (asked once per prefill; its first output token is sampled from the prompt as usual)."""
+        return ()
 
     def finish_step(self) -> Mapping[Hashable, Compaction]:
         """Evictions decided this step, by request id (applied before the next step)."""

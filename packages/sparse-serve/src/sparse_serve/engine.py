@@ -406,16 +406,49 @@ class LLMEngine:
 
     def _advance(self, req: Request, n: int, compactions: dict) -> None:
         """Account for the step's ``n`` computed tokens: KV lengths, compaction, prefix-cache blocks."""
+        if req.replaying:  # a replay pass: its KV is dropped, the request's own tokens are unchanged
+            req.num_replays_done += 1
+            self._apply_compaction(req, compactions)
+            if self.kv.has_request(req.request_id):
+                self.kv.shrink(req.request_id, req.kv_len)
+            return
+        ends_prompt = req.num_computed_tokens < req.prefill_len <= req.num_computed_tokens + n
         req.num_computed_tokens += n
         req.kv_lens = [kv_len + n for kv_len in req.kv_lens]
+        self._apply_compaction(req, compactions)
+        if self.kv.has_request(req.request_id):
+            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            if ends_prompt:
+                self._plan_replays(req)
+
+    def _apply_compaction(self, req: Request, compactions: dict) -> None:
         compaction = compactions.get(req.request_id)
         if compaction is not None and not self._compact(req, compaction):
             # No blocks to copy a fork's shared blocks into: recompute this one later instead.
             self.scheduler.preempt(req)
             self.method.release(req.request_id)
             self.runner.release(req.request_id)
-        if self.kv.has_request(req.request_id):
-            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+
+    def _plan_replays(self, req: Request) -> None:
+        """Ask the method for its replay passes of the prompt just processed, as token ids."""
+        passes = self.method.replay_passes(req.request_id, req.token_ids[: req.prefill_len])
+        planned = []
+        for p in passes:
+            ids: list[int] = []
+            for part in p.parts:
+                if isinstance(part, str):
+                    if self.tokenizer is None:
+                        raise ValueError(f"{self.method.name}'s replay passes need a tokenizer; this model has none")
+                    ids += self.tokenizer.encode(part, add_special_tokens=False)
+                else:
+                    ids += part
+            if not 2 <= len(ids) <= self.config.max_num_batched_tokens:
+                raise ValueError(
+                    f"a replay pass of {len(ids)} tokens must have 2 to max_num_batched_tokens "
+                    f"({self.config.max_num_batched_tokens}) tokens"
+                )
+            planned.append(tuple(ids))
+        req.replay_passes, req.num_replays_done = tuple(planned), 0
 
     def _emit(self, req: Request, sampled: dict, outputs: list[RequestOutput], fill: bool = False) -> None:
         entry = sampled.get(req.request_id)

@@ -52,6 +52,10 @@ class Request:
     # (None: not asked for; entry 0 is always None, nothing precedes the first token).
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list | None = None
+    # The method's replay passes (token ids) for this admission's prompt, and how many have run:
+    # they run, one per step, after the prompt and before the first decode (``SparseMethod.replay_passes``).
+    replay_passes: tuple[tuple[int, ...], ...] = ()
+    num_replays_done: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
@@ -73,6 +77,15 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    @property
+    def replaying(self) -> bool:
+        """The request's next step runs a replay pass instead of its own tokens."""
+        return self.num_replays_done < len(self.replay_passes)
+
+    @property
+    def next_replay(self) -> tuple[int, ...]:
+        return self.replay_passes[self.num_replays_done]
 
     @property
     def kv_len(self) -> int:

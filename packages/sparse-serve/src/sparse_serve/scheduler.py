@@ -93,7 +93,7 @@ class Scheduler:
         running; a pipelined engine passes those whose in-flight token ends them by length)."""
         if self.hold_decodes and self._prefilling():
             order = {req: i for i, req in enumerate(self.running)}
-            decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_len]
+            decoding = [r for r in self.running if r.num_computed_tokens >= r.prefill_len and not r.replaying]
             batch = self._schedule({*exclude, *decoding})
             self.running.sort(key=lambda r: order.get(r, len(order)))  # held ones keep their arrival order
             if batch or not decoding:
@@ -103,7 +103,7 @@ class Scheduler:
         return self._schedule(exclude)
 
     def _prefilling(self) -> bool:
-        return bool(self.waiting) or any(r.num_computed_tokens < r.prefill_len for r in self.running)
+        return bool(self.waiting) or any(r.num_computed_tokens < r.prefill_len or r.replaying for r in self.running)
 
     def _schedule(self, exclude: Collection[Request]) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
@@ -112,9 +112,15 @@ class Scheduler:
         scheduled_running: list[Request] = []
         held = [r for r in self.running if r in exclude] if exclude else []
         queue = deque(r for r in self.running if r not in exclude) if exclude else deque(self.running)
+        deferred: list[Request] = []  # replay passes larger than what is left of the budget
         while queue and budget > 0:
             req = queue.popleft()
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.replaying:  # a replay pass runs whole, in one step
+                n = len(req.next_replay)
+                if n > budget:
+                    deferred.append(req)
+                    continue
             while self.kv.allocate(req.request_id, req.kv_len + n, write_from=min(req.kv_lens)) is None:
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
@@ -125,7 +131,7 @@ class Scheduler:
                 items.append((req, n))
                 scheduled_running.append(req)
                 budget -= n
-        self.running = scheduled_running + list(queue) + held
+        self.running = scheduled_running + list(queue) + deferred + held
         if not preempted:
             budget = self._admit_waiting(items, budget)
         if not items and not self.running and self.waiting:
@@ -223,6 +229,7 @@ class Scheduler:
         """Free a request's blocks: it recomputes its tokens from the start when (re)admitted."""
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.replay_passes, req.num_replays_done = (), 0  # asked again when its prompt is recomputed
         req.resumed = False
         req.reset_kv(0)
         req.num_preemptions += 1

@@ -159,17 +159,18 @@ def build_step_metadata(
     for req, n in batch.items:
         start = req.num_computed_tokens
         row_starts.append(len(input_ids))
-        input_ids += req.token_ids[start : start + n]
+        replay = req.num_replays_done if req.replaying else None  # a replay pass: its tokens, nothing sampled
+        input_ids += req.token_ids[start : start + n] if replay is None else req.next_replay
         positions += range(start, start + n)
         table = table_of(req.request_id)
         tables.append(table)
         block_ids.append(array("i", table.block_ids) if block_ids_of is None else block_ids_of(req.request_id))
-        steps.append(RequestStep(req.request_id, start, n, req.prefill_len, tuple(req.kv_lens)))
+        steps.append(RequestStep(req.request_id, start, n, req.prefill_len, tuple(req.kv_lens), replay))
         if n == 1:
             if num_decode != len(steps) - 1:
                 raise ValueError("single-token items must come before prefill chunks")
             num_decode += 1
-        if start + n == req.num_tokens:
+        if replay is None and start + n == req.num_tokens:
             logits_indices.append(len(input_ids) - 1)
             sampled.append(req)
     num_layers = len(batch.items[0][0].kv_lens) if batch.items else 1

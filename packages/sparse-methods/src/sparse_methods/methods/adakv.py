@@ -11,7 +11,7 @@ recent_keep_tokens=observation_window_size=64, score_kernel_size=5, score_poolin
 Memory: today's store gives every KV head of a layer the same slots, so a compacted layer holds
 ``max_h(n_h) x H`` slots, not ``sum_h n_h``. A head with fewer tokens than the largest one keeps its
 own tokens plus filler slots (its next-best tokens) that it never attends to: decode reads each head's
-own tokens only (per-head slot lists through ``decode_selection``). The memory plan reserves the
+own tokens only (``head_masks``: per-head slot lists through ``decode_selection``). The memory plan reserves the
 largest ``max_h(n_h)`` the budgets allow (one head takes everything the safeguard leaves), so
 admission holds whatever the scores turn out to be. A chain's next turn prefills over every slot
 (fillers included): prefill selections are shared by all KV heads.
@@ -25,6 +25,7 @@ import torch
 from pydantic import Field
 
 from sparse_methods.base import Compaction, DecodeView, MemoryPlan, RequestStep, Selection
+from sparse_methods.head_masks import HeadMasks, ragged_keep
 from sparse_methods.methods.snapkv import SnapKV, SnapKVConfig
 from sparse_methods.registry import register
 
@@ -63,11 +64,7 @@ def adaptive_keep(
     order = torch.sort(full.flatten(), descending=True, stable=True).indices[: num_heads * min(budget, kv_len)]
     kept = torch.zeros(num_heads * kv_len, dtype=torch.bool, device=scores.device)
     kept[order] = True
-    kept = kept.view(num_heads, kv_len)
-    n_max = int(kept.sum(1).max())
-    rank = torch.where(kept, torch.full_like(full, float("inf")), full)  # own tokens first, then fillers
-    keep = torch.sort(torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :n_max], dim=1).values
-    return keep, torch.gather(kept, 1, keep)
+    return ragged_keep(kept.view(num_heads, kv_len), full)
 
 
 @register
@@ -78,7 +75,7 @@ class AdaKV(SnapKV):
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
-        self._valid: dict[Hashable, list[torch.Tensor | None]] = {}  # request -> per layer [H, n] own slots
+        self.masks = HeadMasks(shape.num_layers)
         self._pending_valid: dict[Hashable, list[torch.Tensor | None]] = {}
         self._chosen: torch.Tensor | None = None
 
@@ -109,47 +106,29 @@ class AdaKV(SnapKV):
 
     def finish_step(self) -> Mapping[Hashable, Compaction]:
         for rid, layers in self._pending_valid.items():
-            mine = self._valid.setdefault(rid, self._layers())
             for layer, valid in enumerate(layers):
                 if valid is not None:
-                    mine[layer] = None if bool(valid.all()) else valid
+                    self.masks.set(rid, layer, valid)
         self._pending_valid = {}
         return super().finish_step()
 
-    def head_slots(self, request_id: Hashable, layer: int, kv_len: int) -> list[torch.Tensor] | None:
-        """Per KV head, the slots ``0 .. kv_len-1`` it attends to (its own kept ones, then every slot
-        after the compaction), or None when every head attends to every slot."""
-        valid = self._valid.get(request_id, [None] * (layer + 1))[layer]
-        if valid is None:
-            return None
-        n = valid.shape[1]
-        after = torch.arange(n, kv_len, device=valid.device)
-        return [torch.cat([row.nonzero().flatten(), after]) for row in valid]
-
     # -- decode: each head reads its own slots -------------------------------------------------------
     def selects_decode(self, layer: int) -> bool:
-        return any(v[layer] is not None for v in self._valid.values())
+        return self.masks.any(layer)
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        rows = self.head_slots(request.request_id, layer, view.kv_len)
-        if rows is None:
-            return None
-        width = max(r.numel() for r in rows)
-        padded = torch.full((len(rows), width), -1, dtype=torch.int64)
-        for h, row in enumerate(rows):
-            padded[h, width - row.numel() :] = row.cpu()
-        return Selection(padded, page_size=1)
+        return self.masks.selection(request.request_id, layer, view.kv_len)
 
     # -- request events and chains -------------------------------------------------------------------
     def release(self, request_id: Hashable) -> None:
         super().release(request_id)
-        self._valid.pop(request_id, None)
+        self.masks.pop(request_id)
 
     def save_state(self, request_id: Hashable) -> object | None:
-        return (super().save_state(request_id), list(self._valid.get(request_id, self._layers())))
+        return (super().save_state(request_id), self.masks.snapshot(request_id))
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
         if state is not None:
             base, valid = state
             super().restore_state(request_id, base)
-            self._valid[request_id] = list(valid)
+            self.masks.restore(request_id, valid)

@@ -21,7 +21,7 @@ from sparse_serve.sampling_params import SamplingParams
 
 def prefill_done(engine: LLMEngine) -> bool:
     sched = engine.scheduler
-    return not sched.waiting and all(r.num_computed_tokens >= r.prefill_len for r in sched.running)
+    return not sched.waiting and all(r.num_computed_tokens >= r.prefill_len and not r.replaying for r in sched.running)
 
 
 def synchronize(device: torch.device) -> None:

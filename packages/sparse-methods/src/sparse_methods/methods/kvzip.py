@@ -1,0 +1,214 @@
+"""KVzip: query-agnostic eviction by context reconstruction. Once the prompt is processed, the engine
+runs replay passes (``replay_passes``): per chunk of ``kvzip_score_chunk_size`` prompt tokens, a
+"repeat the context" instruction, the last ``kvzip_prev_postfix_size`` tokens of the previous chunk
+(from the second chunk on), a newline and the chunk itself, teacher-forced against the request's KV.
+A cached token's score is the most attention any replay query of its chunk pays it (max over the
+queries and the KV group's heads, softmax over the sinks, the chunk and the replay's own tokens).
+The ``L x H x layers`` scores are ranked together (``kvzip_layerwise``: per layer) and the best
+``kvzip_token_budget`` per (layer, KV head) on average are kept; the first ``sink_keep_tokens``
+always. Kept counts differ per layer and per KV head: a layer holds its largest head's count for
+every head (fillers that decode never reads, ``head_masks``).
+
+Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"
+(arXiv:2505.23416). kvpress's KVzipPress(compression_ratio=r, n_sink=4, chunk_size=2048) is
+``kvzip_token_budget = L - int(L x H x layers x r) / (H x layers)`` with ``kvzip_prev_postfix_size=8``
+on a model without a chat template (kvpress then ends the instruction with "\\n"; with a chat template
+it uses the template's turn markers, which this method does not). SE's names and defaults
+(``kvzip_token_budget=4096``, ``kvzip_score_chunk_size=2048``, ``kvzip_prev_postfix_size=64``); SE
+keeps one token set shared by every layer and head, which is not offered here.
+
+Cost: the replays process about the prompt again (each chunk plus ~20 instruction tokens), so
+prefill costs ~2x; the memory plan holds the prompt plus the longest replay while scoring. A request
+resuming a chain (its KV already compacted) is not replayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Mapping, Sequence
+
+import torch
+from pydantic import Field
+
+from sparse_methods.base import (
+    Category,
+    Compaction,
+    DecodeView,
+    LayerAttention,
+    MemoryPlan,
+    MethodConfig,
+    PrefixCacheMode,
+    ReplayPass,
+    RequestStep,
+    Selection,
+    SparseMethod,
+    StepContext,
+)
+from sparse_methods.head_masks import HeadMasks, ragged_keep
+from sparse_methods.registry import register
+
+FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
+NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
+INSTRUCTION_END = "\n"
+MAX_INSTRUCTION_TOKENS = 64  # room the memory plan leaves for the instruction of one replay
+
+
+class KVzipConfig(MethodConfig):
+    kvzip_token_budget: int = Field(4096, ge=1, description="Prompt tokens kept per layer and KV head on average.")
+    kvzip_score_chunk_size: int = Field(2048, ge=1, description="Prompt tokens reconstructed per replay pass.")
+    kvzip_prev_postfix_size: int = Field(
+        64, ge=0, description="Tokens of the previous chunk a replay starts from (its hint)."
+    )
+    kvzip_layerwise: bool = Field(False, description="Rank each layer on its own (else all layers together).")
+    sink_keep_tokens: int = Field(4, ge=0, description="Leading tokens always kept, in tokens.")
+
+
+def replay_scores(
+    queries: torch.Tensor, keys: torch.Tensor, scale: float, *, start: int, end: int, sink: int
+) -> torch.Tensor:
+    """``[num_kv_heads, end - start]``: the most attention a replay pays each token of chunk ``[start, end)``.
+
+    ``queries`` ``[n, Hq, D]`` are the replay's; ``keys`` ``[L + n, Hkv, D]`` the context then the
+    replay's own. Softmax over the first ``min(sink, start)`` keys, the chunk and the replay (causal),
+    max over the replay queries and each KV group's heads."""
+    n, num_q_heads, d = queries.shape
+    num_kv_heads = keys.shape[1]
+    g = num_q_heads // num_kv_heads
+    sink = min(sink, start)
+    picked = torch.cat([keys[:sink], keys[start:end], keys[keys.shape[0] - n :]]).float()  # [m, Hkv, D]
+    q = queries.float().view(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
+    logits = torch.matmul(q, picked.permute(1, 2, 0).unsqueeze(1)) * scale  # [Hkv, g, n, m]
+    own = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)  # later replay tokens
+    logits[..., picked.shape[0] - n :].masked_fill_(own, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)[..., sink : sink + end - start]
+    return probs.amax(dim=(1, 2))
+
+
+class _Replay:
+    """One request's reconstruction: chunk bounds and the scores gathered so far."""
+
+    def __init__(self, chunks: list[tuple[int, int]], num_layers: int) -> None:
+        self.chunks = chunks
+        self.scores: list[torch.Tensor | None] = [None] * num_layers  # [Hkv, L] each
+        self.done = 0
+
+
+@register
+class KVzip(SparseMethod):
+    name = "kvzip"
+    category = Category.PHYSICAL_EVICTION
+    prefix_cache_mode = PrefixCacheMode.CHAIN
+    Config = KVzipConfig
+
+    def __init__(self, config, shape) -> None:
+        super().__init__(config, shape)
+        self.masks = HeadMasks(shape.num_layers)
+        self._replays: dict[Hashable, _Replay] = {}
+        self._fresh: set[Hashable] = set()  # requests whose prompt KV is untouched (slot = position)
+        self._step: dict[Hashable, int] = {}  # request -> replay pass index, this step
+
+    def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
+        c = self.config
+        kept = min(prompt_len, self.max_head_tokens(prompt_len))
+        replay = 0
+        if prompt_len > c.kvzip_token_budget:
+            replay = MAX_INSTRUCTION_TOKENS + c.kvzip_prev_postfix_size + min(prompt_len, c.kvzip_score_chunk_size)
+        return MemoryPlan.uniform(self.shape.num_layers, prompt_len + replay, kept, kept + max_new_tokens)
+
+    def max_head_tokens(self, prompt_len: int) -> int:
+        """Most slots one layer's head can keep: everything ranked together may go to one head."""
+        c = self.config
+        spread = self.shape.num_kv_heads * (1 if c.kvzip_layerwise else self.shape.num_layers)
+        return min(prompt_len, c.kvzip_token_budget * spread)
+
+    # -- the replay passes ---------------------------------------------------------------------------
+    def prepare_step(self, step: StepContext) -> None:
+        self._step = {}
+        for r in step.requests:
+            if r.replay is not None:
+                self._step[r.request_id] = r.replay
+            elif r.ends_prefill and r.kv_lens[0] == r.start:  # nothing compacted before: slots = positions
+                self._fresh.add(r.request_id)
+
+    def replay_passes(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> tuple[ReplayPass, ...]:
+        c = self.config
+        n = len(prompt_token_ids)
+        if request_id not in self._fresh or n <= c.kvzip_token_budget:
+            return ()
+        size = c.kvzip_score_chunk_size
+        chunks = [(s, min(s + size, n)) for s in range(0, n, size)]
+        self._replays[request_id] = _Replay(chunks, self.shape.num_layers)
+        passes = []
+        for i, (s, e) in enumerate(chunks):
+            chunk = tuple(prompt_token_ids[s:e])
+            if i == 0:
+                parts = (FIRST_INSTRUCTION, INSTRUCTION_END, chunk)
+            else:
+                hint = tuple(prompt_token_ids[max(chunks[i - 1][0], s - c.kvzip_prev_postfix_size) : s])
+                parts = (NEXT_INSTRUCTION, hint if c.kvzip_prev_postfix_size else (), INSTRUCTION_END, chunk)
+            passes.append(ReplayPass(parts))
+        return tuple(passes)
+
+    def attention_requests(self, layer: int) -> Collection[Hashable]:
+        return self._step.keys()
+
+    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
+        state = self._replays[request.request_id]
+        start, end = state.chunks[request.replay]
+        context = view.keys.shape[0] - view.queries.shape[0]
+        scores = replay_scores(
+            view.queries, view.keys, view.scale, start=start, end=end, sink=self.config.sink_keep_tokens
+        )
+        if state.scores[layer] is None:
+            state.scores[layer] = torch.zeros(self.shape.num_kv_heads, context, device=scores.device)
+        state.scores[layer][:, start:end] = scores
+
+    def finish_step(self) -> Mapping[Hashable, Compaction]:
+        out = {}
+        for rid, index in self._step.items():
+            state = self._replays[rid]
+            state.done = index + 1
+            if state.done == len(state.chunks):
+                out[rid] = self._compaction(rid, self._replays.pop(rid))
+        self._step = {}
+        return out
+
+    def _compaction(self, request_id: Hashable, state: _Replay) -> Compaction:
+        c = self.config
+        scores = torch.stack(state.scores)  # [layers, Hkv, L]
+        scores[..., : c.sink_keep_tokens] = float("inf")
+        layers, heads, length = scores.shape
+        kept = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+        if c.kvzip_layerwise:
+            per = heads * min(c.kvzip_token_budget, length)
+            order = torch.sort(scores.view(layers, -1), dim=1, descending=True, stable=True).indices[:, :per]
+            kept.view(layers, -1).scatter_(1, order, True)
+        else:
+            total = layers * heads * min(c.kvzip_token_budget, length)
+            kept[torch.sort(scores.flatten(), descending=True, stable=True).indices[:total]] = True
+        kept = kept.view(layers, heads, length)
+        keep = []
+        for layer in range(layers):
+            idx, valid = ragged_keep(kept[layer], scores[layer])
+            self.masks.set(request_id, layer, valid)
+            keep.append(idx)
+        return Compaction(tuple(keep))
+
+    # -- decode: each head reads its own slots -------------------------------------------------------
+    def selects_decode(self, layer: int) -> bool:
+        return self.masks.any(layer)
+
+    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
+        return self.masks.selection(request.request_id, layer, view.kv_len)
+
+    # -- request events and chains -------------------------------------------------------------------
+    def release(self, request_id: Hashable) -> None:
+        self.masks.pop(request_id)
+        self._replays.pop(request_id, None)
+        self._fresh.discard(request_id)
+
+    def save_state(self, request_id: Hashable) -> object | None:
+        return self.masks.snapshot(request_id)
+
+    def restore_state(self, request_id: Hashable, state: object) -> None:
+        if state is not None:
+            self.masks.restore(request_id, state)
