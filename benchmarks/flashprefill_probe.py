@@ -4,15 +4,15 @@ Qwen3-8B-shaped layer (32 query heads, 8 KV heads, head_dim 128, bf16, 16-token 
 pool), random Q/K/V. For each context length: a chunk of ``--chunk`` queries at the end of the context
 (cached prefix) and one chunk of the whole prompt. Times the dense prefill kernel and the block-sparse
 run (block means + selection + kernel, and each part alone) at each threshold, with the fraction of
-causally visible key blocks kept (and mean-corrected); threshold 0 is also checked against dense.
-Random keys have no structure (attention is uniform: nothing is dropped), so ``--heavy-frac F`` adds
-structure: per KV head a random fraction F of the key blocks gets a shared direction that the head's
-queries share too (+``--heavy-logit`` on those keys' logits), as retrieval heads concentrate on a few
-blocks; ``--q-scale`` sharpens all scores. Optional sweep of the block-sparse kernel's tile config.
-Writes JSON to the path given.
+causally visible key blocks kept (and mean-corrected) and the output's error against dense (threshold 0
+must match it). Random keys have no structure (attention is uniform: nothing is dropped), so
+``--heavy-fracs F,..`` adds structure (one run per F; 0: plain random): per KV head a random fraction F
+of the key blocks gets a shared direction that the head's queries share too (+``--heavy-logit`` on
+those keys' logits), as retrieval heads concentrate on a few blocks; ``--q-scale`` sharpens all
+scores. Optional sweep of the block-sparse kernel's tile config. Writes JSON to the path given.
 
     python benchmarks/flashprefill_probe.py OUT.json [--contexts 32768,131072] [--chunk 2048]
-        [--thresholds 0,0.002,0.01,0.05,0.1] [--q-scale 1] [--heavy-frac 0.1] [--heavy-logit 8]
+        [--thresholds 0,0.002,0.01,0.05,0.1] [--q-scale 1] [--heavy-fracs 0,0.1] [--heavy-logit 8]
         [--configs n64w4s3,n64w8s2,n128w8s2]
 """
 
@@ -73,8 +73,8 @@ def plan_args(q_len: int, ctx: int, table: torch.Tensor) -> tuple:
     return qo_indptr, kv_indptr, table, last
 
 
-def probe(ctx: int, q_len: int, thresholds, args, configs, dev) -> list[dict]:
-    heavy, lift = structure(ctx, args.heavy_frac, args.heavy_logit, dev)
+def probe(ctx: int, q_len: int, thresholds, heavy_frac: float, args, configs, dev) -> list[dict]:
+    heavy, lift = structure(ctx, heavy_frac, args.heavy_logit, dev)
     k_cache, v_cache, table = pool(ctx, dev, heavy, lift)
     q = torch.randn(q_len, HQ, D, device=dev) * args.q_scale
     if heavy is not None:
@@ -85,9 +85,7 @@ def probe(ctx: int, q_len: int, thresholds, args, configs, dev) -> list[dict]:
     dense = BatchPrefillWithPagedKVCache(dev)
     dense.plan(*plan_in, **shape)
     dense_out = dense.run(q, k_cache, v_cache)
-    base = dict(
-        context=ctx, q_len=q_len, q_scale=args.q_scale, heavy_frac=args.heavy_frac, heavy_logit=args.heavy_logit
-    )
+    base = dict(context=ctx, q_len=q_len, q_scale=args.q_scale, heavy_frac=heavy_frac, heavy_logit=args.heavy_logit)
     base["dense_s"] = cuda_time(lambda: dense.run(q, k_cache, v_cache))
     rows, visible = [], None
     for threshold in thresholds:  # threshold 0 first: its kept blocks are every causally visible one
@@ -141,7 +139,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--thresholds", default="0,0.002,0.01,0.05,0.1")
     ap.add_argument("--q-scale", type=float, default=1.0)
-    ap.add_argument("--heavy-frac", type=float, default=0.0, help="structured keys: heavy block fraction per head")
+    ap.add_argument("--heavy-fracs", default="0", help="structured keys: heavy block fractions per head (0: random)")
     ap.add_argument("--heavy-logit", type=float, default=8.0, help="extra logit of a heavy key for aligned queries")
     ap.add_argument("--configs", default="n64w4s3,n64w8s2,n128w8s2")
     ap.add_argument("--no-long-chunk", action="store_true", help="skip the whole-prompt chunk")
@@ -152,14 +150,15 @@ def main() -> None:
     if thresholds[0] != 0:
         thresholds.insert(0, 0.0)
     configs = args.configs.split(",")
+    meta = dict(device=torch.cuda.get_device_name(), heads=[HQ, HKV, D], block_size=BS, dtype="bfloat16")
     rows = []
     for ctx in (int(c) for c in args.contexts.split(",")):
         for q_len in [args.chunk] + ([] if args.no_long_chunk else [ctx]):
-            rows += probe(ctx, q_len, thresholds, args, configs, dev)
-            torch.cuda.empty_cache()
-    meta = dict(device=torch.cuda.get_device_name(), heads=[HQ, HKV, D], block_size=BS, dtype="bfloat16")
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            for heavy_frac in (float(f) for f in args.heavy_fracs.split(",")):
+                rows += probe(ctx, q_len, thresholds, heavy_frac, args, configs, dev)
+                torch.cuda.empty_cache()
+                with open(args.out, "w") as f:  # after each probe: a run cut short keeps what it measured
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -245,3 +245,23 @@ def test_triton_equals_reference_at_8k_on_gpu(paged_batch, threshold):
     torch.testing.assert_close(out, expected, **TOL[torch.bfloat16])
     if threshold == 0:
         torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_triton_selection_matches_torch_selection_at_8k_on_gpu(paged_batch):
+    """The fused selection (tf32 scores) against the plain torch selection over the same block means: the
+    same (tile, head, block) decisions but for blocks within rounding of the threshold."""
+    from sparse_kernels.prefill_block_selection import select_blocks
+
+    batch = paged_batch([2048, 700], [8192, 3000], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=128,
+                        dtype=torch.bfloat16, seed=9).to("cuda")  # fmt: skip
+    batch.q *= 60  # peaked scores: blocks are dropped
+    wrapper = _wrapper(batch, BlockSparseParams(0.01, min_sparse_q_len=512), "cuda", "triton")
+    k_mean, _, lists = wrapper.select(batch.q, batch.k_cache, batch.v_cache)
+    expected = select_blocks(batch.q, k_mean, wrapper.layout, wrapper._plan.sm_scale)
+    got, want = _lists_as_sets(lists, wrapper.layout), _lists_as_sets(expected, wrapper.layout)
+    assert got.keys() == want.keys()
+    kept, dropped = (sum(len(entry[i]) for entry in want.values()) for i in (0, 1))
+    assert kept > 0 and dropped > 0
+    for i in (0, 1):  # kept, mean-corrected
+        assert sum(len(got[key][i] ^ want[key][i]) for key in want) <= 0.01 * kept

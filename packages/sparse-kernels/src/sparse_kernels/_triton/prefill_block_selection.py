@@ -99,6 +99,7 @@ def _select_kernel(
     WINDOW_BLOCKS: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Grid ``(num_tiles, NUM_KV_HEADS)``: the kept / mean-corrected block lists of one tile and KV head."""
     tile = tl.program_id(0)
@@ -130,7 +131,7 @@ def _select_kernel(
         km = tl.load(
             k_mean_ptr + mean_row[None, :] + offs_d[:, None], mask=mask_j[None, :] & mask_d[:, None], other=0.0
         )
-        s = tl.dot(q, km, input_precision="ieee") * scale_log2  # [K_BLOCK_M, BLOCK_J]
+        s = tl.dot(q, km, input_precision=PRECISION) * scale_log2  # [K_BLOCK_M, BLOCK_J]
         sees = mask_m[:, None] & mask_j[None, :] & (row_pos[:, None] >= offs_j[None, :] * K_BLOCK_N)
         s = tl.where(sees, s, float("-inf"))
         col = tl.max(s, 0)
@@ -168,6 +169,8 @@ def _select_kernel(
 block_mean_kernel = Kernel(_block_mean_kernel)
 select_kernel = Kernel(_select_kernel)
 
+# Scores are fp32 dots of the queries with the block means: tf32 tensor cores on the GPU (a whole 128K
+# prompt scores ~0.5 TFLOP; the means' rounding to tf32 moves a logit by ~1e-3 of itself), IEEE on CPU.
 SELECT_CONFIG = {"BLOCK_J": 64, "num_warps": 8, "num_stages": 2}
 # Columns per block-mean program (a token's K row of every head is contiguous) and rows per load.
 MEAN_CONFIG = {"BLOCK_ROW": 1024, "ROWS": 16, "num_warps": 8}
@@ -245,6 +248,7 @@ def select_blocks_triton(q: torch.Tensor, k_mean: torch.Tensor, plan, layout):
         SINK_BLOCKS=p.attention_sink_blocks,
         WINDOW_BLOCKS=p.window_blocks,
         BLOCK_D=max(16, triton.next_power_of_2(layout.head_dim)),
+        PRECISION="ieee" if dev.type == "cpu" else "tf32",
         **SELECT_CONFIG,
     )
     return BlockLists(keep_ids, keep_counts, mean_ids, mean_counts)
