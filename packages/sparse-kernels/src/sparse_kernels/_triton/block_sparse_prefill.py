@@ -19,6 +19,48 @@ from sparse_kernels._triton.launch import Kernel, dot_args
 from sparse_kernels._triton.prefill import _attend_tile
 
 
+@triton.jit
+def packed_query_tile(
+    q_ptr,
+    tile_req_ptr,
+    tile_row_ptr,
+    qo_indptr_ptr,
+    kv_indptr_ptr,
+    kv_last_len_ptr,
+    stride_qt,
+    stride_qh,
+    tile,
+    h,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    K_BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Query tile ``tile`` of KV head ``h``: its request ``b``, first packed row, the request's first page
+    and KV length, query count, and each packed row's query row, head, position and validity; the
+    ``[K_BLOCK_M, BLOCK_D]`` queries as stored (padded rows zero). Shared with the selection kernel."""
+    b = tl.load(tile_req_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    qo_lo = tl.load(qo_indptr_ptr + b)
+    qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_lo
+    page_lo = tl.load(kv_indptr_ptr + b)
+    kv_len = (tl.load(kv_indptr_ptr + b + 1) - page_lo - 1) * BLOCK_SIZE + tl.load(kv_last_len_ptr + b)
+    packed = row0 + tl.arange(0, K_BLOCK_M)
+    pos = packed // GROUP
+    head = h * GROUP + packed % GROUP
+    mask_m = packed < qo_len * GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    rows = (qo_lo + pos).to(tl.int64)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    return b, row0, page_lo, kv_len, qo_len, rows, head, pos, mask_m, offs_d, mask_d, q
+
+
 def _block_sparse_prefill_kernel(
     q_ptr,
     k_ptr,
@@ -58,25 +100,11 @@ def _block_sparse_prefill_kernel(
 ):
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(tile_req_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    qo_lo = tl.load(qo_indptr_ptr + b)
-    qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_lo
-    page_lo = tl.load(kv_indptr_ptr + b)
-    kv_len = (tl.load(kv_indptr_ptr + b + 1) - page_lo - 1) * BLOCK_SIZE + tl.load(kv_last_len_ptr + b)
-
-    packed = row0 + tl.arange(0, K_BLOCK_M)
-    pos = packed // GROUP
-    head = h * GROUP + packed % GROUP
-    mask_m = packed < qo_len * GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    rows = (qo_lo + pos).to(tl.int64)
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_m[:, None] & mask_d[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [K_BLOCK_M, BLOCK_D]
+    b, row0, page_lo, kv_len, qo_len, rows, head, pos, mask_m, offs_d, mask_d, q = packed_query_tile(
+        q_ptr, tile_req_ptr, tile_row_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_last_len_ptr, stride_qt, stride_qh,
+        tile, h, GROUP, HEAD_DIM, BLOCK_SIZE, K_BLOCK_M, BLOCK_D,
+    )  # fmt: skip
+    q = q.to(DOT_DTYPE)  # [K_BLOCK_M, BLOCK_D]
     q_pos = kv_len - qo_len + pos  # padded rows sit past the end: they see every key, harmlessly
     first_pos = kv_len - qo_len + row0 // GROUP
     hi = tl.minimum(kv_len, kv_len - qo_len + (row0 + K_BLOCK_M - 1) // GROUP + 1)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_kernels._triton.block_sparse_prefill import packed_query_tile
 from sparse_kernels._triton.launch import Kernel
 
 
@@ -104,22 +105,13 @@ def _select_kernel(
     """Grid ``(num_tiles, NUM_KV_HEADS)``: the kept / mean-corrected block lists of one tile and KV head."""
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.load(tile_req_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    qo_lo = tl.load(qo_indptr_ptr + b)
-    qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_lo
-    page_lo = tl.load(kv_indptr_ptr + b)
-    kv_len = (tl.load(kv_indptr_ptr + b + 1) - page_lo - 1) * BLOCK_SIZE + tl.load(kv_last_len_ptr + b)
+    b, _, _, kv_len, qo_len, _, _, pos, mask_m, offs_d, mask_d, q = packed_query_tile(
+        q_ptr, tile_req_ptr, tile_row_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_last_len_ptr, stride_qt, stride_qh,
+        tile, h, GROUP, HEAD_DIM, BLOCK_SIZE, K_BLOCK_M, BLOCK_D,
+    )  # fmt: skip
+    q = q.to(tl.float32)
     active = tl.load(active_ptr + tile)
     lists = (h * num_tiles + tile).to(tl.int64) * max_blocks
-
-    packed = row0 + tl.arange(0, K_BLOCK_M)
-    pos = packed // GROUP
-    mask_m = packed < qo_len * GROUP
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    q_off = (qo_lo + pos).to(tl.int64)[:, None] * stride_qt + (h * GROUP + packed % GROUP)[:, None] * stride_qh
-    q = tl.load(q_ptr + q_off + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
     row_pos = kv_len - qo_len + pos
 
     # Pass 1: log2 mass of each active block (scored by the rows that see its first key).
