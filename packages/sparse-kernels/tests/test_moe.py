@@ -135,6 +135,7 @@ def test_triton_reads_only_routed_experts(triton_device):
 
 def test_default_config_and_empty_batch():
     assert moe_config(8)["BLOCK_M"] == 16 and moe_config(4096)["BLOCK_M"] == 64
+    assert moe_config(8, element_size=4)["BLOCK_K"] == 128  # fp32 decode tiles fit Hopper's shared memory
     w13, w2 = _weights(4, 16, 8, torch.float32)
     empty = fused_moe(torch.zeros(0, 16), w13, w2, torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2))
     assert empty.shape == (0, 16)

@@ -61,19 +61,22 @@ def fused_moe(
     """
     _check(hidden, w13, w2, topk_ids, topk_weights)
     if hidden.shape[0] and resolve_backend(backend, hidden.device) == "triton":
-        return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config or moe_config(topk_ids.numel()))
+        config = config or moe_config(topk_ids.numel(), hidden.element_size())
+        return _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config)
     return fused_moe_reference(hidden, w13, w2, topk_ids, topk_weights)
 
 
-def moe_config(num_entries: int) -> dict:
-    """Tile shape for a step of ``num_entries = T * k`` entries.
+def moe_config(num_entries: int, element_size: int = 2) -> dict:
+    """Tile shape for a step of ``num_entries = T * k`` entries of ``element_size``-byte values.
 
     Decode (a few entries per expert): 16-row tiles, the smallest ``tl.dot`` takes, and narrow
-    ``BLOCK_N`` so a handful of experts still spread over many programs. Prefill: 64-row tiles.
-    Untuned defaults; ``benchmarks/moe_probe.py`` times alternatives on a GPU.
+    ``BLOCK_N`` so a handful of experts still spread over many programs; fp32 halves ``BLOCK_K``
+    (its 4 stages of 256-wide tiles need 240 KB of shared memory, over the H200's 227 KB). Prefill:
+    64-row tiles. Untuned defaults; ``benchmarks/moe_probe.py`` times alternatives on a GPU.
     """
     if num_entries <= SMALL_ENTRIES_MAX:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
+        block_k = 256 if element_size <= 2 else 128
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
 
 
