@@ -126,7 +126,7 @@ def test_quest_leaves_windowed_layers_alone(window_checkpoint):
 @pytest.mark.parametrize(
     ("params", "match"),
     [
-        (dict(sparse_method="snapkv"), "does not support models with sliding-window layers"),
+        (dict(sparse_method="adakv"), "does not support models with sliding-window layers"),
         (dict(kv_cache_dtype="fp8"), "do not run over a fp8 KV store"),
     ],
 )

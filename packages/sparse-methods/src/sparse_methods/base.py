@@ -85,10 +85,15 @@ class ModelShape:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    windowed_layers: frozenset[int] = frozenset()
+    """Layers whose attention slides over a window (Gemma 3's local layers, Mistral's): the engine
+    attends densely over their windows and a method that ``supports_sliding_window`` leaves them alone."""
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim) < 1:
             raise ValueError(f"model shape must be positive: {self}")
+        if any(not 0 <= layer < self.num_layers for layer in self.windowed_layers):
+            raise ValueError(f"windowed layers outside 0 .. {self.num_layers - 1}: {sorted(self.windowed_layers)}")
         if self.num_q_heads % self.num_kv_heads:
             raise ValueError(f"num_q_heads {self.num_q_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
 

@@ -12,7 +12,9 @@ keep). Everything else lives here once:
   score with one row), and the ``Compaction`` records ``finish_step`` hands the engine;
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
 - the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
-- chain state (``save_state`` / ``restore_state``) and ``release``.
+- chain state (``save_state`` / ``restore_state``) and ``release``;
+- sliding-window layers (``ModelShape.windowed_layers``): never observed nor compacted, their budget
+  unbounded, so a windowed model's local layers keep their window and the method acts on its global ones.
 
 A method that ranks nothing (``observation_window`` None, StreamingLLM) asks for no attention
 inputs at all, so its decode steps stay eligible for CUDA graphs.
@@ -21,6 +23,7 @@ inputs at all, so its decode steps stay eligible for CUDA graphs.
 from __future__ import annotations
 
 import enum
+import sys
 from collections.abc import Collection, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -40,6 +43,8 @@ from sparse_methods.base import (
     StepContext,
 )
 from sparse_methods.scoring import keep_indices
+
+_UNBOUNDED = sys.maxsize  # the budget of a layer the method leaves alone (a sliding-window layer)
 
 
 class Phase(enum.StrEnum):
@@ -95,6 +100,7 @@ class EvictionMethod(SparseMethod):
 
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
+    supports_sliding_window = True  # compacts the full-attention layers only (see ``_layer_budgets``)
     accumulates: ClassVar[bool] = False
     """``score()`` is called for every step that observes queries and the results add up per token
     (H2O; ``score()`` then returns a new tensor, which the base adds the earlier sums into);
@@ -130,6 +136,17 @@ class EvictionMethod(SparseMethod):
         of slots ``0 .. M-1``, higher = keep, with ``M`` at least the slots before the recent ones."""
         raise NotImplementedError(f"{self.name} ranks no tokens")
 
+    def _layer_budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
+        """``budgets`` with the sliding-window layers unbounded: they keep every slot (their window
+        is applied by attention over slots that are positions, which a compaction would break)."""
+        budgets = self.budgets(prompt_len, phase)
+        windowed = self.shape.windowed_layers
+        if budgets is None or not windowed:
+            return budgets
+        if len(windowed) == self.shape.num_layers:
+            return None  # nothing to compact
+        return tuple(_UNBOUNDED if layer in windowed else b for layer, b in enumerate(budgets))
+
     # -- derived: the memory plan --------------------------------------------------------------------
     @property
     def _interval(self) -> int | None:
@@ -137,9 +154,9 @@ class EvictionMethod(SparseMethod):
         return getattr(self.config, "decode_eviction_interval", 0) or None
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
-        chunk = self.budgets(prompt_len, Phase.CHUNK)
-        prompt = self.budgets(prompt_len, Phase.PROMPT)
-        decode = self.budgets(prompt_len, Phase.DECODE) if self._interval is not None else None
+        chunk = self._layer_budgets(prompt_len, Phase.CHUNK)
+        prompt = self._layer_budgets(prompt_len, Phase.PROMPT)
+        decode = self._layer_budgets(prompt_len, Phase.DECODE) if self._interval is not None else None
         prefill_peak, resident, decode_peak = [], [], []
         for layer in range(self.shape.num_layers):
             prefill_peak.append(prompt_len if chunk is None else min(prompt_len, chunk[layer] + chunk_size))
@@ -175,8 +192,8 @@ class EvictionMethod(SparseMethod):
             before, state.decoded = state.decoded, state.decoded + r.num_new_tokens
             if interval is None or before // interval == state.decoded // interval:
                 return None
-            return self.budgets(r.prompt_len, Phase.DECODE)
-        return self.budgets(r.prompt_len, Phase.PROMPT if r.ends_prefill else Phase.CHUNK)
+            return self._layer_budgets(r.prompt_len, Phase.DECODE)
+        return self._layer_budgets(r.prompt_len, Phase.PROMPT if r.ends_prefill else Phase.CHUNK)
 
     def _observed_rows(self, r: RequestStep) -> int:
         """How many of the step's last queries ``r`` hands to the method (0: none)."""
@@ -185,16 +202,16 @@ class EvictionMethod(SparseMethod):
             return 0
         if r.is_decode:
             return r.num_new_tokens if self._interval is not None else 0
-        if self.budgets(r.prompt_len, Phase.CHUNK) is not None:  # every chunk compacts: its own last rows
+        if self._layer_budgets(r.prompt_len, Phase.CHUNK) is not None:  # every chunk compacts: its own last rows
             return r.num_new_tokens if w == 0 else min(w, r.num_new_tokens)
-        prompt = self.budgets(r.prompt_len, Phase.PROMPT)
+        prompt = self._layer_budgets(r.prompt_len, Phase.PROMPT)
         if prompt is None or r.prompt_len <= min(prompt):
             return 0  # the prompt is not compacted or fits every layer: nothing will be ranked
         first = r.start if w == 0 else max(r.start, r.prompt_len - w)
         return max(0, r.end - first)
 
     def attention_requests(self, layer: int) -> Collection[Hashable]:
-        return self._observing
+        return () if layer in self.shape.windowed_layers else self._observing
 
     # -- derived: observing and compacting ---------------------------------------------------------
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:

@@ -81,6 +81,7 @@ class LLMEngine:
                 model_cfg.num_attention_heads,
                 model_cfg.num_key_value_heads,
                 model_cfg.head_dim,
+                frozenset(layer for layer, w in enumerate(model_cfg.layer_sliding_windows) if w is not None),
             ),
             config.prefill_sparse_method,
             **config.method_params(),

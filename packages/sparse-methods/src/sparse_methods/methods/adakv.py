@@ -72,6 +72,7 @@ class AdaKV(SnapKV):
     name = "adakv"
     Config = AdaKVConfig
     supports_mla = False  # one latent KV head: nothing to share out
+    supports_sliding_window = False  # its per-head masks and memory plan do not skip windowed layers yet
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
