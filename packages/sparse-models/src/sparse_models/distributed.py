@@ -10,10 +10,12 @@ purpose: model constructors stay ``model_cls(config)``, as checkpoints and the r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+
+from sparse_models.config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,14 @@ def kv_head_shard(num_kv_heads: int) -> tuple[int, int]:
     return _state.rank // (world // num_kv_heads), 1
 
 
+def rank_attention_config(config: ModelConfig) -> ModelConfig:
+    """``config`` with this rank's attention heads: its query heads and the KV heads it holds (what its
+    KV pool and kernels see; an MLA model's one latent head is held whole by every rank)."""
+    _, num_heads = shard(config.num_attention_heads, "num_attention_heads")
+    _, num_kv_heads = kv_head_shard(config.num_key_value_heads)
+    return replace(config, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the ranks, in place (the identity on one rank)."""
     if _state.world_size > 1:
@@ -101,6 +111,15 @@ def gather_kv_group_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous())
     return torch.cat(parts[first : first + replicas], dim=-2)
+
+
+def min_over_ranks(n: int) -> int:
+    """The smallest of every rank's ``n`` (e.g. KV blocks: one scheduler plans for all ranks)."""
+    if _state.world_size == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def broadcast_object(obj=None, src: int = 0):

@@ -29,6 +29,12 @@ class _EngineFields(BaseModel):
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="`dummy` skips weight files and fills random weights (benchmarks only)."
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="Ranks that split the model (heads, MLP width, vocabulary) and the KV heads; one process "
+        "per rank (rank r on cuda:r, NCCL; gloo on CPU), driven by the caller's process.",
+    )
     seed: int = Field(0, description="Seed for dummy weights and for sampling of requests without their own seed.")
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block.")
     num_kv_blocks: int | None = Field(None, ge=1, description="KV blocks in the pool; overrides the memory sizing.")

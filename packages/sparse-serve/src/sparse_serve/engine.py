@@ -6,15 +6,18 @@ import hashlib
 import itertools
 import json
 import logging
+import zlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+import sparse_methods
 from sparse_cache import ChainInfo, KVCacheManager
 from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, build_method
 from sparse_models import read_model_config
+from sparse_models.distributed import rank_attention_config, tp_world_size
 from sparse_serve.chains import EngineChains
 from sparse_serve.config import EngineConfig
 from sparse_serve.detokenizer import IncrementalDetokenizer
@@ -74,12 +77,16 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len} tokens"
             )
+        _check_tensor_parallel(config)
+        heads = rank_attention_config(model_cfg)  # this rank's KV heads (all of them on one rank)
+        group = model_cfg.num_attention_heads // model_cfg.num_key_value_heads
         self.method = build_method(
             config.sparse_method,
+            # The method sees this rank's KV heads and their whole query groups (see PagedAttention).
             ModelShape(
                 model_cfg.num_hidden_layers,
-                model_cfg.num_attention_heads,
-                model_cfg.num_key_value_heads,
+                heads.num_key_value_heads * group,
+                heads.num_key_value_heads,
                 model_cfg.head_dim,
                 frozenset(layer for layer, w in enumerate(model_cfg.layer_sliding_windows) if w is not None),
             ),
@@ -226,7 +233,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        g = torch.Generator().manual_seed(hash(request_id) % 2**31)
+        g = torch.Generator().manual_seed(zlib.crc32(str(request_id).encode()))  # the same on every rank
         token_ids = torch.randint(0, self.runner.model_config.vocab_size, (num_prompt_tokens,), generator=g).tolist()
         req = Request(request_id, token_ids, params, arrival=self.num_steps, kv_lens=[0] * self.num_layers)
         resident = self.memory_plan(req).resident_tokens
@@ -608,6 +615,18 @@ def _keep_prompt_logprobs(batch: ScheduledBatch, pending: SampledTokens) -> None
     for req, _ in batch.items:
         for position, logprobs in pending.prompt_logprobs.get(req.request_id, {}).items():
             req.prompt_logprobs[position] = logprobs
+
+
+def _check_tensor_parallel(config: EngineConfig) -> None:
+    """The process group matches ``tensor_parallel_size`` and the method runs with split heads."""
+    if tp_world_size() != config.tensor_parallel_size:
+        raise ValueError(
+            f"tensor_parallel_size={config.tensor_parallel_size} but this process is one of {tp_world_size()} ranks; "
+            "start tensor-parallel engines through LLM(...) or sparse_serve.tensor_parallel.launch_engine"
+        )
+    method = sparse_methods.get_method_class(config.sparse_method)
+    if config.tensor_parallel_size > 1 and not method.supports_tensor_parallel:
+        raise ValueError(f"{config.sparse_method} does not support tensor_parallel_size > 1 yet")
 
 
 def _load_tokenizer(path: str, extra_eos) -> Tokenizer | None:

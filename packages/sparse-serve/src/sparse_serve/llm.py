@@ -8,10 +8,10 @@ from tqdm import tqdm
 
 from sparse_cache import ChainInfo
 from sparse_serve.config import EngineConfig
-from sparse_serve.engine import LLMEngine
 from sparse_serve.outputs import RequestOutput
 from sparse_serve.prune import PruneResult
 from sparse_serve.sampling_params import SamplingParams
+from sparse_serve.tensor_parallel import launch_engine
 
 Prompt = str | list[int]
 ChainIds = str | Sequence[str | None] | None
@@ -55,7 +55,14 @@ class LLM:
     """
 
     def __init__(self, model: str, **config):
-        self.engine = LLMEngine(EngineConfig(model=model, **config))
+        # tensor_parallel_size > 1: this process is rank 0 and starts the others (closed by ``close``).
+        self.engine = launch_engine(EngineConfig(model=model, **config))
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (also done at exit)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     @property
     def tokenizer(self):

@@ -8,6 +8,13 @@ from sparse_cache import TailRows
 from sparse_kernels import block_summary
 from sparse_methods import PrefixCacheMode, SparseMethod, StepContext
 from sparse_models import ModelConfig, load_model
+from sparse_models.distributed import (
+    gather_kv_group_heads,
+    min_over_ranks,
+    rank_attention_config,
+    tp_rank,
+    tp_world_size,
+)
 from sparse_serve.config import EngineConfig
 from sparse_serve.cuda_graphs import DecodeGraphs
 from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget, store_kind
@@ -23,6 +30,8 @@ def resolve_device(name: str) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    if name == "cuda" and tp_world_size() > 1:
+        return torch.device("cuda", tp_rank())  # rank r on cuda:r
     return torch.device(name)
 
 
@@ -51,10 +60,12 @@ class ModelRunner:
             config.model, dtype=self.dtype, device=self.device, load_format=config.load_format, seed=config.seed
         )
         cfg = self.model_config
+        # This rank's heads: what its KV pool holds and its kernels attend (all heads on one rank).
+        self.rank_config = heads = rank_attention_config(cfg)
         self.block_size = config.block_size
         self.store = store_kind(
             method,
-            cfg,
+            heads,
             config.block_size,
             config.resolved_kv_cache_dtype(),
             kivi_bits=config.kivi_bits,
@@ -72,7 +83,7 @@ class ModelRunner:
         # One tail row per running request (KIVI's incomplete page), taken on its first write.
         self.num_tail_rows = config.max_num_seqs if self.store.has_tail else 0
         self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
-        self.num_blocks = self._num_blocks(max_model_len_hint)
+        self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
         self.kv = allocate_kv_pool(
             self.store, cfg.num_hidden_layers, self.num_blocks, self.dtype, self.device, self.num_tail_rows
         )
@@ -80,8 +91,8 @@ class ModelRunner:
         graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
         self.attention = PagedAttention(
             self.kv,
-            num_q_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads,
+            num_q_heads=heads.num_attention_heads,
+            num_kv_heads=heads.num_key_value_heads,
             head_dim=cfg.head_dim,
             block_size=self.block_size,
             method=method,
@@ -92,11 +103,14 @@ class ModelRunner:
             max_num_pages=config.max_num_seqs * -(-max_model_len_hint // self.block_size) + graph_batch,
             sm_scale=cfg.softmax_scale,
             layer_windows=tuple(-1 if w is None else w - 1 for w in cfg.layer_sliding_windows),  # HF W: w - 1
+            group_queries=None if tp_world_size() == 1 else _group_queries(cfg.num_key_value_heads),
         )
         self.method = method
         self.graphs: DecodeGraphs | None = None
-        # MLA's latent plans are not in fixed buffers yet: its decode runs eagerly.
-        if self.device.type == "cuda" and not config.enforce_eager and not self.store.latent:
+        # MLA's latent plans are not in fixed buffers yet: its decode runs eagerly. Tensor-parallel decode
+        # too, for now: its collectives are not captured in graphs yet.
+        eager = config.enforce_eager or self.store.latent or tp_world_size() > 1
+        if self.device.type == "cuda" and not eager:
             self.graphs = DecodeGraphs(self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device)
             self.graphs.capture()
         self.sampler = Sampler(config.seed, self.device)
@@ -184,6 +198,11 @@ class ModelRunner:
         return self.sampler.sample(
             logits, [r.request_id for r in requests], [r.sampling_params for r in requests], requests
         )
+
+
+def _group_queries(num_kv_heads: int):
+    """Query heads of this rank's KV heads' groups, for what a method sees (see ``gather_kv_group_heads``)."""
+    return lambda q: gather_kv_group_heads(q, num_kv_heads)
 
 
 def _check_windows(method: SparseMethod | None, store, cfg: ModelConfig) -> None:

@@ -10,7 +10,7 @@ which requests it wants per layer (``attention_requests``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -120,10 +120,14 @@ class PagedAttention:
         max_num_pages: int | None = None,
         sm_scale: float | None = None,
         layer_windows: Sequence[int] = (),
+        group_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         """``sm_scale``: the softmax scale the model passes (default ``head_dim ** -0.5``). ``layer_windows``:
         per layer its sliding window as the kernels' ``window_left`` (-1: full attention; empty: none).
-        Windowed layers attend through plans of their own, dense: sparse methods act on full layers only."""
+        Windowed layers attend through plans of their own, dense: sparse methods act on full layers only.
+        ``group_queries``: under tensor parallelism, ``q [T, local heads, D]`` -> the query heads of this
+        rank's KV groups (gathered from the ranks that share a replicated KV head): what the method sees,
+        so every rank holding a KV head selects and evicts the same tokens of it."""
         self.pool = pool
         self.device = pool.device
         self.quantized = pool.quantized  # per layer, or None for plain stores
@@ -134,6 +138,7 @@ class PagedAttention:
         self.block_size = block_size
         self.shape = dict(num_qo_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
         self.method = method
+        self.group_queries = group_queries
         # Prefill chunks attend through the method's prefill attention (e.g. block-sparse) where it has one.
         prefill_attention = None if method is None else method.prefill_attention
         self._make_prefill = (
@@ -151,7 +156,12 @@ class PagedAttention:
         self.latent = None  # MLA: queries and cached rows in latent space (``LatentPagedAttention``)
         if pool.store.latent:
             self.latent = LatentPagedAttention(
-                pool.latent, num_heads=num_q_heads, latent_dim=pool.store.latent_dim, block_size=block_size
+                pool.latent,
+                num_heads=num_q_heads,
+                latent_dim=pool.store.latent_dim,
+                block_size=block_size,
+                summaries=None if pool.kmin is None else (pool.kmin, pool.kmax),
+                method=method,
             )
         self.selective = SelectiveDecode(
             self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
@@ -257,12 +267,15 @@ class PagedAttention:
                 kmax = self.pool.kmax[layer_idx] if summaries else None
                 if self.selective.reads_all:  # no row selects this step: the dense plan
                     plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
-                elif self.selective.batched:  # picked on the device, no host sync
-                    self.selective.run_batched(
-                        method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd], dense=plan.decode
-                    )
                 else:
-                    self.selective.run(method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
+                    # Tensor parallelism: the method sees the query heads of this rank's KV groups.
+                    extra = {} if self.group_queries is None else {"select_q": self.group_queries(q[:nd])}
+                    if self.selective.batched:  # picked on the device, no host sync
+                        args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
+                        self.selective.run_batched(*args, dense=plan.decode, **extra)
+                    else:
+                        args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
+                        self.selective.run(*args, **extra)
             elif nd:
                 plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
             if select_prefill:
@@ -335,4 +348,5 @@ class PagedAttention:
             kv_len = group.kv_lens[i] + step.num_new_tokens
             keys = self._request_keys(layer_idx, i, kv_len, flat_k, q.dtype)
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
+            rows = rows if self.group_queries is None else self.group_queries(rows)
             self.method.on_attention_end(layer_idx, step, LayerAttention(rows, keys, self.sm_scale))

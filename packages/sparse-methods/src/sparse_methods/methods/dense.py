@@ -17,6 +17,7 @@ class Dense(SparseMethod):
     prefix_cache_mode = PrefixCacheMode.RADIX
     supports_mla = True
     supports_sliding_window = True
+    supports_tensor_parallel = True
     Config = DenseConfig
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:

@@ -56,6 +56,7 @@ class SnapKV(EvictionMethod):
     name = "snapkv"
     Config = SnapKVConfig
     supports_mla = True  # scores through the absorbed queries: one KV head of latent + rope channels
+    supports_tensor_parallel = True  # per-KV-head scores over the whole query group
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
         c = self.config
