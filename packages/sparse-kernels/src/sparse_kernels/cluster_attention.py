@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_kernels.cluster_estimation import cluster_estimation, merge_states
 from sparse_kernels.cluster_index import ClusterIndex
 
 
@@ -58,28 +59,33 @@ def cluster_decode_attention(
     retrieved: int,
     estimated: int,
     scale: float,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention output ``[Hq, D]`` (query's dtype) of one decode query ``[Hq, D]`` over a layer's
-    ``keys`` / ``values`` ``[kv_len, H, D]`` through ``index`` (exact + estimated, one softmax)."""
+    ``keys`` / ``values`` ``[kv_len, H, D]`` through ``index``: the exact tokens' softmax merged with
+    the estimated clusters' (``cluster_estimation``, on ``backend``), i.e. one softmax over both."""
     if estimated and index.value_sums is None:
         raise ValueError("estimating clusters needs an index built with values (value_sums)")
     heads, _, dim = index.centroids.shape
     group = query.shape[0] // heads
     ranked = rank_clusters(query, index, scale, retrieved + estimated)
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    lse = torch.empty(query.shape[0], dtype=torch.float32, device=query.device)
     for h in range(heads):
         q = query[h * group : (h + 1) * group].float()
         pos = exact_positions(index, ranked[h, :retrieved], h, sink=sink, kv_len=keys.shape[0])
         logits = q @ keys[pos, h].float().T * scale  # [g, n]
-        numer_v = values[pos, h].float()
-        est = ranked[h, retrieved:]
-        est_logits = q @ index.centroids[h, est].float().T * scale  # [g, e]
-        top = torch.cat([logits, est_logits], dim=-1).amax(-1, keepdim=True)
-        p = torch.exp(logits - top)
-        numer, denom = p @ numer_v, p.sum(-1)
-        if est.numel():
-            pe = torch.exp(est_logits - top)
-            numer = numer + pe @ index.value_sums[h, est]
-            denom = denom + pe @ index.sizes[h, est].float()
-        out[h * group : (h + 1) * group] = numer / denom[:, None]
+        lse[h * group : (h + 1) * group] = torch.logsumexp(logits, dim=-1)
+        out[h * group : (h + 1) * group] = torch.softmax(logits, dim=-1) @ values[pos, h].float()
+    if ranked.shape[1] > retrieved:
+        est_out, est_lse = cluster_estimation(
+            query[None],
+            index.centroids,
+            index.value_sums,
+            index.sizes,
+            ranked[None, :, retrieved:],
+            scale=scale,
+            backend=backend,
+        )
+        out = merge_states(out, lse, est_out[0], est_lse[0])
     return out.to(query.dtype)
