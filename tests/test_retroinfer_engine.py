@@ -103,6 +103,9 @@ def test_config_checks_and_missing_estimation_are_clear_errors():
     assert (method.config.retroinfer_min_index_tokens, method.config.retroinfer_update_tokens) == (16384, 1024)
     assert method.config.retroinfer_avg_cluster_size == 16
     assert (method.config.retroinfer_retrieval_ratio, method.config.retroinfer_estimation_ratio) == (0.018, 0.232)
+    assert method.decode_read_tokens(0, 16000, 16) == 16000  # no index yet: reads everything
+    clusters = (131072 - 1 - 68) // 16
+    assert method.decode_read_tokens(0, 131072, 16) == 69 + round(clusters * 0.018) * 16 + clusters
     for bad in (
         dict(retroinfer_retrieval_ratio=0.0),
         dict(retroinfer_retrieval_ratio=0.8, retroinfer_estimation_ratio=0.3),

@@ -87,6 +87,21 @@ class RetroInfer(SparseMethod):
     def needs_decode_keys(self, layer: int) -> bool:
         return True
 
+    def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
+        """An estimate for reports (what is read depends on the clusters' sizes): the sink, the
+        recent tokens, the retrieved clusters at their average size and one slot-equivalent per
+        cluster for its centroid (ranking reads them all); ``kv_len`` before an index exists."""
+        from sparse_kernels.cluster_attention import cluster_counts
+
+        c = self.config
+        indexed = kv_len - 1 - c.retroinfer_recent_tokens - c.retroinfer_sink_tokens
+        if indexed < c.retroinfer_min_index_tokens:
+            return kv_len
+        count = indexed // c.retroinfer_avg_cluster_size
+        retrieved, _ = cluster_counts(count, c.retroinfer_retrieval_ratio, 0.0)
+        unindexed = c.retroinfer_sink_tokens + c.retroinfer_recent_tokens + 1
+        return min(kv_len, unindexed + retrieved * c.retroinfer_avg_cluster_size + count)
+
     def release(self, request_id: Hashable) -> None:
         for key in [k for k in self._index if k[0] == request_id]:
             del self._index[key]
