@@ -174,5 +174,5 @@ def test_latent_compaction_moves_kept_rows_to_the_front():
 
 def test_methods_without_mla_support_are_refused(mla_checkpoint):
     path, _ = mla_checkpoint("glm4_moe_lite")
-    with pytest.raises(ValueError, match="quest does not support MLA models"):
-        LLM(str(path), device="cpu", dtype="float32", sparse_method="quest")
+    with pytest.raises(ValueError, match="tova does not support MLA models"):
+        LLM(str(path), device="cpu", dtype="float32", sparse_method="tova")

@@ -5,53 +5,136 @@ An MLA model hands the backend absorbed queries ``[T, H, latent + rope]`` and th
 layer's pool tensor and runs ``sparse_kernels.latent_attention`` over each request's pages. Decode
 items and prefill chunks go in one launch: the plan lists the decode items first, one query token
 each, then the prefill chunks, as the step's flat token layout does.
+
+Page selection (Quest over the latent): with a ``latent paged + block summaries`` store each block
+keeps the elementwise min / max of its rows (latent and rope channels), refreshed for every block a
+step writes. In a layer where the method selects decode pages, the absorbed decode queries of the
+rows whose context outgrows the method's budget are handed to ``select_batched`` as one KV head
+whose group is every query head (``q . row`` is the attention logit, so the bound of ``q`` against
+a page's min / max bounds it), and those rows' CSR lists only the chosen pages (the newest always
+among them, so the single decode query still sees its own row last).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sparse_kernels import block_summary
 from sparse_kernels.latent_attention import LatentPlan, latent_attention, plan_latent, store_latent
+from sparse_methods.base import DecodeBatch, SparseMethod
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, to_device
 
 
 class LatentPagedAttention:
     """Per layer group: the slot mapping and the latent kernel's plan of the current step."""
 
-    def __init__(self, latent: tuple[torch.Tensor, ...], *, num_heads: int, latent_dim: int, block_size: int):
+    def __init__(
+        self,
+        latent: tuple[torch.Tensor, ...],
+        *,
+        num_heads: int,
+        latent_dim: int,
+        block_size: int,
+        summaries: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None,
+        method: SparseMethod | None = None,
+    ):
+        """``summaries``: per layer the blocks' min and max rows ``[num_blocks, 1, latent + rope]`` (a
+        store with summaries); ``method``: asked which pages a selecting layer's decode rows read."""
         self.latent = latent  # per layer [num_blocks, block_size, 1, latent_dim + rope_dim]
         self.device = latent[0].device
         self.num_heads = num_heads
         self.latent_dim = latent_dim
         self.rope_dim = latent[0].shape[-1] - latent_dim
         self.block_size = block_size
+        self.summaries = summaries
+        self.method = method
+        if method is not None and any(method.selects_decode(layer) for layer in range(len(latent))):
+            if summaries is None or method.selection_page_size(block_size) != block_size:
+                raise ValueError(f"{method.name} selects latent pages: it needs block summaries of block_size pages")
+        self._meta: StepMetadata | None = None
+        self._sm_scale = 1.0
         self._slots: list[torch.Tensor] = []
         self._plans: list[LatentPlan] = []
+        self._written: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def plan(self, meta: StepMetadata, sm_scale: float) -> None:
+        self._meta, self._sm_scale = meta, sm_scale
         self._slots = [to_device(group.slot_mapping, self.device) for group in meta.groups]
-        self._plans = [self._plan_group(group, meta, sm_scale) for group in meta.groups]
+        self._plans = [self._plan_group(group, meta) for group in meta.groups]
+        if self.summaries is not None:
+            self._written = [self._written_blocks(slots) for slots in self._slots]
 
-    def _plan_group(self, group: LayerGroupMetadata, meta: StepMetadata, sm_scale: float) -> LatentPlan:
+    def _plan_group(self, group: LayerGroupMetadata, meta: StepMetadata, decode=None) -> LatentPlan:
+        """``decode``: the decode items' CSR ``(indptr, indices, last_len)`` instead of the group's."""
         nd = meta.num_decode_tokens
-        d_indptr, p_indptr = group.decode_kv_indptr, group.prefill_kv_indptr
+        own = (group.decode_kv_indptr, group.decode_kv_indices, group.decode_kv_last_len)
+        d_indptr, d_indices, d_last = decode or own
+        p_indptr = group.prefill_kv_indptr
         qo_indptr = torch.cat([torch.arange(nd + 1, dtype=torch.int32), group.prefill_qo_indptr[1:] + nd])
         kv_indptr = torch.cat([d_indptr[: nd + 1], p_indptr[1:] + d_indptr[nd]])
         return plan_latent(
             qo_indptr,
             kv_indptr,
-            torch.cat([group.decode_kv_indices, group.prefill_kv_indices]),
-            torch.cat([group.decode_kv_last_len[:nd], group.prefill_kv_last_len]),
+            torch.cat([d_indices[: d_indptr[nd]], group.prefill_kv_indices]),
+            torch.cat([d_last[:nd], group.prefill_kv_last_len]),
             num_heads=self.num_heads,
             latent_dim=self.latent_dim,
             rope_dim=self.rope_dim,
             block_size=self.block_size,
-            sm_scale=sm_scale,
+            sm_scale=self._sm_scale,
             device=self.device,
         )
+
+    def _written_blocks(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks the step writes and how many rows each then holds (rows fill a block in order, so
+        its last written offset + 1)."""
+        slots = slots[slots >= 0].long()
+        blocks = slots // self.block_size
+        ids = torch.unique(blocks)
+        valid = torch.zeros(self.latent[0].shape[0], dtype=torch.long, device=slots.device)
+        valid.scatter_reduce_(0, blocks, slots % self.block_size + 1, reduce="amax")
+        return ids, valid[ids]
 
     def forward(self, layer_idx: int, group_idx: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Store ``rows [T, 1, D]`` and attend ``q [T, H, D]``; returns ``[T, H, latent_dim]``."""
         cache = self.latent[layer_idx]
         store_latent(rows, cache, self._slots[group_idx])
-        return latent_attention(q, cache, self._plans[group_idx])
+        if self.summaries is not None:
+            kmin, kmax = self.summaries[0][layer_idx], self.summaries[1][layer_idx]
+            block_summary(cache, *self._written[group_idx], kmin, kmax)
+        plan = self._selected_plan(layer_idx, group_idx, q) or self._plans[group_idx]
+        return latent_attention(q, cache, plan)
+
+    def _selected_plan(self, layer_idx: int, group_idx: int, q: torch.Tensor) -> LatentPlan | None:
+        """The group's plan with the selecting decode rows reading only their chosen pages; None when
+        no decode row of this layer selects."""
+        meta, method = self._meta, self.method
+        nd = meta.num_decode_tokens
+        if method is None or nd == 0 or not method.selects_decode(layer_idx):
+            return None
+        group, bs = meta.groups[group_idx], self.block_size
+        indptr, indices, last = group.decode_kv_indptr, group.decode_kv_indices, group.decode_kv_last_len
+        pages = (indptr[1 : nd + 1] - indptr[:nd]).tolist()
+        kv_lens = [(n - 1) * bs + int(last[i]) for i, n in enumerate(pages)]
+        rows = [i for i in range(nd) if method.selection_size(kv_lens[i], bs) is not None]
+        if not rows:
+            return None
+        dev = self.device
+        batch = DecodeBatch(
+            query=q[rows],
+            kv_lens=torch.tensor([kv_lens[i] for i in rows], dtype=torch.long, device=dev),
+            table_indices=to_device(indices.long(), dev),
+            table_start=torch.tensor([int(indptr[i]) for i in rows], dtype=torch.long, device=dev),
+            max_pages=max(pages[i] for i in rows),
+            block_size=bs,
+            page_min=self.summaries[0][layer_idx],
+            page_max=self.summaries[1][layer_idx],
+            sm_scale=self._sm_scale,
+        )
+        chosen = dict(zip(rows, method.select_batched(layer_idx, batch)[:, 0].cpu(), strict=True))  # one KV head
+        lists = [
+            indices[indptr[i] + chosen[i]] if i in chosen else indices[indptr[i] : indptr[i + 1]] for i in range(nd)
+        ]
+        new_indptr = torch.zeros(nd + 1, dtype=torch.int32)
+        new_indptr[1:] = torch.tensor([len(x) for x in lists]).cumsum(0)
+        return self._plan_group(group, meta, (new_indptr, torch.cat(lists), last))
