@@ -4,6 +4,8 @@ prefix caching and continuous batching on, and each list holds no more than the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -27,6 +29,65 @@ def _llm(**kw) -> LLM:
 
 def _tokens(llm: LLM, prompts=PROMPTS, params=GREEDY):
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _top_ascending(scores: torch.Tensor, sink: int, recent: int, k: int) -> torch.Tensor:
+    """``[H, min(k, n)]`` ascending: the first ``sink`` and last ``recent`` columns, then the best (ties: earlier)."""
+    scores = scores.clone()
+    scores[:, :sink] = scores[:, scores.shape[1] - recent :] = float("inf")
+    return torch.sort(torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k], dim=1).values
+
+
+def quest_reference(method):
+    """Quest written from the paper, through the host path: per KV head, page scores = the max over its
+    query heads of sum over channels of max(q*min, q*max); sink, recent and the top pages."""
+    c = method.config
+
+    def select(layer, request, view):
+        if view.kv_len <= method.budget:
+            return None
+        page = view.page_size
+        hkv, d = view.page_min.shape[1:]
+        q = view.query.float().view(hkv, -1, 1, d)  # [Hkv, g, 1, D]
+        lo, hi = (s.float().permute(1, 0, 2)[:, None] for s in (view.page_min, view.page_max))  # [Hkv, 1, P, D]
+        scores = torch.maximum(q * lo, q * hi).sum(-1).amax(1)  # [Hkv, P]
+        sink, recent = -(-c.sink_keep_tokens // page), max(1, -(-c.recent_keep_tokens // page))
+        k = sink + c.decode_keep_tokens // page + recent
+        return Selection(_top_ascending(scores, sink, recent, k), page)
+
+    return SimpleNamespace(
+        name="quest_reference", batched_selection=False, needs_decode_keys=lambda layer: False, decode_selection=select
+    )
+
+
+def omnikv_reference(method):
+    """OmniKV written from the paper, through the host path: at a filter layer, per query head the
+    softmax of q.k * scale over all tokens, the max over heads; sink, recent and the top tokens, which the
+    next layers read (``sets``: request -> the last filter layer's set)."""
+    c, sets = method.config, {}
+
+    def select(layer, request, view):
+        if layer in method.filter_layers:
+            sets[request.request_id] = None
+            if view.kv_len > method.budget:
+                g = view.query.shape[0] // view.keys.shape[1]
+                keys = view.keys.float().repeat_interleave(g, dim=1)  # [L, Hq, D]
+                logits = torch.einsum("hd,lhd->hl", view.query.float(), keys) * view.keys.shape[-1] ** -0.5
+                probs = torch.softmax(logits, dim=-1).amax(0, keepdim=True)
+                sets[request.request_id] = _top_ascending(
+                    probs, c.sink_keep_tokens, c.recent_keep_tokens, method.budget
+                )[0]
+            return None
+        chosen = sets.get(request.request_id)
+        return None if chosen is None else Selection(chosen.expand(method.shape.num_kv_heads, -1), 1)
+
+    return SimpleNamespace(
+        name="omnikv_reference",
+        batched_selection=False,
+        sets=sets,
+        needs_decode_keys=lambda layer: layer in method.filter_layers,
+        decode_selection=select,
+    )
 
 
 def _check_summaries(llm: LLM) -> int:
@@ -61,6 +122,7 @@ def test_reading_every_page_through_the_sparse_path_equals_dense(monkeypatch):
         pages = -(-view.kv_len // view.page_size)
         return Selection(torch.arange(pages).expand(view.page_min.shape[1], pages), view.page_size)
 
+    monkeypatch.setattr(method, "batched_selection", False)  # the host path's plumbing (adakv, kvzip)
     monkeypatch.setattr(method, "decode_selection", every_page)
     assert _tokens(llm) == _tokens(_llm())
     assert llm.engine.runner.attention.selective.pages_read > 0
@@ -126,6 +188,7 @@ def test_omnikv_reading_every_slot_through_slot_lists_equals_dense(monkeypatch):
     def every_slot(layer, request, view):
         return Selection(torch.arange(view.kv_len).expand(2, view.kv_len), 1)
 
+    monkeypatch.setattr(method, "batched_selection", False)  # the host path's plumbing (adakv, kvzip)
     monkeypatch.setattr(method, "decode_selection", every_slot)
     assert _tokens(llm) == _tokens(_llm())
     assert llm.engine.runner.attention.selective.tokens_read > 0
@@ -147,7 +210,8 @@ def test_omnikv_reads_its_budget_after_filter_layers_with_prefix_caching():
 
 def test_batched_device_selection_equals_the_host_path():
     """The GPU path (pages picked on the device and written into the Triton kernel's index buffer; run
-    here under Triton's interpreter) reads the same pages and gives the same attention as the host path."""
+    here under Triton's interpreter) reads the same pages and gives the same attention as Quest written
+    from the paper through the host path."""
     from sparse_serve.selective_decode import SelectiveDecode
     from sparse_serve.step_metadata import build_step_metadata
 
@@ -165,7 +229,7 @@ def test_batched_device_selection_equals_the_host_path():
     layer = 3
     args = (pool.k[layer], pool.v[layer], pool.kmin[layer], pool.kmax[layer])
     host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
-    expected = host.run(engine.method, layer, q, *args, meta, meta.groups[0], torch.empty_like(q))
+    expected = host.run(quest_reference(engine.method), layer, q, *args, meta, meta.groups[0], torch.empty_like(q))
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
     fast.plan_step(engine.method, meta, meta.groups[0])
     assert fast.batched
@@ -175,31 +239,27 @@ def test_batched_device_selection_equals_the_host_path():
     assert 1 <= fast.num_selections <= host.num_selections
 
 
-def test_engine_takes_the_batched_path_when_the_kernels_can(monkeypatch):
-    """Wiring: once a step is planned on the batched path, every selecting layer goes through
-    ``run_batched`` and none through the host path (the spy computes its rows with the host path)."""
-    llm = _llm(**SMALL)
-    attention = llm.engine.runner.attention
-    selective = attention.selective
+@pytest.mark.parametrize("config", [SMALL, OMNI], ids=["quest", "omnikv"])
+def test_engine_takes_the_batched_path_when_the_kernels_can(config, monkeypatch):
+    """Wiring: on CPU too (the kernels' reference backends), every selecting layer goes through
+    ``run_batched`` and none through the host path, batches of one included."""
+    llm = _llm(**config)
+    selective = llm.engine.runner.attention.selective
     calls = {"batched": 0, "host": 0}
-    real_plan, real_run = selective.plan_step, selective.run
+    real_batched, real_run = selective.run_batched, selective.run
 
-    def plan_step(method, meta, group, table=None):  # the CPU kernels have no index buffer: mark it batched
-        real_plan(method, meta, group, table)
-        selective._batched = "planned" if meta.num_decode_tokens else None
-
-    def run_batched(method, layer, q, k, v, kmin, kmax, out, dense=None):
+    def run_batched(*args, **kw):
         calls["batched"] += 1
-        return real_run(method, layer, q, k, v, kmin, kmax, attention._meta, attention._meta.groups[0], out)
+        return real_batched(*args, **kw)
 
-    def run(*args):
+    def run(*args, **kw):
         calls["host"] += 1
-        return real_run(*args)
+        return real_run(*args, **kw)
 
-    monkeypatch.setattr(selective, "plan_step", plan_step)
     monkeypatch.setattr(selective, "run_batched", run_batched)
     monkeypatch.setattr(selective, "run", run)
     llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     assert calls["batched"] > 0 and calls["host"] == 0
 
 
@@ -266,12 +326,16 @@ def _dense_plan(attention, group, backend):
     return dense
 
 
-@pytest.mark.parametrize(("pad", "kernels"), [(0, "auto"), (2, "auto"), (2, "triton")])
-def test_omnikv_device_set_equals_the_host_path(pad, kernels, monkeypatch):
+@pytest.mark.parametrize(
+    ("pad", "kernels", "backend"),
+    [(0, "auto", "reference"), (0, "auto", "triton"), (2, "auto", "triton"), (2, "triton", "triton")],
+)
+def test_omnikv_device_set_equals_the_host_path(pad, kernels, backend, monkeypatch):
     """OmniKV's batched path (the filter layer's logits through the tables, attention from them, the
     set scored and picked on the device; the next layer reads it through slot lists; Triton under the
-    interpreter) equals the host path, with a CUDA graph's padding rows beside the requests; with
-    ``triton`` the method's own kernels (head max probabilities, ascending top-k) are Triton too."""
+    interpreter, or the reference kernels) equals OmniKV written from the paper through the host path,
+    with a CUDA graph's padding rows beside the requests; with ``triton`` kernels the method's own
+    kernels (head max probabilities, ascending top-k) are Triton too."""
     from sparse_serve.cuda_graphs import pad_decode_metadata
     from sparse_serve.selective_decode import SelectiveDecode
 
@@ -284,13 +348,14 @@ def test_omnikv_device_set_equals_the_host_path(pad, kernels, monkeypatch):
     q_filter, q_next = (torch.randn(3, 8, 64, generator=gen) for _ in range(2))
     host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
     group = meta.groups[0]
+    reference = omnikv_reference(method)
     expected = []  # the filter layer's output (all tokens), then the next layer's (the set)
     for layer, q in ((filt, q_filter), (filt + 1, q_next)):
         args = (pool.k[layer], pool.v[layer], None, None)
-        expected.append(host.run(method, layer, q, *args, meta, group, torch.empty_like(q)))
+        expected.append(host.run(reference, layer, q, *args, meta, group, torch.empty_like(q)))
     padded = pad_decode_metadata(meta, 3 + pad) if pad else meta
     monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
-    fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
+    fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend=backend)
     fast.plan_step(method, padded, padded.groups[0])
     assert fast.batched and fast.graph_key() is not None  # every row selects: graph-eligible
     # Planned again (a next step of the same layout): the head-sparse plan stays, the table is read in
@@ -299,20 +364,21 @@ def test_omnikv_device_set_equals_the_host_path(pad, kernels, monkeypatch):
     kept = fast._planned
     fast.plan_step(method, padded, padded.groups[0], table=table)
     assert fast._table is table and fast._planned is kept
-    dense = _dense_plan(attention, padded.groups[0], "triton")
+    dense = _dense_plan(attention, padded.groups[0], backend)
     for (layer, q), want in zip(((filt, q_filter), (filt + 1, q_next)), expected, strict=True):
         q = torch.cat([q, torch.zeros(pad, *q.shape[1:])])
         args = (pool.k[layer], pool.v[layer], None, None)
         got = fast.run_batched(method, layer, q, *args, torch.empty_like(q), dense=dense)
         torch.testing.assert_close(got[:3], want, rtol=1e-5, atol=1e-5)
-    host_sets = [method._chosen[str(i)].tolist() for i in range(3)]
+    host_sets = [reference.sets[str(i)].tolist() for i in range(3)]
     assert method._device_set[:3].tolist() == host_sets
 
 
 @pytest.mark.parametrize("kernels", ["auto", "triton"])
 def test_quest_uniform_step_with_padding_rows_equals_the_host_path(kernels, monkeypatch):
     """Quest's batched path on a step where every request selects (the CUDA-graph case), plus padding
-    rows; with ``triton`` the method's kernels (page bounds, ascending top-k) run under the interpreter."""
+    rows, equals Quest written from the paper through the host path; with ``triton`` the method's
+    kernels (page bounds, ascending top-k) run under the interpreter."""
     from sparse_serve.cuda_graphs import pad_decode_metadata
     from sparse_serve.selective_decode import SelectiveDecode
 
@@ -323,7 +389,7 @@ def test_quest_uniform_step_with_padding_rows_equals_the_host_path(kernels, monk
     layer = 3
     args = (pool.k[layer], pool.v[layer], pool.kmin[layer], pool.kmax[layer])
     host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
-    expected = host.run(engine.method, layer, q, *args, meta, meta.groups[0], torch.empty_like(q))
+    expected = host.run(quest_reference(engine.method), layer, q, *args, meta, meta.groups[0], torch.empty_like(q))
     assert host.num_selections == 3
     padded = pad_decode_metadata(meta, 5)
     monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
@@ -344,3 +410,44 @@ def test_synthetic_kv_noise_keeps_block_summaries_true():
     for k, kmin, kmax in zip(runner.kv.k, runner.kv.kmin, runner.kv.kmax, strict=True):
         assert torch.equal(kmin, k.amin(dim=1)) and torch.equal(kmax, k.amax(dim=1))
         assert not torch.equal(kmin, kmax)
+
+
+@pytest.mark.parametrize(
+    ("config", "reference"),
+    [
+        (
+            dict(sparse_method="quest", sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16),
+            quest_reference,
+        ),
+        (
+            dict(sparse_method="omnikv", sink_keep_tokens=4, decode_keep_tokens=60, recent_keep_tokens=8),
+            omnikv_reference,
+        ),
+    ],
+    ids=["quest", "omnikv"],
+)
+def test_mixed_step_on_cpu_kernels_equals_the_paper(config, reference):
+    """A step where one request fits its budget (reads everything: block lists, or slot lists for
+    OmniKV) beside one that selects, on the reference kernels (the CPU engine's path): equal to the
+    method written from the paper through the host path, layer after layer."""
+    from sparse_serve.selective_decode import SelectiveDecode
+
+    llm = _llm(**config)
+    meta = _decode_step(llm, [PROMPTS[0], PROMPTS[2]])  # 200 and 60 prompt tokens
+    attention, pool, method = llm.engine.runner.attention, llm.engine.runner.kv, llm.engine.method
+    group = meta.groups[0]
+    ref = reference(method)
+    host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
+    fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
+    fast.plan_step(method, meta, group)
+    assert fast.batched and fast.graph_key() is None  # rows read different sizes: not graph-eligible
+    dense = _dense_plan(attention, group, "reference")
+    gen = torch.Generator().manual_seed(2)
+    for layer in range(4):  # OmniKV: filter layers 0, 2 and 3
+        q = torch.randn(2, 8, 64, generator=gen)
+        summaries = (pool.kmin[layer], pool.kmax[layer]) if pool.kmin is not None else (None, None)
+        args = (pool.k[layer], pool.v[layer], *summaries)
+        want = host.run(ref, layer, q, *args, meta, group, torch.empty_like(q))
+        got = fast.run_batched(method, layer, q, *args, torch.empty_like(q), dense=dense)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert host.num_selections > 0 and fast.num_selections > 0

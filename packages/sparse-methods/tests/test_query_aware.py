@@ -10,8 +10,39 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sparse_kernels
 import sparse_methods as sm
-from sparse_methods.methods.quest import select_pages
+from sparse_methods.base import DecodeBatch
+
+
+def _one_row(query, pages_or_len, block_size, **kw) -> DecodeBatch:
+    """A one-request ``DecodeBatch`` whose table is blocks ``0 .. pages - 1`` in order."""
+    pages = -(-pages_or_len // block_size) if "key_cache" in kw else pages_or_len
+    kv_len = pages_or_len if "key_cache" in kw else pages * block_size
+    return DecodeBatch(
+        query=query[None],
+        kv_lens=torch.tensor([kv_len]),
+        table_indices=torch.arange(pages, dtype=torch.int32),
+        table_start=torch.tensor([0]),
+        max_pages=pages,
+        block_size=block_size,
+        **kw,
+    )
+
+
+def select_pages(query, kmin, kmax, *, sink, keep, recent):
+    """Quest's selection (``select_batched``, the reference kernels) of one request whose pages are
+    the blocks of ``kmin`` / ``kmax``, with its budgets in pages."""
+    num_pages, hkv, d = kmin.shape
+    method = sm.build_method(
+        "quest",
+        sm.ModelShape(4, query.shape[0], hkv, d),
+        sink_keep_tokens=sink * 4,
+        decode_keep_tokens=keep * 4,
+        recent_keep_tokens=recent * 4,
+        quest_chunk_size=4,
+    )
+    return method.select_batched(2, _one_row(query, num_pages, 4, page_min=kmin, page_max=kmax))[0]
 
 
 def _reference(query, kmin, kmax, sink, keep, recent):
@@ -62,7 +93,12 @@ def test_upper_bound_bounds_every_key():
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(6, 16, 2, 8, generator=gen)  # pages, tokens, heads, dim
     query = torch.randn(8, 8, generator=gen)  # 4 query heads per KV head
-    bound = sm.scoring.page_upper_bounds(query, keys.amin(1), keys.amax(1))
+    bound = torch.empty(1, 2, 6)
+    batch = _one_row(query, 6, 16)
+    sparse_kernels.page_bounds(
+        batch.query, keys.amin(1), keys.amax(1), batch.table_indices, batch.table_start, torch.tensor([6]), bound
+    )
+    bound = bound[0]
     for h in range(2):
         exact = torch.einsum("gd,ptd->gpt", query[h * 4 : (h + 1) * 4], keys[:, :, h]).amax(dim=(0, 2))
         assert torch.all(bound[h] >= exact - 1e-5)
@@ -74,9 +110,7 @@ def test_quest_declarations_and_dense_under_budget():
     assert method.kv_store is sm.StoreKind.PAGED_WITH_SUMMARIES
     assert method.budget == 64 + 1472 + 512
     assert [method.selects_decode(layer) for layer in range(4)] == [False, False, True, True]
-    pages = math.ceil(2000 / 16)
-    view = sm.DecodeView(torch.randn(8, 16), 2000, 16, torch.zeros(pages, 2, 16), torch.ones(pages, 2, 16))
-    assert method.decode_selection(2, None, view) is None  # within budget: dense
+    assert method.selection_size(2000, 16) is None  # within budget: dense
 
 
 def _omnikv_reference(query, keys, sink, keep, recent):
@@ -110,13 +144,16 @@ def test_omnikv_filter_matches_the_paper(length, g, seed):
         full_attention_layers="1,3",
     )
     assert method.filter_layers == [1, 3]
-    step = sm.RequestStep("r", length - 1, 1, 10, (length - 1,) * 6)
-    view = sm.DecodeView(query, length, 16, keys=keys)
+    pages = math.ceil(length / 16)
+    key_cache = torch.zeros(pages * 16, 2, 8)
+    key_cache[:length] = keys
+    batch = _one_row(query, length, 16, key_cache=key_cache.view(pages, 16, 2, 8), sm_scale=8**-0.5)
     assert not method.selects_decode(0) and method.needs_decode_keys(1) and not method.needs_decode_keys(2)
-    assert method.decode_selection(1, step, view) is None  # the filter layer reads everything
-    chosen = method.decode_selection(2, step, sm.DecodeView(query, length, 16))
-    assert chosen.page_size == 1 and chosen.indices.shape[0] == 2
-    assert chosen.indices[0].tolist() == chosen.indices[1].tolist() == _omnikv_reference(query, keys, 4, 10, 6)
+    assert method.observes_decode_batch(1)  # the filter layer reads everything
+    method.observe_decode_batch(1, batch)
+    chosen = method.select_batched(2, batch)[0]
+    assert method.selection_page_size(16) == 1 and chosen.shape[0] == 2
+    assert chosen[0].tolist() == chosen[1].tolist() == _omnikv_reference(query, keys, 4, 10, 6)
 
 
 def test_omnikv_auto_layers_follow_the_paper_for_32_layers():

@@ -251,22 +251,3 @@ def pyramid_budgets(mean_kept: int, window: int, kv_len: int, num_layers: int, b
     step = (hi - lo) / (num_layers - 1)
     return [round(hi - layer * step) for layer in range(num_layers)]
 
-
-def page_upper_bounds(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor) -> torch.Tensor:
-    """Quest's bound on ``q.k`` over each page: ``[num_kv_heads, num_pages]`` (batched: ``[B, ...]``).
-
-    Per query head, ``U_p = sum_d max(q_d * max_pd, q_d * min_pd)`` (no key in the page can score
-    higher), computed as ``relu(q) . max_p + min(q, 0) . min_p`` (two matmuls, summaries read once);
-    a KV head's bound is the maximum over its query group (a page matters if any head of the group
-    may need it). ``query``: ``[(B,) num_q_heads, D]``; summaries ``[(B,) num_pages, num_kv_heads, D]``.
-    """
-    batched = query.dim() == 3
-    if not batched:
-        query, page_min, page_max = query[None], page_min[None], page_max[None]
-    b, num_q_heads, d = query.shape
-    num_kv_heads = page_min.shape[2]
-    q = query.float().view(b, num_kv_heads, num_q_heads // num_kv_heads, d)  # [B, Hkv, g, D]
-    hi = page_max.float().permute(0, 2, 3, 1)  # [B, Hkv, D, P]
-    lo = page_min.float().permute(0, 2, 3, 1)
-    bound = (q.clamp(min=0) @ hi + q.clamp(max=0) @ lo).amax(2)  # [B, Hkv, P]
-    return bound if batched else bound[0]

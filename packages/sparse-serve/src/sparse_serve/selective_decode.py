@@ -7,15 +7,17 @@ per KV head, or None (read everything). The answers become one head-sparse CSR (
 request and KV head, the newest page last) that the decode kernel reads, so the bytes a step reads
 scale with the budget rather than the context.
 
-Two paths choose the same lists. The host path asks ``decode_selection`` per query and builds the
-lists on the host (one sync per layer; any method, any kernel backend). The batched path, for
-methods with ``batched_selection`` on the Triton kernels, plans the list structure once per step
-(lengths are known from ``selection_size``) and, per layer, writes what the method picks on the
-device (``select_batched`` over a ``DecodeBatch`` that reads the step's block tables in place)
-straight into the kernel's index buffer: no host sync inside the forward. When every row selects
-the same number of entries (``uniform``) everything the forward reads lives in fixed buffers, so
-the step can be captured and replayed as a CUDA graph (``graph_key``); rows past the step's requests
-(a graph's padding) select too, on their one-token table, and their outputs are dropped.
+A method selects through one of two paths, never both. Methods with ``batched_selection`` (the
+query-aware ones) go through the batched path for every decode step, on any device and kernel
+backend: the list structure is planned once per step (lengths are known from ``selection_size``)
+and, per layer, what the method picks on the device (``select_batched`` over a ``DecodeBatch`` that
+reads the step's block tables in place) is written straight into the Triton kernel's index buffer:
+no host sync inside the forward (the reference kernels, which copy their indices at ``plan``, are
+planned again with the picked entries). When every row selects the same number of entries
+(``uniform``) everything the forward reads lives in fixed buffers, so the step can be captured and
+replayed as a CUDA graph (``graph_key``); rows past the step's requests (a graph's padding) select
+too, on their one-token table, and their outputs are dropped. Other methods answer
+``decode_selection`` per query, and the host path builds their lists (one sync per layer).
 """
 
 from __future__ import annotations
@@ -76,30 +78,31 @@ class SelectiveDecode:
         self._rows = torch.zeros(3 * (max_batch_size or 0), dtype=torch.int64, device=device)
         self._batched: _BatchedStep | None = None  # this step's batched plan, or None (host path)
         self._planned: tuple | None = None  # the last uniform plan: (wrapper, kv_indptr, kv_last_len)
+        self._host_plan: tuple | None = None  # this step's (kv_indptr, kv_indices, kv_last_len) on the host
         self.reads_all = False  # this step's decode rows all read everything: selecting layers run dense
 
     def plan_step(
         self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata, table: torch.Tensor | None = None
     ) -> None:
-        """Plan the batched path for this step's decode rows, or fall back to the host path (None).
+        """Plan the batched path for this step's decode rows (methods with ``batched_selection``).
 
         ``table``: the group's ``decode_kv_indices`` already on the device (the dense decode plan's
         buffer, at a fixed address), read in place instead of copied again."""
         self.reset()
         nd = meta.num_decode_tokens
-        if not nd or not method.batched_selection or self._wrapper(self.shape["block_size"]).backend != "triton":
+        if not nd or not method.batched_selection:
             return
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
         unit = method.selection_page_size(bs)
         size, uniform = self.uniform_size(method, meta, group)
         if size is None:
-            self.reads_all = uniform  # every row reads everything: the dense plan serves them
+            if not uniform:
+                raise ValueError(f"{method.name}: a step's selecting rows must all read the same number of entries")
+            self.reads_all = True  # every row reads everything: the dense plan serves them
             return
         real = min(nd, len(meta.steps))  # rows past the requests are a CUDA graph's padding
         kv_lens = [group.kv_lens[i] + 1 for i in range(nd)]
         sizes = [method.selection_size(n, unit) if i < real else size for i, n in enumerate(kv_lens)]
-        if not uniform and unit != bs:
-            return  # rows that read everything need block lists beside slot lists: host path
         indptr_h = group.decode_kv_indptr.to(torch.int64)
         indices_h = group.decode_kv_indices
         starts_h = indptr_h[:-1]
@@ -112,18 +115,19 @@ class SelectiveDecode:
             last = tails if unit == bs else torch.ones(nd, dtype=torch.int64)
             kv_last_len = last.repeat_interleave(num_kv_heads).to(torch.int32)
             positions = None
-        else:  # some rows read every block (block lists only), the others their selected pages
+        else:  # some rows read everything (all their blocks, or slots), the others their selected entries
             indptr, indices, last_len, pos = [0], [], [], []
             for i in range(nd):
                 blocks = indices_h[int(starts_h[i]) : int(indptr_h[i + 1])].tolist()
+                every = blocks if unit == bs else [b * bs + o for b in blocks for o in range(bs)][: kv_lens[i]]
                 for _ in range(num_kv_heads):
                     if sizes[i] is None:
-                        indices.extend(blocks)
+                        indices.extend(every)
                     else:
                         pos.extend(range(len(indices), len(indices) + size))
-                        indices.extend([blocks[-1]] * size)  # placeholders, written per layer on the device
+                        indices.extend([every[-1]] * size)  # placeholders, written per layer on the device
                     indptr.append(len(indices))
-                    last_len.append(int(tails[i]))
+                    last_len.append(int(tails[i]) if unit == bs else 1)
             kv_indptr = torch.tensor(indptr, dtype=torch.int32)
             kv_indices = torch.tensor(indices, dtype=torch.int32)
             kv_last_len = torch.tensor(last_len, dtype=torch.int32)
@@ -139,10 +143,11 @@ class SelectiveDecode:
             and torch.equal(planned[1], kv_indptr)
             and torch.equal(planned[2], kv_last_len)
         )
+        if kv_indices is None and (not same or wrapper.backend != "triton"):
+            placeholder = last_entry if unit == bs else last_entry * bs + tails - 1
+            kv_indices = placeholder.repeat_interleave(num_kv_heads * size).to(torch.int32)
+        self._host_plan = (kv_indptr, kv_indices, kv_last_len)  # the reference kernels plan again per layer
         if not same:  # a uniform plan whose lists and last lengths did not change is still in place
-            if kv_indices is None:
-                placeholder = last_entry if unit == bs else last_entry * bs + tails - 1
-                kv_indices = placeholder.repeat_interleave(num_kv_heads * size).to(torch.int32)
             wrapper.plan(
                 kv_indptr,
                 kv_indices,
@@ -190,7 +195,7 @@ class SelectiveDecode:
         return (chosen.pop() if chosen else None), len(sizes) == 1
 
     def reset(self) -> None:
-        """No batched plan this step (host path for any selecting layer)."""
+        """No batched plan this step."""
         self._batched, self.reads_all = None, False
 
     @property
@@ -249,17 +254,33 @@ class SelectiveDecode:
         wrapper = self._fast[st.unit][0]
         # Block ids (unit = block) or slot ids (unit = 1), through the tables, in one launch; entries
         # past a row (padding rows) read its last block / slot.
-        if st.positions is None:  # straight into the plan's index list
+        in_place = wrapper.backend == "triton"
+        if st.positions is None and in_place:  # straight into the plan's index list
             ids = wrapper.planned_kv_indices()[: n * num_kv_heads * st.size].view(n, num_kv_heads, st.size)
         else:
             ids = torch.empty(n, num_kv_heads, st.size, dtype=torch.int32, device=q.device)
         selection_entries(
             chosen, self._table, st.starts, st.kv_lens, ids, block_size=bs, page_size=st.unit, backend=self.backend
         )
-        if st.positions is not None:
+        if not in_place:
+            self._replan(wrapper, ids, st)
+        elif st.positions is not None:
             wrapper.planned_kv_indices()[st.positions] = ids.view(-1)
         self.num_selections += n
         return wrapper.run(q, k_cache, v_cache, out=out)
+
+    def _replan(self, wrapper: BatchDecodeWithPagedKVCache, ids: torch.Tensor, st: _BatchedStep) -> None:
+        """Reference kernels (no index buffer to write on the device): plan the step's lists again
+        with the picked entries in place of the placeholders."""
+        kv_indptr, kv_indices, kv_last_len = self._host_plan
+        picked = ids.view(-1).to("cpu", torch.int32)
+        if st.positions is None:
+            kv_indices = picked
+        else:
+            kv_indices = kv_indices.clone()
+            kv_indices[st.positions.cpu()] = picked
+        shape = dict(head_sparse=True, page_size=st.unit, sm_scale=self.sm_scale, **self.shape)
+        wrapper.plan(kv_indptr, kv_indices, kv_last_len, **shape)
 
     def _logits(self, q: torch.Tensor, k_cache: torch.Tensor, st: _BatchedStep):
         """Raw logits of every row over its tokens (through the tables) and their softmax statistics."""
@@ -315,8 +336,10 @@ class SelectiveDecode:
         out: torch.Tensor,
         select_q: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention of the ``q.shape[0]`` leading (decode) items of the step, into ``out``; the method
-        sees ``select_q`` (default ``q``)."""
+        """Host path: attention of the ``q.shape[0]`` leading (decode) items of the step, into ``out``,
+        for a method without ``batched_selection``; the method sees ``select_q`` (default ``q``)."""
+        if method.batched_selection:
+            raise RuntimeError(f"{method.name} selects on the batched path only (plan_step)")
         select_q = q if select_q is None else select_q
         bs = self.shape["block_size"]
         num_kv_heads = self.shape["num_kv_heads"]

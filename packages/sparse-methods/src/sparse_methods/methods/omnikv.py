@@ -29,7 +29,6 @@ from sparse_methods._kernels import kernels
 from sparse_methods.base import (
     Category,
     DecodeBatch,
-    DecodeView,
     MemoryPlan,
     MethodConfig,
     PrefillView,
@@ -69,14 +68,6 @@ def auto_filter_layers(num_layers: int) -> list[int]:
     return sorted({min(num_layers - 1, round(num_layers * f)) for f in (1 / 16, 1 / 4, 9 / 16)})
 
 
-def omnikv_token_scores(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """``[kv_len]``: per query head the softmax of ``q.k * scale`` over the keys, then the max over heads."""
-    g = query.shape[0] // keys.shape[1]
-    k = keys.float().repeat_interleave(g, dim=1)  # [L, Hq, D]
-    logits = torch.einsum("hd,lhd->hl", query.float(), k) * scale
-    return torch.softmax(logits, dim=-1).amax(0)
-
-
 def prefill_history_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``[history_len]``: raw ``q.k`` averaged over the chunk's queries, then the maximum over heads."""
     g = queries.shape[1] // keys.shape[1]
@@ -103,9 +94,8 @@ class OmniKV(SparseMethod):
         )
         if self.filter_layers[-1] >= shape.num_layers:
             raise ValueError(f"full_attention_layers {self.filter_layers} beyond the model's {shape.num_layers} layers")
-        self._chosen: dict[Hashable, torch.Tensor | None] = {}  # request -> token indices of the last filter
         self._history: dict[Hashable, torch.Tensor | None] = {}  # request -> history chosen for its chunk
-        self._device_set: torch.Tensor | None = None  # batched path: [B, budget] tokens of this step's filter
+        self._device_set: torch.Tensor | None = None  # [B, budget] tokens of this step's last filter layer
 
     @property
     def budget(self) -> int:
@@ -121,7 +111,7 @@ class OmniKV(SparseMethod):
     def needs_decode_keys(self, layer: int) -> bool:
         return layer in self.filter_layers
 
-    # -- batched path: the filter layer picks every row's set on the device; the next layers read it --
+    # -- decode (the only path, any device): the filter layer picks every row's set; the next layers read it --
     batched_selection = True
 
     def selection_page_size(self, block_size: int) -> int:
@@ -139,11 +129,11 @@ class OmniKV(SparseMethod):
         return layer in self.filter_layers
 
     def observe_decode_batch(self, layer: int, batch: DecodeBatch) -> None:
-        """``omnikv_token_scores`` and ``keep_indices`` for every row at once: logits read through the
-        tables (``sparse_kernels.paged_logits``, or the batch's own when the engine computed them),
-        softmax per query head and max over heads with sink and recent forced in (``head_max_probs``),
-        then the top ``budget`` in token order (``top_k_ascending``: ties to the earlier token, as
-        ``keep_indices``). Rows must be over the budget."""
+        """Every row's token set at a filter layer: per query head the softmax of ``q.k * scale`` over
+        the row's tokens (logits read through the tables by ``sparse_kernels.paged_logits``, or the
+        batch's own when the engine computed them), the max over heads with sink and recent forced in
+        (``head_max_probs``), then the top ``budget`` in token order (``top_k_ascending``: ties to the
+        earlier token). Rows must be over the budget."""
         c = self.config
         k = kernels()
         query = batch.query
@@ -172,35 +162,8 @@ class OmniKV(SparseMethod):
     def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
         chosen = self._device_set
         if chosen is None or chosen.shape[0] != batch.query.shape[0]:
-            raise RuntimeError("omnikv: a selecting layer ran before its filter layer on the batched path")
+            raise RuntimeError("omnikv: a selecting layer ran before its filter layer")
         return chosen[:, None, :].expand(-1, self.shape.num_kv_heads, -1)
-
-    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        c = self.config
-        return self._filtered(
-            self._chosen,
-            layer,
-            request.request_id,
-            view.kv_len,
-            lambda: omnikv_token_scores(view.query, view.keys, view.keys.shape[-1] ** -0.5),
-            (c.sink_keep_tokens, c.decode_keep_tokens, c.recent_keep_tokens),
-        )
-
-    def _filtered(self, store, layer, rid, length, scores, budget) -> Selection | None:
-        """A filter layer reads everything and stores the token set for the layers after it (None when
-        ``length`` fits the ``(sink, keep, recent)`` budget); other layers read the stored set."""
-        if layer in self.filter_layers:
-            sink, keep, recent = budget
-            store[rid] = None
-            if length > sink + keep + recent:
-                store[rid] = keep_indices(
-                    scores().view(1, -1), kv_len=length, sink=sink, recent=recent, num_middle=keep
-                )[0]
-            return None
-        chosen = store.get(rid)
-        if chosen is None:
-            return None
-        return Selection(chosen.view(1, -1).expand(self.shape.num_kv_heads, -1), 1)
 
     @property
     def prefill_budget(self) -> int:
@@ -214,16 +177,25 @@ class OmniKV(SparseMethod):
         return self.selects_prefill(layer) and layer in self.filter_layers
 
     def prefill_selection(self, layer: int, request: RequestStep, view: PrefillView) -> Selection | None:
+        """A filter layer reads the whole history and stores the set for the layers after it (None when
+        the history fits the prefill budget); other layers read the stored set."""
         c = self.config
-        return self._filtered(
-            self._history,
-            layer,
-            request.request_id,
-            view.history_len,
-            lambda: prefill_history_scores(view.queries, view.keys),
-            (c.prefill_sink_tokens, c.prefill_keep_tokens, c.prefill_recent_tokens),
-        )
+        rid = request.request_id
+        if layer in self.filter_layers:
+            self._history[rid] = None
+            if view.history_len > self.prefill_budget:
+                self._history[rid] = keep_indices(
+                    prefill_history_scores(view.queries, view.keys).view(1, -1),
+                    kv_len=view.history_len,
+                    sink=c.prefill_sink_tokens,
+                    recent=c.prefill_recent_tokens,
+                    num_middle=c.prefill_keep_tokens,
+                )[0]
+            return None
+        chosen = self._history.get(rid)
+        if chosen is None:
+            return None
+        return Selection(chosen.view(1, -1).expand(self.shape.num_kv_heads, -1), 1)
 
     def release(self, request_id: Hashable) -> None:
-        self._chosen.pop(request_id, None)
         self._history.pop(request_id, None)

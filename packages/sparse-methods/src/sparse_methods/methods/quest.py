@@ -1,6 +1,6 @@
 """Quest: query-aware page selection. Every token's KV stays resident (token-exact, radix prefix
 cache); at each decode step and layer, the query bounds each page's best possible ``q.k`` from the
-page's elementwise key min/max (``page_upper_bounds``) and attends only to the sink pages, the best
+page's elementwise key min/max (``select_batched``) and attends only to the sink pages, the best
 ``decode_keep_tokens / quest_chunk_size`` pages and the recent pages (the newest always among them).
 
 Summaries live in the engine's ``paged + block summaries`` store, updated whenever a block is
@@ -20,17 +20,13 @@ from sparse_methods._kernels import kernels
 from sparse_methods.base import (
     Category,
     DecodeBatch,
-    DecodeView,
     MemoryPlan,
     MethodConfig,
     PrefixCacheMode,
-    RequestStep,
-    Selection,
     SparseMethod,
     StoreKind,
 )
 from sparse_methods.registry import register
-from sparse_methods.scoring import keep_indices, page_upper_bounds
 
 
 class QuestConfig(MethodConfig):
@@ -41,14 +37,6 @@ class QuestConfig(MethodConfig):
     quest_skip_layers: int = Field(2, ge=0, description="First layers that always read every page.")
 
 
-def select_pages(
-    query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, *, sink: int, keep: int, recent: int
-) -> torch.Tensor:
-    """``[num_kv_heads, n]`` ascending pages: ``sink`` first, ``recent`` last and the ``keep`` best-bounded others."""
-    scores = page_upper_bounds(query, page_min, page_max)
-    return keep_indices(scores, kv_len=page_min.shape[0], sink=sink, recent=recent, num_middle=keep)
-
-
 @register
 class Quest(SparseMethod):
     name = "quest"
@@ -56,7 +44,6 @@ class Quest(SparseMethod):
     prefix_cache_mode = PrefixCacheMode.RADIX
     kv_store = StoreKind.PAGED_WITH_SUMMARIES
     supports_sliding_window = True  # selects pages in full-attention layers; windowed ones stay dense
-    supports_mla = True  # bounds the absorbed queries against the latent + rope rows' page min / max
     supports_tensor_parallel = True  # per-KV-head page bounds over the whole query group
     Config = QuestConfig
 
@@ -91,9 +78,11 @@ class Quest(SparseMethod):
         return sum(self._pages(page_size))
 
     def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
-        """Bounds read through each row's table (``sparse_kernels.page_bounds``: sink and recent pages
-        forced to +inf, pages past the row to -inf), then the top ``sink + keep + recent`` per KV head in
-        ascending page order (``top_k_ascending``: ties to the earlier page, as ``keep_indices``)."""
+        """Quest's only selection (any device; the kernels' reference backends run on CPU): each page's
+        bound ``sum_d max(q_d * max_d, q_d * min_d)``, the max over the KV head's query group, read
+        through each row's table (``sparse_kernels.page_bounds``: sink and recent pages forced to +inf,
+        pages past the row to -inf), then the top ``sink + keep + recent`` per KV head in ascending page
+        order (``top_k_ascending``: ties to the earlier page)."""
         sink, keep, recent = self._pages(batch.block_size)
         k = kernels()
         query = batch.query
@@ -112,17 +101,3 @@ class Quest(SparseMethod):
             recent=recent,
         )
         return k.top_k_ascending(bounds, min(sink + keep + recent, batch.max_pages))
-
-    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        if view.kv_len <= self.budget:
-            return None
-        c, page = self.config, view.page_size
-        pages = select_pages(
-            view.query,
-            view.page_min,
-            view.page_max,
-            sink=math.ceil(c.sink_keep_tokens / page),
-            keep=c.decode_keep_tokens // page,
-            recent=max(1, math.ceil(c.recent_keep_tokens / page)),
-        )
-        return Selection(pages, page)
