@@ -1,8 +1,7 @@
 """``sparse_kernels``, imported when a device-batched selection first runs (the ``kernels`` extra).
 
-The eviction methods and every per-request reference path are plain torch; only the batched
-selection of the query-aware methods (Quest, OmniKV) calls kernels, so ``sparse-methods`` alone
-does not install them.
+The eviction methods are plain torch; the query-aware methods (Quest, OmniKV) select only through
+kernels (their reference backends on CPU), so ``sparse-methods`` alone does not install them.
 """
 
 from __future__ import annotations

@@ -354,7 +354,8 @@ class SparseMethod(ABC):
         return None
 
     def selects_decode(self, layer: int) -> bool:
-        """Whether ``decode_selection`` is asked for this layer's decode queries."""
+        """Whether this layer's decode queries select (``select_batched`` / ``observe_decode_batch`` with
+        ``batched_selection``, else ``decode_selection``)."""
         return False
 
     def needs_decode_keys(self, layer: int) -> bool:
@@ -362,7 +363,8 @@ class SparseMethod(ABC):
         return False
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        """What one decode query reads in ``layer``, or None to read every slot."""
+        """What one decode query reads in ``layer``, or None to read every slot (the engine's host path:
+        never asked of a method with ``batched_selection``)."""
         return None
 
     def selects_prefill(self, layer: int) -> bool:
@@ -379,9 +381,10 @@ class SparseMethod(ABC):
         return None
 
     batched_selection: ClassVar[bool] = False
-    """Whether the method also selects for a whole batch on the device (``select_batched``), which
-    the engine uses on GPU kernels so that no layer waits for the host (and, when every row of a
-    decode step selects the same number of entries, replays the step as a CUDA graph)."""
+    """Whether the method selects for a whole batch on the device (``select_batched``): then that is
+    its only decode selection, which the engine runs for every decode step on any device (the kernels'
+    reference backends on CPU), so that no layer waits for the host (and, when every row of a decode
+    step selects the same number of entries, the step replays as a CUDA graph)."""
 
     def selection_page_size(self, block_size: int) -> int:
         """Slots per entry of ``select_batched``'s answers: ``block_size`` (pages) or 1 (single slots)."""
@@ -389,7 +392,7 @@ class SparseMethod(ABC):
 
     def selection_size(self, kv_len: int, page_size: int) -> int | None:
         """Entries of ``page_size`` slots that a selecting layer reads per KV head for a context of
-        ``kv_len``, or None when the query reads everything (must agree with ``decode_selection``)."""
+        ``kv_len``, or None when the query reads everything (what ``select_batched`` answers)."""
         return None
 
     def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
@@ -410,9 +413,9 @@ class SparseMethod(ABC):
 
     def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
         """``[B, num_kv_heads, size]`` ascending entry indices (units of ``selection_page_size``, in
-        table order, the newest last) for a batch whose rows all select ``size`` entries: the same
-        choice ``decode_selection`` makes, made on the device without host sync. Entries past a
-        row's length (padding rows of a CUDA graph) are allowed and read the row's last entry."""
+        table order, the newest last) for a batch whose rows all select ``size`` entries, made on the
+        device without host sync. Entries past a row's length (padding rows of a CUDA graph) are
+        allowed and read the row's last entry."""
         raise NotImplementedError(f"{self.name} has no batched selection")
 
     def replay_passes(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> tuple[ReplayPass, ...]:
