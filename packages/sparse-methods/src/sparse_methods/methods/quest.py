@@ -44,6 +44,7 @@ class Quest(SparseMethod):
     prefix_cache_mode = PrefixCacheMode.RADIX
     kv_store = StoreKind.PAGED_WITH_SUMMARIES
     supports_sliding_window = True  # selects pages in full-attention layers; windowed ones stay dense
+    supports_mla = True  # bounds the absorbed queries against the latent + rope rows' page min / max
     supports_tensor_parallel = True  # per-KV-head page bounds over the whole query group
     Config = QuestConfig
 
