@@ -17,6 +17,8 @@ among them, so the single decode query still sees its own row last).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from sparse_kernels import block_summary
@@ -37,9 +39,12 @@ class LatentPagedAttention:
         block_size: int,
         summaries: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None,
         method: SparseMethod | None = None,
+        group_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         """``summaries``: per layer the blocks' min and max rows ``[num_blocks, 1, latent + rope]`` (a
-        store with summaries); ``method``: asked which pages a selecting layer's decode rows read."""
+        store with summaries); ``method``: asked which pages a selecting layer's decode rows read;
+        ``group_queries``: under tensor parallelism, this rank's query heads -> every head of the latent
+        head's group (the method selects from all of them, so every rank reads the same pages)."""
         self.latent = latent  # per layer [num_blocks, block_size, 1, latent_dim + rope_dim]
         self.device = latent[0].device
         self.num_heads = num_heads
@@ -48,6 +53,7 @@ class LatentPagedAttention:
         self.block_size = block_size
         self.summaries = summaries
         self.method = method
+        self.group_queries = group_queries
         if method is not None and any(method.selects_decode(layer) for layer in range(len(latent))):
             if summaries is None or method.selection_page_size(block_size) != block_size:
                 raise ValueError(f"{method.name} selects latent pages: it needs block summaries of block_size pages")
@@ -120,8 +126,9 @@ class LatentPagedAttention:
         if not rows:
             return None
         dev = self.device
+        select_q = q[:nd] if self.group_queries is None else self.group_queries(q[:nd])
         batch = DecodeBatch(
-            query=q[rows],
+            query=select_q[rows],
             kv_lens=torch.tensor([kv_lens[i] for i in rows], dtype=torch.long, device=dev),
             table_indices=to_device(indices.long(), dev),
             table_start=torch.tensor([int(indptr[i]) for i in rows], dtype=torch.long, device=dev),

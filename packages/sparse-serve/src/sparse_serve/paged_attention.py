@@ -162,6 +162,7 @@ class PagedAttention:
                 block_size=block_size,
                 summaries=None if pool.kmin is None else (pool.kmin, pool.kmax),
                 method=method,
+                group_queries=group_queries,
             )
         self.selective = SelectiveDecode(
             self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
