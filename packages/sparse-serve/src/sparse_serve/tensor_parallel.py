@@ -99,6 +99,8 @@ class MirroredEngine:
             _init_rank(0, config, rendezvous)
             self._engine = LLMEngine(config)
         except BaseException:
+            codes = [proc.exitcode for proc in self._workers]
+            logger.error("tensor-parallel ranks 1..: exit codes %s", codes)
             self._kill()
             shutdown_tensor_parallel()
             raise

@@ -22,6 +22,7 @@ from sparse_serve.bench.probes import copy_bandwidth, environment, kv_bytes_per_
 from sparse_serve.config import EngineConfig
 from sparse_serve.engine import LLMEngine
 from sparse_serve.model_runner import resolve_device, resolve_dtype
+from sparse_serve.tensor_parallel import launch_engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ def run_bench(config: EngineConfig, plan: BenchPlan, *, progress: bool = True) -
     copy_bps = report["copy_bandwidth"]["bytes_per_s"]
     if plan.hf_baseline:  # before the engine sizes its KV pool from the free memory
         report["runs"] += _hf_runs(config, plan, dtype, device, copy_bps, progress)
-    engine = LLMEngine(config)
+    engine = launch_engine(config)  # tensor_parallel_size > 1: rank 0 of that many processes
     if plan.prefill == "synthetic" and not plan.e2e:  # e2e prefills its prompts
         engine.runner.randomize_kv(plan.seed)
     prompts = torch.Generator().manual_seed(plan.seed)  # one stream: no two prompts share a cached prefix
@@ -73,6 +74,7 @@ def run_bench(config: EngineConfig, plan: BenchPlan, *, progress: bool = True) -
         report["runs"] += _e2e_runs(engine, plan, prompts, progress)
     else:
         report["runs"] += _decode_runs(engine, plan, prompts, copy_bps, progress)
+    getattr(engine, "close", lambda: None)()  # stop the other tensor-parallel ranks, if any
     del engine
     gc.collect()
     return report
