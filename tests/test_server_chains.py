@@ -380,10 +380,12 @@ def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(dense):
     by good requests: a chain's info, a prune and a drop, a completion."""
     for case, method, path, body, status, code, param in BAD:
         content = None if body is None else body if isinstance(body, str) else json.dumps(body)
-        r = httpx.request(method, dense.url + path, content=content, headers={"content-type": "application/json"})
+        r = httpx.request(
+            method, dense.url + path, content=content, headers={"content-type": "application/json"}, timeout=60
+        )
         _error(r, status, code, param, case)
-        assert httpx.get(dense.url + "/v1/chains/known").json()["busy"] is False, case
-        good = httpx.post(dense.url + PRUNE, json=P)
+        assert httpx.get(dense.url + "/v1/chains/known", timeout=60).json()["busy"] is False, case
+        good = httpx.post(dense.url + PRUNE, json=P, timeout=60)
         assert good.status_code == 200, (case, good.text)
-        assert httpx.delete(dense.url + "/v1/chains/" + good.json()["chain_id"]).json()["deleted"], case
+        assert httpx.delete(dense.url + "/v1/chains/" + good.json()["chain_id"], timeout=60).json()["deleted"], case
         assert dense.complete([5, 6, 7], max_tokens=1)["usage"]["completion_tokens"] == 1, case
