@@ -37,10 +37,7 @@ STORES = {
 _SPARSE_PREFILL = dict(prefill_sparse_method="flashprefill_v2", flashprefill_v2_min_sparse_q_len=512)
 PREFILL = {
     "dense": {},
-    **{
-        f"flashprefill-{t}": dict(_SPARSE_PREFILL, flashprefill_v2_abs_threshold=t)
-        for t in (0.002, 0.01, 0.05, 0.2)
-    },
+    **{f"flashprefill-{t}": dict(_SPARSE_PREFILL, flashprefill_v2_abs_threshold=t) for t in (0.002, 0.01, 0.05, 0.2)},
 }
 SETS = {"kv_dtypes": STORES, "prefill": PREFILL}
 DEPTHS = (0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
@@ -127,7 +124,10 @@ def write(args, grid: EvalGrid, runs: dict[str, list], settings: dict) -> None:
             "samples": n,
             "accuracy": k / n,
             "wilson95": [lo, hi],
-            "per_task": {t: sum(r.correct for r in results if r.task == t) / max(1, sum(r.task == t for r in results)) for t in grid.tasks},
+            "per_task": {
+                t: sum(r.correct for r in results if r.task == t) / max(1, sum(r.task == t for r in results))
+                for t in grid.tasks
+            },
             "settings": settings[name],
         }
         if base is not None and name != "dense":
@@ -154,7 +154,8 @@ def write(args, grid: EvalGrid, runs: dict[str, list], settings: dict) -> None:
         f"{grid.samples_per_cell} samples per (task, depth). Greedy exact match. `{meta['command']}`",
         "",
         "| store | correct / samples | accuracy % | Wilson 95% | vs dense (paired), points | 95% | disagreements | "
-        + " | ".join(grid.tasks) + " |",
+        + " | ".join(grid.tasks)
+        + " |",
         "|" + "---|" * (7 + len(grid.tasks)),
     ]
     for r in rows:

@@ -221,7 +221,9 @@ def test_long_bs1full_prefill_runs_whole_prompts_alone(llama):
 def test_decode_eviction_interval_zero_means_never(llama, method):
     """``decode_eviction_interval=0`` through ``LLM(...)``: no decode-time eviction even for a method
     whose default evicts on an interval; a prompt within the budget then decodes exactly as dense."""
-    budget = dict(sink_keep_tokens=4, recent_keep_tokens=28) if method == "streamingllm" else dict(decode_keep_tokens=40)
+    budget = (
+        dict(sink_keep_tokens=4, recent_keep_tokens=28) if method == "streamingllm" else dict(decode_keep_tokens=40)
+    )
     prompts = _prompts([20, 24])
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     llm = _llm(llama, sparse_method=method, decode_eviction_interval=0, **budget)

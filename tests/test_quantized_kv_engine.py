@@ -65,7 +65,9 @@ def _hf_fake_quant_greedy(model, prompt, max_new_tokens, fake):
     """Greedy decoding with a full forward per token whose attention reads ``fake(K)``, ``fake(V)``."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, fake(key).to(key.dtype), fake(value).to(value.dtype), attention_mask, **kwargs)
+        return sdpa_attention_forward(
+            module, query, fake(key).to(key.dtype), fake(value).to(value.dtype), attention_mask, **kwargs
+        )
 
     AttentionInterface.register("fake_quant_kv", attention)
     previous = model.config._attn_implementation
@@ -173,7 +175,11 @@ def test_pool_bytes_are_the_store_bytes_per_token(qwen3, store):
 def test_snapkv_runs_over_fp8_and_frees_its_evicted_blocks(qwen3):
     path, _ = qwen3
     snap = dict(
-        sparse_method="snapkv", sink_keep_tokens=4, decode_keep_tokens=20, recent_keep_tokens=16, observation_window_size=8
+        sparse_method="snapkv",
+        sink_keep_tokens=4,
+        decode_keep_tokens=20,
+        recent_keep_tokens=16,
+        observation_window_size=8,
     )
     prompts = _prompts([90, 120, 64], seed=4)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -207,7 +213,9 @@ def test_eviction_methods_compact_quantized_stores(qwen3, store, method):
     (the request holds fewer slots than its tokens) and all blocks come back."""
     path, _ = qwen3
     llm = _llm(path, **method, **store)
-    rid = llm.engine.add_request(_prompts([150], seed=6)[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    rid = llm.engine.add_request(
+        _prompts([150], seed=6)[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    )
     held = []
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
@@ -268,7 +276,11 @@ def test_fp8_static_scales_from_a_file(qwen3, tmp_path):
     kv = llm.engine.runner.kv.quantized[0]
     written = kv.k_scale.flatten()[kv.k_scale.flatten() != 0]
     assert written.numel() > 0 and torch.allclose(written, torch.tensor(0.05))
-    for bad, match in [('{"k": [0.1], "v": [0.1]}', "for a model of 3 layers"), ('{"k": 1}', "expected"), ('{"k": [0,0,0], "v": [1,1,1]}', "positive")]:
+    for bad, match in [
+        ('{"k": [0.1], "v": [0.1]}', "for a model of 3 layers"),
+        ('{"k": 1}', "expected"),
+        ('{"k": [0,0,0], "v": [1,1,1]}', "positive"),
+    ]:
         f = tmp_path / "bad.json"
         f.write_text(bad)
         with pytest.raises(ValueError, match=match):

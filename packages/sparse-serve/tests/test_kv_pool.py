@@ -9,7 +9,9 @@ from sparse_kernels.kv_quant import allocate_quantized_kv
 from sparse_serve.kv_pool import allocate_kv_pool, bytes_per_block, num_blocks_for_budget
 
 
-@pytest.mark.parametrize(("scheme", "bits"), [("fp8", 8), ("kivi", 4), ("kivi", 2), ("turboquant", 3), ("turboquant", 4)])
+@pytest.mark.parametrize(
+    ("scheme", "bits"), [("fp8", 8), ("kivi", 4), ("kivi", 2), ("turboquant", 3), ("turboquant", 4)]
+)
 def test_store_kind_tensors_match_the_kernels_layout(scheme, bits):
     kind = quantized_paged(scheme, bits, 16, 3, 64, seed=5)
     pool = allocate_kv_pool(kind, 2, 7, torch.bfloat16, "cpu", num_tail_rows=4 if kind.has_tail else 0)

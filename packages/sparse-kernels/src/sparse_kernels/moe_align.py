@@ -6,8 +6,9 @@ expert in consecutive rows, and every tile of ``block_m`` rows owned by a single
 expert's run is padded up to a multiple of ``block_m``. The result has a fixed size that depends only
 on ``T * k``, ``E`` and ``block_m`` (not on the routing), so the step needs no host sync and replays
 under a CUDA graph (one Triton launch for decode-sized steps, ``sparse_kernels._triton.moe_align``):
-tiles past the last expert's are marked with expert id ``E`` and their programs exit at once, and the tile count bound is small at decode (``T * k`` entries need at most
-``T * k`` tiles however they are spread), so a decode step only ever reads the chosen experts' weights.
+tiles past the last expert's are marked with expert id ``E`` and their programs exit at once, and
+the tile count bound is small at decode (``T * k`` entries need at most ``T * k`` tiles however they
+are spread), so a decode step only ever reads the chosen experts' weights.
 """
 
 from __future__ import annotations

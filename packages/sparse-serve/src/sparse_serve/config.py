@@ -114,7 +114,8 @@ class _EngineFields(BaseModel):
         implied = sparse_methods.get_method_class(self.sparse_method).kv_cache_dtype
         if implied is not None and self.kv_cache_dtype not in ("auto", implied):
             raise ValueError(
-                f"sparse_method {self.sparse_method!r} stores KV as {implied!r}; kv_cache_dtype={self.kv_cache_dtype!r} "
+                f"sparse_method {self.sparse_method!r} stores KV as {implied!r}; "
+                f"kv_cache_dtype={self.kv_cache_dtype!r} "
                 "contradicts it (use sparse_method='dense' with the kv_cache_dtype you want)"
             )
         dtype = implied or self.kv_cache_dtype

@@ -146,11 +146,17 @@ def allocate_kv_pool(
     # Quantized stores are zeroed everywhere: a never-written fp8 byte could be NaN.
     new = torch.empty if device.type == "cpu" and not store.quantized else torch.zeros
     layers = tuple(
-        {t.name: new((num_blocks, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device) for t in store.block_tensors}
+        {
+            t.name: new((num_blocks, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device)
+            for t in store.block_tensors
+        }
         for _ in range(num_layers)
     )
     tails = tuple(
-        {t.name: torch.zeros((num_tail_rows, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device) for t in store.tail_tensors}
+        {
+            t.name: torch.zeros((num_tail_rows, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device)
+            for t in store.tail_tensors
+        }
         for _ in range(num_layers)
     )
     if not store.quantized:
