@@ -112,6 +112,8 @@ _DECODE_NOTE = (
     "(async): pipelined decode steps (async_scheduling). GB/step counts weights read "
     "once (the input embedding only by its rows) plus every resident KV slot read once per layer and request; "
     "% copy BW is that over the step time, against the device copy bandwidth measured in the same process. "
+    "(TP N, per GPU): under tensor parallelism GB/step, GB/s and % copy BW are one GPU's: its weight shard "
+    "(replicated weights whole) and its KV heads. "
     "bytes-bound ms = GB/step / copy bandwidth; GPU busy ms (profiled steps, when asked) is the union of the "
     "device's kernel and copy intervals per step, so ms/step minus it is host time the GPU sat idle.\n"
 )

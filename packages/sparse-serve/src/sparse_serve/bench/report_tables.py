@@ -21,6 +21,8 @@ def label(run: dict) -> str:
     if store.startswith("quantized"):  # e.g. "kivi [kivi, 2 bits]", "snapkv [fp8, 8 bits]"
         text += " [" + store[store.index("(") + 1 : -1] + "]"
     text += " (async)" if run.get("async_scheduling") else ""
+    if run.get("tensor_parallel_size", 1) > 1:  # its bytes and bandwidth are one rank's
+        text += f" (TP {run['tensor_parallel_size']}, per GPU)"
     if (run.get("kernels") or {}).get("pdl") is False:
         text += " (PDL off)"
     return text

@@ -83,8 +83,10 @@ def run_bench(config: EngineConfig, plan: BenchPlan, *, progress: bool = True) -
 def _decode_runs(engine: LLMEngine, plan: BenchPlan, prompts: torch.Generator, copy_bps: float, progress: bool):
     settings = engine_settings(engine)
     cfg = engine.runner.model_config
+    # Per GPU: rank 0's weight shard and its KV heads (every rank reads as much under tensor parallelism).
     weight_bytes = weight_bytes_per_step(engine.runner.model)
-    slot_bytes = kv_bytes_per_token(1, cfg.num_key_value_heads, cfg.head_dim, engine.runner.dtype)
+    heads = engine.runner.rank_config.num_key_value_heads
+    slot_bytes = kv_bytes_per_token(1, heads, cfg.head_dim, engine.runner.dtype)
     if engine.runner.store.quantized:  # a slot read is its codes and scales (compressed bytes)
         slot_bytes = engine.runner.store.bytes_per_token(engine.runner.kv.k[0].element_size())
     elif engine.runner.store.latent:  # one row of latent + rope channels, not a K and a V
@@ -226,6 +228,7 @@ def engine_settings(engine: LLMEngine) -> dict:
         },
         "load_format": config.load_format,
         "dtype": str(runner.dtype).removeprefix("torch."),
+        "tensor_parallel_size": config.tensor_parallel_size,  # > 1: bytes and bandwidth are per GPU
         "sparse_method": config.sparse_method,
         "prefill_sparse_method": config.prefill_sparse_method,
         "method_params": engine.method.config.model_dump(),
