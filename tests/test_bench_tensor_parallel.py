@@ -1,5 +1,6 @@
 """``sparse-serve bench --tensor-parallel-size 2`` on the CPU (two gloo ranks) with the embedded tiny model:
-it runs, stops its ranks, and its bytes per step are one GPU's: rank 0's weight shard and its KV heads."""
+it runs, stops its ranks, and its bytes per step are one GPU's: rank 0's weight shard and its KV heads.
+On a CUDA host the same test checks that a CPU engine's ranks talk gloo, not NCCL."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from sparse_models.distributed import broadcast_object, init_tensor_parallel, shutdown_tensor_parallel
 from sparse_serve.config import EngineConfig
 from sparse_serve.engine import LLMEngine
+from sparse_serve.model_runner import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,12 @@ def launch_engine(config: EngineConfig) -> LLMEngine | MirroredEngine:
 
 
 def _init_rank(rank: int, config: EngineConfig, rendezvous: str) -> None:
-    if config.device != "cpu" and torch.cuda.is_available():
+    # The backend follows the engine's device, not the host: a CPU engine on a CUDA host talks gloo (NCCL
+    # would put every rank's collectives on cuda:0 and cannot reduce the CPU model's tensors).
+    on_cuda = resolve_device(config.device).type == "cuda"
+    if on_cuda:
         torch.cuda.set_device(rank)
-    init_tensor_parallel(rank, config.tensor_parallel_size, f"file://{rendezvous}")
+    init_tensor_parallel(rank, config.tensor_parallel_size, f"file://{rendezvous}", "nccl" if on_cuda else "gloo")
 
 
 def _worker(rank: int, config: EngineConfig, rendezvous: str) -> None:
