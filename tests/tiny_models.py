@@ -44,7 +44,31 @@ def family_config(family: str):
     if family == "qwen3_moe":  # layers 0 and 2 routed (8 experts, 2 per token, renormalised), layer 1 dense
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
         return tf.Qwen3MoeConfig(**_COMMON, **moe, head_dim=32, mlp_only_layers=[1]), tf.Qwen3MoeForCausalLM
+    if family in _MLA:  # multi-head latent attention; layer 0 a dense MLP, the others routed (one shared expert)
+        config_cls, model_cls, extra = _MLA[family]
+        shape = {**_COMMON, "num_key_value_heads": 4, **_MLA_SHAPE, **extra}
+        return getattr(tf, config_cls)(**shape), getattr(tf, model_cls)
     raise KeyError(family)
+
+
+_MLA_SHAPE = dict(
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+)
+_MLA = {
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(q_lora_rank=None, first_k_dense_replace=1)),
+    "glm4_moe_lite": (
+        "Glm4MoeLiteConfig",
+        "Glm4MoeLiteForCausalLM",
+        dict(q_lora_rank=32, mlp_layer_types=["dense", "sparse", "sparse"], n_group=2, topk_group=1),
+    ),
+}
 
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]

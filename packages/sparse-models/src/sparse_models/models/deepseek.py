@@ -6,8 +6,11 @@ per token (see ``sparse_models.mla_config``). Attention runs in the absorbed for
 ``q_nope . k_nope = q_lat . c_kv``, and the backend attends ``[q_lat | q_rope]`` against the cached
 rows ``[c_kv | k_rope]`` as multi-query attention with values ``c_kv``; ``W_UV`` and ``o_proj`` then
 map the latent output back. ``W_UK`` / ``W_UV`` are views of ``kv_b_proj``'s weight ``[H * (nope +
-v), kv_lora_rank]``, loaded as the checkpoint stores it. V3 and GLM differ from V2 only in the RoPE
-layout flag and in their routers (``deepseek_moe.py``; ``mlp_layer_types``: which layers are MoE).
+v), kv_lora_rank]``, loaded as the checkpoint stores it. Under tensor parallelism each rank runs its
+share of the heads: q (or q_b), kv_b (its heads' ``W_UK`` / ``W_UV`` rows) column-parallel, o
+row-parallel; the latent projections are replicated, so every rank caches the whole latent. V3 and
+GLM differ from V2 only in the RoPE layout flag and in their routers (``deepseek_moe.py``;
+``mlp_layer_types``: which layers are MoE).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ from torch import nn
 
 from sparse_models.attention import AttentionBackend
 from sparse_models.config import ModelConfig
+from sparse_models.distributed import shard
 from sparse_models.layers import Linear, LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
 from sparse_models.layers.moe import route_expert_weight
+from sparse_models.layers.parallel_linear import RowParallelLinear, column_parallel_linear
 from sparse_models.models.deepseek_moe import DeepseekMoe
 from sparse_models.models.llama import MLP, DecoderLayer
 from sparse_models.registry import register_model
@@ -31,20 +36,22 @@ class MlaAttention(nn.Module):
         super().__init__()
         mla = config.mla
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
         self.mla = mla
+        heads = config.num_attention_heads
+        self.num_heads = shard(heads, "num_attention_heads")[1]  # this rank's heads (all on one rank)
         qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         bias = config.attention_bias
+        # Per-head projections are column-parallel (their rows are head-major), the latent ones replicated.
         if mla.q_lora_rank is None:
-            self.q_proj = Linear(config.hidden_size, self.num_heads * qk_dim)
+            self.q_proj = column_parallel_linear(config.hidden_size, heads * qk_dim)
         else:
             self.q_a_proj = Linear(config.hidden_size, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _LORA_NORM_EPS)
-            self.q_b_proj = Linear(mla.q_lora_rank, self.num_heads * qk_dim)
+            self.q_b_proj = column_parallel_linear(mla.q_lora_rank, heads * qk_dim)
         self.kv_a_proj_with_mqa = Linear(config.hidden_size, mla.cache_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LORA_NORM_EPS)
-        self.kv_b_proj = Linear(mla.kv_lora_rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim))
-        self.o_proj = Linear(self.num_heads * mla.v_head_dim, config.hidden_size, bias=bias)
+        self.kv_b_proj = column_parallel_linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+        self.o_proj = RowParallelLinear(heads * mla.v_head_dim, config.hidden_size, bias=bias)
 
     def _absorb_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``W_UK [H, nope, kv_lora_rank]`` and ``W_UV [H, v, kv_lora_rank]``: views, no copies."""
