@@ -1,7 +1,8 @@
 """Tensor-parallel engine: 2 and 4 gloo ranks (CPU, fp32; ``LLM`` starts the ranks) give the greedy
 tokens of one rank for a dense (Qwen3: KV heads split at 2 ranks, replicated at 4) and a MoE model
-(Qwen3-MoE), with dense attention, SnapKV (evicting) and Quest (selecting pages). The 2-rank dense
-Qwen3 cases run by default; the rest of the matrix is slow."""
+(Qwen3-MoE), and at 2 ranks for the MLA models (DeepSeek-V2; GLM-4.7-Flash dense only: heads split,
+the latent whole on every rank), with dense attention, SnapKV (evicting) and Quest (selecting pages).
+The 2-rank Qwen3 cases and DeepSeek-V2 with SnapKV run by default; the rest of the matrix is slow."""
 
 from __future__ import annotations
 
@@ -49,12 +50,19 @@ def _greedy(path: str, world: int, method: str) -> list[tuple[int, ...]]:
         llm.close()
 
 
-CASES = [
-    pytest.param(family, world, method, marks=() if (family, world) == ("qwen3", 2) else pytest.mark.slow)
-    for family in ("qwen3", "qwen3_moe")
-    for world in (2, 4)
-    for method in METHODS
-]
+CASES = (
+    [
+        pytest.param(family, world, method, marks=() if (family, world) == ("qwen3", 2) else pytest.mark.slow)
+        for family in ("qwen3", "qwen3_moe")
+        for world in (2, 4)
+        for method in METHODS
+    ]
+    + [  # MLA: heads split, the latent whole on every rank
+        pytest.param("deepseek_v2", 2, method, marks=() if method == "snapkv" else pytest.mark.slow)
+        for method in METHODS
+    ]
+    + [pytest.param("glm4_moe_lite", 2, "dense", marks=pytest.mark.slow)]
+)
 
 
 @pytest.mark.parametrize(("family", "world", "method"), CASES)
