@@ -9,39 +9,11 @@ import random
 
 import pytest
 import torch
-from tiny_models import hf_greedy
+from tiny_models import MLA_FAMILIES, hf_greedy, mla_config
 
 from sparse_serve import LLM, SamplingParams
 
 MAX_NEW = 10
-_SHAPE = dict(
-    vocab_size=384,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=16,
-    v_head_dim=16,
-    max_position_embeddings=512,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    n_shared_experts=1,
-    initializer_range=0.2,  # large logits: few near-ties, so greedy parity is meaningful
-    bos_token_id=1,
-    eos_token_id=2,
-)
-MLA = {
-    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(q_lora_rank=None, first_k_dense_replace=1)),
-    "glm4_moe_lite": (
-        "Glm4MoeLiteConfig",
-        "Glm4MoeLiteForCausalLM",
-        dict(q_lora_rank=32, mlp_layer_types=["dense", "sparse"], n_group=2, topk_group=1),
-    ),
-}
 REGIMES = {
     "block16": dict(block_size=16),
     "chunk7": dict(block_size=4, max_num_batched_tokens=7),
@@ -52,16 +24,14 @@ REGIMES = {
 @pytest.fixture(scope="module")
 def mla_checkpoint(tmp_path_factory):
     """``mla_checkpoint(name, **overrides)`` -> (folder, HF model in eval mode, fp32)."""
-    import transformers as tf
-
     made = {}
 
     def make(name: str, **overrides):
         key = (name, tuple(sorted(overrides.items())))
         if key not in made:
-            config_cls, model_cls, extra = MLA[name]
+            config, model_cls = mla_config(name, **overrides)
             torch.manual_seed(1234)
-            model = getattr(tf, model_cls)(getattr(tf, config_cls)(**{**_SHAPE, **extra, **overrides})).eval()
+            model = model_cls(config).eval()
             with torch.no_grad():  # HF starts the selection bias at zero
                 for name, buf in model.named_buffers():
                     if name.endswith("e_score_correction_bias"):
@@ -80,7 +50,7 @@ def _prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
     return [prefix + [rng.randrange(3, 384) for _ in range(n)] for n in (5, 23, 1, 40)]
 
 
-@pytest.mark.parametrize("name", MLA)
+@pytest.mark.parametrize("name", MLA_FAMILIES)
 @pytest.mark.parametrize("regime", REGIMES)
 def test_mla_greedy_matches_hf(mla_checkpoint, name, regime):
     path, hf_model = mla_checkpoint(name)

@@ -44,11 +44,19 @@ def family_config(family: str):
     if family == "qwen3_moe":  # layers 0 and 2 routed (8 experts, 2 per token, renormalised), layer 1 dense
         moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
         return tf.Qwen3MoeConfig(**_COMMON, **moe, head_dim=32, mlp_only_layers=[1]), tf.Qwen3MoeForCausalLM
-    if family in _MLA:  # multi-head latent attention; layer 0 a dense MLP, the others routed (one shared expert)
-        config_cls, model_cls, extra = _MLA[family]
-        shape = {**_COMMON, "num_key_value_heads": 4, **_MLA_SHAPE, **extra}
-        return getattr(tf, config_cls)(**shape), getattr(tf, model_cls)
+    if family in MLA_FAMILIES:
+        return mla_config(family)
     raise KeyError(family)
+
+
+def mla_config(family: str, **overrides):
+    """A multi-head latent attention model of 2 layers: layer 0 a dense MLP, layer 1 routed experts
+    (8, 2 per token, one shared; GLM-4.7-Flash: sigmoid over 2 groups); ``overrides`` change the config."""
+    import transformers as tf
+
+    config_cls, model_cls, extra = MLA_FAMILIES[family]
+    shape = {**_COMMON, "num_hidden_layers": 2, "num_key_value_heads": 4, **_MLA_SHAPE, **extra, **overrides}
+    return getattr(tf, config_cls)(**shape), getattr(tf, model_cls)
 
 
 _MLA_SHAPE = dict(
@@ -61,12 +69,12 @@ _MLA_SHAPE = dict(
     moe_intermediate_size=32,
     n_shared_experts=1,
 )
-_MLA = {
+MLA_FAMILIES = {
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(q_lora_rank=None, first_k_dense_replace=1)),
     "glm4_moe_lite": (
         "Glm4MoeLiteConfig",
         "Glm4MoeLiteForCausalLM",
-        dict(q_lora_rank=32, mlp_layer_types=["dense", "sparse", "sparse"], n_group=2, topk_group=1),
+        dict(q_lora_rank=32, mlp_layer_types=["dense", "sparse"], n_group=2, topk_group=1),
     ),
 }
 
