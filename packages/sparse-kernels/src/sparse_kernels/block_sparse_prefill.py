@@ -99,17 +99,17 @@ class BatchBlockSparsePrefillWithPagedKVCache(PagedAttentionWrapper):
         )
         self.layout = None
         if int(qo_lens.max()) <= self.params.min_sparse_q_len or window_left >= 0:
-            shape = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-            window = {} if window_left < 0 else {"window_left": window_left}
             self._dense.plan(
                 qo_indptr,
                 kv_indptr,
                 kv_indices,
                 kv_last_len,
-                **shape,
+                num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
                 block_size=block_size,
                 sm_scale=sm_scale,
-                **window,
+                window_left=window_left,
             )
             return
         self.layout = tile_layout(

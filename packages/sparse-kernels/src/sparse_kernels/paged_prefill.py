@@ -146,9 +146,8 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             return None
         starts = kv_indptr[:-1].long()
         counts = kv_indptr.diff().long() - pages
-        keep = torch.repeat_interleave(starts + pages, counts) + (
-            torch.arange(int(counts.sum())) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
-        )
+        firsts, ends = (starts + pages).tolist(), kv_indptr[1:].tolist()
+        keep = torch.cat([torch.arange(lo, hi) for lo, hi in zip(firsts, ends, strict=True)])
         rest_indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)]).to(torch.int32)
         rest = self._triton_plan(qo_lens, qo_indptr, rest_indptr, kv_indices[keep], kv_last_len, layout)
         requests = []

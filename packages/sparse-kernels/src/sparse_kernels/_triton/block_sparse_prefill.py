@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, dot_args
-from sparse_kernels._triton.prefill import _attend_tile
+from sparse_kernels._triton.prefill import _attend_tile, request_span
 
 
 @triton.jit
@@ -40,12 +40,9 @@ def packed_query_tile(
     """Query tile ``tile`` of KV head ``h``: its request ``b``, first packed row, the request's first page
     and KV length, query count, and each packed row's query row, head, position and validity; the
     ``[K_BLOCK_M, BLOCK_D]`` queries as stored (padded rows zero). Shared with the selection kernel."""
-    b = tl.load(tile_req_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    qo_lo = tl.load(qo_indptr_ptr + b)
-    qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_lo
-    page_lo = tl.load(kv_indptr_ptr + b)
-    kv_len = (tl.load(kv_indptr_ptr + b + 1) - page_lo - 1) * BLOCK_SIZE + tl.load(kv_last_len_ptr + b)
+    b, row0, qo_lo, qo_len, page_lo, kv_len = request_span(
+        tile, tile_req_ptr, tile_row_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_last_len_ptr, BLOCK_SIZE
+    )
     packed = row0 + tl.arange(0, K_BLOCK_M)
     pos = packed // GROUP
     head = h * GROUP + packed % GROUP

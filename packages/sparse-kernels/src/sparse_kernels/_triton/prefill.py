@@ -25,6 +25,21 @@ from sparse_kernels._triton.launch import Kernel, dot_args
 
 
 @triton.jit
+def request_span(
+    tile, tile_req_ptr, tile_row_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_last_len_ptr, BLOCK_SIZE: tl.constexpr
+):
+    """Query tile ``tile``'s request ``b`` and first row, the request's first query row and query count,
+    its first page in ``kv_indices`` and its KV length (shared by the prefill kernels)."""
+    b = tl.load(tile_req_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    qo_lo = tl.load(qo_indptr_ptr + b)
+    qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_lo
+    page_lo = tl.load(kv_indptr_ptr + b)
+    kv_len = (tl.load(kv_indptr_ptr + b + 1) - page_lo - 1) * BLOCK_SIZE + tl.load(kv_last_len_ptr + b)
+    return b, row0, qo_lo, qo_len, page_lo, kv_len
+
+
+@triton.jit
 def _attend_tile(
     q,
     acc,
@@ -126,12 +141,9 @@ def _prefill_kernel(
     tile = tl.program_id(0)
     head0 = tl.program_id(1) * PACK  # first query head of this program
     h = head0 // GROUP
-    b = tl.load(tile_req_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    qo_lo = tl.load(qo_indptr_ptr + b)
-    qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_lo
-    page_lo = tl.load(kv_indptr_ptr + b)
-    kv_len = (tl.load(kv_indptr_ptr + b + 1) - page_lo - 1) * BLOCK_SIZE + tl.load(kv_last_len_ptr + b)
+    b, row0, qo_lo, qo_len, page_lo, kv_len = request_span(
+        tile, tile_req_ptr, tile_row_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_last_len_ptr, BLOCK_SIZE
+    )
 
     QUERIES: tl.constexpr = BLOCK_M // PACK
     offs_r = tl.arange(0, BLOCK_M)

@@ -14,7 +14,7 @@ import torch
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel
-from sparse_kernels._triton.prefill import TritonPrefillPlan
+from sparse_kernels._triton.prefill import TritonPrefillPlan, request_span
 from sparse_kernels._triton.quantized_decode_launch import kv_pointers, quant_dot_args, scheme_args
 from sparse_kernels._triton.quantized_tiles import (
     kivi_key_page,
@@ -70,12 +70,9 @@ def _quantized_prefill_kernel(
     tile = tl.program_id(0)
     hq = tl.program_id(1)
     h = hq // GROUP
-    b = tl.load(tile_req_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    qo_lo = tl.load(qo_indptr_ptr + b)
-    qo_len = tl.load(qo_indptr_ptr + b + 1) - qo_lo
-    page_lo = tl.load(kv_indptr_ptr + b)
-    kv_len = (tl.load(kv_indptr_ptr + b + 1) - page_lo - 1) * BLOCK_SIZE + tl.load(kv_last_len_ptr + b)
+    b, row0, qo_lo, qo_len, page_lo, kv_len = request_span(
+        tile, tile_req_ptr, tile_row_ptr, qo_indptr_ptr, kv_indptr_ptr, kv_last_len_ptr, BLOCK_SIZE
+    )
 
     offs_m = row0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
