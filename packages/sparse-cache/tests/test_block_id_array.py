@@ -21,8 +21,9 @@ class CheckedManager(KVCacheManager):
 
     def check(self) -> None:
         for request_id, held in self._requests.items():
-            assert held.ids == array("i", held.table.block_ids), request_id
-            assert self.block_id_array(request_id) is held.ids
+            for t, (ids, table) in enumerate(zip(held.ids, held.tables, strict=True)):
+                assert ids == array("i", table.block_ids), request_id
+                assert self.block_id_array(request_id, t) is ids
 
 
 def _checked(name):
@@ -50,6 +51,7 @@ for _name in (
     "save_chain",
     "add_pruned_chain",
     "take_copies",
+    "slide",
 ):
     setattr(CheckedManager, _name, _checked(_name))
 

@@ -12,10 +12,10 @@ def test_slots_and_last_block_len():
         t.slot(8)
 
 
-def test_shared_and_per_layer_tables():
-    shared = LayerTables(3, block_size=16, shared=True)
-    assert shared[0] is shared[2]
-    split = LayerTables(3, block_size=16, shared=False)
-    assert split[0] is not split[1]
-    with pytest.raises(IndexError):
-        split[3]
+def test_layer_tables_hold_every_layer_but_the_null_block():
+    tables = LayerTables([BlockTable(4, [0, 5], 6), BlockTable(4, [3], 2)], null_block=0)
+    assert tables[1].block_ids == [3] and len(tables) == 2
+    assert tables.block_ids == [5, 3] and tables.num_tokens == 6 and tables.block_size == 4
+    copy = tables.copy()
+    copy[0].block_ids.append(9)
+    assert tables[0].block_ids == [0, 5] and copy.null_block == 0

@@ -3,7 +3,7 @@ cache, prefix-cache pruning plans and the store kinds that describe a layer's KV
 
 from sparse_cache.block_hash import BlockHash, hash_block, hash_full_blocks, root_hash
 from sparse_cache.block_pool import BlockPool
-from sparse_cache.block_table import BlockTable, LayerTables
+from sparse_cache.block_table import BlockTable, LayerTables, RequestTables
 from sparse_cache.chain_cache import ChainCache, ChainCheckout, ChainInfo, ChainStatus
 from sparse_cache.chain_errors import (
     ChainBusyError,
@@ -15,6 +15,7 @@ from sparse_cache.chain_errors import (
     UnknownChainError,
 )
 from sparse_cache.kv_cache_manager import KVCacheManager, PrefixMatch
+from sparse_cache.layer_layout import LayerLayout
 from sparse_cache.pruning import PrunePlan, PruneRange, check_ranges, plan_prune
 from sparse_cache.store_kind import MODEL_DTYPE, StoreKind, TensorSpec, latent_paged, paged, quantized_paged
 from sparse_cache.tail_rows import TailRows
@@ -35,7 +36,9 @@ __all__ = [
     "ChainStatus",
     "KVCacheManager",
     "MODEL_DTYPE",
+    "LayerLayout",
     "LayerTables",
+    "RequestTables",
     "PrefixMatch",
     "PrunePlan",
     "PruneRange",

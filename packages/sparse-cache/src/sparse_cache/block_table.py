@@ -1,8 +1,8 @@
 """Block tables: which pool blocks hold a request's KV, per layer.
 
 Dense and logical-selection methods keep the same tokens in every layer, so all layers share one
-table. Eviction methods with per-layer budgets let layers diverge; ``LayerTables`` maps each
-layer to its table so both cases read the same way.
+table (a ``BlockTable``). Where layers diverge (per-layer budgets, sliding windows) a request holds
+``LayerTables``: one table per layer, all drawing from one pool of block ids.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class BlockTable:
             raise IndexError(f"position {position} outside the table's {self.capacity} slots")
         return self.block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
+    def copy(self) -> BlockTable:
+        return BlockTable(self.block_size, list(self.block_ids), self.num_tokens)
+
     def last_block_len(self) -> int:
         """Tokens used in the last block (1..block_size); the table must hold at least one token."""
         if self.num_tokens < 1:
@@ -43,16 +46,43 @@ class BlockTable:
 
 
 class LayerTables:
-    """Maps each layer to a block table; ``shared=True`` gives every layer the same table."""
+    """One request's block tables, one per layer (the per-layer layout).
 
-    def __init__(self, num_layers: int, block_size: int, shared: bool = True):
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
-        self.num_layers = num_layers
-        self.shared = shared
-        self.tables = [BlockTable(block_size) for _ in range(1 if shared else num_layers)]
+    A sliding-window layer's blocks that lie wholly before its window are given back and replaced in
+    its table by ``null_block``, a reserved block that no request holds and no kernel reads (it keeps
+    every later block at its position). ``block_ids`` lists the blocks the request holds, all layers.
+    """
+
+    __slots__ = ("tables", "null_block")
+
+    def __init__(self, tables: list[BlockTable], null_block: int | None = None):
+        if not tables:
+            raise ValueError("LayerTables needs at least one layer's table")
+        self.tables = tables
+        self.null_block = null_block
 
     def __getitem__(self, layer: int) -> BlockTable:
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
-        return self.tables[0 if self.shared else layer]
+        return self.tables[layer]
+
+    def __len__(self) -> int:
+        return len(self.tables)
+
+    @property
+    def block_size(self) -> int:
+        return self.tables[0].block_size
+
+    @property
+    def num_tokens(self) -> int:
+        return max(t.num_tokens for t in self.tables)
+
+    @property
+    def block_ids(self) -> list[int]:
+        null = self.null_block
+        return [b for t in self.tables for b in t.block_ids if b != null]
+
+    def copy(self) -> LayerTables:
+        return LayerTables([t.copy() for t in self.tables], self.null_block)
+
+
+RequestTables = BlockTable | LayerTables
+"""What a request (or a chain) holds: one table for every layer, or one per layer."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from sparse_cache.block_hash import BlockHash
 from sparse_cache.block_pool import BlockPool
-from sparse_cache.block_table import BlockTable
+from sparse_cache.block_table import RequestTables
 from sparse_cache.chain_errors import (
     ChainBusyError,
     ChainCapacityError,
@@ -53,7 +53,7 @@ class _Chain:
     fingerprint: bytes
     token_ids: tuple[int, ...] = ()
     pending: tuple[int, ...] = ()  # known tokens after them whose KV is not computed (the last sampled one)
-    table: BlockTable | None = None
+    table: RequestTables | None = None
     kv_lens: tuple[int, ...] = ()
     state: object | None = None
     hashes: tuple[BlockHash, ...] | None = None  # radix hashes of leading full blocks (None: not token-exact)
@@ -85,7 +85,7 @@ class ChainCheckout:
     chain_id: str
     status: ChainStatus
     token_ids: tuple[int, ...] = ()
-    table: BlockTable | None = None
+    table: RequestTables | None = None
     kv_lens: tuple[int, ...] = ()
     state: object | None = None
     hashes: tuple[BlockHash, ...] | None = None
@@ -139,7 +139,7 @@ class ChainCache:
         chain = self._get(chain_id)
         return chain.token_ids + chain.pending
 
-    def held_tables(self) -> dict[str, BlockTable]:
+    def held_tables(self) -> dict[str, RequestTables]:
         """Tables of the chains that hold KV now (idle chains only: a busy one's table is its request's)."""
         return {cid: c.table for cid, c in self._chains.items() if c.table is not None}
 
@@ -188,7 +188,7 @@ class ChainCache:
         chain_id: str,
         owner: Hashable,
         token_ids: Sequence[int],
-        table: BlockTable | None,
+        table: RequestTables | None,
         kv_lens: Sequence[int] = (),
         state: object | None = None,
         hashes: Sequence[BlockHash] | None = None,
@@ -219,7 +219,7 @@ class ChainCache:
         chain_id: str | None,
         fingerprint: bytes,
         token_ids: Sequence[int],
-        table: BlockTable,
+        table: RequestTables,
         kv_lens: Sequence[int],
         *,
         state: object | None = None,
@@ -242,7 +242,7 @@ class ChainCache:
         table = None
         if src.table is not None:
             self.pool.acquire(src.table.block_ids)
-            table = BlockTable(src.table.block_size, list(src.table.block_ids), src.table.num_tokens)
+            table = src.table.copy()
         src.last_used = self._tick()
         self._chains[new_chain_id] = _Chain(
             src.fingerprint,

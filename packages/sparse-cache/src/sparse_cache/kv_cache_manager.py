@@ -12,6 +12,12 @@ swap every shared block in the region about to be written for a fresh one and qu
 ``(source, destination)`` copy, which the engine performs (``take_copies``) before the write.
 Idle chains' blocks are reclaimed, least recently used first, whenever an allocation falls short.
 
+Per-layer layout (``LayerLayout``): a request holds one table per layer, all drawing from the one
+pool; ``allocate``, ``shrink`` and the prefix lookups then take and give per-layer counts, each layer's
+copy of a cached prefix is its own cache entry, and ``slide`` gives back a sliding-window layer's
+blocks that its queries no longer read (its table keeps a null block in their place). A windowed
+layer takes a prefix hit of ``P`` tokens from the cached blocks its window still reads.
+
 Each held table also has a packed int32 copy of its block ids (``block_id_array``), kept in step
 with every change this manager makes, so that building a step's block lists costs a memory copy
 per request instead of converting Python ints: while a request holds a table, only this manager
@@ -26,38 +32,48 @@ from dataclasses import dataclass, field
 
 from sparse_cache.block_hash import BlockHash, hash_full_blocks
 from sparse_cache.block_pool import BlockPool
-from sparse_cache.block_table import BlockTable
+from sparse_cache.block_table import BlockTable, LayerTables, RequestTables
 from sparse_cache.chain_cache import ChainCache, ChainCheckout
+from sparse_cache.layer_layout import LayerLayout
 from sparse_cache.pruning import PrunePlan
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """Cached blocks covering the first ``num_tokens`` tokens of a prompt."""
+    """Cached blocks covering the first ``num_tokens`` tokens of a prompt.
+
+    ``block_ids``: the blocks a request taking the match holds (every layer's, in the per-layer layout);
+    ``table_block_ids``: per-layer layout only, each layer's table start (a windowed layer's blocks
+    before its window are the null block)."""
 
     block_ids: tuple[int, ...] = ()
     hashes: tuple[BlockHash, ...] = ()
     num_tokens: int = 0
+    table_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(slots=True)
 class _RequestBlocks:
-    table: BlockTable
+    tables: list[BlockTable]  # one per table of the layout
     hashes: list[BlockHash] = field(default_factory=list)  # hashes of the leading full blocks
     cacheable: bool = True  # False: the KV is not token-exact (resumed from a compressed chain)
-    ids: array = field(init=False)  # table.block_ids as packed int32, kept equal by the manager
+    ids: list[array] = field(init=False)  # each table's block_ids as packed int32, kept equal by the manager
+    nulls: list[int] = field(init=False)  # leading null blocks of each table (windowed layers)
 
     def __post_init__(self) -> None:
-        self.ids = array("i", self.table.block_ids)
+        self.ids = [array("i", t.block_ids) for t in self.tables]
+        self.nulls = [0] * len(self.tables)
 
 
 class KVCacheManager:
-    """Allocates blocks to requests from one pool (all layers share each request's table).
+    """Allocates blocks to requests from one pool.
 
     Parameters
     ----------
-    num_blocks : blocks in the pool (the same ids index every layer's KV tensors).
+    num_blocks : blocks in the pool (shared layout: the same ids index every layer's KV tensors;
+        per-layer layout: ids index the one tensor all layers share).
     block_size : tokens per block.
+    layout : the tables of a request's layers (default: one shared by every layer).
     enable_prefix_caching : share computed full blocks between requests by content hash.
     salt : fingerprint of what the KV depends on besides tokens (model, dtype, method config).
     max_chains : most chains the chain cache keeps.
@@ -68,6 +84,7 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         *,
+        layout: LayerLayout | None = None,
         enable_prefix_caching: bool = True,
         salt: bytes = b"",
         max_chains: int = 4096,
@@ -75,7 +92,10 @@ class KVCacheManager:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
+        self.layout = layout or LayerLayout(1)
         self.pool = BlockPool(num_blocks)
+        # Windowed layers' tables keep this block in place of the ones they gave back; held forever.
+        self.null_block = self.pool.allocate(1)[0] if self.layout.windowed else None
         self.chains = ChainCache(self.pool, max_chains)
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
@@ -83,6 +103,10 @@ class KVCacheManager:
         self._copies: list[tuple[int, int]] = []
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+
+    @property
+    def per_layer(self) -> bool:
+        return self.layout.per_layer
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,17 +121,32 @@ class KVCacheManager:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def table(self, request_id: Hashable) -> BlockTable:
-        return self._requests[request_id].table
+    def table(self, request_id: Hashable, layer: int = 0) -> BlockTable:
+        """The request's table that ``layer`` uses (the one table in the shared layout)."""
+        return self._requests[request_id].tables[layer if self.per_layer else 0]
+
+    def tables(self, request_id: Hashable) -> RequestTables:
+        """Everything the request holds: its table, or its ``LayerTables``."""
+        return self._handle(self._requests[request_id])
 
     def has_request(self, request_id: Hashable) -> bool:
         return request_id in self._requests
 
-    def block_id_array(self, request_id: Hashable) -> array:
-        """The request's block ids as an ``array('i')`` equal to ``table(request_id).block_ids``
-        (the manager's own copy: read it, do not change it)."""
-        return self._requests[request_id].ids
+    def block_id_array(self, request_id: Hashable, layer: int = 0) -> array:
+        """The block ids of ``table(request_id, layer)`` as an ``array('i')`` (the manager's own copy:
+        read it, do not change it)."""
+        return self._requests[request_id].ids[layer if self.per_layer else 0]
 
+    def num_held_blocks(self, request_id: Hashable) -> int:
+        """Pool blocks the request holds (all its tables; null blocks excluded)."""
+        req = self._requests[request_id]
+        return sum(len(t.block_ids) - n for t, n in zip(req.tables, req.nulls, strict=True))
+
+    def num_blocks_for(self, tokens: int | Sequence[int]) -> int:
+        """Blocks a request holding ``tokens`` slots (per layer, or one count for all) takes."""
+        return self.layout.num_blocks(tokens, self.block_size)
+
+    # -- prefix cache ---------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """Longest run of cached leading blocks, leaving at least the last token to compute.
 
@@ -123,6 +162,8 @@ class KVCacheManager:
             return PrefixMatch()
         max_blocks = len(token_ids) // self.block_size
         hashes = hash_full_blocks(token_ids[: max_blocks * self.block_size], self.block_size, self.salt)
+        if self.per_layer:
+            return self._cached_per_layer(hashes)
         block_ids = []
         for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
@@ -132,60 +173,105 @@ class KVCacheManager:
         n = len(block_ids)
         return PrefixMatch(tuple(block_ids), tuple(hashes[:n]), n * self.block_size)
 
+    def _cached_per_layer(self, hashes: list[BlockHash]) -> PrefixMatch:
+        """Every full layer needs all ``n`` leading blocks cached, a windowed layer those its window reads
+        from position ``n * block_size`` on; the longest ``n`` that every layer can take."""
+        found = []
+        for t in range(self.layout.num_tables):
+            key = self.layout.hash_key
+            found.append([self.pool.lookup(key(h, t)) for h in hashes])
+        n = len(hashes)
+        while n > 0:
+            firsts = [self.layout.first_read_block(t, n * self.block_size, self.block_size) for t in range(len(found))]
+            if all(None not in ids[first:n] for ids, first in zip(found, firsts, strict=True)):
+                break
+            n -= 1
+        if n == 0:
+            return PrefixMatch()
+        null = self.null_block
+        tables = tuple((null,) * first + tuple(ids[first:n]) for ids, first in zip(found, firsts, strict=True))
+        held = tuple(b for ids in tables for b in ids if b != null)
+        return PrefixMatch(held, tuple(hashes[:n]), n * self.block_size, tables)
+
+    def _prefix_tables(self, prefix: PrefixMatch) -> tuple[tuple[int, ...], ...]:
+        if not self.per_layer:
+            return (prefix.block_ids,)
+        return prefix.table_block_ids or ((),) * self.layout.num_tables
+
+    # -- allocation -----------------------------------------------------------------------------
     def allocate(
         self,
         request_id: Hashable,
-        num_tokens: int,
+        num_tokens: int | Sequence[int],
         prefix: PrefixMatch | None = None,
         *,
-        write_from: int | None = None,
+        write_from: int | Sequence[int] | None = None,
     ) -> list[int] | None:
-        """Grow a request's table to hold ``num_tokens`` tokens.
+        """Grow a request's tables to hold ``num_tokens`` tokens (per layer, or one count for all).
 
         ``prefix`` (first allocation only) maps cached blocks in before new ones. ``write_from``: the
-        first slot the coming step writes (its smallest layer's KV length); shared blocks from there
-        on are swapped for copies (``take_copies``). Returns the newly allocated block ids, or None
-        when the pool cannot supply them even after reclaiming idle chains (nothing changes then).
+        first slot the coming step writes (per layer, or its smallest layer's KV length); shared blocks
+        from there on are swapped for copies (``take_copies``). Returns the newly allocated block ids,
+        or None when the pool cannot supply them even after reclaiming idle chains (nothing changes then).
         """
         req = self._requests.get(request_id)
         if prefix is not None and prefix.block_ids and req is not None:
             raise ValueError(f"request {request_id!r} already holds blocks; a prefix can only start a table")
         prefix = prefix or PrefixMatch()
-        table = req.table if req is not None else BlockTable(self.block_size)
-        held = len(table.block_ids) + len(prefix.block_ids)
-        needed = max(0, -(-num_tokens // self.block_size) - held)
-        shared = self._shared(table, write_from // self.block_size) if write_from is not None else []
-        if req is not None and not needed and not shared:  # most decode steps: the table has room
-            table.num_tokens = max(table.num_tokens, min(num_tokens, table.capacity))
+        bs = self.block_size
+        targets = self.layout.per_table(num_tokens)
+        tables = req.tables if req is not None else [BlockTable(bs) for _ in targets]
+        starts = self._prefix_tables(prefix)
+        needed = [
+            max(0, -(-n // bs) - len(t.block_ids) - len(s)) for n, t, s in zip(targets, tables, starts, strict=True)
+        ]
+        shared = [[] for _ in tables] if write_from is None else self._shared_from(tables, write_from)
+        if req is not None and not any(needed) and not any(shared):  # most decode steps: the tables have room
+            for t, n in zip(tables, targets, strict=True):
+                t.num_tokens = max(t.num_tokens, min(n, t.capacity))
             return []
         # Prefix blocks nobody holds sit in the free list; taking them costs free capacity too.
-        if not self._ensure_free(needed + len(shared), prefix.block_ids):
+        if not self._ensure_free(sum(needed) + sum(map(len, shared)), prefix.block_ids):
             return None
         if req is None:
-            req = self._requests[request_id] = _RequestBlocks(table)
-            self.prefix_query_tokens += num_tokens
+            req = self._requests[request_id] = _RequestBlocks(tables)
+            self.prefix_query_tokens += max(targets)
         if prefix.block_ids:
             self.pool.acquire(prefix.block_ids)
-            table.block_ids.extend(prefix.block_ids)
-            req.ids.extend(prefix.block_ids)
             req.hashes.extend(prefix.hashes)
             self.prefix_hit_tokens += prefix.num_tokens
-        self._swap_for_copies(req, shared)
-        new_blocks = self.pool.allocate(needed)
-        assert new_blocks is not None  # checked above
-        table.block_ids.extend(new_blocks)
-        req.ids.extend(new_blocks)
-        table.num_tokens = max(table.num_tokens, min(num_tokens, table.capacity))
+            for i, start in enumerate(starts):
+                tables[i].block_ids.extend(start)
+                req.ids[i].extend(start)
+                req.nulls[i] = sum(1 for b in start if b == self.null_block)
+        new_blocks = []
+        for i, table in enumerate(tables):
+            self._swap_for_copies(req, i, shared[i])
+            fresh = self.pool.allocate(needed[i])
+            assert fresh is not None  # checked above
+            table.block_ids.extend(fresh)
+            req.ids[i].extend(fresh)
+            table.num_tokens = max(table.num_tokens, min(targets[i], table.capacity))
+            new_blocks += fresh
         return new_blocks
 
+    def _shared_from(self, tables: list[BlockTable], write_from: int | Sequence[int]) -> list[list[int]]:
+        if isinstance(write_from, int) or not self.per_layer:
+            firsts = [write_from if isinstance(write_from, int) else min(write_from)] * len(tables)
+        else:
+            firsts = list(write_from)
+        return [self._shared(t, first // self.block_size) for t, first in zip(tables, firsts, strict=True)]
+
     def make_exclusive(self, request_id: Hashable, first_block: int, end_block: int) -> bool:
-        """Swap the shared blocks among ``block_ids[first_block:end_block]`` for copies before they are
-        rewritten in place (compaction). False, changing nothing, when the pool cannot supply them."""
+        """Swap the shared blocks among ``block_ids[first_block:end_block]`` (of every table) for copies
+        before they are rewritten in place (compaction). False, changing nothing, when the pool cannot
+        supply them."""
         req = self._requests[request_id]
-        shared = [i for i in self._shared(req.table, first_block) if i < end_block]
-        if not self._ensure_free(len(shared)):
+        shared = [[i for i in self._shared(t, first_block) if i < end_block] for t in req.tables]
+        if not self._ensure_free(sum(map(len, shared))):
             return False
-        self._swap_for_copies(req, shared)
+        for t, indices in enumerate(shared):
+            self._swap_for_copies(req, t, indices)
         return True
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -195,11 +281,12 @@ class KVCacheManager:
         return copies
 
     def num_exclusive_blocks(self, request_id: Hashable) -> int:
-        """Blocks of the request's table that nobody else holds."""
-        return sum(1 for b in self._requests[request_id].table.block_ids if self.pool.refcount(b) == 1)
+        """Blocks of the request's tables that nobody else holds."""
+        null, refcount = self.null_block, self.pool.refcount
+        return sum(1 for t in self._requests[request_id].tables for b in t.block_ids if b != null and refcount(b) == 1)
 
     def _shared(self, table: BlockTable, first_block: int) -> list[int]:
-        ids = table.block_ids
+        ids = table.block_ids  # the null block is held once, by this manager: never shared
         return [i for i in range(max(0, first_block), len(ids)) if self.pool.refcount(ids[i]) > 1]
 
     def _ensure_free(self, num_blocks: int, revive: Sequence[int] = ()) -> bool:
@@ -213,15 +300,15 @@ class KVCacheManager:
                 return False
         return num_blocks + sum(1 for b in revive if self.pool.refcount(b) == 0) <= self.pool.num_free_blocks
 
-    def _swap_for_copies(self, req: _RequestBlocks, indices: list[int]) -> None:
+    def _swap_for_copies(self, req: _RequestBlocks, t: int, indices: list[int]) -> None:
         if not indices:
             return
         fresh = self.pool.allocate(len(indices))
         assert fresh is not None  # the caller checked
-        table = req.table
+        table, ids = req.tables[t], req.ids[t]
         for i, new in zip(indices, fresh, strict=True):
             old = table.block_ids[i]
-            table.block_ids[i] = req.ids[i] = new
+            table.block_ids[i] = ids[i] = new
             self._copies.append((old, new))
             self.pool.release([old])  # still held by its other holders: the content stays until copied
 
@@ -230,7 +317,7 @@ class KVCacheManager:
         req = self._requests[request_id]
         if not self.enable_prefix_caching or not req.cacheable:
             return
-        num_full = min(num_computed_tokens // self.block_size, len(req.table.block_ids))
+        num_full = min(num_computed_tokens // self.block_size, *(len(t.block_ids) for t in req.tables))
         if num_full <= len(req.hashes):
             return
         start = len(req.hashes)
@@ -238,55 +325,89 @@ class KVCacheManager:
         bs = self.block_size
         # Hash only the new blocks' tokens: slicing from 0 would copy the whole sequence every time.
         new_hashes = hash_full_blocks(token_ids[start * bs : num_full * bs], bs, self.salt, parent=parent)
-        for block_id, block_hash in zip(req.table.block_ids[start:num_full], new_hashes, strict=True):
-            self.pool.register(block_id, block_hash)
+        key, null = self.layout.hash_key, self.null_block
+        for t, table in enumerate(req.tables):
+            for block_id, block_hash in zip(table.block_ids[start:num_full], new_hashes, strict=True):
+                if block_id != null:
+                    self.pool.register(block_id, key(block_hash, t))
         req.hashes.extend(new_hashes)
 
-    def shrink(self, request_id: Hashable, num_tokens: int) -> list[int]:
-        """Keep only the blocks needed for the first ``num_tokens`` slots; release the rest (tail first).
+    # -- giving blocks back -----------------------------------------------------------------------
+    def shrink(self, request_id: Hashable, num_tokens: int | Sequence[int]) -> list[int]:
+        """Keep only the blocks needed for the first ``num_tokens`` slots (per layer, or one count for
+        all); release the rest (tail first).
 
-        Used after eviction compacted a request's kept KV to the front of its table. Blocks that were
+        Used after eviction compacted a request's kept KV to the front of its tables. Blocks that were
         registered in the prefix cache cannot be shrunk away (their content is shared by hash).
         Returns the released block ids.
         """
         req = self._requests[request_id]
-        table = req.table
-        if not 0 <= num_tokens <= table.capacity:
-            raise ValueError(f"cannot shrink to {num_tokens} tokens: the table holds {table.capacity} slots")
-        keep_blocks = -(-num_tokens // self.block_size)
-        if keep_blocks < len(req.hashes):
-            raise ValueError("cannot shrink into blocks registered in the prefix cache")
-        released = table.block_ids[keep_blocks:]
-        del table.block_ids[keep_blocks:]
-        del req.ids[keep_blocks:]
-        table.num_tokens = num_tokens
+        targets = self.layout.per_table(num_tokens)
+        for table, n in zip(req.tables, targets, strict=True):
+            if not 0 <= n <= table.capacity:
+                raise ValueError(f"cannot shrink to {n} tokens: the table holds {table.capacity} slots")
+            if -(-n // self.block_size) < len(req.hashes):
+                raise ValueError("cannot shrink into blocks registered in the prefix cache")
+        released = []
+        for table, ids, n in zip(req.tables, req.ids, targets, strict=True):
+            keep_blocks = -(-n // self.block_size)
+            released += table.block_ids[keep_blocks:]
+            del table.block_ids[keep_blocks:]
+            del ids[keep_blocks:]
+            table.num_tokens = n
+        self._release(released)
+        return released
+
+    def slide(self, request_id: Hashable, kv_lens: Sequence[int]) -> list[int]:
+        """Give back each windowed layer's blocks that lie wholly before the window of a query at its
+        KV length (``kv_lens``, per layer): they become the null block. Returns the released ids."""
+        if not self.layout.windowed:
+            return []
+        req, bs, null = self._requests[request_id], self.block_size, self.null_block
+        released = []
+        for t, (table, ids) in enumerate(zip(req.tables, req.ids, strict=True)):
+            first = min(self.layout.first_read_block(t, kv_lens[t], bs), len(table.block_ids))
+            for i in range(req.nulls[t], first):
+                released.append(table.block_ids[i])
+                table.block_ids[i] = ids[i] = null
+            req.nulls[t] = max(req.nulls[t], first)
         self._release(released)
         return released
 
     def free(self, request_id: Hashable) -> None:
         """Give back all of a request's blocks, tail first."""
         req = self._requests.pop(request_id)
-        self._release(req.table.block_ids)
+        self._release([b for t in req.tables for b in t.block_ids])
 
     def _release(self, block_ids: list[int]) -> None:
+        if self.null_block is not None:
+            block_ids = [b for b in block_ids if b != self.null_block]
         if self._copies:  # a copy into a block given back (preempted in the same schedule) is moot
             gone = set(block_ids)
             self._copies = [(s, d) for s, d in self._copies if d not in gone]
         self.pool.release(reversed(block_ids))
 
     # -- chains ---------------------------------------------------------------------------------
-    def attach(self, request_id: Hashable, table: BlockTable, hashes: Sequence[BlockHash] | None = None) -> None:
-        """Adopt ``table`` (and its block references) as a request's table. ``hashes``: the radix hashes
+    def _handle(self, req: _RequestBlocks) -> RequestTables:
+        return LayerTables(req.tables, self.null_block) if self.per_layer else req.tables[0]
+
+    def attach(self, request_id: Hashable, table: RequestTables, hashes: Sequence[BlockHash] | None = None) -> None:
+        """Adopt ``table`` (and its block references) as a request's tables. ``hashes``: the radix hashes
         of its leading full blocks when its KV is token-exact; None keeps its blocks out of the radix cache."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} already holds blocks")
-        self._requests[request_id] = _RequestBlocks(table, list(hashes or ()), cacheable=hashes is not None)
+        if isinstance(table, LayerTables) != self.per_layer:
+            raise ValueError("the table's layout is not this manager's")
+        tables = list(table.tables) if isinstance(table, LayerTables) else [table]
+        req = self._requests[request_id] = _RequestBlocks(tables, list(hashes or ()), cacheable=hashes is not None)
+        for t, ids in enumerate(req.ids):
+            req.nulls[t] = next((i for i, b in enumerate(ids) if b != self.null_block), len(ids))
 
-    def detach(self, request_id: Hashable) -> tuple[BlockTable, tuple[BlockHash, ...] | None]:
-        """Hand a request's table (and its references) to the caller, with its radix hashes when exact."""
+    def detach(self, request_id: Hashable) -> tuple[RequestTables, tuple[BlockHash, ...] | None]:
+        """Hand a request's tables (and references) to the caller, with its radix hashes when exact."""
         req = self._requests.pop(request_id)
         exact = req.cacheable and self.enable_prefix_caching
-        return req.table, tuple(req.hashes) if exact else None
+        return self._handle(req), tuple(req.hashes) if exact else None
 
     def resume_chain(
         self, request_id: Hashable, chain_id: str, token_ids: Sequence[int], *, create: bool = True
@@ -307,14 +428,17 @@ class KVCacheManager:
         state=None,
         pending: Sequence[int] = (),
     ) -> None:
-        """The request's turn on the chain ended: the chain takes its table (KV of ``token_ids``, each
+        """The request's turn on the chain ended: the chain takes its tables (KV of ``token_ids``, each
         layer holding ``kv_lens`` slots), ``state`` and the ``pending`` tokens after them whose KV is
         not computed; a request holding no blocks leaves no KV (its tokens all become pending)."""
         if request_id not in self._requests:
             self.chains.checkin(chain_id, request_id, (), None, pending=[*token_ids, *pending])
             return
-        if kv_lens and len(self.table(request_id).block_ids) > -(-max(kv_lens) // self.block_size):
-            self.shrink(request_id, max(kv_lens))
+        if kv_lens:
+            targets = self.layout.per_table(list(kv_lens))
+            tables = self._requests[request_id].tables
+            if any(len(t.block_ids) > -(-n // self.block_size) for t, n in zip(tables, targets, strict=True)):
+                self.shrink(request_id, list(kv_lens))
         table, hashes = self.detach(request_id)
         self.chains.checkin(chain_id, request_id, token_ids, table, kv_lens, state, hashes, pending)
 
@@ -328,6 +452,8 @@ class KVCacheManager:
         Returns the chain id and the ``(source slot, destination slot)`` KV copies the caller must
         make. Raises ValueError when the pool cannot supply the blocks, ``ChainError`` on capacity.
         """
+        if self.per_layer:
+            raise ValueError("pruning a cached history needs the shared layout (one table for every layer)")
         self.chains.check_room(chain_id)
         bs = self.block_size
         shared = list(source.block_ids[: plan.num_shared_blocks])

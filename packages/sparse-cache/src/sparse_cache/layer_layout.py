@@ -1,0 +1,94 @@
+"""Which block tables a request's layers use: one table shared by every layer, or one per layer.
+
+The shared layout (one table; block ``b`` means the same block in every layer's KV tensors) is the
+fast path: dense and logical-selection methods keep the same slots in every layer. When layers hold
+different amounts (per-layer budgets such as PyramidKV's, sliding-window layers that keep only their
+window) every layer gets its own table, and block ids come from one pool shared by all layers (one KV
+tensor per kind that every layer indexes with its own ids), so the memory in use is the sum of what
+each layer holds instead of its largest layer times the layer count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from sparse_cache.block_hash import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class LayerLayout:
+    """The tables of a request's layers.
+
+    num_layers : layers of the model.
+    per_layer : one table per layer (else one table for all).
+    window_left : per layer (per-layer layout only; empty otherwise): a query at position ``p`` reads
+        slots ``p - window_left .. p`` (the kernels' ``window_left``); None: every slot.
+    """
+
+    num_layers: int
+    per_layer: bool = False
+    window_left: tuple[int | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.window_left and len(self.window_left) != self.num_layers:
+            raise ValueError(f"{len(self.window_left)} windows for {self.num_layers} layers")
+        if any(w is not None for w in self.window_left) and not self.per_layer:
+            raise ValueError("sliding windows free blocks per layer: they need the per-layer layout")
+
+    @classmethod
+    def choose(
+        cls, num_layers: int, window_left: Sequence[int | None] = (), plans: Iterable[Sequence[int]] = ()
+    ) -> LayerLayout:
+        """Per-layer tables when some layer slides over a window or some plan (tokens per layer, e.g. a
+        method's memory plan) differs between layers; the shared table otherwise."""
+        windows = tuple(None if w is None or w < 0 else w for w in window_left)
+        diverge = any(w is not None for w in windows) or any(len(set(p)) > 1 for p in plans)
+        if not diverge:
+            return cls(num_layers)
+        return cls(num_layers, True, windows or (None,) * num_layers)
+
+    @property
+    def num_tables(self) -> int:
+        return self.num_layers if self.per_layer else 1
+
+    @property
+    def windowed(self) -> bool:
+        return any(w is not None for w in self.window_left)
+
+    def window(self, table: int) -> int | None:
+        return self.window_left[table] if self.per_layer else None
+
+    def per_table(self, tokens: int | Sequence[int]) -> list[int]:
+        """Slots each table must hold for a request holding ``tokens`` (per layer, or one count for all)."""
+        if isinstance(tokens, int):
+            return [tokens] * self.num_tables
+        if len(tokens) != self.num_layers:
+            raise ValueError(f"{len(tokens)} token counts for {self.num_layers} layers")
+        return list(tokens) if self.per_layer else [max(tokens)]
+
+    def num_blocks(self, tokens: int | Sequence[int], block_size: int) -> int:
+        """Blocks a request holding ``tokens`` slots (per layer, or one count for all) takes from the pool."""
+        return sum(-(-n // block_size) for n in self.per_table(tokens))
+
+    def window_peaks(self, tokens: Sequence[int], chunk: int, block_size: int) -> tuple[int, ...]:
+        """``tokens`` per layer, a windowed layer's capped at what it holds at most while it advances in
+        steps of up to ``chunk`` tokens: its window and the step, in whole blocks, plus one partial block."""
+        if not self.windowed:
+            return tuple(tokens)
+        return tuple(
+            n if w is None else min(n, (-(-(w + chunk) // block_size) + 1) * block_size)
+            for n, w in zip(tokens, self.window_left, strict=True)
+        )
+
+    def first_read_block(self, table: int, kv_len: int, block_size: int) -> int:
+        """The table's first block a query at position ``kv_len`` (or later) reads: blocks before it
+        may be given back (0 for a table without a window)."""
+        w = self.window(table)
+        return 0 if w is None else max(0, kv_len - w) // block_size
+
+    def hash_key(self, block_hash: BlockHash, table: int) -> BlockHash:
+        """The prefix-cache key of a table's block: each layer's copy of a prefix is its own entry."""
+        return block_hash if table == 0 else block_hash + table.to_bytes(4, "little")
