@@ -54,7 +54,7 @@ def test_windowed_layer_slides_and_prefix_hits_need_only_its_window():
     assert m.num_held_blocks("b") == 6 + 3 + 6
     m.free("a")
     m.free("b")
-    assert m.pool.num_used_blocks == 1  # the null block only
+    assert m.pool.num_used_blocks == 0 and m.num_blocks == 40 - 1  # the null block is outside the pool
 
 
 def test_chains_keep_per_layer_tables():
@@ -140,9 +140,9 @@ class LayerMachine(RuleBasedStateMachine):
                 for b in ids:
                     assert layer_of.setdefault(b, layer) == layer  # no block in two layers' tables
         for b in range(self.m.num_blocks):
-            assert self.m.pool.refcount(b) == (1 if b == self.m.null_block else holders.get(b, 0))
-        assert self.m.num_free_blocks + self.m.pool.num_used_blocks == self.m.num_blocks
-        assert self.m.pool.num_used_blocks == 1 + len(holders)
+            assert self.m.pool.refcount(b) == holders.get(b, 0)
+        assert self.m.num_free_blocks + self.m.pool.num_used_blocks == self.m.num_blocks == 40 - 1
+        assert self.m.pool.num_used_blocks == len(holders) and self.m.null_block == 39
 
     @invariant()
     def each_layer_holds_its_plan(self):

@@ -70,8 +70,9 @@ class KVCacheManager:
 
     Parameters
     ----------
-    num_blocks : blocks in the pool (shared layout: the same ids index every layer's KV tensors;
-        per-layer layout: ids index the one tensor all layers share).
+    num_blocks : blocks of the KV tensors (shared layout: the same ids index every layer's KV tensors;
+        per-layer layout: ids index the one tensor all layers share). With windowed layers the last one
+        is the null block, outside the pool.
     block_size : tokens per block.
     layout : the tables of a request's layers (default: one shared by every layer).
     enable_prefix_caching : share computed full blocks between requests by content hash.
@@ -93,9 +94,9 @@ class KVCacheManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.layout = layout or LayerLayout(1)
-        self.pool = BlockPool(num_blocks)
-        # Windowed layers' tables keep this block in place of the ones they gave back; held forever.
-        self.null_block = self.pool.allocate(1)[0] if self.layout.windowed else None
+        # Windowed layers' tables keep the last block in place of the ones they gave back: outside the pool.
+        self.null_block = num_blocks - 1 if self.layout.windowed else None
+        self.pool = BlockPool(num_blocks - (self.null_block is not None))
         self.chains = ChainCache(self.pool, max_chains)
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
@@ -286,8 +287,8 @@ class KVCacheManager:
         return sum(1 for t in self._requests[request_id].tables for b in t.block_ids if b != null and refcount(b) == 1)
 
     def _shared(self, table: BlockTable, first_block: int) -> list[int]:
-        ids = table.block_ids  # the null block is held once, by this manager: never shared
-        return [i for i in range(max(0, first_block), len(ids)) if self.pool.refcount(ids[i]) > 1]
+        ids, null, refcount = table.block_ids, self.null_block, self.pool.refcount
+        return [i for i in range(max(0, first_block), len(ids)) if ids[i] != null and refcount(ids[i]) > 1]
 
     def _ensure_free(self, num_blocks: int, revive: Sequence[int] = ()) -> bool:
         """Whether ``num_blocks`` new blocks plus the free ones among ``revive`` fit, reclaiming idle
