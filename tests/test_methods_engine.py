@@ -90,15 +90,18 @@ def test_budget_at_least_context_is_dense(llama, case):
 
 
 def _check_step_invariants(engine, seen_prefill: set):
-    """Tables hold exactly the blocks their longest layer needs; the pool's used blocks are theirs;
-    each request stays within its plan, and right after prefill holds exactly its planned resident KV."""
+    """Tables hold exactly the blocks their longest layer needs (each layer its own, with a table per
+    layer); the pool's used blocks are theirs; each request stays within its plan, and right after
+    prefill holds exactly its planned resident KV (in blocks: the sum over layers with per-layer tables)."""
     used = 0
     for req in engine.scheduler.running:
-        if not engine.kv.has_request(req.request_id):
+        rid = req.request_id
+        if not engine.kv.has_request(rid):
             continue
-        table = engine.kv.table(req.request_id)
-        assert len(table.block_ids) == math.ceil(req.kv_len / BLOCK)
-        used += len(table.block_ids)
+        lens = req.kv_lens if engine.kv.per_layer else [req.kv_len]
+        for layer, n in enumerate(lens):
+            assert len(engine.kv.table(rid, layer).block_ids) == math.ceil(n / BLOCK)
+        used += engine.kv.num_held_blocks(rid)
         plan = engine.method.memory_plan(req.prefill_len, req.max_new_tokens, engine.config.max_num_batched_tokens)
         if req.num_computed_tokens < req.prefill_len:
             assert all(n <= p for n, p in zip(req.kv_lens, plan.prefill_peak_tokens, strict=True))
@@ -110,6 +113,9 @@ def _check_step_invariants(engine, seen_prefill: set):
                 # (+1: the first sampled token was stored since, unless this step was the prefill itself).
                 extra = req.num_computed_tokens - req.prefill_len
                 assert [n - extra for n in req.kv_lens] == list(plan.resident_tokens)
+                resident = [n + extra for n in plan.resident_tokens]
+                blocks = [math.ceil(n / BLOCK) for n in (resident if engine.kv.per_layer else [max(resident)])]
+                assert engine.kv.num_held_blocks(rid) == sum(blocks)
     assert engine.kv.pool.num_used_blocks == used
 
 
@@ -118,6 +124,7 @@ def test_methods_under_continuous_batching(llama, case):
     """Mixed prompt lengths arriving over time; every request finishes; memory follows the plan; nothing leaks."""
     llm = _llm(llama, **SMALL_BUDGETS[case])
     engine = llm.engine
+    assert engine.kv.per_layer == (case == "pyramidkv")  # per-layer budgets: a table per layer
     prompts = _prompts([150, 20, 97, 60, 130, 33, 75])
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     finished, seen = {}, set()
@@ -233,3 +240,32 @@ def test_decode_eviction_interval_zero_means_never(llama, method):
     assert ours == [o.token_ids for o in _llm(llama).generate(prompts, params)]
     with pytest.raises(ValueError, match="decode_eviction_interval"):
         _llm(llama, sparse_method=method, decode_eviction_interval=-1, **budget)
+
+
+def _admitted(engine, prompt_len: int) -> int:
+    """Synthetic requests (prefilled to their method's resident KV) that fit the pool at once."""
+    n = 0
+    while True:
+        try:
+            engine.add_synthetic_request(prompt_len, SamplingParams(max_tokens=1))
+        except ValueError:
+            return n
+        n += 1
+
+
+def test_pyramidkv_admits_at_least_as_many_as_snapkv(llama):
+    """Equal average budget (PyramidKV's layers average SnapKV's): with a table per layer PyramidKV holds
+    the sum of its per-layer budgets, not its bottom layer's times the layers, so it packs at least as
+    many requests into the same pool."""
+    budget = dict(sink_keep_tokens=4, decode_keep_tokens=36, recent_keep_tokens=8, observation_window_size=8)
+    counts = {}
+    for name, extra in (("snapkv", {}), ("pyramidkv", dict(pyramidkv_beta=2.0))):
+        engine = _llm(llama, sparse_method=name, num_kv_blocks=60, max_num_seqs=64, **budget, **extra).engine
+        counts[name] = _admitted(engine, 300)
+        resident = engine.method.memory_plan(300, 1, 32).resident_tokens
+        per_request = engine.kv.num_blocks_for(list(resident))
+        assert engine.kv.pool.num_used_blocks == counts[name] * per_request
+        if name == "pyramidkv":
+            assert sum(resident) == 48 * len(resident) and len(set(resident)) > 1  # the same average budget
+            assert per_request == sum(math.ceil(n / BLOCK) for n in resident) < math.ceil(max(resident) / BLOCK) * 3
+    assert counts["pyramidkv"] >= counts["snapkv"] > 0

@@ -135,7 +135,7 @@ class EngineChains:
         if not req.resumed:
             return True  # only a resumed chain's table can hold blocks shared with a fork
         rid = req.request_id
-        if self.kv.num_exclusive_blocks(rid) == len(self.kv.table(rid).block_ids):
+        if self.kv.num_exclusive_blocks(rid) == self.kv.num_held_blocks(rid):
             return True  # nothing shared (no fork holds these blocks): nothing to read on the device
         span = rewritten_slots(compaction)
         if span is None:

@@ -1,11 +1,12 @@
 """Decode steps under CUDA graphs, one graph per batch-size bucket.
 
-A decode-only step (every item one token, one layer group, no method asking to observe attention)
-is padded to the next captured batch size: padded rows get token 0 at position 0, slot -1 (the KV
-store skips it) and a one-token KV list on block 0 (read, never written; their outputs are
-dropped). The graph reads its inputs from static buffers that each step fills in place: the token
-ids and positions here, the slot mapping and the decode kernel's CSR inside the attention backend
-(whose plan copies into fixed-capacity buffers). Logits and sampling run eagerly on the real rows.
+A decode-only step (every item one token, the layer groups the graphs were captured with: one, or
+one per layer in the per-layer layout; no method asking to observe attention) is padded to the next
+captured batch size: padded rows get token 0 at position 0, slot -1 (the KV store skips it) and a
+one-token KV list on block 0 (read, never written; their outputs are dropped). The graph reads its
+inputs from static buffers that each step fills in place: the token ids and positions here, each
+group's slot mapping and decode CSR inside the attention backend (whose plans copy into
+fixed-capacity buffers). Logits and sampling run eagerly on the real rows.
 
 Block summaries (query-aware stores) are updated inside the graph from the static slot mapping.
 Steps of a method that selects what decode reads are eligible when the method selects on the device
@@ -36,14 +37,12 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes
 
 
-def pad_decode_metadata(meta: StepMetadata, batch_size: int) -> StepMetadata:
-    """``meta`` (decode-only, one layer group) padded with dummy requests to ``batch_size`` rows."""
-    pad = batch_size - meta.num_tokens
-    group = meta.groups[0]
+def _pad_group(group: LayerGroupMetadata, pad: int) -> LayerGroupMetadata:
     last = int(group.decode_kv_indptr[-1])
-    padded = LayerGroupMetadata(
+    return LayerGroupMetadata(
         layers=group.layers,
         kv_lens=group.kv_lens + (0,) * pad,
+        block_ids=group.block_ids,  # the real rows' (what host-side readers of a graphed step index)
         slot_mapping=torch.cat([group.slot_mapping, torch.full((pad,), -1, dtype=torch.int32)]),
         decode_kv_indptr=torch.cat([group.decode_kv_indptr, last + torch.arange(1, pad + 1, dtype=torch.int32)]),
         decode_kv_indices=torch.cat([group.decode_kv_indices, torch.zeros(pad, dtype=torch.int32)]),
@@ -53,47 +52,54 @@ def pad_decode_metadata(meta: StepMetadata, batch_size: int) -> StepMetadata:
         prefill_kv_indices=group.prefill_kv_indices,
         prefill_kv_last_len=group.prefill_kv_last_len,
     )
+
+
+def pad_decode_metadata(meta: StepMetadata, batch_size: int) -> StepMetadata:
+    """``meta`` (decode-only) padded with dummy requests to ``batch_size`` rows, in every layer group."""
+    pad = batch_size - meta.num_tokens
     zeros = torch.zeros(pad, dtype=torch.int64)
     return StepMetadata(
         input_ids=torch.cat([meta.input_ids, zeros]),
         positions=torch.cat([meta.positions, zeros]),
         num_decode_tokens=batch_size,
         num_prefill_requests=0,
-        groups=(padded,),
+        groups=tuple(_pad_group(group, pad) for group in meta.groups),
         layer_group=meta.layer_group,
         steps=meta.steps,
         row_starts=meta.row_starts,
-        tables=meta.tables,
         logits_indices=meta.logits_indices,
         sampled=meta.sampled,
     )
 
 
-def _dummy_decode_metadata(batch_size: int, num_layers: int) -> StepMetadata:
-    """A decode step of ``batch_size`` padding rows only (what a capture runs)."""
+def _dummy_decode_metadata(batch_size: int, layer_group: tuple[int, ...]) -> StepMetadata:
+    """A decode step of ``batch_size`` padding rows only (what a capture runs), with ``layer_group``'s groups."""
     empty = torch.zeros(0, dtype=torch.int32)
-    group = LayerGroupMetadata(
-        layers=tuple(range(num_layers)),
-        kv_lens=(),
-        slot_mapping=empty,
-        decode_kv_indptr=torch.zeros(1, dtype=torch.int32),
-        decode_kv_indices=empty,
-        decode_kv_last_len=empty,
-        prefill_qo_indptr=torch.zeros(1, dtype=torch.int32),
-        prefill_kv_indptr=torch.zeros(1, dtype=torch.int32),
-        prefill_kv_indices=empty,
-        prefill_kv_last_len=empty,
+    groups = tuple(
+        LayerGroupMetadata(
+            layers=tuple(layer for layer, g in enumerate(layer_group) if g == group),
+            kv_lens=(),
+            block_ids=(),
+            slot_mapping=empty,
+            decode_kv_indptr=torch.zeros(1, dtype=torch.int32),
+            decode_kv_indices=empty,
+            decode_kv_last_len=empty,
+            prefill_qo_indptr=torch.zeros(1, dtype=torch.int32),
+            prefill_kv_indptr=torch.zeros(1, dtype=torch.int32),
+            prefill_kv_indices=empty,
+            prefill_kv_last_len=empty,
+        )
+        for group in range(max(layer_group) + 1)
     )
     meta = StepMetadata(
         input_ids=torch.zeros(0, dtype=torch.int64),
         positions=torch.zeros(0, dtype=torch.int64),
         num_decode_tokens=0,
         num_prefill_requests=0,
-        groups=(group,),
-        layer_group=(0,) * num_layers,
+        groups=groups,
+        layer_group=layer_group,
         steps=(),
         row_starts=(),
-        tables=(),
         logits_indices=torch.zeros(0, dtype=torch.int64),
         sampled=(),
     )
@@ -103,10 +109,20 @@ def _dummy_decode_metadata(batch_size: int, num_layers: int) -> StepMetadata:
 class DecodeGraphs:
     """Captures the model's decode forward per batch bucket and replays it for eligible steps."""
 
-    def __init__(self, model: torch.nn.Module, attention, num_layers: int, max_batch_size: int, device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attention,
+        num_layers: int,
+        max_batch_size: int,
+        device,
+        layer_group: tuple[int, ...] | None = None,
+    ):
+        """``layer_group``: each layer's group in the steps captured (default: one group for all layers)."""
         self.model = model
         self.attention = attention
         self.num_layers = num_layers
+        self.layer_group = layer_group or (0,) * num_layers
         self.sizes = graph_batch_sizes(max_batch_size)
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
@@ -123,7 +139,7 @@ class DecodeGraphs:
         method, self.attention.method = self.attention.method, None  # captures never observe
         try:
             for bs in reversed(self.sizes):
-                self.attention.plan(_dummy_decode_metadata(bs, self.num_layers))
+                self.attention.plan(_dummy_decode_metadata(bs, self.layer_group))
                 ids, pos = self.input_ids[:bs], self.positions[:bs]
                 for _ in range(2):  # warm up: Triton compiles, allocator settles
                     self.model(ids, pos, self.attention)
@@ -145,7 +161,7 @@ class DecodeGraphs:
         return None
 
     def eligible(self, meta: StepMetadata, method) -> bool:
-        if meta.num_prefill_requests or len(meta.groups) != 1 or self.bucket(meta.num_tokens) is None:
+        if meta.num_prefill_requests or meta.layer_group != self.layer_group or self.bucket(meta.num_tokens) is None:
             return False
         if len(meta.sampled) != meta.num_tokens:  # a one-token prefill chunk that samples nothing
             return False
@@ -154,7 +170,7 @@ class DecodeGraphs:
         if any(method.attention_requests(layer) for layer in range(self.num_layers)):
             return False
         if any(method.selects_decode(layer) for layer in range(self.num_layers)):
-            if not method.batched_selection:
+            if not method.batched_selection or len(meta.groups) > 1:  # selecting graphs: one group only, for now
                 return False
             _, uniform = self.attention.selective.uniform_size(method, meta, meta.groups[0])
             return uniform

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import sparse_methods
-from sparse_cache import ChainInfo, KVCacheManager
+from sparse_cache import ChainInfo, KVCacheManager, LayerLayout
 from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, build_method
 from sparse_models import read_model_config
 from sparse_models.distributed import rank_attention_config, tp_world_size
@@ -94,7 +94,8 @@ class LLMEngine:
             **config.method_params(),
         )
         self.num_layers = model_cfg.num_hidden_layers
-        self.runner = ModelRunner(config, model_cfg, config.max_model_len or model_max_len, self.method)
+        layout = self._layer_layout(model_cfg.layer_sliding_windows, config.max_model_len or model_max_len)
+        self.runner = ModelRunner(config, model_cfg, config.max_model_len or model_max_len, self.method, layout)
         self.max_model_len = self._resolve_max_model_len(model_max_len)
         cfg = self.runner.model_config
         self.tokenizer = _load_tokenizer(config.tokenizer or config.model, cfg.eos_token_ids)
@@ -103,12 +104,15 @@ class LLMEngine:
         # Radix sharing needs token-exact KV; evicting methods resume through chains instead.
         exact_kv = self.method.prefix_cache_mode is PrefixCacheMode.RADIX
         self.kv = KVCacheManager(
-            self.runner.num_blocks,
+            self.runner.num_pool_blocks,
             config.block_size,
+            layout=layout,
             enable_prefix_caching=config.enable_prefix_caching and exact_kv,
             salt=self._cache_salt(),
             max_chains=config.max_num_chains,
         )
+        if self.kv.null_block is not None:
+            self.runner.clear_block(self.kv.null_block)
         self.chains = EngineChains(self.kv, self.method, self.runner.kv)
         self.scheduler = Scheduler(
             self.kv,
@@ -128,6 +132,17 @@ class LLMEngine:
         self._inflight: _LaunchedStep | None = None  # launched, tokens not yet taken (pipelined only)
         self._stashed: list[RequestOutput] = []  # outputs of a step drained outside ``step()``
         self.num_pipelined_steps = 0  # steps launched before the previous step's tokens were known
+
+    def _layer_layout(self, windows, max_len: int) -> LayerLayout:
+        """One table per layer when layers hold different amounts: some layer slides over a window (its
+        blocks before the window are given back) or the method plans different tokens per layer (a
+        long prompt's plan, e.g. PyramidKV's budgets); else the shared table (the fast path)."""
+        plan = self.method.memory_plan(max(1, max_len - 1), 1, self.config.max_num_batched_tokens)
+        return LayerLayout.choose(
+            self.num_layers,
+            tuple(None if w is None else w - 1 for w in windows),  # the kernels' window_left (HF W: w - 1)
+            (plan.prefill_peak_tokens, plan.resident_tokens, plan.decode_peak_tokens),
+        )
 
     def _resolve_max_model_len(self, model_max_len: int) -> int:
         capacity = self.runner.num_blocks * self.config.block_size
@@ -157,10 +172,16 @@ class LLMEngine:
         remaining = max(0, min(req.max_new_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens))
         return self.method.memory_plan(req.num_tokens, remaining, self.config.max_num_batched_tokens)
 
-    def _prefill_peak(self, req: Request) -> int:
-        if req.resumed:  # a chain's retained KV plus the suffix still to compute
-            return req.kv_len + max(0, req.num_tokens - req.num_computed_tokens)
-        return max(self.memory_plan(req).prefill_peak_tokens)
+    def _prefill_peak(self, req: Request) -> int | tuple[int, ...]:
+        """Slots the request's tables hold at most while its prompt is processed: per layer in the
+        per-layer layout (a windowed layer's capped at its window and a chunk), their largest otherwise."""
+        rest = max(0, req.num_tokens - req.num_computed_tokens)
+        if not self.kv.per_layer:
+            if req.resumed:  # a chain's retained KV plus the suffix still to compute
+                return req.kv_len + rest
+            return max(self.memory_plan(req).prefill_peak_tokens)
+        peaks = [k + rest for k in req.kv_lens] if req.resumed else self.memory_plan(req).prefill_peak_tokens
+        return self.kv.layout.window_peaks(peaks, self.config.max_num_batched_tokens, self.config.block_size)
 
     def _full_prefill(self, req: Request) -> bool:
         return self.method.prefill_policy is PrefillPolicy.LONG_BS1FULL_SHORT_BATCH
@@ -237,9 +258,10 @@ class LLMEngine:
         token_ids = torch.randint(0, self.runner.model_config.vocab_size, (num_prompt_tokens,), generator=g).tolist()
         req = Request(request_id, token_ids, params, arrival=self.num_steps, kv_lens=[0] * self.num_layers)
         resident = self.memory_plan(req).resident_tokens
-        if self.kv.allocate(request_id, max(resident), prefix=None) is None:
+        if self.kv.allocate(request_id, list(resident), prefix=None) is None:
             raise ValueError(f"a synthetic request holding {max(resident)} tokens does not fit the KV pool now")
         req.kv_lens = [n - 1 for n in resident]
+        self.kv.slide(request_id, req.kv_lens)
         req.num_computed_tokens = req.prefill_len = num_prompt_tokens
         req.num_computed_tokens -= 1
         req.status = RequestStatus.RUNNING
@@ -315,7 +337,9 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
             return None
         self.chains.copy_pending()  # blocks shared with a fork, copied before this step writes them
-        meta = build_step_metadata(batch, self.kv.table, self.config.block_size, self.kv.block_id_array)
+        meta = build_step_metadata(
+            batch, self.kv.table, self.config.block_size, self.kv.block_id_array, per_layer=self.kv.per_layer
+        )
         feed = None if previous is None else _token_feed(batch, meta, previous)
         prompt_rows = _prompt_rows(batch, meta)
         # Queued on the device; the tokens reach the host later.
@@ -418,7 +442,7 @@ class LLMEngine:
             req.num_replays_done += 1
             self._apply_compaction(req, compactions)
             if self.kv.has_request(req.request_id):
-                self.kv.shrink(req.request_id, req.kv_len)
+                self.kv.shrink(req.request_id, req.kv_lens)
             return
         ends_prompt = req.num_computed_tokens < req.prefill_len <= req.num_computed_tokens + n
         req.num_computed_tokens += n
@@ -426,6 +450,7 @@ class LLMEngine:
         self._apply_compaction(req, compactions)
         if self.kv.has_request(req.request_id):
             self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+            self.kv.slide(req.request_id, req.kv_lens)  # windowed layers give back what they no longer read
             if ends_prompt:
                 self._plan_replays(req)
 
@@ -480,9 +505,10 @@ class LLMEngine:
         False (nothing changed) when blocks shared with a fork cannot be copied first."""
         if not self.chains.make_writable(req, compaction):
             return False
-        table = self.kv.table(req.request_id)
-        req.kv_lens = apply_compaction(self.runner.kv, table.block_ids, req.kv_lens, compaction, self.config.block_size)
-        self.kv.shrink(req.request_id, req.kv_len)
+        rid = req.request_id
+        tables = [self.kv.table(rid, layer).block_ids for layer in range(self.num_layers)]
+        req.kv_lens = apply_compaction(self.runner.kv, tables, req.kv_lens, compaction, self.config.block_size)
+        self.kv.shrink(rid, req.kv_lens)
         return True
 
     def _append_token(

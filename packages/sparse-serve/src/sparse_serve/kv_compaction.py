@@ -3,7 +3,8 @@
 The method decides what to keep (``sparse_methods.Compaction``); ``sparse_kernels.compact_kv``
 moves the K/V rows (per KV head, since heads may keep different tokens; Triton on GPU, its
 reference on CPU) and this reports each layer's new length. The caller then
-shrinks the request's table, returning whole blocks to the pool.
+shrinks the request's tables, returning whole blocks to the pool. Layers read their slots through
+their own block table (the per-layer layout) or one table shared by all.
 
 Per compacted request the host waits on the device once (the bounds check of every layer's kept
 indices, in one reduction) and copies its inputs once (every slot list and CSR offset, packed, pinned
@@ -11,6 +12,8 @@ and non-blocking); each layer is then one ``compact_kv`` launch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -23,13 +26,14 @@ from sparse_serve.step_metadata import table_slots, to_device
 
 def apply_compaction(
     pool: KVPool,
-    block_ids: list[int],
+    block_ids: Sequence[int] | Sequence[Sequence[int]],
     kv_lens: list[int],
     compaction: Compaction,
     block_size: int,
     tail_row: int | None = None,
 ) -> list[int]:
-    """Compact the layers named in ``compaction``; returns the new per-layer KV lengths. Quantized
+    """Compact the layers named in ``compaction``; returns the new per-layer KV lengths. ``block_ids``:
+    the request's table (every layer's), or per layer its table's block ids. Quantized
     stores move codes and scales (``compact_quantized``); ``tail_row``: the request's tail row where
     the store keeps one (its incomplete page is rebuilt there)."""
     if len(compaction.keep) != len(kv_lens):
@@ -43,9 +47,12 @@ def apply_compaction(
         if keep.dim() != 2 or keep.shape[1] > kv_lens[layer]:
             raise ValueError(f"layer {layer}: keeps {tuple(keep.shape)} of the layer's {kv_lens[layer]} slots")
     _check_bounds(layers, kv_lens)
-    inputs = _device_inputs(block_ids, [(kv_lens[layer], keep.shape[1]) for layer, keep in layers], block_size, device)
-    for layer, keep in layers:
-        slots, slot_indptr, keep_indptr = inputs[kv_lens[layer], keep.shape[1]]
+    shared = not block_ids or isinstance(block_ids[0], int)
+    tables = [block_ids if shared else block_ids[layer] for layer in range(len(kv_lens))]
+    sizes = [(tables[layer], kv_lens[layer], keep.shape[1]) for layer, keep in layers]
+    inputs = _device_inputs(sizes, block_size, device)
+    for (layer, keep), size in zip(layers, sizes, strict=True):
+        slots, slot_indptr, keep_indptr = inputs[id(size[0]), size[1], size[2]]
         if pool.store.latent:  # one head: gather every kept row, then write them to the front
             flat = pool.latent[layer].view(-1, pool.store.head_dim)
             flat[slots[: keep.shape[1]].long()] = flat[slots[keep[0]].long()]
@@ -77,20 +84,21 @@ def _check_bounds(layers: list[tuple[int, torch.Tensor]], kv_lens: list[int]) ->
 
 
 def _device_inputs(
-    block_ids: list[int], sizes: list[tuple[int, int]], block_size: int, device: torch.device
-) -> dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``(kv_len, num_kept) -> (slots, slot_indptr, keep_indptr)`` on ``device``, int32, from one copy."""
-    distinct = sorted(set(sizes))
-    lengths = sorted({kv_len for kv_len, _ in distinct})
-    host = [table_slots(block_ids, kv_len, block_size).to(torch.int32) for kv_len in lengths]
-    host.append(torch.tensor([x for kv_len, n in distinct for x in (0, kv_len, 0, n)], dtype=torch.int32))
+    sizes: list[tuple[Sequence[int], int, int]], block_size: int, device: torch.device
+) -> dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(id(table), kv_len, num_kept) -> (slots, slot_indptr, keep_indptr)`` on ``device``, int32, from one
+    copy, for each ``(table, kv_len, num_kept)`` of ``sizes``."""
+    distinct = {(id(table), kv_len, n): table for table, kv_len, n in sizes}
+    spans = {(key[0], key[1]): table for key, table in distinct.items()}
+    host = [table_slots(table, kv_len, block_size).to(torch.int32) for (_, kv_len), table in spans.items()]
+    host.append(torch.tensor([x for _, kv_len, n in distinct for x in (0, kv_len, 0, n)], dtype=torch.int32))
     packed = to_device(torch.cat(host), device)
     slots, offset = {}, 0
-    for kv_len in lengths:
-        slots[kv_len] = packed[offset : offset + kv_len]
-        offset += kv_len
+    for span in spans:
+        slots[span] = packed[offset : offset + span[1]]
+        offset += span[1]
     out = {}
-    for kv_len, n in distinct:
-        out[kv_len, n] = (slots[kv_len], packed[offset : offset + 2], packed[offset + 2 : offset + 4])
+    for key in distinct:
+        out[key] = (slots[key[:2]], packed[offset : offset + 2], packed[offset + 2 : offset + 4])
         offset += 4
     return out

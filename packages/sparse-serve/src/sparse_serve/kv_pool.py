@@ -4,6 +4,10 @@ The store kind (``sparse_cache.StoreKind``) says what a block holds (plain K/V, 
 summaries, or quantized codes with their scales) and what a running request holds beside the pool
 (KIVI's tail); this module allocates those tensors per layer and counts their bytes. The store
 kind is chosen here from the method's declaration and the engine's ``kv_cache_dtype``.
+
+In the per-layer layout (``sparse_cache.LayerLayout``: each layer has its own block table) every
+layer's entry is a view of one tensor per kind holding all layers' blocks: a block id names the same
+memory whichever layer's table holds it, so the pool's blocks serve any layer.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class KVPool:
     """``layers[l]``: layer ``l``'s block tensors by name (leading dim ``num_blocks``); ``tails[l]``:
     its tail tensors (leading dim: tail rows), empty when the store has no tail.
 
+    In the per-layer layout ``layers[l]`` holds the same tensors for every ``l`` (all layers' blocks).
     Plain stores: ``k[l]`` / ``v[l]`` are ``[num_blocks, block_size, num_kv_heads, head_dim]`` (NHD);
     with summaries ``kmin[l]`` / ``kmax[l]`` ``[num_blocks, num_kv_heads, head_dim]`` are each block's
     elementwise min / max key. Quantized stores: ``quantized[l]`` is the layer as the quantized
@@ -76,13 +81,20 @@ class KVPool:
     def kmax(self) -> tuple[torch.Tensor, ...] | None:
         return tuple(layer["kmax"] for layer in self.layers) if self.store.summaries else None
 
+    @property
+    def one_tensor(self) -> bool:
+        """The per-layer layout: every layer indexes the same tensors."""
+        return len(self.layers) > 1 and self.layers[0] is self.layers[1]
+
     def block_tensors(self) -> tuple[torch.Tensor, ...]:
-        """Every per-block tensor of every layer (a block's whole content, for copies)."""
-        return tuple(t for layer in self.layers for t in layer.values())
+        """Every per-block tensor (a block's whole content, for copies): every layer's, each tensor once."""
+        layers = self.layers[:1] if self.one_tensor else self.layers
+        return tuple(t for layer in layers for t in layer.values())
 
     def nbytes(self) -> int:
         """Bytes the pool's tensors take (blocks and tails, all layers)."""
-        return sum(t.numel() * t.element_size() for layer in (*self.layers, *self.tails) for t in layer.values())
+        tails = (t for layer in self.tails for t in layer.values())
+        return sum(t.numel() * t.element_size() for t in (*self.block_tensors(), *tails))
 
 
 def store_kind(
@@ -137,21 +149,31 @@ def tail_bytes(store: StoreKind, num_layers: int, dtype: torch.dtype) -> int:
 
 
 def allocate_kv_pool(
-    store: StoreKind, num_layers: int, num_blocks: int, dtype: torch.dtype, device, num_tail_rows: int = 0
+    store: StoreKind,
+    num_layers: int,
+    num_blocks: int,
+    dtype: torch.dtype,
+    device,
+    num_tail_rows: int = 0,
+    one_tensor: bool = False,
 ) -> KVPool:
-    """Every layer's tensors of ``store``: ``num_blocks`` blocks and ``num_tail_rows`` tail rows."""
+    """Every layer's tensors of ``store``: ``num_blocks`` blocks and ``num_tail_rows`` tail rows.
+    ``one_tensor`` (the per-layer layout): one tensor per kind of ``num_layers * num_blocks`` blocks,
+    which every layer indexes (the same bytes)."""
     device = torch.device(device)
     # Kernels read only slots that were written. On CPU an uninitialised pool costs memory only as
     # it fills (the OS maps pages on first touch); on GPU it is zeroed, so padded graph rows read zeros.
     # Quantized stores are zeroed everywhere: a never-written fp8 byte could be NaN.
     new = torch.empty if device.type == "cpu" and not store.quantized else torch.zeros
-    layers = tuple(
-        {
-            t.name: new((num_blocks, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device)
-            for t in store.block_tensors
-        }
-        for _ in range(num_layers)
-    )
+
+    def blocks(n: int) -> dict[str, torch.Tensor]:
+        specs = store.block_tensors
+        return {t.name: new((n, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device) for t in specs}
+
+    if one_tensor:
+        layers = (blocks(num_layers * num_blocks),) * num_layers
+    else:
+        layers = tuple(blocks(num_blocks) for _ in range(num_layers))
     tails = tuple(
         {
             t.name: torch.zeros((num_tail_rows, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparse_cache import TailRows
+from sparse_cache import LayerLayout, TailRows
 from sparse_kernels import block_summary
 from sparse_methods import PrefixCacheMode, SparseMethod, StepContext
 from sparse_models import ModelConfig, load_model
@@ -52,7 +52,10 @@ class ModelRunner:
         model_config: ModelConfig,
         max_model_len_hint: int,
         method: SparseMethod | None = None,
+        layout: LayerLayout | None = None,
     ):
+        """``layout``: the tables of a request's layers (default shared); in the per-layer layout the pool
+        holds ``num_blocks`` blocks per layer in one tensor per kind (``num_pool_blocks`` ids in all)."""
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
@@ -84,8 +87,16 @@ class ModelRunner:
         self.num_tail_rows = config.max_num_seqs if self.store.has_tail else 0
         self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
         self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
+        per_layer = layout is not None and layout.per_layer
+        self.num_pool_blocks = self.num_blocks * (cfg.num_hidden_layers if per_layer else 1)
         self.kv = allocate_kv_pool(
-            self.store, cfg.num_hidden_layers, self.num_blocks, self.dtype, self.device, self.num_tail_rows
+            self.store,
+            cfg.num_hidden_layers,
+            self.num_blocks,
+            self.dtype,
+            self.device,
+            self.num_tail_rows,
+            one_tensor=per_layer,
         )
         static_scales = _static_fp8_scales(config.fp8_kv_scale_path, cfg.num_hidden_layers)
         graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
@@ -104,6 +115,7 @@ class ModelRunner:
             sm_scale=cfg.softmax_scale,
             layer_windows=tuple(-1 if w is None else w - 1 for w in cfg.layer_sliding_windows),  # HF W: w - 1
             group_queries=None if tp_world_size() == 1 else _group_queries(cfg.num_key_value_heads),
+            num_graph_groups=cfg.num_hidden_layers if per_layer else 1,
         )
         self.method = method
         self.graphs: DecodeGraphs | None = None
@@ -111,7 +123,11 @@ class ModelRunner:
         # too, for now: its collectives are not captured in graphs yet.
         eager = config.enforce_eager or self.store.latent or tp_world_size() > 1
         if self.device.type == "cuda" and not eager:
-            self.graphs = DecodeGraphs(self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device)
+            # A decode step's layer groups: one, or one per layer (each with its own table).
+            layer_group = tuple(range(cfg.num_hidden_layers)) if per_layer else None
+            self.graphs = DecodeGraphs(
+                self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device, layer_group
+            )
             self.graphs.capture()
         self.sampler = Sampler(config.seed, self.device)
 
@@ -142,13 +158,22 @@ class ModelRunner:
         if self.kv.quantized is not None:
             randomize_quantized(self.kv, g)
             return
-        for cache in self.kv.latent or (*self.kv.k, *self.kv.v):
-            cache.normal_(generator=g)
+        layers = self.kv.layers[:1] if self.kv.one_tensor else self.kv.layers
+        for layer in layers:
+            for cache in (layer["kv"],) if self.kv.store.latent else (layer["k"], layer["v"]):
+                cache.normal_(generator=g)
         if self.kv.kmin is not None:  # block summaries follow the noise (Quest's bounds see real keys)
-            blocks = torch.arange(self.num_blocks, dtype=torch.int32, device=self.device)
+            blocks = torch.arange(self.kv.num_blocks, dtype=torch.int32, device=self.device)
             full = torch.full_like(blocks, self.block_size)
-            for k, kmin, kmax in zip(self.kv.k, self.kv.kmin, self.kv.kmax, strict=True):
-                block_summary(k, blocks, full, kmin, kmax)
+            for layer in layers:
+                block_summary(layer["k"], blocks, full, layer["kmin"], layer["kmax"])
+
+    @torch.inference_mode()
+    def clear_block(self, block_id: int) -> None:
+        """Zero one block in every tensor (the per-layer layout's null block: never written, and finite
+        wherever a reference kernel gathers it before masking it out)."""
+        for t in self.kv.block_tensors():
+            t[block_id] = 0
 
     @property
     def kv_bytes_per_block(self) -> int:

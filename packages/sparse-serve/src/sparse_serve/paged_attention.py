@@ -1,7 +1,8 @@
 """The engine's attention backend: store the step's K/V in the pool, attend over pages, and hand
 the sparse method the inputs it asked for.
 
-Plans both kernels once per step and layer group from the host metadata; each layer's
+Plans both kernels once per step and layer group from the host metadata (the kernels a group's
+layers use: windowed or not); each layer's
 ``forward`` is then device-only unless the method asked to observe this layer's attention inputs
 (score-based eviction), which gathers the requested requests' keys. Single-token items go to the
 decode kernel, prefill chunks to the prefill kernel. No method is named here: the method says
@@ -121,13 +122,16 @@ class PagedAttention:
         sm_scale: float | None = None,
         layer_windows: Sequence[int] = (),
         group_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        num_graph_groups: int = 1,
     ):
         """``sm_scale``: the softmax scale the model passes (default ``head_dim ** -0.5``). ``layer_windows``:
         per layer its sliding window as the kernels' ``window_left`` (-1: full attention; empty: none).
         Windowed layers attend through plans of their own, dense: sparse methods act on full layers only.
         ``group_queries``: under tensor parallelism, ``q [T, local heads, D]`` -> the query heads of this
         rank's KV groups (gathered from the ranks that share a replicated KV head): what the method sees,
-        so every rank holding a KV head selects and evicts the same tokens of it."""
+        so every rank holding a KV head selects and evicts the same tokens of it. ``num_graph_groups``: the
+        leading layer groups whose plans keep fixed buffers (a decode step's groups under CUDA graphs: one,
+        or one per layer in the per-layer layout)."""
         self.pool = pool
         self.device = pool.device
         self.quantized = pool.quantized  # per layer, or None for plain stores
@@ -144,14 +148,13 @@ class PagedAttention:
         self._make_prefill = (
             BatchPrefillWithPagedKVCache if prefill_attention is None else prefill_attention.prefill_wrapper
         )
-        # The first group's plan has fixed-capacity buffers (CUDA graphs replay against them).
-        self._plans: list[_GroupPlan] = [
-            _GroupPlan(self.device, self._make_prefill, max_num_tokens, max_batch_size, max_num_pages)
-        ]
+        # The leading groups' plans have fixed-capacity buffers (CUDA graphs replay against them).
+        self._caps = (max_num_tokens, max_batch_size, max_num_pages)
+        self._num_graph_groups = num_graph_groups
         self._meta: StepMetadata | None = None
         self._layer_window = {layer: w for layer, w in enumerate(layer_windows) if w >= 0}
-        self._window_caps = (max_num_tokens, max_batch_size, max_num_pages)  # each window's first plan
         self._window_plans: dict[int, list[_GroupPlan]] = {w: [] for w in sorted(set(self._layer_window.values()))}
+        self._plans: list[_GroupPlan] = [self._new_plan(None, 0)]
         self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
         self.latent = None  # MLA: queries and cached rows in latent space (``LatentPagedAttention``)
         if pool.store.latent:
@@ -164,12 +167,15 @@ class PagedAttention:
                 method=method,
                 group_queries=group_queries,
             )
-        self.selective = SelectiveDecode(
-            self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
-        )
+        # Per layer group (its own tables): the first keeps fixed buffers for graphs, the rest grow as needed.
+        self._selectives = [
+            SelectiveDecode(
+                self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
+            )
+        ]
         self.selective_prefill = SelectivePrefill(self.device, self.shape, self.sm_scale)
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] | None = []  # None: summaries from slot mappings
-        self._observed_slots: dict[tuple[int, int], torch.Tensor] = {}  # (step row, kv_len) -> slots, this step
+        self._observed_slots: dict[tuple, torch.Tensor] = {}  # (table, step row, kv_len) -> slots, this step
 
     def plan(self, meta: StepMetadata) -> None:
         """Prepare one step: copy each layer group's slot mapping and plan its kernels."""
@@ -178,32 +184,50 @@ class PagedAttention:
         if self.latent is not None:
             self.latent.plan(meta, self.sm_scale)
             return
-        while len(self._plans) < len(meta.groups):
-            self._plans.append(_GroupPlan(self.device, self._make_prefill))
         tails = self._tail_index(meta) if self.pool.store.has_tail else None
-        for plan, group in zip(self._plans, meta.groups, strict=False):
-            plan.plan(group, meta, self.shape, self.sm_scale, tails)
-        for window, plans in self._window_plans.items():
-            while len(plans) < len(meta.groups):
-                plans.append(self._windowed_plan(window, self._window_caps if not plans else ()))
-            for plan, group in zip(plans, meta.groups, strict=False):
-                plan.plan(group, meta, self.shape, self.sm_scale, tails)
+        for g, group in enumerate(meta.groups):
+            for window in {self._layer_window.get(layer) for layer in group.layers}:
+                self._plan_of(window, g).plan(group, meta, self.shape, self.sm_scale, tails)
         if self.pool.kmin is not None:
             # A decode-only step writes one token per request, each into its own block: the summaries
             # follow from the slot mapping on the device (graph-safe). Prefill chunks recompute blocks.
             decode_only = meta.num_prefill_requests == 0
             self._touched = None if decode_only else [self._touched_blocks(group, meta) for group in meta.groups]
-        if self.method is not None and len(meta.groups) == 1:
-            dense = self._plans[0].decode
+        for selective in self._selectives:
+            selective.reset()
+        if self.method is None:
+            return
+        for g, group in enumerate(meta.groups):
+            if all(layer in self._layer_window for layer in group.layers):
+                continue  # windowed layers attend densely
+            dense = self._plans[g].decode
             table = dense.planned_kv_indices() if meta.num_decode_tokens and dense.backend == "triton" else None
-            self.selective.plan_step(self.method, meta, meta.groups[0], table=table)
-        else:
-            self.selective.reset()
+            self._selective_of(g).plan_step(self.method, meta, group, table=table)
 
-    def _windowed_plan(self, window_left: int, caps: tuple) -> _GroupPlan:
+    @property
+    def selective(self) -> SelectiveDecode:
+        """The first layer group's selective decode (the only one without per-layer tables)."""
+        return self._selectives[0]
+
+    def _selective_of(self, g: int) -> SelectiveDecode:
+        while len(self._selectives) <= g:
+            self._selectives.append(SelectiveDecode(self.device, self.shape, self.sm_scale))
+        return self._selectives[g]
+
+    def _new_plan(self, window: int | None, g: int) -> _GroupPlan:
+        caps = self._caps if g < self._num_graph_groups else ()
+        if window is None:
+            return _GroupPlan(self.device, self._make_prefill, *caps)
         plan = _GroupPlan(self.device, BatchPrefillWithPagedKVCache, *caps)
-        plan.window_left = window_left
+        plan.window_left = window
         return plan
+
+    def _plan_of(self, window: int | None, g: int) -> _GroupPlan:
+        """Group ``g``'s plan for layers with ``window`` (None: full attention), made on first use."""
+        plans = self._plans if window is None else self._window_plans[window]
+        while len(plans) <= g:
+            plans.append(self._new_plan(window, len(plans)))
+        return plans[g]
 
     def _tail_index(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token row's and each item's tail row, int32 on the host. A padded decode graph has
@@ -223,7 +247,7 @@ class PagedAttention:
         for i, step in enumerate(meta.steps):
             start, end = group.kv_lens[i], group.kv_lens[i] + step.num_new_tokens
             for b in range(start // bs, (end - 1) // bs + 1):
-                blocks.append(meta.tables[i].block_ids[b])
+                blocks.append(group.block_ids[i][b])
                 valid.append(min(bs, end - b * bs))
         return (
             to_device(torch.tensor(blocks, dtype=torch.int32), self.device),
@@ -263,20 +287,21 @@ class PagedAttention:
         else:
             out = torch.empty_like(q)  # both kernels write their rows in place: no concatenation copy
             if select_decode:
+                selective = self._selectives[group_idx]
                 summaries = self.pool.kmin is not None
                 kmin = self.pool.kmin[layer_idx] if summaries else None
                 kmax = self.pool.kmax[layer_idx] if summaries else None
-                if self.selective.reads_all:  # no row selects this step: the dense plan
+                if selective.reads_all:  # no row selects this step: the dense plan
                     plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
                 else:
                     # Tensor parallelism: the method sees the query heads of this rank's KV groups.
                     extra = {} if self.group_queries is None else {"select_q": self.group_queries(q[:nd])}
-                    if self.selective.batched:  # picked on the device, no host sync
+                    if selective.batched:  # picked on the device, no host sync
                         args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
-                        self.selective.run_batched(*args, dense=plan.decode, **extra)
+                        selective.run_batched(*args, dense=plan.decode, **extra)
                     else:
                         args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
-                        self.selective.run(*args, **extra)
+                        selective.run(*args, **extra)
             elif nd:
                 plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
             if select_prefill:
@@ -320,18 +345,21 @@ class PagedAttention:
                 self._observe(layer_idx, q, None, group, wanted)
         return out
 
-    def _request_keys(self, layer_idx: int, i: int, kv_len: int, flat_k: torch.Tensor | None, dtype) -> torch.Tensor:
+    def _request_keys(
+        self, layer_idx: int, group, i: int, kv_len: int, flat_k: torch.Tensor | None, dtype
+    ) -> torch.Tensor:
         """Request ``i``'s keys in this layer, in slot order ``[kv_len, Hkv, D]`` (dequantized from codes
         for quantized stores, with a tailed store's incomplete page from the request's tail row)."""
         meta = self._meta
         if flat_k is not None:
-            slots = self._observed_slots.get((i, kv_len))
-            if slots is None:  # once per request and step (every layer of a group has the same table)
-                host = table_slots(meta.tables[i].block_ids, kv_len, self.block_size)
-                slots = self._observed_slots[i, kv_len] = to_device(host, self.device)  # pinned, no wait
+            key = (id(group.block_ids[i]), i, kv_len)  # a table per layer in the per-layer layout
+            slots = self._observed_slots.get(key)
+            if slots is None:  # once per request, table and step
+                host = table_slots(group.block_ids[i], kv_len, self.block_size)
+                slots = self._observed_slots[key] = to_device(host, self.device)  # pinned, no wait
             return flat_k[slots]
         kv, bs = self.quantized[layer_idx], self.block_size
-        blocks = to_device(torch.tensor(meta.tables[i].block_ids[: -(-kv_len // bs)], dtype=torch.int64), self.device)
+        blocks = to_device(torch.tensor(group.block_ids[i][: -(-kv_len // bs)], dtype=torch.int64), self.device)
         keys = dequantize_blocks(kv, blocks, dtype=dtype)[0].flatten(0, 1)[:kv_len]
         partial = kv_len % bs
         if kv.has_tail and partial:
@@ -347,7 +375,7 @@ class PagedAttention:
             if step.request_id not in wanted:
                 continue
             kv_len = group.kv_lens[i] + step.num_new_tokens
-            keys = self._request_keys(layer_idx, i, kv_len, flat_k, q.dtype)
+            keys = self._request_keys(layer_idx, group, i, kv_len, flat_k, q.dtype)
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
             rows = rows if self.group_queries is None else self.group_queries(rows)
             self.method.on_attention_end(layer_idx, step, LayerAttention(rows, keys, self.sm_scale))

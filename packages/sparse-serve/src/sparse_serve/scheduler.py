@@ -10,6 +10,10 @@ only when the pool can hold its prefill peak on top of what the running prefills
 to take, so methods that evict admit more requests and long prefills do not thrash. Requests whose
 method needs the whole prompt at once (``full_prefill``) are prefilled alone in one pass.
 
+Memory is counted in blocks through the KV manager's layout: a request holding ``n`` slots takes
+``ceil(n / block_size)`` blocks shared by its layers, or, with a table per layer, the sum over its
+layers of each layer's blocks (so per-layer budgets and sliding windows pack by what they hold).
+
 Idle chains' KV counts as available memory: the KV manager reclaims it (least recently used chain
 first) before an allocation fails, so it goes before any running request is preempted. A request
 resuming a chain already holds the chain's retained KV while it waits and computes only the rest;
@@ -24,7 +28,7 @@ some prefill can run; a step with nothing else to do decodes).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from sparse_cache import KVCacheManager
@@ -50,10 +54,20 @@ def _dense_prefill_peak(req: Request) -> int:
     return req.num_prompt_tokens
 
 
+def _at_least(a: int | Sequence[int], b: int | Sequence[int]) -> int | list[int]:
+    """The larger of two slot counts, each one count for every layer or per layer (then per layer)."""
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b)
+    if isinstance(a, int):
+        a, b = b, a
+    return [max(x, y) for x, y in zip(a, [b] * len(a) if isinstance(b, int) else b, strict=True)]
+
+
 class Scheduler:
     """Parameters
     ----------
-    prefill_peak : tokens a request's table holds at most while its prompt is processed (memory plan).
+    prefill_peak : slots a request's tables hold at most while its prompt is processed (memory plan): one
+        count for every layer, or per layer.
     full_prefill : whether a request's prompt must be prefilled in one pass, alone (prefill policy).
     compacts : whether the method may compact a request's KV in place: then the blocks a resumed chain
         shares with a fork count as needed again (they are copied before a compaction rewrites them).
@@ -66,7 +80,7 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        prefill_peak: Callable[[Request], int] = _dense_prefill_peak,
+        prefill_peak: Callable[[Request], int | Sequence[int]] = _dense_prefill_peak,
         full_prefill: Callable[[Request], bool] = lambda req: False,
         compacts: bool = False,
         hold_decodes: bool = False,
@@ -121,7 +135,8 @@ class Scheduler:
                 if n > budget:
                     deferred.append(req)
                     continue
-            while self.kv.allocate(req.request_id, req.kv_len + n, write_from=min(req.kv_lens)) is None:
+            kv_tokens, write_from = self._grown(req, n)
+            while self.kv.allocate(req.request_id, kv_tokens, write_from=write_from) is None:
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
                 preempted.append(victim)
@@ -139,8 +154,15 @@ class Scheduler:
         items.sort(key=lambda item: item[1] > 1)  # decodes first: the runner splits the batch there
         return ScheduledBatch(tuple(items), tuple(preempted))
 
-    def _blocks(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.kv.block_size)
+    def _blocks(self, num_tokens: int | Sequence[int]) -> int:
+        return self.kv.num_blocks_for(num_tokens)
+
+    def _grown(self, req: Request, n: int) -> tuple[int | list[int], int | list[int]]:
+        """``(slots to hold, first slot written)`` for ``n`` more tokens of a request holding KV: one
+        count for every layer (its largest; its smallest) or, with a table per layer, per layer."""
+        if self.kv.per_layer:
+            return [k + n for k in req.kv_lens], req.kv_lens
+        return req.kv_len + n, min(req.kv_lens)
 
     def _held_blocks(self, req: Request) -> int:
         """Blocks a request holds towards its plan; a resumed chain's shared blocks do not count, since
@@ -149,7 +171,7 @@ class Scheduler:
             return 0
         if req.resumed and self.compacts:
             return self.kv.num_exclusive_blocks(req.request_id)
-        return len(self.kv.table(req.request_id).block_ids)
+        return self.kv.num_held_blocks(req.request_id)
 
     def _reserved_blocks(self) -> int:
         """Blocks the running prefills are planned to take beyond what they hold now."""
@@ -178,11 +200,10 @@ class Scheduler:
             if full and any(n > 1 for _, n in items):
                 break  # a whole-prompt prefill runs alone (decodes may share its step)
             n = remaining if full else min(remaining, budget)
-            kv_tokens = (req.kv_len if req.resumed else done) + n
-            peak = self._blocks(max(self.prefill_peak(req), kv_tokens)) - held
+            kv_tokens, write_from = self._grown(req, n) if req.resumed else (done + n, None)
+            peak = self._blocks(_at_least(self.prefill_peak(req), kv_tokens)) - held
             if not self._fits(peak + reserved):
                 break
-            write_from = min(req.kv_lens) if req.resumed else None
             if self.kv.allocate(req.request_id, kv_tokens, prefix=prefix, write_from=write_from) is None:
                 break
             self.waiting.popleft()

@@ -346,7 +346,7 @@ class SelectiveDecode:
         lists: list[tuple[list[int], int, int]] = []  # (pool entries, tokens in the last entry, page size)
         for i in range(q.shape[0]):
             kv_len = group.kv_lens[i] + 1
-            blocks = meta.tables[i].block_ids[: -(-kv_len // bs)]
+            blocks = group.block_ids[i][: -(-kv_len // bs)].tolist()
             chosen = method.decode_selection(
                 layer, meta.steps[i], self._view(method, layer, select_q[i], kv_len, blocks, kmin, kmax, k_cache)
             )

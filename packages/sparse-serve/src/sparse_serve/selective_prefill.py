@@ -44,7 +44,7 @@ class SelectivePrefill:
         for i in range(nd, len(meta.steps)):
             step = meta.steps[i]
             n, history = step.num_new_tokens, group.kv_lens[i]
-            slots = table_slots(meta.tables[i].block_ids, history + n, bs)
+            slots = table_slots(group.block_ids[i], history + n, bs)
             start = meta.row_starts[i] - meta.row_starts[nd]
             chosen = None
             if history:

@@ -6,13 +6,15 @@ prefill chunks. Paged attention metadata uses FlashInfer's CSR names, all int32.
 Positions are logical (RoPE), while the slots a token's KV goes to follow the request's KV length
 in each layer, which eviction can make shorter than the position and different per layer. Layers
 whose KV lengths agree for every request of the step form one *layer group* sharing one slot
-mapping and one pair of kernel plans; without per-layer eviction there is exactly one group.
+mapping and one pair of kernel plans; without per-layer eviction there is exactly one group. In the
+per-layer layout (``sparse_cache.LayerLayout``) each layer also has its own block table, so layers group
+only with layers of the same table: every layer is its own group.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,12 +30,14 @@ class LayerGroupMetadata:
     """Where one group of layers stores the step's K/V and which slots its attention reads.
 
     slot_mapping : [num_tokens] int32.
+    block_ids : per scheduled item, the block ids of the group's table (``array('i')``; read only).
     decode_kv_* : CSR over the blocks of the single-token items (kv_indptr [Bd+1], kv_indices, kv_last_len [Bd]).
     prefill_* : qo_indptr [Bp+1] (relative to the first prefill token) and CSR over their blocks.
     """
 
     layers: tuple[int, ...]
     kv_lens: tuple[int, ...]  # per scheduled item, before the step
+    block_ids: tuple[array, ...]
     slot_mapping: torch.Tensor
     decode_kv_indptr: torch.Tensor
     decode_kv_indices: torch.Tensor
@@ -51,7 +55,7 @@ class StepMetadata:
     input_ids, positions : [num_tokens] int64.
     num_decode_tokens : the leading tokens that are single-token items (one per request).
     groups / layer_group : the layer groups, and each layer's group index.
-    steps / row_starts / tables : per scheduled item, its ``RequestStep``, first flat row and block table.
+    steps / row_starts : per scheduled item, its ``RequestStep`` and first flat row.
     logits_indices : [num_sampled] int64, the flat rows whose logits are sampled.
     sampled : the requests sampled this step, in ``logits_indices`` order.
     """
@@ -64,7 +68,6 @@ class StepMetadata:
     layer_group: tuple[int, ...]
     steps: tuple[RequestStep, ...]
     row_starts: tuple[int, ...]
-    tables: tuple[BlockTable, ...]
     logits_indices: torch.Tensor
     sampled: tuple[Request, ...]
 
@@ -124,6 +127,7 @@ def _group(
     return LayerGroupMetadata(
         layers=layers,
         kv_lens=kv_lens,
+        block_ids=tuple(block_ids),
         slot_mapping=_i32(slots),
         decode_kv_indptr=_i32(d_indptr),
         decode_kv_indices=_i32(d_indices),
@@ -137,15 +141,18 @@ def _group(
 
 def build_step_metadata(
     batch: ScheduledBatch,
-    table_of: Callable[[Hashable], BlockTable],
+    table_of: Callable[..., BlockTable],
     block_size: int,
-    block_ids_of: Callable[[Hashable], array] | None = None,
+    block_ids_of: Callable[..., array] | None = None,
+    *,
+    per_layer: bool = False,
 ) -> StepMetadata:
     """Lay out a scheduled batch (decodes first, as the scheduler orders it) as step tensors.
 
-    ``block_ids_of``: each request's block ids as an ``array('i')`` equal to its table's ``block_ids``
-    (``KVCacheManager.block_id_array``), which saves converting every listed block id each step;
-    without it they are converted from the tables (same result).
+    ``table_of(request_id)`` (``table_of(request_id, layer)`` with ``per_layer``): a request's block table.
+    ``block_ids_of``: the same signature, its block ids as an ``array('i')`` equal to the table's
+    ``block_ids`` (``KVCacheManager.block_id_array``), which saves converting every listed block id each
+    step; without it they are converted from the tables (same result).
     """
     input_ids: list[int] = []
     positions: list[int] = []
@@ -153,8 +160,6 @@ def build_step_metadata(
     sampled: list[Request] = []
     steps: list[RequestStep] = []
     row_starts: list[int] = []
-    tables: list[BlockTable] = []
-    block_ids: list[array] = []
     num_decode = 0
     for req, n in batch.items:
         start = req.num_computed_tokens
@@ -162,9 +167,6 @@ def build_step_metadata(
         replay = req.num_replays_done if req.replaying else None  # a replay pass: its tokens, nothing sampled
         input_ids += req.token_ids[start : start + n] if replay is None else req.next_replay
         positions += range(start, start + n)
-        table = table_of(req.request_id)
-        tables.append(table)
-        block_ids.append(array("i", table.block_ids) if block_ids_of is None else block_ids_of(req.request_id))
         steps.append(RequestStep(req.request_id, start, n, req.prefill_len, tuple(req.kv_lens), replay))
         if n == 1:
             if num_decode != len(steps) - 1:
@@ -174,13 +176,16 @@ def build_step_metadata(
             logits_indices.append(len(input_ids) - 1)
             sampled.append(req)
     num_layers = len(batch.items[0][0].kv_lens) if batch.items else 1
-    # Column ``layer`` of the requests' KV lengths; layers with equal columns share a group.
+    # Column ``layer`` of the requests' KV lengths; layers with equal columns (and tables) share a group.
     columns = zip(*(s.kv_lens for s in steps), strict=True) if steps else [()] * num_layers
-    by_lens: dict[tuple[int, ...], list[int]] = {}
+    by_lens: dict[tuple, list[int]] = {}
     for layer, kv_lens in enumerate(columns):
-        by_lens.setdefault(kv_lens, []).append(layer)
+        by_lens.setdefault((layer if per_layer else 0, kv_lens), []).append(layer)
+    ids_of = block_ids_of or (lambda *key: array("i", table_of(*key).block_ids))
     groups, layer_group = [], [0] * num_layers
-    for g, (kv_lens, layers) in enumerate(by_lens.items()):
+    for g, ((table, kv_lens), layers) in enumerate(by_lens.items()):
+        key = (table,) if per_layer else ()
+        block_ids = [ids_of(step.request_id, *key) for step in steps]
         groups.append(_group(tuple(layers), kv_lens, batch.items, block_ids, num_decode, block_size))
         for layer in layers:
             layer_group[layer] = g
@@ -193,7 +198,6 @@ def build_step_metadata(
         layer_group=tuple(layer_group),
         steps=tuple(steps),
         row_starts=tuple(row_starts),
-        tables=tuple(tables),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         sampled=tuple(sampled),
     )
@@ -206,7 +210,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def table_slots(block_ids: list[int], num_tokens: int, block_size: int) -> torch.Tensor:
+def table_slots(block_ids: Sequence[int], num_tokens: int, block_size: int) -> torch.Tensor:
     """Pool slots of a table's first ``num_tokens`` positions, int64 on the host."""
     num_blocks = -(-num_tokens // block_size)
     blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.int64)
