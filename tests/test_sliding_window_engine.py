@@ -147,3 +147,42 @@ def test_cuda_graphs_with_windows_equal_eager(window_checkpoint, name):
         for eager in (True, False)
     ]
     assert runs[0] == runs[1]
+
+
+def test_local_layers_hold_only_their_window(window_checkpoint):
+    """Gemma 3 with a table per layer: each local layer gives back its blocks before the window as the
+    request advances (chunked prefill, prefix caching on, prompts longer than the window), holding at
+    most ``ceil((window + chunk) / block_size) + 1`` blocks, while the global layer holds the whole
+    context; greedy tokens still equal HF's and every block comes back."""
+    path, hf_model = window_checkpoint("gemma3")
+    bs, chunk = 4, 7
+    prompts = _prompts(seed=7, shared_prefix=12)
+    expected = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=bs, max_num_batched_tokens=chunk)
+    engine = llm.engine
+    assert engine.kv.per_layer and engine.kv.layout.window_left == tuple(
+        WINDOW - 1 if t == "sliding_attention" else None for t in GEMMA_LAYERS
+    )
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outputs, most_local = {}, 0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                outputs[out.request_id] = list(out.token_ids)
+            for req in engine.scheduler.running:
+                if not engine.kv.has_request(req.request_id):
+                    continue
+                for layer, kind in enumerate(GEMMA_LAYERS):
+                    ids = engine.kv.table(req.request_id, layer).block_ids
+                    held = [b for b in ids if b != engine.kv.null_block]
+                    assert len(ids) == -(-req.kv_lens[layer] // bs)
+                    if kind == "sliding_attention":
+                        assert len(held) <= -(-(WINDOW + chunk) // bs) + 1
+                        most_local = max(most_local, len(held))
+                    else:
+                        assert held == ids  # the global layer keeps every block
+    assert [outputs[str(i)] for i in range(len(prompts))] == expected
+    assert engine.prefix_hit_tokens > 0 and most_local > 0
+    assert max(len(p) for p in prompts) + MAX_NEW > 4 * (WINDOW + chunk)  # the window really slides
+    assert engine.kv.pool.num_used_blocks == 0
