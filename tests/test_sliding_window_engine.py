@@ -186,3 +186,5 @@ def test_local_layers_hold_only_their_window(window_checkpoint):
     assert engine.prefix_hit_tokens > 0 and most_local > 0
     assert max(len(p) for p in prompts) + MAX_NEW > 4 * (WINDOW + chunk)  # the window really slides
     assert engine.kv.pool.num_used_blocks == 0
+    with pytest.raises(ValueError, match="table per layer"):  # pruning copies one table: not here yet
+        engine.prune(prompts[3], [(0, 8)], 2)

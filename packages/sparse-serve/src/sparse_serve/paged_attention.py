@@ -153,8 +153,9 @@ class PagedAttention:
         self._num_graph_groups = num_graph_groups
         self._meta: StepMetadata | None = None
         self._layer_window = {layer: w for layer, w in enumerate(layer_windows) if w >= 0}
-        self._window_plans: dict[int, list[_GroupPlan]] = {w: [] for w in sorted(set(self._layer_window.values()))}
-        self._plans: list[_GroupPlan] = [self._new_plan(None, 0)]
+        # Plans by group index (a group's layers all slide or none does, with a table per layer).
+        self._window_plans: dict[int, dict[int, _GroupPlan]] = {w: {} for w in set(self._layer_window.values())}
+        self._plans: dict[int, _GroupPlan] = {0: self._new_plan(None, 0)}
         self.sm_scale = head_dim**-0.5 if sm_scale is None else sm_scale
         self.latent = None  # MLA: queries and cached rows in latent space (``LatentPagedAttention``)
         if pool.store.latent:
@@ -225,8 +226,8 @@ class PagedAttention:
     def _plan_of(self, window: int | None, g: int) -> _GroupPlan:
         """Group ``g``'s plan for layers with ``window`` (None: full attention), made on first use."""
         plans = self._plans if window is None else self._window_plans[window]
-        while len(plans) <= g:
-            plans.append(self._new_plan(window, len(plans)))
+        if g not in plans:
+            plans[g] = self._new_plan(window, g)
         return plans[g]
 
     def _tail_index(self, meta: StepMetadata) -> tuple[torch.Tensor, torch.Tensor]:

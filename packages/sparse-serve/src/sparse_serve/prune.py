@@ -129,6 +129,11 @@ def prune_history(
         raise PruneError(
             "pruning compresses the exact radix cache; it needs a radix method and prefix caching", "prune_unsupported"
         )
+    if engine.kv.per_layer:
+        raise PruneError(
+            "pruning copies one table for every layer; this model keeps a table per layer (sliding windows)",
+            "prune_unsupported",
+        )
     if engine.runner.kv.store.has_tail:
         raise PruneError(
             f"pruning moves single tokens; a {engine.runner.kv.store.describe()} store quantizes whole pages",

@@ -10,7 +10,6 @@ KV lengths before the step, so achieved bandwidth is measured, not assumed.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -45,11 +44,17 @@ class DecodeCase:
 
 
 def blocks_per_request(engine: LLMEngine, prompt_len: int, output_len: int) -> tuple[int, int]:
-    """(decode blocks, prefill-peak blocks) one request needs, from its method's memory plan."""
-    plan = engine.method.memory_plan(prompt_len, output_len, engine.config.max_num_batched_tokens)
-    bs = engine.config.block_size
-    decode = max(max(plan.decode_peak_tokens), max(plan.resident_tokens) + 1)
-    return math.ceil(decode / bs), math.ceil(max(plan.prefill_peak_tokens) / bs)
+    """(decode blocks, prefill-peak blocks) one request needs, from its method's memory plan: blocks of
+    its largest layer's table, or with a table per layer the sum of each layer's (a windowed layer's
+    capped at its window)."""
+    chunk = engine.config.max_num_batched_tokens
+    plan = engine.method.memory_plan(prompt_len, output_len, chunk)
+    bs, layout = engine.config.block_size, engine.kv.layout
+    decode = [max(d, r + 1) for d, r in zip(plan.decode_peak_tokens, plan.resident_tokens, strict=True)]
+    prefill = plan.prefill_peak_tokens
+    return engine.kv.num_blocks_for(layout.window_peaks(decode, 1, bs)), engine.kv.num_blocks_for(
+        layout.window_peaks(prefill, chunk, bs)
+    )
 
 
 def max_batch_size(engine: LLMEngine, prompt_len: int, output_len: int, prefill: str = "synthetic") -> int:
@@ -60,7 +65,7 @@ def max_batch_size(engine: LLMEngine, prompt_len: int, output_len: int, prefill:
     """
     per_req, prefill_peak = blocks_per_request(engine, prompt_len, output_len)
     extra = max(0, prefill_peak - per_req) if prefill == "real" else 0
-    fit = (engine.runner.num_blocks - extra) // per_req
+    fit = (engine.kv.num_blocks - extra) // per_req
     if fit < 1:
         raise ValueError(f"one request of {prompt_len}+{output_len} tokens does not fit the KV pool")
     return min(fit, engine.config.max_num_seqs)
@@ -213,7 +218,7 @@ def _time_decode(engine: LLMEngine, case: DecodeCase, desc: str, progress: bool)
         raw["kv_slots_read"].append(kv_slots)
         raw["running"].append(n_running)
         raw["tokens"].append(sum(len(o.delta_token_ids) for o in outputs))
-        used_blocks = max(used_blocks, engine.runner.num_blocks - engine.num_free_blocks)
+        used_blocks = max(used_blocks, engine.kv.num_blocks - engine.num_free_blocks)  # (layer) blocks of the pool
     if wall_start is not None:
         synchronize(device)
         raw["wall_seconds"] = time.perf_counter() - wall_start
