@@ -135,13 +135,14 @@ class LLMEngine:
 
     def _layer_layout(self, windows, max_len: int) -> LayerLayout:
         """One table per layer when layers hold different amounts: some layer slides over a window (its
-        blocks before the window are given back) or the method plans different tokens per layer (a
-        long prompt's plan, e.g. PyramidKV's budgets); else the shared table (the fast path)."""
-        plan = self.method.memory_plan(max(1, max_len - 1), 1, self.config.max_num_batched_tokens)
+        blocks before the window are given back) or the method plans different tokens per layer (for some
+        prompt length up to ``max_len``: PyramidKV's budgets); else the shared table (the fast path)."""
+        lengths = {max(1, max_len - 1)} | {n for n in (max_len >> k for k in range(1, 20)) if n >= 16}
+        plans = [self.method.memory_plan(n, 1, self.config.max_num_batched_tokens) for n in sorted(lengths)]
         return LayerLayout.choose(
             self.num_layers,
             tuple(None if w is None else w - 1 for w in windows),  # the kernels' window_left (HF W: w - 1)
-            (plan.prefill_peak_tokens, plan.resident_tokens, plan.decode_peak_tokens),
+            [tokens for p in plans for tokens in (p.prefill_peak_tokens, p.resident_tokens, p.decode_peak_tokens)],
         )
 
     def _resolve_max_model_len(self, model_max_len: int) -> int:
