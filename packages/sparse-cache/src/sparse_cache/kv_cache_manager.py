@@ -216,6 +216,9 @@ class KVCacheManager:
         or None when the pool cannot supply them even after reclaiming idle chains (nothing changes then).
         """
         req = self._requests.get(request_id)
+        if req is not None and not self.per_layer and (prefix is None or not prefix.block_ids):
+            if self._grows_in_place(req.tables[0], num_tokens, write_from):  # most decode steps
+                return []
         if prefix is not None and prefix.block_ids and req is not None:
             raise ValueError(f"request {request_id!r} already holds blocks; a prefix can only start a table")
         prefix = prefix or PrefixMatch()
@@ -255,6 +258,19 @@ class KVCacheManager:
             table.num_tokens = max(table.num_tokens, min(targets[i], table.capacity))
             new_blocks += fresh
         return new_blocks
+
+    def _grows_in_place(self, table: BlockTable, num_tokens: int | Sequence[int], write_from) -> bool:
+        """The shared layout's common case: the table has room and nothing from ``write_from`` on is
+        shared; then it takes the tokens (and True), else nothing changes."""
+        n = num_tokens if isinstance(num_tokens, int) else max(num_tokens)
+        if -(-n // self.block_size) > len(table.block_ids):
+            return False
+        if write_from is not None:
+            first = write_from if isinstance(write_from, int) else min(write_from)
+            if self._shared(table, first // self.block_size):
+                return False
+        table.num_tokens = max(table.num_tokens, min(n, table.capacity))
+        return True
 
     def _shared_from(self, tables: list[BlockTable], write_from: int | Sequence[int]) -> list[list[int]]:
         if isinstance(write_from, int) or not self.per_layer:
