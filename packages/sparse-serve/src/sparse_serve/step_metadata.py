@@ -117,7 +117,10 @@ def _group(
     slots: list[int] = []
     ends: list[int] = []
     for (_, n), ids, kv_len in zip(items, block_ids, kv_lens, strict=True):
-        slots += _slots(ids, kv_len, kv_len + n, block_size)
+        if n == 1 and kv_len < len(ids) * block_size:  # a decode: its one slot, without building a range
+            slots.append(ids[kv_len // block_size] * block_size + kv_len % block_size)
+        else:
+            slots += _slots(ids, kv_len, kv_len + n, block_size)
         ends.append(kv_len + n)
     d_indptr, d_indices, d_last = _csr(block_ids[:num_decode], ends[:num_decode], block_size)
     p_indptr, p_indices, p_last = _csr(block_ids[num_decode:], ends[num_decode:], block_size)
