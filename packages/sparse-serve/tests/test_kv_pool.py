@@ -43,3 +43,16 @@ def test_budget_counts_tails_before_blocks():
     assert num_blocks_for_budget(kind, 36, torch.bfloat16, tails + 5 * per_block + 1, num_tail_rows=10) == 5
     with pytest.raises(ValueError, match="after 10 tails"):
         num_blocks_for_budget(kind, 36, torch.bfloat16, tails, num_tail_rows=10)
+
+
+@pytest.mark.parametrize("store", [paged(4, 2, 8, summaries=True), quantized_paged("fp8", 8, 4, 2, 8)])
+def test_one_tensor_pool_holds_the_same_bytes_for_every_layer(store):
+    """The per-layer layout: one tensor per kind of layers x blocks, which every layer indexes."""
+    split = allocate_kv_pool(store, 3, 5, torch.float32, "cpu", num_tail_rows=2)
+    one = allocate_kv_pool(store, 3, 5, torch.float32, "cpu", num_tail_rows=2, one_tensor=True)
+    assert one.one_tensor and not split.one_tensor
+    assert one.nbytes() == split.nbytes() and one.num_blocks == 15
+    assert len(one.block_tensors()) == len(split.block_tensors()) // 3
+    assert all(one.layers[layer] is one.layers[0] for layer in range(3))
+    if one.quantized is not None:
+        assert all(q.k.data_ptr() == one.quantized[0].k.data_ptr() for q in one.quantized)

@@ -1,12 +1,13 @@
 """Step metadata: the packed block-id path equals the one converting the tables, and both equal a
-plain per-position computation (slots, CSR lists, layer groups)."""
+plain per-position computation (slots, CSR lists, layer groups), with one table for every layer or
+one per layer (then every layer is its own group, over its own table)."""
 
 import random
 
 import pytest
 import torch
 
-from sparse_cache import KVCacheManager
+from sparse_cache import KVCacheManager, LayerLayout
 from sparse_serve.request import Request
 from sparse_serve.sampling_params import SamplingParams
 from sparse_serve.scheduler import ScheduledBatch
@@ -15,9 +16,10 @@ from sparse_serve.step_metadata import LayerGroupMetadata, build_step_metadata
 BS = 4
 
 
-def _batch(seed: int, num_layers: int = 3):
+def _batch(seed: int, num_layers: int = 3, per_layer: bool = False):
     rng = random.Random(seed)
-    kv = KVCacheManager(num_blocks=400, block_size=BS)
+    layout = LayerLayout(num_layers, True, (None,) * num_layers) if per_layer else None
+    kv = KVCacheManager(num_blocks=400 * num_layers, block_size=BS, layout=layout)
     items = []
     for i in range(rng.randint(1, 9)):
         decode = i < 5 and rng.random() < 0.7
@@ -28,7 +30,8 @@ def _batch(seed: int, num_layers: int = 3):
         evict = rng.random() < 0.3  # some layers hold fewer slots: several layer groups
         req.kv_lens = [done - (rng.randint(0, done) if evict and layer % 2 else 0) for layer in range(num_layers)]
         kv.allocate(req.request_id, rng.randint(0, 3))  # a table grown over several steps
-        assert kv.allocate(req.request_id, req.kv_len + n) is not None
+        grown = [k + n for k in req.kv_lens] if per_layer else req.kv_len + n
+        assert kv.allocate(req.request_id, grown) is not None
         items.append((req, n))
     items.sort(key=lambda item: item[1] > 1)
     return ScheduledBatch(tuple(items)), kv
@@ -38,7 +41,7 @@ def _plain_group(batch: ScheduledBatch, kv: KVCacheManager, layer: int) -> dict:
     """Slots and CSR lists of one layer, position by position."""
     slots, lists = [], []
     for req, n in batch.items:
-        table = kv.table(req.request_id)
+        table = kv.table(req.request_id, layer)
         start = req.kv_lens[layer]
         slots += [table.slot(p) for p in range(start, start + n)]
         lists.append((table.block_ids[: -(-(start + n) // BS)], (start + n - 1) % BS + 1))
@@ -50,12 +53,15 @@ def _csr_lists(indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor):
     return [(indices[ptr[b] : ptr[b + 1]].tolist(), int(last[b])) for b in range(len(ptr) - 1)]
 
 
+@pytest.mark.parametrize("per_layer", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_packed_block_ids_equal_tables_and_plain_layout(seed):
-    batch, kv = _batch(seed)
-    fast = build_step_metadata(batch, kv.table, BS, kv.block_id_array)
-    slow = build_step_metadata(batch, kv.table, BS)
+def test_packed_block_ids_equal_tables_and_plain_layout(seed, per_layer):
+    batch, kv = _batch(seed, per_layer=per_layer)
+    fast = build_step_metadata(batch, kv.table, BS, kv.block_id_array, per_layer=per_layer)
+    slow = build_step_metadata(batch, kv.table, BS, per_layer=per_layer)
     assert fast.layer_group == slow.layer_group and len(fast.groups) == len(slow.groups)
+    if per_layer:
+        assert fast.layer_group == (0, 1, 2)
     for a, b in zip(fast.groups, slow.groups, strict=True):
         for name in LayerGroupMetadata.__slots__:
             x, y = getattr(a, name), getattr(b, name)
