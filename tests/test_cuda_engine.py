@@ -42,10 +42,19 @@ def test_cuda_graphs_with_staggered_batches():
     assert llm.engine.runner.graphs.num_replays > 0
 
 
-@pytest.mark.parametrize("method", ["snapkv", "streamingllm", "h2o"])
+@pytest.mark.parametrize("method", ["snapkv", "streamingllm", "h2o", "pyramidkv"])
 def test_eviction_methods_on_cuda_equal_cpu(method):
+    """PyramidKV (no decode eviction) keeps a table per layer: its decode steps replay graphs of one group per layer."""
     small = {
         "snapkv": dict(sink_keep_tokens=4, decode_keep_tokens=8, recent_keep_tokens=8, observation_window_size=4),
+        "pyramidkv": dict(
+            sink_keep_tokens=4,
+            decode_keep_tokens=8,
+            recent_keep_tokens=8,
+            observation_window_size=4,
+            pyramidkv_beta=2.0,
+            decode_eviction_interval=0,
+        ),
         "streamingllm": dict(sink_keep_tokens=4, recent_keep_tokens=8, decode_eviction_interval=4),
         "h2o": dict(h2o_prefill_budget=12, h2o_decode_budget=10, decode_eviction_interval=4),
     }[method]
