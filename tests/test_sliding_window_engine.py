@@ -188,3 +188,17 @@ def test_local_layers_hold_only_their_window(window_checkpoint):
     assert engine.kv.pool.num_used_blocks == 0
     with pytest.raises(ValueError, match="table per layer"):  # pruning copies one table: not here yet
         engine.prune(prompts[3], [(0, 8)], 2)
+
+
+def test_synthetic_requests_take_only_the_window_in_local_layers(window_checkpoint):
+    """Benchmarks' synthetic prefill on Gemma 3: a local layer holds only the blocks its window reads."""
+    path, _ = window_checkpoint("gemma3")
+    engine = LLM(str(path), device="cpu", dtype="float32", block_size=4).engine
+    engine.add_synthetic_request(300, SamplingParams(max_tokens=2, ignore_eos=True), request_id="s")
+    for layer, kind in enumerate(GEMMA_LAYERS):
+        blocks = engine.kv.table("s", layer).block_ids
+        held = [b for b in blocks if b != engine.kv.null_block]
+        assert len(blocks) == 300 // 4 and len(held) == (300 // 4 if kind == "full_attention" else 2)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.kv.pool.num_used_blocks == 0

@@ -57,6 +57,16 @@ def test_windowed_layer_slides_and_prefix_hits_need_only_its_window():
     assert m.pool.num_used_blocks == 0 and m.num_blocks == 40 - 1  # the null block is outside the pool
 
 
+def test_a_computed_request_takes_only_its_window():
+    m = KVCacheManager(40, BS, layout=_layout())
+    assert m.allocate_computed("a", [20, 20, 20], [19, 19, 19]) is not None
+    ids = m.table("a", 1).block_ids  # a query at 19 reads slots 16.. (block 8 on)
+    assert ids[:8] == [m.null_block] * 8 and len(ids) == 10
+    assert m.num_held_blocks("a") == 10 + 2 + 10 and m.prefix_hit_tokens == 0
+    m.slide("a", [19, 19, 19])
+    assert m.num_held_blocks("a") == 22
+
+
 def test_chains_keep_per_layer_tables():
     m = KVCacheManager(30, BS, layout=LayerLayout.choose(2, (), [(1, 2)]), enable_prefix_caching=False)
     tokens = list(range(9))

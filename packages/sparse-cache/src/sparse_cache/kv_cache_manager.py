@@ -240,7 +240,7 @@ class KVCacheManager:
         if req is None:
             req = self._requests[request_id] = _RequestBlocks(tables)
             self.prefix_query_tokens += max(targets)
-        if prefix.block_ids:
+        if prefix.block_ids or prefix.table_block_ids:
             self.pool.acquire(prefix.block_ids)
             req.hashes.extend(prefix.hashes)
             self.prefix_hit_tokens += prefix.num_tokens
@@ -258,6 +258,18 @@ class KVCacheManager:
             table.num_tokens = max(table.num_tokens, min(targets[i], table.capacity))
             new_blocks += fresh
         return new_blocks
+
+    def allocate_computed(
+        self, request_id: Hashable, num_tokens: Sequence[int], kv_lens: Sequence[int]
+    ) -> list[int] | None:
+        """A new request holding ``num_tokens`` slots per layer whose first ``kv_lens`` count as computed
+        without being written (benchmarks' synthetic prefill): a windowed layer takes no block its window
+        no longer reads. None when it does not fit (nothing changes then)."""
+        if not self.layout.windowed:
+            return self.allocate(request_id, list(num_tokens))
+        bs, first = self.block_size, self.layout.first_read_block
+        starts = tuple((self.null_block,) * first(t, kv_lens[t], bs) for t in range(self.layout.num_tables))
+        return self.allocate(request_id, list(num_tokens), PrefixMatch(table_block_ids=starts))
 
     def _grows_in_place(self, table: BlockTable, num_tokens: int | Sequence[int], write_from) -> bool:
         """The shared layout's common case: the table has room and nothing from ``write_from`` on is

@@ -259,10 +259,9 @@ class LLMEngine:
         token_ids = torch.randint(0, self.runner.model_config.vocab_size, (num_prompt_tokens,), generator=g).tolist()
         req = Request(request_id, token_ids, params, arrival=self.num_steps, kv_lens=[0] * self.num_layers)
         resident = self.memory_plan(req).resident_tokens
-        if self.kv.allocate(request_id, list(resident), prefix=None) is None:
-            raise ValueError(f"a synthetic request holding {max(resident)} tokens does not fit the KV pool now")
         req.kv_lens = [n - 1 for n in resident]
-        self.kv.slide(request_id, req.kv_lens)
+        if self.kv.allocate_computed(request_id, resident, req.kv_lens) is None:
+            raise ValueError(f"a synthetic request holding {max(resident)} tokens does not fit the KV pool now")
         req.num_computed_tokens = req.prefill_len = num_prompt_tokens
         req.num_computed_tokens -= 1
         req.status = RequestStatus.RUNNING
