@@ -147,7 +147,8 @@ class ModelRunner:
         if self.kv.kmin is not None:  # block summaries follow the noise (Quest's bounds see real keys)
             blocks = torch.arange(self.num_blocks, dtype=torch.int32, device=self.device)
             full = torch.full_like(blocks, self.block_size)
-            for k, kmin, kmax in zip(self.kv.k, self.kv.kmin, self.kv.kmax, strict=True):
+            keys = self.kv.latent or self.kv.k  # a latent store summarizes its rows (latent + rope)
+            for k, kmin, kmax in zip(keys, self.kv.kmin, self.kv.kmax, strict=True):
                 block_summary(k, blocks, full, kmin, kmax)
 
     @property
