@@ -13,6 +13,11 @@ rows whose context outgrows the method's budget are handed to ``select_batched``
 whose group is every query head (``q . row`` is the attention logit, so the bound of ``q`` against
 a page's min / max bounds it), and those rows' CSR lists only the chosen pages (the newest always
 among them, so the single decode query still sees its own row last).
+
+CUDA graphs: the first layer group's slot mapping and decode-only plan live in fixed buffers
+(``BatchLatentDecode``), so a decode step captured once replays for any later step of its batch
+size. Steps that select pages, and stores with summaries (refreshed from host-side block lists),
+are planned off the graph path: ``replays_in_graphs`` says which.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import torch
 
 from sparse_kernels import block_summary
 from sparse_kernels.latent_attention import LatentPlan, latent_attention, plan_latent, store_latent
+from sparse_kernels.latent_decode import BatchLatentDecode
 from sparse_methods.base import DecodeBatch, SparseMethod
-from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, to_device
+from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, to_device, to_device_buffer
 
 
 class LatentPagedAttention:
@@ -40,11 +46,14 @@ class LatentPagedAttention:
         summaries: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None,
         method: SparseMethod | None = None,
         group_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        capacities: tuple[int | None, int | None, int | None] = (None, None, None),
     ):
         """``summaries``: per layer the blocks' min and max rows ``[num_blocks, 1, latent + rope]`` (a
         store with summaries); ``method``: asked which pages a selecting layer's decode rows read;
         ``group_queries``: under tensor parallelism, this rank's query heads -> every head of the latent
-        head's group (the method selects from all of them, so every rank reads the same pages)."""
+        head's group (the method selects from all of them, so every rank reads the same pages);
+        ``capacities``: ``(max_num_tokens, max_batch_size, max_num_pages)`` of the fixed buffers the
+        first group's slot mapping and decode plans are copied into (None: new tensors each step)."""
         self.latent = latent  # per layer [num_blocks, block_size, 1, latent_dim + rope_dim]
         self.device = latent[0].device
         self.num_heads = num_heads
@@ -57,24 +66,48 @@ class LatentPagedAttention:
         if method is not None and any(method.selects_decode(layer) for layer in range(len(latent))):
             if summaries is None or method.selection_page_size(block_size) != block_size:
                 raise ValueError(f"{method.name} selects latent pages: it needs block summaries of block_size pages")
+        max_tokens, max_batch_size, max_num_pages = capacities
+        self._slot_buffer = torch.empty(max_tokens, dtype=torch.int32, device=self.device) if max_tokens else None
+        self._decode = BatchLatentDecode(
+            self.device,
+            num_heads=num_heads,
+            latent_dim=latent_dim,
+            rope_dim=self.rope_dim,
+            block_size=block_size,
+            max_batch_size=max_batch_size,
+            max_num_pages=max_num_pages,
+        )
         self._meta: StepMetadata | None = None
         self._sm_scale = 1.0
         self._slots: list[torch.Tensor] = []
         self._plans: list[LatentPlan] = []
         self._written: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    @property
+    def replays_in_graphs(self) -> bool:
+        """Whether a decode step's forward is device-only over fixed buffers (no page selection, no
+        summaries to refresh from host-side block lists)."""
+        return self.summaries is None
+
     def plan(self, meta: StepMetadata, sm_scale: float) -> None:
         self._meta, self._sm_scale = meta, sm_scale
-        self._slots = [to_device(group.slot_mapping, self.device) for group in meta.groups]
-        self._plans = [self._plan_group(group, meta) for group in meta.groups]
+        self._slots = [  # the first group's in a fixed buffer
+            to_device_buffer(g.slot_mapping, self._slot_buffer if i == 0 else None, self.device)
+            for i, g in enumerate(meta.groups)
+        ]
+        self._plans = [self._plan_group(group, meta, first=i == 0) for i, group in enumerate(meta.groups)]
         if self.summaries is not None:
             self._written = [self._written_blocks(slots) for slots in self._slots]
 
-    def _plan_group(self, group: LayerGroupMetadata, meta: StepMetadata, decode=None) -> LatentPlan:
-        """``decode``: the decode items' CSR ``(indptr, indices, last_len)`` instead of the group's."""
+    def _plan_group(self, group: LayerGroupMetadata, meta: StepMetadata, decode=None, first=False) -> LatentPlan:
+        """``decode``: the decode items' CSR ``(indptr, indices, last_len)`` instead of the group's;
+        ``first``: the first group, whose decode-only plans go to the fixed buffers."""
         nd = meta.num_decode_tokens
         own = (group.decode_kv_indptr, group.decode_kv_indices, group.decode_kv_last_len)
         d_indptr, d_indices, d_last = decode or own
+        if first and nd and not meta.num_prefill_requests:
+            csr = (d_indptr[: nd + 1], d_indices[: d_indptr[nd]], d_last[:nd])
+            return self._decode.plan(*csr, sm_scale=self._sm_scale)
         p_indptr = group.prefill_kv_indptr
         qo_indptr = torch.cat([torch.arange(nd + 1, dtype=torch.int32), group.prefill_qo_indptr[1:] + nd])
         kv_indptr = torch.cat([d_indptr[: nd + 1], p_indptr[1:] + d_indptr[nd]])

@@ -107,10 +107,8 @@ class ModelRunner:
         )
         self.method = method
         self.graphs: DecodeGraphs | None = None
-        # MLA's latent plans are not in fixed buffers yet: its decode runs eagerly. Tensor-parallel decode
-        # too, for now: its collectives are not captured in graphs yet.
-        eager = config.enforce_eager or self.store.latent or tp_world_size() > 1
-        if self.device.type == "cuda" and not eager:
+        # Tensor-parallel decode runs eagerly for now: its collectives are not captured in graphs yet.
+        if self.device.type == "cuda" and not (config.enforce_eager or tp_world_size() > 1):
             self.graphs = DecodeGraphs(self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device)
             self.graphs.capture()
         self.sampler = Sampler(config.seed, self.device)

@@ -29,7 +29,7 @@ from sparse_serve.kv_pool import KVPool
 from sparse_serve.latent_paged_attention import LatentPagedAttention
 from sparse_serve.selective_decode import SelectiveDecode
 from sparse_serve.selective_prefill import SelectivePrefill
-from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots, to_device
+from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots, to_device, to_device_buffer
 
 
 class _GroupPlan:
@@ -52,12 +52,7 @@ class _GroupPlan:
         self.window_left = -1  # the sliding window of the layers this plan serves (-1: none)
 
     def _load(self, host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-        n = host.numel()
-        if buffer is None or n > buffer.numel() or self.device.type == "cpu":
-            return to_device(host, self.device)  # a one-off larger step (whole-prompt prefill)
-        view = buffer[:n]
-        view.copy_(host.pin_memory(), non_blocking=True)
-        return view
+        return to_device_buffer(host, buffer, self.device)
 
     def _window(self) -> dict:
         # Only windowed plans pass it: a method's own prefill wrapper (global layers) need not take it.
@@ -163,6 +158,7 @@ class PagedAttention:
                 summaries=None if pool.kmin is None else (pool.kmin, pool.kmax),
                 method=method,
                 group_queries=group_queries,
+                capacities=(max_num_tokens, max_batch_size, max_num_pages),
             )
         self.selective = SelectiveDecode(
             self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
