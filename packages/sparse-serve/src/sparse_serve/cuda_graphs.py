@@ -8,7 +8,8 @@ ids and positions here, the slot mapping and the decode kernel's CSR inside the 
 (whose plan copies into fixed-capacity buffers). Logits and sampling run eagerly on the real rows.
 
 MLA (a latent store) replays the same way (``LatentPagedAttention`` keeps its decode plan in fixed
-buffers), except over a store with block summaries (Quest on the latent): its decode stays eager.
+buffers), except over a store with block summaries (Quest on the latent), which the runner does not
+capture: its page selection and summary blocks are planned on the host.
 
 Block summaries (query-aware stores) are updated inside the graph from the static slot mapping.
 Steps of a method that selects what decode reads are eligible when the method selects on the device
@@ -151,9 +152,6 @@ class DecodeGraphs:
         if meta.num_prefill_requests or len(meta.groups) != 1 or self.bucket(meta.num_tokens) is None:
             return False
         if len(meta.sampled) != meta.num_tokens:  # a one-token prefill chunk that samples nothing
-            return False
-        latent = self.attention.latent
-        if latent is not None and not latent.replays_in_graphs:  # MLA's page selection runs eagerly
             return False
         if method is None:
             return True
