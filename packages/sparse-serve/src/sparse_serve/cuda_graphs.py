@@ -7,6 +7,13 @@ dropped). The graph reads its inputs from static buffers that each step fills in
 ids and positions here, the slot mapping and the decode kernel's CSR inside the attention backend
 (whose plan copies into fixed-capacity buffers). Logits and sampling run eagerly on the real rows.
 
+Tensor parallelism: each rank captures the same buckets with its NCCL collectives inside (the
+communicator already initialised by the warm-up forwards); rank 0 broadcasts every step, so every
+rank pads to the same bucket, captures a selecting graph at the same step and replays the same graph
+in the same order. Those captures are thread-local: the NCCL process group's watchdog thread may
+query events of work enqueued before a capture while it runs, which a process-wide (global) capture
+mode forbids (nccl-tests captures thread-local for the same reason).
+
 MLA (a latent store) replays the same way (``LatentPagedAttention`` keeps its decode plan in fixed
 buffers), except over a store with block summaries (Quest on the latent), which the runner does not
 capture: its page selection and summary blocks are planned on the host.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_models.distributed import tp_world_size
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata
 
 
@@ -120,6 +128,7 @@ class DecodeGraphs:
         self.selecting_outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
         self.num_replays = 0
+        self._capture_mode = "thread_local" if tp_world_size() > 1 else "global"
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -133,7 +142,7 @@ class DecodeGraphs:
                     self.model(ids, pos, self.attention)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self._capture_mode):
                     self.outputs[bs] = self.model(ids, pos, self.attention)
                 if self.pool is None:
                     self.pool = graph.pool()
@@ -199,6 +208,6 @@ class DecodeGraphs:
         self.model(ids, pos, self.attention)  # warm-up: Triton compiles; a real, repeatable run of the step
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self._capture_mode):
             self.selecting_outputs[key] = self.model(ids, pos, self.attention)
         self.selecting_graphs[key] = graph

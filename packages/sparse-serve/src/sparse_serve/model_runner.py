@@ -107,11 +107,11 @@ class ModelRunner:
         )
         self.method = method
         self.graphs: DecodeGraphs | None = None
-        # Tensor-parallel decode runs eagerly for now: its collectives are not captured in graphs yet.
-        # Quest on a latent store selects pages and refreshes summaries from host-side lists: eager too.
+        # Quest on a latent store selects pages and refreshes summaries from host-side lists: eager decode.
+        # Under tensor parallelism every rank captures the same buckets, NCCL collectives inside.
         latent = self.attention.latent
         graphable = latent is None or latent.replays_in_graphs
-        if self.device.type == "cuda" and graphable and not (config.enforce_eager or tp_world_size() > 1):
+        if self.device.type == "cuda" and graphable and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device)
             self.graphs.capture()
         self.sampler = Sampler(config.seed, self.device)
