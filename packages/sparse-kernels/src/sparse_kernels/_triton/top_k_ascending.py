@@ -1,9 +1,17 @@
-"""Triton ``top_k_ascending``: one program per row (or per row tile); the k-th largest bit by bit, then a
-prefix sum. Rows wider than a program holds go in two stages: each tile of ``TILE`` columns keeps its
-own ``k`` best (values and columns, in column order), then one program per row picks the ``k`` best
-of those candidates. Exact, ties included: an entry its tile drops has ``k`` entries of its tile that
-rank before it (larger, or equal and earlier), so the whole row drops it too; and candidates stay in
-column order, so ties still go to the earlier column."""
+"""Triton ``top_k_ascending``: one program per row (or per row tile) finds the k-th largest by a radix
+select, then writes the chosen columns through a prefix sum.
+
+The select: values become order-preserving int32 keys; four passes, one per byte from the top, each
+take a 256-bin histogram of the byte over the entries still tied with the k-th (``tl.histogram``),
+keep every entry of a larger byte, and narrow the tie to the byte that holds the k-th. After the four
+passes the tied entries all equal the k-th largest, and the first ``need`` of them in column order are
+taken (ties to the lower column). Four passes, where a bit-by-bit search takes 32.
+
+Rows wider than one program takes (``SINGLE``) go in two stages: each tile of ``tile`` columns keeps
+its own ``k`` best (values and columns, in column order), then one program per row picks the ``k``
+best of those candidates. Exact, ties included: an entry its tile drops has ``k`` entries of its tile
+that rank before it (larger, or equal and earlier), so the whole row drops it too; and candidates stay
+in column order, so ties still go to the earlier column."""
 
 from __future__ import annotations
 
@@ -13,8 +21,11 @@ import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel
 
-MAX_COLUMNS = 32768  # one program holds its row (or its candidates) in registers
-TILE = 16384  # columns per first-stage program of a wider row
+SINGLE = 16384  # widest row one program selects from (Quest's pages per head at 128K: 8448)
+MAX_COLUMNS = 32768  # widest a program holds in registers (a two-stage row's candidates)
+TILE = 16384  # columns per first-stage program of a wider row (at most)
+MIN_TILE = 1024  # (at least)
+ELEMENTS_PER_WARP = 1024  # warps of a program = its width / this, in [4, 32]
 
 
 def _top_k_ascending_kernel(
@@ -43,18 +54,26 @@ def _top_k_ascending_kernel(
     # integer order is float order; -0.0 maps to 0.0's key.
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     key = tl.where(x == 0.0, 0, key)
-    # The largest t with count(key >= t) >= kk is the kk-th largest key: its sign first, then its other
-    # 31 bits from the top (within one sign, int32 order is the order of those bits). int32 only.
-    nonneg = tl.sum(((key >= 0) & valid).to(tl.int32), axis=0)
-    t = tl.where(nonneg >= kk, 0, -2147483648)
-    for i in range(31):
-        cand = t | (1 << (30 - i))
-        count = tl.sum(((key >= cand) & valid).to(tl.int32), axis=0)
-        t = tl.where(count >= kk, cand, t)
-    above = (key > t) & valid
+    bins = tl.arange(0, 256)
+    t = 0  # the k-th largest key, one byte per pass from the top (the others 0)
+    need = kk  # how many entries equal to the k-th largest to take
+    for i in tl.static_range(4):
+        if i == 0:
+            tied = valid
+            digit = ((key >> (24 - 8 * i)) & 0xFF) ^ 0x80  # the sign byte: negative keys below non-negative ones
+        else:
+            tied = valid & (((key ^ t) >> (32 - 8 * i)) == 0)  # the bytes above this one equal t's
+            digit = (key >> (24 - 8 * i)) & 0xFF
+        hist = tl.histogram(digit, 256, mask=tied)  # [256]
+        at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # tied entries with byte >= bin
+        sel = tl.max(tl.where(at_least >= need, bins, -1), axis=0)  # the k-th largest's byte
+        need -= tl.sum(tl.where(bins > sel, hist, 0), axis=0)
+        if i == 0:
+            t = (sel ^ 0x80) << 24
+        else:
+            t = t | (sel << (24 - 8 * i))
     at = (key == t) & valid
-    need = kk - tl.sum(above.to(tl.int32), axis=0)
-    chosen = above | (at & (tl.cumsum(at.to(tl.int32), axis=0) <= need))
+    chosen = ((key > t) & valid) | (at & (tl.cumsum(at.to(tl.int32), axis=0) <= need))
     pos = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
     base = row * stride_out + tl.program_id(1).to(tl.int64) * k
     if GATHER:  # the candidates' own columns
@@ -87,27 +106,42 @@ def _launch(x, idx, out, values, n: int, k: int, tile: int, stride_out: int, til
         BLOCK=block,
         GATHER=idx is not None,
         WRITE_VALUES=values is not None,
-        num_warps=max(4, min(32, block // 1024)),
+        num_warps=max(4, min(32, block // ELEMENTS_PER_WARP)),
     )
+
+
+def first_stage_tile(n: int, k: int) -> int | None:
+    """Columns per first-stage program of a row of ``n`` (``None``: one stage): the smallest power of
+    two of at least ``4 k`` (so candidates are at most a quarter of the row, plus one short tile) whose
+    candidates fit one program, at most ``TILE``; ``None`` too when no tile fits (see ``fits``)."""
+    if n <= SINGLE:
+        return None
+    tile = max(MIN_TILE, triton.next_power_of_2(4 * k))
+    while tile < TILE and triton.cdiv(n, tile) * k > MAX_COLUMNS:
+        tile *= 2
+    tile = min(tile, TILE)
+    return tile if k <= tile and triton.cdiv(n, tile) * k <= MAX_COLUMNS else None
 
 
 def fits(n: int, k: int) -> bool:
     """Whether the kernel takes rows of ``n`` columns (one stage, or two)."""
-    return n <= MAX_COLUMNS or (k <= TILE and triton.cdiv(n, TILE) * k <= MAX_COLUMNS)
+    return n <= MAX_COLUMNS or first_stage_tile(n, k) is not None
 
 
-def top_k_ascending_triton(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
-    """``scores`` [R, N], ``out`` [R, k] contiguous int64; validated by the caller, ``fits(N, k)``."""
+def top_k_ascending_triton(scores: torch.Tensor, k: int, out: torch.Tensor, tile: int | None = None) -> torch.Tensor:
+    """``scores`` [R, N], ``out`` [R, k] contiguous int64; validated by the caller, ``fits(N, k)``.
+    ``tile`` overrides the first stage's width (``N``: one stage), for benchmarks."""
     rows, n = scores.shape
     if scores.stride(1) != 1:
         scores = scores.contiguous()
-    if n <= MAX_COLUMNS:
+    tile = first_stage_tile(n, k) if tile is None else tile
+    if tile is None or tile >= n:
         _launch(scores, None, out, None, n, k, n, k, 1)
         return out
-    tiles = triton.cdiv(n, TILE)
+    tiles = triton.cdiv(n, tile)
     width = tiles * k
     columns = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
     values = torch.empty(rows, width, dtype=torch.float32, device=scores.device)
-    _launch(scores, None, columns, values, n, k, TILE, width, tiles)
+    _launch(scores, None, columns, values, n, k, tile, width, tiles)
     _launch(values, columns, out, None, width, k, width, k, 1)
     return out
