@@ -51,8 +51,9 @@ ROW_BYTES = (LATENT + ROPE) * 2
 SCALE = (192 + 64) ** -0.5
 FIRST_TILES = {"block_n": 32, "num_warps": 8, "num_stages": 3}  # the first kernel, measured at 6-28% of copy BW
 DECODE_CASES = [(batch, kv_len) for kv_len in (32768, 131072) for batch in (1, 8, 32)]
-SWEEP = [
-    dict(block_n=n, num_warps=w, num_stages=st, programs_per_sm=p)
+SWEEP = [  # 24 compiled variants (block_m: 64 pads the 20 heads further but lets Hopper's wgmma run)
+    dict(block_m=m, block_n=n, num_warps=w, num_stages=st, programs_per_sm=p)
+    for m in (32, 64)
     for n in (16, 32, 64)
     for w in (4, 8)
     for st in (2, 3)

@@ -118,6 +118,7 @@ DECODE_CASES = {
     "b5-bs16-fp32": ([1, 97, 16, 17, 40], 16, 4, 32, 16, torch.float32, None),
     "b3-bs1-short-splits-fp32": ([1, 70, 33], 1, 3, 24, 8, torch.float32, {"min_split_keys": 8}),
     "b2-heads70-bf16": ([97, 5], 16, 70, 32, 16, torch.bfloat16, {"min_split_keys": 16, "block_n": 16}),
+    "b4-heads20-rows16-bf16": ([3, 50, 16, 1], 16, 20, 32, 16, torch.bfloat16, {"block_m": 16, "min_split_keys": 8}),
 }
 
 

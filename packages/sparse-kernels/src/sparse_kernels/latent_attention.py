@@ -29,7 +29,8 @@ from sparse_kernels.attention_reference import causal_attention
 from sparse_kernels.kv_store import store_kv
 
 # Keys per inner step and launch shape of the Triton kernel, per kind of step (decode: one token per
-# request, all heads in one tile, split-K), and decode's split sizing: about ``programs_per_sm``
+# request, all heads in one tile of up to 64 rows, split-K; an optional "block_m" sets the rows per
+# tile, a power of 2 from 16), and decode's split sizing: about ``programs_per_sm``
 # programs per multiprocessor (a function of the batch size, so graphs replay), each request using
 # no split shorter than ``min_split_keys`` keys. Until benchmarks/mla_probe.py --sweep picks better
 # ones on the H200 these are the first kernel's (num_stages 3: Triton's default).
@@ -124,14 +125,14 @@ def plan_latent(
     kv_indices, kv_last_len = kv_indices.to(torch.int32).cpu(), kv_last_len.to(torch.int32).cpu()
     qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
     decode = all(n == 1 for n in qo_lens)
-    block_m = min(64, max(16, _next_pow2(num_heads))) if decode else 32
+    overrides = tiles or {}
+    tiles = {**LATENT_TILES["decode" if decode else "prefill"], **overrides}
+    block_m = tiles.get("block_m") or (min(64, max(16, _next_pow2(num_heads))) if decode else 32)
     tile_req, tile_row = [], []
     for b, n in enumerate(qo_lens if not decode else ()):
         for row in range(0, n * num_heads, block_m):
             tile_req.append(b)
             tile_row.append(row)
-    overrides = tiles or {}
-    tiles = {**LATENT_TILES["decode" if decode else "prefill"], **overrides}
     if num_splits is not None and "min_split_keys" not in overrides:
         tiles["min_split_keys"] = 1  # the caller's splits, all of them
     min_split_keys = tiles.get("min_split_keys", 1)
