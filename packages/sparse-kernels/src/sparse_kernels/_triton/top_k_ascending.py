@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 SINGLE = 16384  # widest row one program selects from (Quest's pages per head at 128K: 8448)
 MAX_COLUMNS = 32768  # widest a program holds in registers (a two-stage row's candidates)
@@ -41,7 +41,9 @@ def _top_k_ascending_kernel(
     BLOCK: tl.constexpr,
     GATHER: tl.constexpr,
     WRITE_VALUES: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)  # the scores are the step's previous kernel's output
     row = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1) * tile
     width = tl.minimum(tile, n - col0)
@@ -86,6 +88,7 @@ def _top_k_ascending_kernel(
         pad = (offs >= kk) & (offs < k)
         tl.store(val_ptr + base + offs, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
         tl.store(out_ptr + base + offs, tl.zeros([BLOCK], tl.int64), mask=pad)
+    pdl_exit(USE_GDC)
 
 
 top_k_ascending_kernel = Kernel(_top_k_ascending_kernel)
@@ -107,6 +110,7 @@ def _launch(x, idx, out, values, n: int, k: int, tile: int, stride_out: int, til
         GATHER=idx is not None,
         WRITE_VALUES=values is not None,
         num_warps=max(4, min(32, block // ELEMENTS_PER_WARP)),
+        **pdl_args(x.device),
     )
 
 
