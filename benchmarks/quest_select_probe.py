@@ -46,7 +46,19 @@ L2_BYTES = 256 << 20  # rotate over at least this many bytes of inputs per timed
 
 PB_SWEEP = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3)]  # BLOCK_P, warps, stages
 PL_SWEEP = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 3)]  # BLOCK_N, warps, stages
-TK_TILES = [1024, 2048, 4096]  # Quest's top-k in two stages (default: one program per row)
+QUEST_TK = {  # top-k variants: overrides of sparse_kernels._triton.top_k_ascending's constants
+    "one program": {"SINGLE": 16384},
+    "tile 2048": {"MIN_TILE": 2048},
+    "tile 4096": {"MIN_TILE": 4096},
+    "256 per warp": {"ELEMENTS_PER_WARP": 256},
+    "128 per warp": {"ELEMENTS_PER_WARP": 128},
+}
+OMNI_TK = {
+    "final 16384": {"SINGLE": 16384},
+    "tile 16384": {"MIN_TILE": 16384, "SINGLE": 32768},
+    "512 per warp": {"ELEMENTS_PER_WARP": 512},
+    "2048 per warp": {"ELEMENTS_PER_WARP": 2048},
+}
 
 
 class Inputs:
@@ -171,31 +183,29 @@ def probe_paged_logits(x: Inputs, bw: float, sweep: bool) -> list[dict]:
     )
 
 
-def probe_top_k(name: str, scores: torch.Tensor, k: int, tiles: list[int]) -> list[dict]:
+def probe_top_k(name: str, scores: torch.Tensor, k: int, variants: dict[str, dict]) -> list[dict]:
+    """Old, new, and new under each of ``variants`` (overrides of the Triton module's constants)."""
     flat = scores.reshape(-1, scores.shape[-1])
     expected = top_k_ascending(flat, k, backend="reference")
     out = torch.empty_like(expected)
-    variants = {
-        "old": lambda: old.top_k_ascending_triton(flat, k, out),
-        "new": lambda: new_tk.top_k_ascending_triton(flat, k, out),
-    }
-    for tile in tiles:
-        variants[f"new tile {tile}"] = lambda tile=tile: new_tk.top_k_ascending_triton(flat, k, out, tile=tile)
+    runs = {"old": (old.top_k_ascending_triton, {}), "new": (new_tk.top_k_ascending_triton, {})}
+    runs.update({f"new {label}": (new_tk.top_k_ascending_triton, v) for label, v in variants.items()})
     rows = []
-    for per_warp in (1024, 512, 2048):  # the default first, then twice and half the warps
-        saved, new_tk.ELEMENTS_PER_WARP = new_tk.ELEMENTS_PER_WARP, per_warp
+    for label, (fn, overrides) in runs.items():
+        saved = {key: getattr(new_tk, key) for key in overrides}
+        for key, value in overrides.items():
+            setattr(new_tk, key, value)
         try:
-            for label, fn in variants.items():
-                if per_warp != 1024 and label == "old":
-                    continue
-                out.fill_(-1)
-                fn()
-                if not torch.equal(out, expected):
-                    raise AssertionError(f"{name} top-k {label} differs from a stable sort")
-                suffix = "" if per_warp == 1024 else f" ({per_warp} per warp)"
-                rows.append(row(f"{name} top-k {label}{suffix}", median_ms(fn) * 1e3, None, 0.0))
+            stages = new_tk.stages(flat.shape[1], k) if fn is new_tk.top_k_ascending_triton else None
+            out.fill_(-1)
+            fn(flat, k, out)
+            if not torch.equal(out, expected):
+                raise AssertionError(f"{name} top-k {label} differs from a stable sort")
+            us = median_ms(lambda fn=fn: fn(flat, k, out)) * 1e3
+            rows.append(row(f"{name} top-k {label}" + ("" if stages is None else f" {stages}"), us, None, 0.0))
         finally:
-            new_tk.ELEMENTS_PER_WARP = saved
+            for key, value in saved.items():
+                setattr(new_tk, key, value)
     return rows
 
 
@@ -266,9 +276,9 @@ def main() -> None:
         print(f"batch {batch}: {x.pages} pages per row, {x_sum.layers} summary / {x.layers} key layer copies")
         rows = probe_page_bounds(x_sum, bw, not args.no_sweep)
         rows += probe_paged_logits(x, bw, not args.no_sweep)
-        rows += probe_top_k("quest", quest_scores(x_sum), QUEST_K, TK_TILES)
+        rows += probe_top_k("quest", quest_scores(x_sum), QUEST_K, QUEST_TK)
         omni = omni_scores(batch, gen)
-        rows += probe_top_k("omnikv", omni, OMNI_K, [])
+        rows += probe_top_k("omnikv", omni, OMNI_K, OMNI_TK)
         rows += probe_chains(x_sum, x, omni)
         results["batches"][batch] = rows
         del x, x_sum

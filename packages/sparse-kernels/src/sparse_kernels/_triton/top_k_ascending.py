@@ -7,11 +7,13 @@ keep every entry of a larger byte, and narrow the tie to the byte that holds the
 passes the tied entries all equal the k-th largest, and the first ``need`` of them in column order are
 taken (ties to the lower column). Four passes, where a bit-by-bit search takes 32.
 
-Rows wider than one program takes (``SINGLE``) go in two stages: each tile of ``tile`` columns keeps
-its own ``k`` best (values and columns, in column order), then one program per row picks the ``k``
-best of those candidates. Exact, ties included: an entry its tile drops has ``k`` entries of its tile
-that rank before it (larger, or equal and earlier), so the whole row drops it too; and candidates stay
-in column order, so ties still go to the earlier column."""
+A histogram pass costs a few instructions per entry on the SM that runs it (warp ballots or shared
+memory atomics, by Triton version), so rows wider than ``SINGLE`` are spread over many programs
+through candidate stages first: each tile of a stage keeps its own ``k`` best (values and columns, in
+column order), until one program per row picks the ``k`` best of the last candidates. Exact, ties
+included: an entry its tile drops has ``k`` entries of its tile that rank before it (larger, or equal
+and earlier), so the whole row drops it too; and candidates stay in column order, so ties still go to
+the earlier column."""
 
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
-SINGLE = 16384  # widest row one program selects from (Quest's pages per head at 128K: 8448)
-MAX_COLUMNS = 32768  # widest a program holds in registers (a two-stage row's candidates)
-TILE = 16384  # columns per first-stage program of a wider row (at most)
-MIN_TILE = 1024  # (at least)
+SINGLE = 2048  # a row (or a stage's candidates) this narrow is one program's
+MIN_TILE = 1024  # columns per program of a candidate stage: at least this, and 4 k
+TILE = 16384  # (at most)
+MAX_COLUMNS = 32768  # widest row one program takes when k is too large for stages
 ELEMENTS_PER_WARP = 1024  # warps of a program = its width / this, in [4, 32]
 
 
@@ -114,38 +116,40 @@ def _launch(x, idx, out, values, n: int, k: int, tile: int, stride_out: int, til
     )
 
 
-def first_stage_tile(n: int, k: int) -> int | None:
-    """Columns per first-stage program of a row of ``n`` (``None``: one stage): the smallest power of
-    two of at least ``4 k`` (so candidates are at most a quarter of the row, plus one short tile) whose
-    candidates fit one program, at most ``TILE``; ``None`` too when no tile fits (see ``fits``)."""
+def stages(n: int, k: int) -> list[int] | None:
+    """Tile widths of the candidate stages a row of ``n`` goes through before its final program (``[]``:
+    one program; ``None``: the kernel does not take it, see ``fits``). Each tile is the smallest power
+    of two of at least ``4 k`` and ``MIN_TILE`` (at most ``TILE``, and at least ``2 k``), so a stage
+    leaves at most a quarter (half) of its input, plus one short tile; stages run until one program
+    takes the rest."""
     if n <= SINGLE:
-        return None
-    tile = max(MIN_TILE, triton.next_power_of_2(4 * k))
-    while tile < TILE and triton.cdiv(n, tile) * k > MAX_COLUMNS:
-        tile *= 2
-    tile = min(tile, TILE)
-    return tile if k <= tile and triton.cdiv(n, tile) * k <= MAX_COLUMNS else None
+        return []
+    tile = min(max(MIN_TILE, triton.next_power_of_2(4 * k)), TILE)
+    if tile < 2 * k:  # a stage would keep most of its input
+        return [] if n <= MAX_COLUMNS else None
+    tiles, width = [], n
+    while width > max(SINGLE, tile):
+        tiles.append(tile)
+        width = triton.cdiv(width, tile) * k
+    return tiles
 
 
 def fits(n: int, k: int) -> bool:
-    """Whether the kernel takes rows of ``n`` columns (one stage, or two)."""
-    return n <= MAX_COLUMNS or first_stage_tile(n, k) is not None
+    """Whether the kernel takes rows of ``n`` columns."""
+    return stages(n, k) is not None
 
 
-def top_k_ascending_triton(scores: torch.Tensor, k: int, out: torch.Tensor, tile: int | None = None) -> torch.Tensor:
-    """``scores`` [R, N], ``out`` [R, k] contiguous int64; validated by the caller, ``fits(N, k)``.
-    ``tile`` overrides the first stage's width (``N``: one stage), for benchmarks."""
+def top_k_ascending_triton(scores: torch.Tensor, k: int, out: torch.Tensor) -> torch.Tensor:
+    """``scores`` [R, N], ``out`` [R, k] contiguous int64; validated by the caller, ``fits(N, k)``."""
     rows, n = scores.shape
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
-    tile = first_stage_tile(n, k) if tile is None else tile
-    if tile is None or tile >= n:
-        _launch(scores, None, out, None, n, k, n, k, 1)
-        return out
-    tiles = triton.cdiv(n, tile)
-    width = tiles * k
-    columns = torch.empty(rows, width, dtype=torch.int64, device=scores.device)
-    values = torch.empty(rows, width, dtype=torch.float32, device=scores.device)
-    _launch(scores, None, columns, values, n, k, tile, width, tiles)
+    values, columns, width = scores, None, n
+    if values.stride(1) != 1:
+        values = values.contiguous()
+    for tile in stages(n, k):  # each tile's k best (values and columns, in column order)
+        tiles = triton.cdiv(width, tile)
+        kept = torch.empty(rows, tiles * k, dtype=torch.int64, device=scores.device)
+        kept_values = torch.empty(rows, tiles * k, dtype=torch.float32, device=scores.device)
+        _launch(values, columns, kept, kept_values, width, k, tile, tiles * k, tiles)
+        values, columns, width = kept_values, kept, tiles * k
     _launch(values, columns, out, None, width, k, width, k, 1)
     return out
