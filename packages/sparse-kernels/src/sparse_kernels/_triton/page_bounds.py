@@ -55,9 +55,7 @@ def _page_bounds_kernel(
     num_pages = tl.load(num_pages_ptr + b)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    # A mask along d (only when head_dim is not a power of two) would split the rows' loads into
-    # 16-bit ones: without it each page's row is one contiguous vector load.
-    mask_d = offs_d < HEAD_DIM if BLOCK_D != HEAD_DIM else offs_d < BLOCK_D
+    mask_d = offs_d < HEAD_DIM
     heads = h * GROUP + offs_g
     q = tl.load(  # [BLOCK_D, BLOCK_G]: the group's queries as columns
         q_ptr + b.to(tl.int64) * stride_qb + heads[None, :] * stride_qh + offs_d[:, None],
@@ -72,10 +70,7 @@ def _page_bounds_kernel(
         valid = pages < num_pages
         ids = tl.load(table_ptr + start + pages, mask=valid, other=0).to(tl.int64)
         rows = (ids * NUM_KV_HEADS + h) * HEAD_DIM
-        if BLOCK_D == HEAD_DIM:
-            m2 = valid[:, None]
-        else:
-            m2 = valid[:, None] & mask_d[None, :]
+        m2 = valid[:, None] & mask_d[None, :]
         top = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
         low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
         s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)

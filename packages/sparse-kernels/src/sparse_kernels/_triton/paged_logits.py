@@ -65,10 +65,7 @@ def _paged_logits_kernel(
         block = tl.load(table_ptr + start + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + tok % BLOCK_SIZE
         ptrs = k_ptr + (slot[None, :] * NUM_KV_HEADS + h) * HEAD_DIM + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
-        if BLOCK_D == HEAD_DIM:  # no mask along d: each key row is one contiguous vector load
-            k = tl.load(ptrs, mask=valid[None, :], other=0.0)
-        else:
-            k = tl.load(ptrs, mask=valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        k = tl.load(ptrs, mask=valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
         logit = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
         logit = tl.where(valid[None, :], logit, float("-inf"))
         tl.store(out_rows[:, None] + tok[None, :], logit, mask=mask_g[:, None] & (tok[None, :] < hi))
