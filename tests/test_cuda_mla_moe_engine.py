@@ -1,9 +1,8 @@
 """MLA models with routed experts on a CUDA device: the latent Triton kernels (split-K decode with the
 Triton merge) and fused_moe give HF's first tokens (fp32; skipped without CUDA), and decode under CUDA
 graphs (the latent decode plan in fixed buffers) gives the eager engine's tokens for dense attention
-and eviction methods that compact the latents (SnapKV, StreamingLLM at small budgets). H2O (it
-observes every decode step) decodes eagerly with graphs on; Quest on the latent (it selects pages
-on the host path) captures no graphs: the same tokens either way."""
+and eviction methods that compact the latents (SnapKV, StreamingLLM at small budgets; H2O observes
+every decode step, so its steps stay eager) and for Quest on the latent (selecting graphs)."""
 
 from __future__ import annotations
 
@@ -31,22 +30,30 @@ SMALL_BUDGETS = {
     ),
     "h2o": dict(sparse_method="h2o", h2o_prefill_budget=16, h2o_decode_budget=16, decode_eviction_interval=4),
     "streamingllm": dict(sparse_method="streamingllm", sink_keep_tokens=4, recent_keep_tokens=12),
-    "quest": dict(
-        sparse_method="quest", sink_keep_tokens=4, decode_keep_tokens=8, recent_keep_tokens=4, quest_chunk_size=4
-    ),
 }
 
-# H2O observes every decode step's attention: eager steps (0 replays). Quest selects latent pages on
-# the host: no graphs are captured (-1).
-NO_REPLAY = {"h2o": 0, "quest": -1}
+# H2O observes every decode step's attention: eager steps (0 replays).
+NO_REPLAY = {"h2o": 0}
+QUEST = dict(
+    sparse_method="quest",
+    sink_keep_tokens=4,
+    decode_keep_tokens=8,
+    recent_keep_tokens=4,
+    quest_chunk_size=4,
+    quest_skip_layers=0,
+)
+
+
+def _run(path, prompts, **config):
+    llm = LLM(str(path), device="cuda", dtype="float32", block_size=4, num_kv_blocks=128, **config)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+    return [list(o.token_ids) for o in outs], llm.engine.runner.graphs
 
 
 def _greedy(path, prompts, **config) -> tuple[list[list[int]], int]:
     """Tokens and how many decode steps replayed a graph (-1: no graphs)."""
-    llm = LLM(str(path), device="cuda", dtype="float32", block_size=4, num_kv_blocks=128, **config)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
-    graphs = llm.engine.runner.graphs
-    return [list(o.token_ids) for o in outs], -1 if graphs is None else graphs.num_replays
+    tokens, graphs = _run(path, prompts, **config)
+    return tokens, -1 if graphs is None else graphs.num_replays
 
 
 @pytest.mark.parametrize("name", ["deepseek_v2", "glm4_moe_lite"])
@@ -73,3 +80,14 @@ def test_mla_decode_graphs_equal_eager(mla_checkpoint, name, method):  # noqa: F
         assert replays == NO_REPLAY[method]
     else:
         assert replays > 0
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "glm4_moe_lite"])
+def test_mla_quest_selecting_graphs_equal_eager(mla_checkpoint, name):  # noqa: F811
+    """Every prompt outgrows Quest's 16-token budget, so every decode row selects 4 pages: the steps
+    replay selecting graphs (picks written into the latent plan on the device) with eager's tokens."""
+    path, _ = mla_checkpoint(name)
+    prompts = _prompts(seed=7, shared_prefix=20)
+    graphed, graphs = _run(path, prompts, **QUEST)
+    assert graphs.selecting_graphs and graphs.num_replays > 0
+    assert graphed == _run(path, prompts, enforce_eager=True, **QUEST)[0]

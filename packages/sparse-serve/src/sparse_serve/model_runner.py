@@ -107,11 +107,8 @@ class ModelRunner:
         )
         self.method = method
         self.graphs: DecodeGraphs | None = None
-        # Quest on a latent store selects pages and refreshes summaries from host-side lists: eager decode.
         # Under tensor parallelism every rank captures the same buckets, NCCL collectives inside.
-        latent = self.attention.latent
-        graphable = latent is None or latent.replays_in_graphs
-        if self.device.type == "cuda" and graphable and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device)
             self.graphs.capture()
         self.sampler = Sampler(config.seed, self.device)

@@ -159,9 +159,15 @@ class PagedAttention:
                 method=method,
                 group_queries=group_queries,
                 capacities=(max_num_tokens, max_batch_size, max_num_pages),
+                sm_scale=self.sm_scale,
             )
-        self.selective = SelectiveDecode(
-            self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
+        # The batched selection path in use (CUDA graphs ask it for their keys): the latent backend's own.
+        self.selective = (
+            self.latent.selective
+            if self.latent is not None
+            else SelectiveDecode(
+                self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
+            )
         )
         self.selective_prefill = SelectivePrefill(self.device, self.shape, self.sm_scale)
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] | None = []  # None: summaries from slot mappings
@@ -172,7 +178,7 @@ class PagedAttention:
         self._meta = meta
         self._observed_slots = {}
         if self.latent is not None:
-            self.latent.plan(meta, self.sm_scale)
+            self.latent.plan(meta, self.sm_scale, self.method)
             return
         while len(self._plans) < len(meta.groups):
             self._plans.append(_GroupPlan(self.device, self._make_prefill))
