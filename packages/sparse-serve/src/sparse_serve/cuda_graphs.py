@@ -14,9 +14,9 @@ in the same order. Those captures are thread-local: the NCCL process group's wat
 query events of work enqueued before a capture while it runs, which a process-wide (global) capture
 mode forbids (nccl-tests captures thread-local for the same reason).
 
-MLA (a latent store) replays the same way (``LatentPagedAttention`` keeps its decode plan in fixed
-buffers), except over a store with block summaries (Quest on the latent), which the runner does not
-capture: its page selection and summary blocks are planned on the host.
+MLA (a latent store) replays the same way: ``LatentPagedAttention`` keeps its decode plan in fixed
+buffers, and Quest on the latent selects through the same ``SelectiveDecode`` batched path
+(``attention.selective`` is the latent backend's).
 
 Block summaries (query-aware stores) are updated inside the graph from the static slot mapping.
 Steps of a method that selects what decode reads are eligible when the method selects on the device
