@@ -162,11 +162,12 @@ class LatentPagedAttention:
             else:
                 block_summary(cache, *self._written[group_idx], kmin, kmax)
         sel = self.selective
-        if sel.batched and not sel.reads_all and self.method.selects_decode(layer_idx):
+        if sel.batched and self.method.selects_decode(layer_idx):  # picked on the device, no host sync
             select_q = q if self.group_queries is None else self.group_queries(q)
             out = q.new_empty(q.shape[0], q.shape[1], self.latent_dim)
             return sel.run_batched(self.method, layer_idx, q, cache, cache, kmin, kmax, out, select_q=select_q)
-        plan = None if sel.batched else self._selected_plan(layer_idx, group_idx, q)
+        planned = sel.batched or sel.reads_all  # a decode-only step of the batched path: nothing left to pick
+        plan = None if planned else self._selected_plan(layer_idx, group_idx, q)
         return latent_attention(q, cache, plan or self._plans[group_idx])
 
     def _selected_plan(self, layer_idx: int, group_idx: int, q: torch.Tensor) -> LatentPlan | None:
