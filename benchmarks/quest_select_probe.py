@@ -1,4 +1,6 @@
-"""Quest / OmniKV selection kernels on the GPU: old (commit 1a3af46, ``quest_select_baseline``) against
+"""Quest / OmniKV selection kernels on the GPU (measured on the H200 at 848696c: results/bench/h200/quest_select/;
+the radix top-k measured there was slower than the bisection one, 55-87 us against 34 us for Quest's rows,
+and was reverted, so "new" top-k is the old kernel again): old (commit 1a3af46, ``quest_select_baseline``) against
 new (``sparse_kernels``), at the issue-17 shape: Qwen3-8B heads (32 query, 8 KV, head_dim 128, bf16),
 16-token pages in a shuffled pool, 128K context (8193 pages per row, ``max_pages`` 8448 as the engine
 plans for 2048 more tokens), Quest budget 128 pages (4 sink + 92 + 32 recent), OmniKV 2048 tokens.
@@ -189,6 +191,8 @@ def probe_top_k(name: str, scores: torch.Tensor, k: int, variants: dict[str, dic
     expected = top_k_ascending(flat, k, backend="reference")
     out = torch.empty_like(expected)
     runs = {"old": (old.top_k_ascending_triton, {}), "new": (new_tk.top_k_ascending_triton, {})}
+    if not hasattr(new_tk, "stages"):  # the radix select was measured slower and reverted: old == new
+        variants = {}
     runs.update({f"new {label}": (new_tk.top_k_ascending_triton, v) for label, v in variants.items()})
     rows = []
     for label, (fn, overrides) in runs.items():
@@ -196,7 +200,8 @@ def probe_top_k(name: str, scores: torch.Tensor, k: int, variants: dict[str, dic
         for key, value in overrides.items():
             setattr(new_tk, key, value)
         try:
-            stages = new_tk.stages(flat.shape[1], k) if fn is new_tk.top_k_ascending_triton else None
+            radix = fn is new_tk.top_k_ascending_triton and hasattr(new_tk, "stages")
+            stages = new_tk.stages(flat.shape[1], k) if radix else None
             out.fill_(-1)
             fn(flat, k, out)
             if not torch.equal(out, expected):

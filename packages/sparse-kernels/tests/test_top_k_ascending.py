@@ -51,15 +51,15 @@ def test_out_is_written_in_place_and_checked(triton_device):
         top_k_ascending(scores, 3, torch.empty(4, 3, dtype=torch.int32))
 
 
-@pytest.mark.parametrize(("n", "k", "single", "num_stages"), [(300, 10, 64, 1), (257, 28, 64, 1), (300, 16, 64, 2)])
-def test_wide_rows_in_stages_equal_a_stable_sort(n, k, single, num_stages, triton_device, monkeypatch):
-    """Rows wider than one program (here made small): per-tile candidates, once or twice, then the row's
-    pick; short last tiles (fewer columns than k) and ties across tiles included."""
+@pytest.mark.parametrize(("n", "k"), [(300, 10), (300, 16), (257, 28)])
+def test_wide_rows_in_two_stages_equal_a_stable_sort(n, k, triton_device, monkeypatch):
+    """Rows wider than one program (here made small): per-tile candidates, then the row's pick; short
+    last tiles (fewer columns than k) and ties across tiles included."""
     from sparse_kernels._triton import top_k_ascending as kernel
 
-    monkeypatch.setattr(kernel, "SINGLE", single)
-    monkeypatch.setattr(kernel, "MIN_TILE", 32)
-    assert len(kernel.stages(n, k)) == num_stages
+    monkeypatch.setattr(kernel, "MAX_COLUMNS", 256)
+    monkeypatch.setattr(kernel, "TILE", 32)
+    assert n > kernel.MAX_COLUMNS and kernel.fits(n, k)
     scores = _rows(n, seed=7 * n + k)
     got = top_k_ascending(scores.to(triton_device), k, backend="triton")
     assert torch.equal(got.cpu(), _expected(scores, k))
