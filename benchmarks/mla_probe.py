@@ -5,10 +5,13 @@ GLM-4.7-Flash (Glm4MoeLite): 20 query heads, kv_lora_rank 512, qk_rope_head_dim 
 row is 576 bf16 channels (1152 bytes per token and layer) and the softmax scale is (192 + 64) ** -0.5.
 
 1. Decode kernel, contexts 32K and 128K at batch 1 / 8 / 32, each timed inside a CUDA graph (as the
-   engine replays it), two launches side by side: ``old`` (the first kernel: ``FIRST_TILES`` with
-   its context-dependent split count, every split used) and ``new`` (``BatchLatentDecode`` as the
-   engine runs it: CSR in fixed buffers, ``LATENT_TILES["decode"]``, splits from the batch size with
-   each request using those its length fills). Reported: ms, GB/s of latent rows read and % of the
+   engine replays it), two launches side by side: ``old`` (the first kernel's launch settings:
+   ``FIRST_TILES`` with its context-dependent split count, every split used; today's kernel code,
+   so the page-id prefetch and the column-parallel merge are in both: the first kernel's own times
+   for batch 1 x 128K and batch 8 x 32K are in results/bench/h200/prefill/kernels/mla_probe.json)
+   and ``new`` (``BatchLatentDecode`` as the engine runs it: CSR in fixed buffers,
+   ``LATENT_TILES["decode"]``, splits from the batch size with each request using those its length
+   fills). Reported: ms, GB/s of latent rows read and % of the
    device's copy bandwidth (a 2 GiB device-to-device copy, read + write bytes), and the max error
    against the reference where the case is small enough to check. ``--sweep`` also times every
    launch setting of ``SWEEP`` on the new path and prints the one with the best geometric mean.

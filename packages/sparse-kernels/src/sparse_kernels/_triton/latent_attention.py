@@ -16,9 +16,9 @@ the device: the programs past them return after marking their rows dead.
 
 With ``SPLIT`` the program writes its divided partial output and its base-2 log-sum-exp per row
 (``-inf`` where it saw no key: its partial output is then not written), and ``_latent_merge_kernel``
-(one launch, one program per row) weighs the splits into the output; without, the program writes
-the final output. The next step's page ids are loaded one step ahead, so each step's row loads do
-not wait on its page-id load.
+(one launch, one program per row and 128 output columns) weighs the splits into the output;
+without, the program writes the final output. The next step's page ids are loaded one step
+ahead, so each step's row loads do not wait on its page-id load.
 Token ``j`` of a request is pool slot ``indices[start + j // PAGE_SIZE] * PAGE_SIZE + j % PAGE_SIZE``.
 Causal: query token ``t`` of a request with ``n`` new tokens and ``L`` keys sees keys ``<= L - n + t``.
 """
@@ -170,20 +170,35 @@ def _latent_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """One program per (row, ``BLOCK_C`` output columns), the splits in chunks of ``BLOCK_S``: a
+    batch of one still spreads over many programs, and no tile holds every split at once."""
     row = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head over the whole batch
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_s = offs_s < num_splits
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < LATENT
-    lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=mask_s, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.maximum(top, -1e30)))  # dead splits weigh 0
-    part = o_part_ptr + (row * num_splits + offs_s)[:, None] * LATENT + offs_c[None, :]
-    o = tl.load(part, mask=(w > 0)[:, None] & mask_c[None, :], other=0.0)  # dead splits are not read
-    o = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        top = tl.maximum(top, lse)
+    top = tl.maximum(tl.max(top, 0), -1e30)  # every split dead: weights 0, output 0
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # dead splits weigh 0
+        part = o_part_ptr + (row * num_splits + offs_s)[:, None] * LATENT + offs_c[None, :]
+        o = tl.load(part, mask=(w > 0)[:, None] & mask_c[None, :], other=0.0)  # dead splits are not read
+        acc += tl.sum(o * w[:, None], 0)
+        total += w
+    o = acc / tl.maximum(tl.sum(total, 0), 1e-30)
     dst = out_ptr + (row // NUM_HEADS) * stride_ot + (row % NUM_HEADS) * stride_oh + offs_c
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_c)
 
+
+# The merge's tile: output columns per program and splits per step (a 32 x 128 fp32 tile).
+MERGE_BLOCK_C = 128
+MERGE_BLOCK_S = 32
 
 latent_attention_kernel = Kernel(_latent_attention_kernel)
 latent_merge_kernel = Kernel(_latent_merge_kernel)
@@ -243,7 +258,8 @@ def run_latent_attention(
         **dot_args(q.dtype, q.device),
     )
     if split and merge:
-        latent_merge_kernel[(q.shape[0] * q.shape[1],)](
+        block_c = min(MERGE_BLOCK_C, max(16, triton.next_power_of_2(plan.latent_dim)))
+        latent_merge_kernel[(q.shape[0] * q.shape[1], triton.cdiv(plan.latent_dim, block_c))](
             o_part,
             lse_part,
             out,
@@ -252,7 +268,7 @@ def run_latent_attention(
             plan.num_splits,
             NUM_HEADS=plan.num_heads,
             LATENT=plan.latent_dim,
-            BLOCK_S=max(2, triton.next_power_of_2(plan.num_splits)),
-            BLOCK_C=max(16, triton.next_power_of_2(plan.latent_dim)),
+            BLOCK_S=min(MERGE_BLOCK_S, max(2, triton.next_power_of_2(plan.num_splits))),
+            BLOCK_C=block_c,
             num_warps=4,
         )
