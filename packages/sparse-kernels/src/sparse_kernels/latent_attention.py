@@ -152,8 +152,8 @@ def plan_latent(
         kv_indptr=csr[0],
         kv_indices=csr[1],
         kv_last_len=csr[2],
-        tile_req=as_dev(tile_req),
-        tile_row=as_dev(tile_row),
+        tile_req=as_dev(tile_req) if not decode else csr[0],  # decode: unused (tiles from the program index)
+        tile_row=as_dev(tile_row) if not decode else csr[0],
         qo_indptr_cpu=qo_indptr,
         kv_indptr_cpu=kv_indptr,
         kv_indices_cpu=kv_indices,
