@@ -130,7 +130,7 @@ def _latent_attention_kernel(
         kv_r = tl.load(row_ptr[:, None] + LATENT + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
         kv_c = kv_c.to(DOT_DTYPE)
         qk = tl.dot(q_c, tl.trans(kv_c), input_precision=PRECISION)
-        qk += tl.dot(q_r, tl.trans(kv_r.to(DOT_DTYPE)), input_precision=PRECISION)
+        qk = tl.dot(q_r, tl.trans(kv_r.to(DOT_DTYPE)), qk, input_precision=PRECISION)  # accumulates in place
         qk = qk * scale_log2  # [BLOCK_M, BLOCK_N], base 2
         seen = mask_n[None, :]
         if CAUSAL:
@@ -141,7 +141,7 @@ def _latent_attention_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_c, input_precision=PRECISION)
+        acc = tl.dot(p.to(DOT_DTYPE), kv_c, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
