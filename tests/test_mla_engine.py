@@ -146,3 +146,17 @@ def test_methods_without_mla_support_are_refused(mla_checkpoint):
     path, _ = mla_checkpoint("glm4_moe_lite")
     with pytest.raises(ValueError, match="tova does not support MLA models"):
         LLM(str(path), device="cpu", dtype="float32", sparse_method="tova")
+
+
+def test_synthetic_latent_noise_keeps_block_summaries_true(mla_checkpoint):
+    """Benchmarks' synthetic prefill over a latent store with block summaries (Quest on MLA): the
+    summaries are the min / max of each block's noisy latent rows, not left at zero."""
+    path, _ = mla_checkpoint("glm4_moe_lite")
+    runner = LLM(
+        str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=12, sparse_method="quest",
+        quest_chunk_size=4,
+    ).engine.runner
+    runner.randomize_kv(seed=3)
+    for rows, kmin, kmax in zip(runner.kv.latent, runner.kv.kmin, runner.kv.kmax, strict=True):
+        assert torch.equal(kmin, rows.amin(dim=1)) and torch.equal(kmax, rows.amax(dim=1))
+        assert not torch.equal(kmin, kmax)

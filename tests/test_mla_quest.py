@@ -67,19 +67,25 @@ def _check_pages(batch, chosen, cache, sink: int, recent: int, tol: float) -> No
 
 
 @pytest.mark.parametrize(
-    "device",
-    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+    ("device", "chunk"),
+    [
+        ("cpu", None),
+        ("cpu", 8),
+        pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    ],
 )
-def test_quest_reads_only_the_pages_it_picks(mla_checkpoint, monkeypatch, device):  # noqa: F811
+def test_quest_reads_only_the_pages_it_picks(mla_checkpoint, monkeypatch, device, chunk):  # noqa: F811
     """Sink 1 page, keep 2, recent 1 (16 tokens): longer contexts select. Each selecting decode row's
     pages are the plain torch choice over the cached rows, and its attention output equals softmax
-    attention over those pages' rows only; the greedy tokens then differ from dense somewhere. On CUDA
-    the summaries, page bounds and latent attention run as Triton kernels."""
+    attention over those pages' rows only; the greedy tokens then differ from dense somewhere.
+    Decode-only steps select through the batched path (picks written into the plan on the device);
+    with 8-token chunks, steps that mix prefill chunks and decodes plan their pages on the host. On
+    CUDA the summaries, page bounds and latent attention run as Triton kernels."""
     import sparse_serve.latent_paged_attention as lpa
 
     path, hf_model = mla_checkpoint("deepseek_v2")
     small = dict(sink_keep_tokens=BLOCK, decode_keep_tokens=2 * BLOCK, recent_keep_tokens=BLOCK)
-    llm = _llm(path, device, **small)
+    llm = _llm(path, device, **small, **({} if chunk is None else {"max_num_batched_tokens": chunk}))
     tol = 0.0 if device == "cpu" else 1e-3
     method = llm.engine.method
     pending: list = []
@@ -96,8 +102,8 @@ def test_quest_reads_only_the_pages_it_picks(mla_checkpoint, monkeypatch, device
 
     attend = lpa.latent_attention
 
-    def spy_attention(q, cache, plan):
-        out = attend(q, cache, plan)
+    def spy_attention(q, cache, plan, out=None):
+        out = attend(q, cache, plan, out=out)
         if pending:
             batch, chosen, layer_cache = pending.pop()
             assert layer_cache is cache and not pending
@@ -119,6 +125,7 @@ def test_quest_reads_only_the_pages_it_picks(mla_checkpoint, monkeypatch, device
     prompts = _prompts(seed=5)
     tokens = _greedy(llm, prompts)
     assert checked["rows"] >= 2 * MAX_NEW  # both layers of the 23- and 40-token prompts' decodes
+    assert llm.engine.runner.attention.selective.num_selections > 0  # decode-only steps: the batched path
     assert tokens != [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
 
 

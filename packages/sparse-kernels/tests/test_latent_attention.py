@@ -1,4 +1,7 @@
-"""Latent (MLA) paged attention: Triton == reference == a per-request oracle, decode and prefill.
+"""Latent (MLA) paged attention: Triton == reference == a per-request oracle, decode and prefill, and
+the graph-safe decode (``BatchLatentDecode``) over fixed buffers that later plans of the same batch
+size reuse in place (a one-token request, more heads than one tile holds, splits that short requests
+leave unused).
 
 Runs natively on CUDA where present, else under Triton's interpreter on CPU at small sizes. The
 oracle is written here from the definition (scores over ``[c_kv | k_rope]``, values ``c_kv``), not
@@ -11,6 +14,7 @@ import pytest
 import torch
 
 from sparse_kernels.latent_attention import latent_attention, merge_splits, plan_latent, store_latent
+from sparse_kernels.latent_decode import BatchLatentDecode
 
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 2e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
@@ -79,8 +83,6 @@ def test_merge_splits_ignores_splits_that_saw_no_key():
 def test_triton_merge_equals_merge_splits(triton_device):
     """The one-launch merge weighs the splits as the plain one, dead splits (NaN partials) left unread,
     and writes each (token, head) row through out's strides."""
-    import triton
-
     from sparse_kernels._triton.latent_attention import latent_merge_kernel
 
     g = torch.Generator().manual_seed(0)
@@ -92,9 +94,9 @@ def test_triton_merge_equals_merge_splits(triton_device):
     lse[dead], o_part[dead] = float("-inf"), float("nan")
     expected = merge_splits(o_part.nan_to_num(), lse).view(tokens, heads, latent)
     out = torch.full((tokens, heads + 2, latent), float("nan"), device=triton_device)[:, 1:-1]  # strided
-    latent_merge_kernel[(tokens * heads,)](
+    latent_merge_kernel[(tokens * heads, 2)](  # two column blocks, the splits in two steps
         o_part.to(triton_device), lse.to(triton_device), out, out.stride(0), out.stride(1), splits,
-        NUM_HEADS=heads, LATENT=latent, BLOCK_S=triton.next_power_of_2(splits), BLOCK_C=32,
+        NUM_HEADS=heads, LATENT=latent, BLOCK_S=4, BLOCK_C=16,
     )  # fmt: skip
     torch.testing.assert_close(out.cpu(), expected)
 
@@ -107,3 +109,53 @@ def test_store_latent_writes_rows_and_skips_padding():
     torch.testing.assert_close(flat[5], rows[0])
     torch.testing.assert_close(flat[0], rows[2])
     assert flat[[1, 2, 3, 4, 6, 7, 8, 9, 10, 11]].abs().sum() == 0
+
+
+# (kv_lens, block_size, heads, latent, rope, dtype, tiles)
+DECODE_CASES = {
+    "b5-bs16-fp32": ([1, 97, 16, 17, 40], 16, 4, 32, 16, torch.float32, None),
+    "b3-bs1-short-splits-fp32": ([1, 70, 33], 1, 3, 24, 8, torch.float32, {"min_split_keys": 8}),
+    "b2-heads70-bf16": ([97, 5], 16, 70, 32, 16, torch.bfloat16, {"min_split_keys": 16, "block_n": 16}),
+    "b4-heads20-rows16-bf16": ([3, 50, 16, 1], 16, 20, 32, 16, torch.bfloat16, {"block_m": 16, "min_split_keys": 8}),
+}
+
+
+def _step(kv_lens, bs, heads, latent, rope, dtype, seed):
+    cache, indptr, indices, last = _paged(kv_lens, bs, latent + rope, dtype, seed=seed)
+    q = torch.randn(len(kv_lens), heads, latent + rope, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return cache, indptr, indices, last, q
+
+
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_decode_over_fixed_buffers_matches_oracle(triton_device, case):
+    kv_lens, bs, heads, latent, rope, dtype, tiles = DECODE_CASES[case]
+    scale = 0.7 * (latent + rope) ** -0.5
+    shape = dict(num_heads=heads, latent_dim=latent, rope_dim=rope, block_size=bs)
+    wrappers = {
+        "reference": BatchLatentDecode("cpu", backend="reference", **shape),
+        "triton": BatchLatentDecode(triton_device, max_batch_size=8, max_num_pages=256, backend="triton", **shape),
+    }
+    addresses = None
+    for seed in (0, 1):  # a second step of the same batch size: other lengths, same buffers
+        lens = [max(1, n - 7 * seed) for n in kv_lens]
+        cache, indptr, indices, last, q = _step(lens, bs, heads, latent, rope, dtype, seed)
+        expected = _oracle(q, cache, [1] * len(lens), lens, indptr, indices, bs, latent, scale)
+        for wrapper in wrappers.values():
+            dev = wrapper.device
+            plan = wrapper.plan(indptr, indices, last, sm_scale=scale, tiles=tiles)
+            assert plan.decode and plan.num_tiles == len(lens) * -(-heads // plan.block_m)
+            out = torch.full((len(lens), heads, latent), float("nan"), dtype=dtype, device=dev)
+            got = wrapper.run(q.to(dev), cache.to(dev), out=out)
+            assert got is out
+            torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
+        plan = wrappers["triton"].planned
+        now = (plan.kv_indptr.data_ptr(), plan.kv_indices.data_ptr(), plan.kv_last_len.data_ptr(), plan.num_splits)
+        assert addresses in (None, now)  # what a captured launch reads did not move
+        addresses = now
+
+
+def test_decode_buffers_refuse_a_batch_over_capacity():
+    wrapper = BatchLatentDecode("cpu", num_heads=2, latent_dim=8, rope_dim=8, block_size=4, max_batch_size=2)
+    indptr, indices = torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.arange(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="capacity"):
+        wrapper.plan(indptr, indices, torch.ones(3, dtype=torch.int32), sm_scale=1.0)

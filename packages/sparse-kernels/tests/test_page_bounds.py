@@ -59,3 +59,45 @@ def test_bounds_equal_the_loop(backend, sink, recent, triton_device):
         backend=backend,
     )
     torch.testing.assert_close(out.cpu(), _loop(q, kmin, kmax, tables, max_pages, sink, recent), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("target_programs", [2048, 8])  # many one-step chunks per row / one long loop per row
+@pytest.mark.parametrize("head_dim", [64, 96])  # 96: the masked load along d
+def test_awkward_batch_matches_the_reference_and_selects_as_it(target_programs, head_dim, triton_device, monkeypatch):
+    """Batch 17, up to 97 pages per row, pools in shuffled order, runs of pages with one summary (equal
+    bounds, ties at the threshold): Triton's bounds equal the reference's, and Quest's pick on them
+    (``top_k_ascending``) keeps the earlier of equal pages."""
+    from sparse_kernels import top_k_ascending
+    from sparse_kernels._triton import page_bounds as kernel
+    from sparse_kernels._triton import stream_split
+
+    monkeypatch.setattr(stream_split, "TARGET_PROGRAMS", target_programs)
+    monkeypatch.setitem(kernel.CONFIG, "BLOCK_P", 16)
+    gen = torch.Generator().manual_seed(head_dim)
+    batch, hkv, hq, max_pages = 17, 2, 8, 100
+    lengths = [97, 1, 40, *torch.randint(1, 98, (14,), generator=gen).tolist()]
+    num_blocks = sum(lengths) + 3
+    keys_a, keys_b = torch.randn(2, num_blocks, hkv, head_dim, generator=gen).bfloat16()
+    kmin, kmax = torch.minimum(keys_a, keys_b), torch.maximum(keys_a, keys_b)
+    perm = torch.randperm(num_blocks, generator=gen)
+    tied = perm[: num_blocks // 2]  # half the blocks share one summary, above the rest: ties at the threshold
+    kmin[tied], kmax[tied] = kmin[perm[0]].clone(), (kmax[perm[0]] + 2).clone()
+    indices = perm[: sum(lengths)].to(torch.int32)
+    start = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    q = torch.randn(batch, hq, head_dim, generator=gen).bfloat16()
+    args = (q, kmin, kmax, indices, start, torch.tensor(lengths, dtype=torch.int32))
+    expected = torch.empty(batch, hkv, max_pages)
+    page_bounds(*args, expected, sink=2, recent=3, backend="reference")
+    out = torch.empty(batch, hkv, max_pages, device=triton_device)
+    page_bounds(*(a.to(triton_device) for a in args), out, sink=2, recent=3, backend="triton")
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-4)
+    chosen = top_k_ascending(out, 9, backend="triton").cpu()
+    assert torch.equal(chosen, top_k_ascending(out.cpu(), 9, backend="reference"))
+    split_ties = 0
+    for b, h in ((b, h) for b in range(batch) for h in range(hkv)):  # ties resolved to the earlier page
+        bounds, picked = out[b, h].cpu(), set(chosen[b, h].tolist())
+        equal = (bounds == bounds[chosen[b, h]].min()).nonzero().flatten().tolist()
+        taken = [p in picked for p in equal]
+        assert taken == sorted(taken, reverse=True)
+        split_ties += not all(taken)
+    assert split_ties >= 10  # most rows cut a run of equal bounds

@@ -43,17 +43,23 @@ def test_merge_of_two_key_sets_equals_attention_over_both():
 
 
 def test_prefix_pages_takes_whole_pages_of_long_prefixes_only(monkeypatch):
-    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_PREFIX", 32)
+    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 32)
     monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 4)
-    qo = torch.tensor([4, 4, 3, 10])
-    kv = torch.tensor([4 + 40, 4 + 31, 3 + 100, 10 + 32])
-    assert prefix_pages(qo, kv, 16).tolist() == [2, 0, 0, 2]
+    qo = torch.tensor([4, 4, 3, 10, 5])
+    kv = torch.tensor([4 + 40, 4 + 31, 3 + 100, 10 + 32, 5 + 95])
+    # Whole steps of 32 tokens only (95 -> 64 = 4 pages, the rest to the paged kernel): shapes repeat.
+    assert prefix_pages(qo, kv, 16).tolist() == [2, 0, 0, 2, 4]
+
+
+def test_query_bucket_pads_to_powers_of_two(monkeypatch):
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 4)
+    assert [prefix_attention.query_bucket(n) for n in (1, 4, 5, 8, 9, 2048, 2049)] == [4, 4, 8, 8, 16, 2048, 4096]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_prefill_equals_one_pass(paged_batch, triton_device, monkeypatch, dtype):
     monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
-    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_PREFIX", 16)
+    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 16)
     monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
     # Prefixes of 0, 1 page + a partial page, 3 pages exactly; one request too short to split.
     qo_lens, kv_lens = [20, 9, 33, 1], [20, 9 + 27, 33 + 48, 60]
@@ -70,7 +76,7 @@ def test_split_prefill_equals_one_pass(paged_batch, triton_device, monkeypatch, 
 
 def test_split_reads_an_ascending_page_run_in_place(paged_batch, triton_device, monkeypatch):
     monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
-    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_PREFIX", 16)
+    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 16)
     monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
     batch = paged_batch(
         [9, 33], [9 + 27, 33 + 48], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=32, seed=6

@@ -75,3 +75,19 @@ def test_omnikv_bench_width_equals_the_reference(triton_device):
     scores[1, 5000:8000] = 0.99  # a run of ties at the threshold
     got = top_k_ascending(scores.to(triton_device), 2048, backend="triton")
     assert torch.equal(got.cpu(), top_k_ascending(scores, 2048, backend="reference"))
+
+
+@pytest.mark.parametrize("k", [1, 13, 50, 96, 97])
+def test_ties_within_every_byte_go_to_the_lower_column(k, triton_device):
+    """17 rows of 97 whose values differ only in one byte of the key (a few ulps apart, or only in the
+    exponent), so each of the four radix passes decides some row; every row has runs of equal values
+    across the k-th largest, which go to the lower columns."""
+    gen = torch.Generator().manual_seed(k)
+    ulps = torch.randint(0, 4, (17, 97), generator=gen)  # entry j of row r: ulps[r, j] steps above its base
+    bases = torch.tensor(([1.0, -1.0, 3.5e-39, -(2.0**100), 0.0, 7.0] * 3)[:17])
+    scores = bases[:, None].expand(17, 97).clone()
+    for step in range(3):
+        scores = torch.where(ulps > step, torch.nextafter(scores, torch.tensor(float("inf"))), scores)
+    scores[5] = torch.ldexp(torch.ones(97), torch.randint(-3, 3, (97,), generator=gen))  # exponent byte only
+    got = top_k_ascending(scores.to(triton_device), k, backend="triton")
+    assert torch.equal(got.cpu(), _expected(scores, k))

@@ -9,8 +9,12 @@ The output ``[T, H, latent_dim]`` is still in latent space; the model applies ``
 ``plan_latent`` (host, once per step) turns FlashInfer-style CSR metadata into the kernel's tiles
 and splits; ``latent_attention`` (device only) runs the Triton kernel or the plain reference over the
 plan. Decode (one new token per request) and prefill over a cached prefix are the same call: decode
-plans one tile of all heads per request and splits the keys (flash-decoding); prefill plans tiles
-of ``block_m`` (token, head) rows. ``store_latent`` writes the step's rows into their slots.
+plans one tile of all heads per request (up to 64 heads; more take several) and splits the keys
+(flash-decoding); prefill plans tiles of ``block_m`` (token, head) rows. A decode plan's launch
+depends on the batch size alone (split count included: a request shorter than the splits uses
+fewer of them, decided on the device), and with ``buffers`` its CSR lives in fixed device buffers,
+so a ``latent_attention`` captured in a CUDA graph replays any later decode plan of the same batch
+size (see ``BatchLatentDecode``). ``store_latent`` writes the step's rows into their slots.
 """
 
 from __future__ import annotations
@@ -20,23 +24,30 @@ from dataclasses import dataclass
 import torch
 
 from sparse_kernels._backend import host_to_device, resolve_backend
+from sparse_kernels._decode_buffers import DecodeBuffers
 from sparse_kernels.attention_reference import causal_attention
 from sparse_kernels.kv_store import store_kv
 
 # Keys per inner step and launch shape of the Triton kernel, per kind of step (decode: one token per
-# request, all heads in one tile, split-K). Until benchmarks/mla_probe.py --sweep picks better ones on
-# the H200 these are the first kernel's (num_stages 3: Triton's default).
+# request, all heads in one tile of up to 64 rows, split-K; an optional "block_m" sets the rows per
+# tile, a power of 2 from 16), and decode's split sizing: about ``programs_per_sm``
+# programs per multiprocessor (a function of the batch size, so graphs replay), each request using
+# no split shorter than ``min_split_keys`` keys. Until benchmarks/mla_probe.py --sweep picks better
+# ones on the H200 these are the first kernel's (num_stages 3: Triton's default).
 LATENT_TILES = {
-    "decode": {"block_n": 32, "num_warps": 8, "num_stages": 3},
+    "decode": {"block_n": 32, "num_warps": 8, "num_stages": 3, "programs_per_sm": 2, "min_split_keys": 256},
     "prefill": {"block_n": 32, "num_warps": 8, "num_stages": 3},
 }
+MAX_DECODE_SPLITS = 256
 
 
 @dataclass(frozen=True, slots=True)
 class LatentPlan:
     """One step's work for ``latent_attention``: CSR metadata on the device (int32) and its host
     copies (``*_cpu``, for the reference), the kernel's tiles (``tile_req``: the request of each
-    tile, ``tile_row``: its first (token, head) row within the request) and splits."""
+    tile, ``tile_row``: its first (token, head) row within the request; empty for ``decode`` plans,
+    whose tiles follow from the program index) and splits (at most ``num_splits`` per tile, none
+    shorter than ``min_split_keys`` keys)."""
 
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
@@ -59,9 +70,17 @@ class LatentPlan:
     block_n: int
     num_warps: int
     num_stages: int
+    decode: bool = False
+    min_split_keys: int = 1
+
+    @property
+    def tiles_per_request(self) -> int:
+        return -(-self.num_heads // self.block_m) if self.decode else 1
 
     @property
     def num_tiles(self) -> int:
+        if self.decode:
+            return (self.qo_indptr_cpu.numel() - 1) * self.tiles_per_request
         return self.tile_req.numel()
 
     @property
@@ -84,6 +103,7 @@ def plan_latent(
     causal: bool = True,
     num_splits: int | None = None,
     tiles: dict[str, int] | None = None,
+    buffers: DecodeBuffers | None = None,
 ) -> LatentPlan:
     """Plan one batch of requests (host tensors, int32).
 
@@ -94,31 +114,46 @@ def plan_latent(
         already stored), as in FlashInfer: ``kv_indices[kv_indptr[b] : kv_indptr[b + 1]]`` are block
         ids and the last one holds ``kv_last_len[b]`` tokens.
     num_splits : key splits per tile; None picks them for decode batches (every request one token)
-        so that the GPU has work for all its cores, and 1 otherwise.
-    tiles : ``block_n`` / ``num_warps`` / ``num_stages`` overriding ``LATENT_TILES`` (for sweeps).
+        from the batch size, so that the GPU has work for all its cores, and 1 otherwise. Given, a
+        request uses all of them (``min_split_keys`` 1) unless ``tiles`` says otherwise.
+    tiles : ``LATENT_TILES`` keys overriding its values (for sweeps).
+    buffers : decode batches only: fixed device buffers (``DecodeBuffers``) the CSR is copied into
+        (pinned, non-blocking), instead of new device tensors.
     """
     device = torch.device(device)
     qo_indptr, kv_indptr = qo_indptr.to(torch.int32).cpu(), kv_indptr.to(torch.int32).cpu()
     kv_indices, kv_last_len = kv_indices.to(torch.int32).cpu(), kv_last_len.to(torch.int32).cpu()
     qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
     decode = all(n == 1 for n in qo_lens)
-    block_m = min(64, max(16, _next_pow2(num_heads))) if decode else 32
+    overrides = tiles or {}
+    tiles = {**LATENT_TILES["decode" if decode else "prefill"], **overrides}
+    block_m = tiles.get("block_m") or (min(64, max(16, _next_pow2(num_heads))) if decode else 32)
     tile_req, tile_row = [], []
-    for b, n in enumerate(qo_lens):
+    for b, n in enumerate(qo_lens if not decode else ()):
         for row in range(0, n * num_heads, block_m):
             tile_req.append(b)
             tile_row.append(row)
-    tiles = {**LATENT_TILES["decode" if decode else "prefill"], **(tiles or {})}
+    if num_splits is not None and "min_split_keys" not in overrides:
+        tiles["min_split_keys"] = 1  # the caller's splits, all of them
+    min_split_keys = tiles.get("min_split_keys", 1)
     if num_splits is None:
-        num_splits = _decode_splits(kv_indptr, kv_last_len, block_size, len(tile_req), device) if decode else 1
+        per_request = -(-num_heads // block_m)
+        num_splits = _decode_splits(len(qo_lens) * per_request, tiles["programs_per_sm"], device) if decode else 1
+    if buffers is not None:
+        if not decode:
+            raise ValueError("buffers hold decode plans only (one query token per request)")
+        buffers.load(kv_indptr, kv_indices, kv_last_len, 1)
+        csr = (buffers.indptr, buffers.indices, buffers.last_len)
+    else:
+        csr = tuple(host_to_device(t, device) for t in (kv_indptr, kv_indices, kv_last_len))
     as_dev = lambda xs: host_to_device(torch.tensor(xs, dtype=torch.int32), device)  # noqa: E731
     return LatentPlan(
-        qo_indptr=host_to_device(qo_indptr, device),
-        kv_indptr=host_to_device(kv_indptr, device),
-        kv_indices=host_to_device(kv_indices, device),
-        kv_last_len=host_to_device(kv_last_len, device),
-        tile_req=as_dev(tile_req),
-        tile_row=as_dev(tile_row),
+        qo_indptr=host_to_device(qo_indptr, device) if not decode else csr[0],  # decode: unused
+        kv_indptr=csr[0],
+        kv_indices=csr[1],
+        kv_last_len=csr[2],
+        tile_req=as_dev(tile_req) if not decode else csr[0],  # decode: unused (tiles from the program index)
+        tile_row=as_dev(tile_row) if not decode else csr[0],
         qo_indptr_cpu=qo_indptr,
         kv_indptr_cpu=kv_indptr,
         kv_indices_cpu=kv_indices,
@@ -134,6 +169,8 @@ def plan_latent(
         block_n=tiles["block_n"],
         num_warps=tiles["num_warps"] if device.type == "cuda" else 4,
         num_stages=tiles["num_stages"],
+        decode=decode,
+        min_split_keys=max(1, int(min_split_keys)),
     )
 
 
@@ -220,11 +257,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _decode_splits(kv_indptr, kv_last_len, block_size: int, num_tiles: int, device: torch.device) -> int:
-    """Enough splits that ~2 programs run per streaming multiprocessor, none shorter than 256 keys."""
+def _decode_splits(num_tiles: int, programs_per_sm: int, device: torch.device) -> int:
+    """About ``programs_per_sm`` programs per streaming multiprocessor over ``num_tiles`` tiles (4
+    "multiprocessors" on CPU, which keeps interpreter grids small yet split)."""
     if num_tiles == 0:
         return 1
-    pages = (kv_indptr[1:] - kv_indptr[:-1]).clamp(min=1)
-    max_len = int(((pages - 1) * block_size + kv_last_len).max())
     cores = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(-(-2 * cores // num_tiles), -(-max_len // 256)))
+    return max(1, min(MAX_DECODE_SPLITS, -(-programs_per_sm * cores // num_tiles)))

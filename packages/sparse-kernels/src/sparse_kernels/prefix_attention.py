@@ -15,9 +15,14 @@ import functools
 
 import torch
 
-# A request takes the split when its cached prefix holds at least this many tokens and its chunk at
-# least this many queries (below that the paged kernel alone is as fast); both measured on the H200.
-CASCADE_MIN_PREFIX = 1024
+# cuDNN builds an execution plan for every new shape, which costs the host tens of milliseconds: in
+# serving, where every chunk has its own prefix length, that cost dominated the step (measured on the
+# H200: the agent benchmark's mixed steps spent 70-90 ms more on the host than before the cascade). So
+# shapes are made to repeat: the fused part takes the largest multiple of CASCADE_PREFIX_STEP tokens of
+# the prefix (whole pages; the paged kernel reads the rest), and its queries are padded with zero rows
+# to a power of two (at least CASCADE_MIN_QUERIES). A chunk with fewer queries, or a prefix shorter than
+# one step, runs in the paged kernel alone (as fast there; measured on the H200).
+CASCADE_PREFIX_STEP = 4096
 CASCADE_MIN_QUERIES = 128
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # Tests set this to run the split off CUDA too (prefix part by the plain formula).
@@ -27,9 +32,15 @@ SPLIT_WITHOUT_FUSED = False
 def prefix_pages(qo_lens: torch.Tensor, kv_lens: torch.Tensor, block_size: int) -> torch.Tensor:
     """int64 ``[B]``: the whole pages of each request's cached prefix that the split reads (0: none)."""
     prefix = kv_lens.long() - qo_lens.long()
-    pages = prefix // block_size
-    take = (prefix >= CASCADE_MIN_PREFIX) & (qo_lens.long() >= CASCADE_MIN_QUERIES)
+    pages = prefix // CASCADE_PREFIX_STEP * CASCADE_PREFIX_STEP // block_size
+    take = qo_lens.long() >= CASCADE_MIN_QUERIES
     return torch.where(take, pages, torch.zeros_like(pages))
+
+
+def query_bucket(num_queries: int) -> int:
+    """Rows the fused part runs for ``num_queries`` queries: the next power of two, at least
+    ``CASCADE_MIN_QUERIES`` (the extra rows are zeros whose outputs are dropped)."""
+    return max(CASCADE_MIN_QUERIES, 1 << (num_queries - 1).bit_length())
 
 
 @functools.cache
@@ -58,8 +69,17 @@ def attention_with_lse(
     """Unmasked attention of ``q [T, Hq, D]`` over ``k, v [N, Hkv, D]`` (GQA): ``(out, lse)``.
 
     ``out`` is ``[T, Hq, D]`` in ``q``'s dtype; ``lse`` ``[T, Hq]`` float32, the natural-log
-    log-sum-exp of each row's scaled scores. Fused (cuDNN) where ``use_fused(q)``, else plain torch.
+    log-sum-exp of each row's scaled scores. Fused (cuDNN) where ``use_fused(q)``, else plain torch;
+    either runs ``query_bucket(T)`` rows (``q`` padded with zeros) so that shapes repeat.
     """
+    rows = q.shape[0]
+    if query_bucket(rows) != rows:
+        q = torch.cat([q, q.new_zeros(query_bucket(rows) - rows, *q.shape[1:])])
+    out, lse = _attention_with_lse(q, k, v, sm_scale)
+    return out[:rows], lse[:rows]
+
+
+def _attention_with_lse(q, k, v, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     t, hq, d = q.shape
     hkv = k.shape[1]
     group = hq // hkv

@@ -8,6 +8,17 @@ inputs from static buffers that each step fills in place: the token ids and posi
 group's slot mapping and decode CSR inside the attention backend (whose plans copy into
 fixed-capacity buffers). Logits and sampling run eagerly on the real rows.
 
+Tensor parallelism: each rank captures the same buckets with its NCCL collectives inside (the
+communicator already initialised by the warm-up forwards); rank 0 broadcasts every step, so every
+rank pads to the same bucket, captures a selecting graph at the same step and replays the same graph
+in the same order. Those captures are thread-local: the NCCL process group's watchdog thread may
+query events of work enqueued before a capture while it runs, which a process-wide (global) capture
+mode forbids (nccl-tests captures thread-local for the same reason).
+
+MLA (a latent store) replays the same way: ``LatentPagedAttention`` keeps its decode plan in fixed
+buffers, and Quest on the latent selects through the same ``SelectiveDecode`` batched path
+(``attention.selective`` is the latent backend's).
+
 Block summaries (query-aware stores) are updated inside the graph from the static slot mapping.
 Steps of a method that selects what decode reads are eligible when the method selects on the device
 (``batched_selection``) and every request of the step selects alike: all read everything (the plain
@@ -22,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_models.distributed import tp_world_size
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata
 
 
@@ -132,6 +144,7 @@ class DecodeGraphs:
         self.selecting_outputs: dict[tuple, torch.Tensor] = {}
         self.pool = None
         self.num_replays = 0
+        self._capture_mode = "thread_local" if tp_world_size() > 1 else "global"
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -145,7 +158,7 @@ class DecodeGraphs:
                     self.model(ids, pos, self.attention)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self._capture_mode):
                     self.outputs[bs] = self.model(ids, pos, self.attention)
                 if self.pool is None:
                     self.pool = graph.pool()
@@ -211,6 +224,6 @@ class DecodeGraphs:
         self.model(ids, pos, self.attention)  # warm-up: Triton compiles; a real, repeatable run of the step
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=self._capture_mode):
             self.selecting_outputs[key] = self.model(ids, pos, self.attention)
         self.selecting_graphs[key] = graph

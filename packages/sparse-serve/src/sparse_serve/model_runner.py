@@ -119,10 +119,8 @@ class ModelRunner:
         )
         self.method = method
         self.graphs: DecodeGraphs | None = None
-        # MLA's latent plans are not in fixed buffers yet: its decode runs eagerly. Tensor-parallel decode
-        # too, for now: its collectives are not captured in graphs yet.
-        eager = config.enforce_eager or self.store.latent or tp_world_size() > 1
-        if self.device.type == "cuda" and not eager:
+        # Under tensor parallelism every rank captures the same buckets, NCCL collectives inside.
+        if self.device.type == "cuda" and not config.enforce_eager:
             # A decode step's layer groups: one, or one per layer (each with its own table).
             layer_group = tuple(range(cfg.num_hidden_layers)) if per_layer else None
             self.graphs = DecodeGraphs(
@@ -165,8 +163,8 @@ class ModelRunner:
         if self.kv.kmin is not None:  # block summaries follow the noise (Quest's bounds see real keys)
             blocks = torch.arange(self.kv.num_blocks, dtype=torch.int32, device=self.device)
             full = torch.full_like(blocks, self.block_size)
-            for layer in layers:
-                block_summary(layer["k"], blocks, full, layer["kmin"], layer["kmax"])
+            for layer in layers:  # a latent store summarizes its rows (latent + rope)
+                block_summary(layer["kv" if self.kv.store.latent else "k"], blocks, full, layer["kmin"], layer["kmax"])
 
     @torch.inference_mode()
     def clear_block(self, block_id: int) -> None:

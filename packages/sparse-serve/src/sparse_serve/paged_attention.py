@@ -30,7 +30,7 @@ from sparse_serve.kv_pool import KVPool
 from sparse_serve.latent_paged_attention import LatentPagedAttention
 from sparse_serve.selective_decode import SelectiveDecode
 from sparse_serve.selective_prefill import SelectivePrefill
-from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots, to_device
+from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots, to_device, to_device_buffer
 
 
 class _GroupPlan:
@@ -53,12 +53,7 @@ class _GroupPlan:
         self.window_left = -1  # the sliding window of the layers this plan serves (-1: none)
 
     def _load(self, host: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-        n = host.numel()
-        if buffer is None or n > buffer.numel() or self.device.type == "cpu":
-            return to_device(host, self.device)  # a one-off larger step (whole-prompt prefill)
-        view = buffer[:n]
-        view.copy_(host.pin_memory(), non_blocking=True)
-        return view
+        return to_device_buffer(host, buffer, self.device)
 
     def _window(self) -> dict:
         # Only windowed plans pass it: a method's own prefill wrapper (global layers) need not take it.
@@ -167,10 +162,15 @@ class PagedAttention:
                 summaries=None if pool.kmin is None else (pool.kmin, pool.kmax),
                 method=method,
                 group_queries=group_queries,
+                capacities=(max_num_tokens, max_batch_size, max_num_pages),
+                sm_scale=self.sm_scale,
             )
         # Per layer group (its own tables): the first keeps fixed buffers for graphs, the rest grow as needed.
+        # The first is the batched selection path CUDA graphs ask for their keys (a latent store's: its own).
         self._selectives = [
-            SelectiveDecode(
+            self.latent.selective
+            if self.latent is not None
+            else SelectiveDecode(
                 self.device, self.shape, self.sm_scale, max_batch_size=max_batch_size, max_num_pages=max_num_pages
             )
         ]
@@ -183,7 +183,7 @@ class PagedAttention:
         self._meta = meta
         self._observed_slots = {}
         if self.latent is not None:
-            self.latent.plan(meta, self.sm_scale)
+            self.latent.plan(meta, self.sm_scale, self.method)
             return
         tails = self._tail_index(meta) if self.pool.store.has_tail else None
         for g, group in enumerate(meta.groups):

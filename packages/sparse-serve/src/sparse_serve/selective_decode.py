@@ -60,8 +60,13 @@ class SelectiveDecode:
         *,
         max_batch_size: int | None = None,
         max_num_pages: int | None = None,
+        list_decode=None,
     ):
+        """``list_decode(max_num_pages)``: the batched path's decode wrapper (default the paged
+        ``BatchDecodeWithPagedKVCache`` with head-sparse lists; a latent store hands its own, whose
+        ``plan`` / ``run`` / ``planned_kv_indices`` / ``backend`` follow the same interface)."""
         self.backend = backend
+        self._list_decode = list_decode or self._paged_lists
         self.decode = {}  # host path: page size -> wrapper (a plan's page size is fixed per wrapper)
         self.device = device
         self.shape = shape
@@ -297,11 +302,14 @@ class SelectiveDecode:
         wrapper, capacity = self._fast.get(unit, (None, 0))
         if wrapper is None or entries > capacity:
             capacity = max(entries, hint, 2 * capacity)
-            wrapper = BatchDecodeWithPagedKVCache(
-                self.device, backend=self.backend, max_batch_size=self.max_batch_size, max_num_pages=capacity
-            )
+            wrapper = self._list_decode(capacity)
             self._fast[unit] = (wrapper, capacity)
         return wrapper
+
+    def _paged_lists(self, max_num_pages: int) -> BatchDecodeWithPagedKVCache:
+        return BatchDecodeWithPagedKVCache(
+            self.device, backend=self.backend, max_batch_size=self.max_batch_size, max_num_pages=max_num_pages
+        )
 
     def _load_table(self, indices: torch.Tensor) -> None:
         self._table = _fit(self._table, indices.numel(), self.max_num_pages)

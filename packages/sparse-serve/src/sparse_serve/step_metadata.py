@@ -213,6 +213,17 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def to_device_buffer(t: torch.Tensor, buffer: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``to_device`` into the front of a fixed device ``buffer`` (a CUDA graph keeps reading its address);
+    a new tensor when there is no buffer, on CPU, or for a one-off larger step (whole-prompt prefill)."""
+    n = t.numel()
+    if buffer is None or n > buffer.numel() or device.type == "cpu":
+        return to_device(t, device)
+    view = buffer[:n]
+    view.copy_(t.pin_memory(), non_blocking=True)
+    return view
+
+
 def table_slots(block_ids: Sequence[int], num_tokens: int, block_size: int) -> torch.Tensor:
     """Pool slots of a table's first ``num_tokens`` positions, int64 on the host."""
     num_blocks = -(-num_tokens // block_size)

@@ -8,9 +8,17 @@ takes ``BLOCK_M`` consecutive rows of one request (its tile, from the plan) and 
 request's keys; decode plans one tile per request and several splits (flash-decoding), prefill one
 split and as many tiles as the rows need.
 
-With ``SPLIT`` the program writes its unnormalized-then-divided partial output and its base-2
-log-sum-exp per row (``-inf`` where it saw no key), and ``_latent_merge_kernel`` (one launch, one
-program per row) weighs the splits into the output; without, the program writes the final output.
+``DECODE`` (every request one query token): the grid is ``(batch * TILES_PER_REQ, num_splits)`` and
+a program finds its request and heads from its index alone, so a decode launch reads only the CSR
+and its grid depends on the batch size alone (a CUDA graph replays it for any step of that size).
+A request of ``L`` keys uses ``min(num_splits, cdiv(L, min_split_keys))`` of the splits, decided on
+the device: the programs past them return after marking their rows dead.
+
+With ``SPLIT`` the program writes its divided partial output and its base-2 log-sum-exp per row
+(``-inf`` where it saw no key: its partial output is then not written), and ``_latent_merge_kernel``
+(one launch, one program per row and 128 output columns) weighs the splits into the output;
+without, the program writes the final output. The next step's page ids are loaded one step
+ahead, so each step's row loads do not wait on its page-id load.
 Token ``j`` of a request is pool slot ``indices[start + j // PAGE_SIZE] * PAGE_SIZE + j % PAGE_SIZE``.
 Causal: query token ``t`` of a request with ``n`` new tokens and ``L`` keys sees keys ``<= L - n + t``.
 """
@@ -42,12 +50,15 @@ def _latent_attention_kernel(
     stride_oh,
     scale_log2,
     num_splits,
+    min_split_keys,
     NUM_HEADS: tl.constexpr,
     LATENT: tl.constexpr,
     ROPE: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
     SPLIT: tl.constexpr,
+    DECODE: tl.constexpr,
+    TILES_PER_REQ: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -57,10 +68,16 @@ def _latent_attention_kernel(
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
-    req = tl.load(tile_req_ptr + tile)
-    row0 = tl.load(tile_row_ptr + tile)
-    q_lo = tl.load(qo_indptr_ptr + req)
-    qo_len = tl.load(qo_indptr_ptr + req + 1) - q_lo
+    if DECODE:  # one query token per request, TILES_PER_REQ tiles of heads each
+        req = tile // TILES_PER_REQ
+        row0 = (tile % TILES_PER_REQ) * BLOCK_M
+        q_lo = req
+        qo_len = 1
+    else:
+        req = tl.load(tile_req_ptr + tile)
+        row0 = tl.load(tile_row_ptr + tile)
+        q_lo = tl.load(qo_indptr_ptr + req)
+        qo_len = tl.load(qo_indptr_ptr + req + 1) - q_lo
     page_lo = tl.load(kv_indptr_ptr + req)
     page_hi = tl.load(kv_indptr_ptr + req + 1)
     kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(kv_last_len_ptr + req)
@@ -75,9 +92,16 @@ def _latent_attention_kernel(
         hi_all = tl.minimum(kv_len, kv_len - qo_len + tile_last_tok + 1)
     else:
         hi_all = kv_len
-    chunk = tl.cdiv(tl.cdiv(hi_all, num_splits), BLOCK_N) * BLOCK_N
+    splits = tl.maximum(tl.minimum(num_splits, tl.cdiv(hi_all, min_split_keys)), 1)  # this request's
+    chunk = tl.cdiv(tl.cdiv(hi_all, splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, hi_all)
+    g_rows = (q_lo + tok).to(tl.int64) * NUM_HEADS + head  # the row in the whole batch
+    if SPLIT:
+        if split >= splits:  # a split this request does not use: its rows saw no key
+            dead = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            tl.store(lse_part_ptr + g_rows * num_splits + split, dead, mask=mask_m)
+            return
 
     offs_c = tl.arange(0, BLOCK_C)
     offs_r = tl.arange(0, BLOCK_R)
@@ -92,17 +116,21 @@ def _latent_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    page_next = tl.load(kv_indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=offs_n < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        page = tl.load(kv_indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        page = page_next
+        ahead = offs_n + BLOCK_N  # the next step's page ids, loaded while this step's rows stream in
+        page_next = tl.load(kv_indices_ptr + page_lo + ahead // PAGE_SIZE, mask=ahead < hi, other=0)
         slot = page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: large pools
         row_ptr = cache_ptr + slot * (LATENT + ROPE)
         kv_c = tl.load(row_ptr[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
         kv_r = tl.load(row_ptr[:, None] + LATENT + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
         kv_c = kv_c.to(DOT_DTYPE)
         qk = tl.dot(q_c, tl.trans(kv_c), input_precision=PRECISION)
-        qk += tl.dot(q_r, tl.trans(kv_r.to(DOT_DTYPE)), input_precision=PRECISION)
+        qk = tl.dot(q_r, tl.trans(kv_r.to(DOT_DTYPE)), qk, input_precision=PRECISION)  # accumulates in place
         qk = qk * scale_log2  # [BLOCK_M, BLOCK_N], base 2
         seen = mask_n[None, :]
         if CAUSAL:
@@ -113,15 +141,15 @@ def _latent_attention_kernel(
         p = tl.exp2(qk - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), kv_c, input_precision=PRECISION)
+        acc = tl.dot(p.to(DOT_DTYPE), kv_c, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.maximum(l_i, 1e-30)[:, None]
-    g_rows = (q_lo + tok).to(tl.int64) * NUM_HEADS + head  # the row in the whole batch
     if SPLIT:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         part = (g_rows * num_splits + split) * LATENT
-        tl.store(o_part_ptr + part[:, None] + offs_c[None, :], out, mask=mask_m[:, None] & mask_c[None, :])
+        live = mask_m & (l_i > 0)  # the merge reads no dead row's partial
+        tl.store(o_part_ptr + part[:, None] + offs_c[None, :], out, mask=live[:, None] & mask_c[None, :])
         tl.store(lse_part_ptr + g_rows * num_splits + split, lse, mask=mask_m)
     else:
         o_rows = out_ptr + (q_lo + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -142,20 +170,35 @@ def _latent_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    """One program per (row, ``BLOCK_C`` output columns), the splits in chunks of ``BLOCK_S``: a
+    batch of one still spreads over many programs, and no tile holds every split at once."""
     row = tl.program_id(0).to(tl.int64)  # token * NUM_HEADS + head over the whole batch
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_c = tl.arange(0, BLOCK_C)
-    mask_s = offs_s < num_splits
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < LATENT
-    lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=mask_s, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - tl.maximum(top, -1e30)))  # dead splits weigh 0
-    part = o_part_ptr + (row * num_splits + offs_s)[:, None] * LATENT + offs_c[None, :]
-    o = tl.load(part, mask=(w > 0)[:, None] & mask_c[None, :], other=0.0)  # dead splits are not read
-    o = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        top = tl.maximum(top, lse)
+    top = tl.maximum(tl.max(top, 0), -1e30)  # every split dead: weights 0, output 0
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        lse = tl.load(lse_part_ptr + row * num_splits + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - top))  # dead splits weigh 0
+        part = o_part_ptr + (row * num_splits + offs_s)[:, None] * LATENT + offs_c[None, :]
+        o = tl.load(part, mask=(w > 0)[:, None] & mask_c[None, :], other=0.0)  # dead splits are not read
+        acc += tl.sum(o * w[:, None], 0)
+        total += w
+    o = acc / tl.maximum(tl.sum(total, 0), 1e-30)
     dst = out_ptr + (row // NUM_HEADS) * stride_ot + (row % NUM_HEADS) * stride_oh + offs_c
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=mask_c)
 
+
+# The merge's tile: output columns per program and splits per step (a 32 x 128 fp32 tile).
+MERGE_BLOCK_C = 128
+MERGE_BLOCK_S = 32
 
 latent_attention_kernel = Kernel(_latent_attention_kernel)
 latent_merge_kernel = Kernel(_latent_merge_kernel)
@@ -186,7 +229,7 @@ def run_latent_attention(
         plan.kv_indptr,
         plan.kv_indices,
         plan.kv_last_len,
-        plan.tile_req,
+        plan.tile_req,  # decode plans: unused
         plan.tile_row,
         out,
         dummy if o_part is None else o_part,
@@ -197,12 +240,15 @@ def run_latent_attention(
         out.stride(1),
         plan.sm_scale * 1.4426950408889634,
         plan.num_splits,
+        plan.min_split_keys,
         NUM_HEADS=plan.num_heads,
         LATENT=plan.latent_dim,
         ROPE=plan.rope_dim,
         PAGE_SIZE=plan.block_size,
         CAUSAL=plan.causal,
         SPLIT=split,
+        DECODE=plan.decode,
+        TILES_PER_REQ=plan.tiles_per_request,
         BLOCK_M=plan.block_m,
         BLOCK_C=max(16, triton.next_power_of_2(plan.latent_dim)),
         BLOCK_R=max(16, triton.next_power_of_2(plan.rope_dim)),
@@ -212,7 +258,8 @@ def run_latent_attention(
         **dot_args(q.dtype, q.device),
     )
     if split and merge:
-        latent_merge_kernel[(q.shape[0] * q.shape[1],)](
+        block_c = min(MERGE_BLOCK_C, max(16, triton.next_power_of_2(plan.latent_dim)))
+        latent_merge_kernel[(q.shape[0] * q.shape[1], triton.cdiv(plan.latent_dim, block_c))](
             o_part,
             lse_part,
             out,
@@ -221,7 +268,7 @@ def run_latent_attention(
             plan.num_splits,
             NUM_HEADS=plan.num_heads,
             LATENT=plan.latent_dim,
-            BLOCK_S=max(2, triton.next_power_of_2(plan.num_splits)),
-            BLOCK_C=max(16, triton.next_power_of_2(plan.latent_dim)),
+            BLOCK_S=min(MERGE_BLOCK_S, max(2, triton.next_power_of_2(plan.num_splits))),
+            BLOCK_C=block_c,
             num_warps=4,
         )

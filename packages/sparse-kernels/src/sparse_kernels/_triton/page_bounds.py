@@ -1,4 +1,13 @@
-"""Triton ``page_bounds``: one program per (row, KV head, tile of pages) reads summaries through the table."""
+"""Triton ``page_bounds``: program ``(row, KV head, chunk)`` streams its chunk of the row's pages.
+
+Each loop step reads ``BLOCK_P`` pages' min/max rows of the head (``head_dim`` contiguous values each,
+through the table) and scores them against the whole query group at once with two tensor-core dots:
+``kmax @ max(q, 0)^T + kmin @ min(q, 0)^T`` is ``[BLOCK_P, group]``, each entry one query's
+``sum_d max(q_d * kmax_d, q_d * kmin_d)``, and the page's bound is its max over the group. The
+products of 16-bit values are exact in fp32, so only the summation order differs from the reference.
+Chunks cover a fixed grid (``stream_split``); the loop is pipelined (``num_stages``), so loads of the
+next pages are in flight while one step computes. Pages past a row are written ``-inf`` without reads.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +15,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
+from sparse_kernels._triton.stream_split import items_per_program
 
-BLOCK_P = 32  # pages per program
+# Pages per loop step and launch shape (benchmarks/quest_select_probe.py sweeps these).
+CONFIG = {"BLOCK_P": 64, "num_warps": 4, "num_stages": 3}
 
 
 def _page_bounds_kernel(
@@ -22,38 +33,54 @@ def _page_bounds_kernel(
     stride_qb,
     stride_qh,
     max_pages,
+    chunk,
     sink,
     recent,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    pages = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
+    lo = tl.program_id(2) * chunk
+    hi = tl.minimum(lo + chunk, max_pages)
+    pdl_enter(USE_GDC)  # q and the summaries are written by the step's earlier kernels
     start = tl.load(start_ptr + b).to(tl.int64)
-    num_pages = tl.load(num_pages_ptr + b).to(tl.int64)
-    valid = pages < num_pages
+    num_pages = tl.load(num_pages_ptr + b)
+    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HEAD_DIM
-    best = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-    if tl.program_id(2) * BLOCK_P < num_pages:
+    mask_d = offs_d < HEAD_DIM
+    heads = h * GROUP + offs_g
+    q = tl.load(  # [BLOCK_D, BLOCK_G]: the group's queries as columns
+        q_ptr + b.to(tl.int64) * stride_qb + heads[None, :] * stride_qh + offs_d[:, None],
+        mask=(offs_g[None, :] < GROUP) & mask_d[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    q_pos = tl.maximum(q, 0.0).to(DOT_DTYPE)
+    q_neg = tl.minimum(q, 0.0).to(DOT_DTYPE)
+    out_row = out_ptr + (b.to(tl.int64) * NUM_KV_HEADS + h) * max_pages
+    for p0 in range(lo, hi, BLOCK_P):
+        pages = p0 + tl.arange(0, BLOCK_P)
+        valid = pages < num_pages
         ids = tl.load(table_ptr + start + pages, mask=valid, other=0).to(tl.int64)
         rows = (ids * NUM_KV_HEADS + h) * HEAD_DIM
-        m2 = valid[:, None] & dmask[None, :]
-        lo = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        hi = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0).to(tl.float32)
-        for g in tl.static_range(GROUP):
-            qh = tl.load(q_ptr + b * stride_qb + (h * GROUP + g) * stride_qh + offs_d, mask=dmask, other=0.0)
-            qh = qh.to(tl.float32)
-            bound = tl.sum(tl.maximum(qh, 0.0)[None, :] * hi + tl.minimum(qh, 0.0)[None, :] * lo, axis=1)
-            best = tl.maximum(best, bound)
-    forced = (pages < sink) | ((pages >= num_pages - recent) & valid)
-    best = tl.where(forced, float("inf"), best)
-    best = tl.where(valid, best, float("-inf"))
-    tl.store(out_ptr + (b * NUM_KV_HEADS + h) * max_pages + pages, best, mask=pages < max_pages)
+        m2 = valid[:, None] & mask_d[None, :]
+        top = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
+        low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
+        s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
+        s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P, BLOCK_G]
+        best = tl.max(tl.where(offs_g[None, :] < GROUP, s, float("-inf")), axis=1)
+        forced = (pages < sink) | (pages >= num_pages - recent)
+        best = tl.where(forced, float("inf"), best)
+        best = tl.where(valid, best, float("-inf"))
+        tl.store(out_row + pages, best, mask=pages < hi)
+    pdl_exit(USE_GDC)
 
 
 page_bounds_kernel = Kernel(_page_bounds_kernel)
@@ -68,7 +95,14 @@ def page_bounds_triton(
     max_pages = out.shape[2]
     if q.stride(2) != 1:
         q = q.contiguous()
-    page_bounds_kernel[(batch, num_kv_heads, triton.cdiv(max_pages, BLOCK_P))](
+    if not (kmin.is_contiguous() and kmax.is_contiguous()):
+        raise ValueError("kmin and kmax must be contiguous")
+    group = num_qo_heads // num_kv_heads
+    block_p = CONFIG["BLOCK_P"]
+    chunk = items_per_program(batch * num_kv_heads, max_pages, block_p)
+    # 16-bit dots when the query and the summaries share a 16-bit dtype, fp32 otherwise.
+    dots = dot_args(kmin.dtype if q.dtype == kmin.dtype == kmax.dtype else torch.float32, q.device)
+    page_bounds_kernel[(batch, num_kv_heads, triton.cdiv(max_pages, chunk))](
         q,
         kmin,
         kmax,
@@ -79,13 +113,18 @@ def page_bounds_triton(
         q.stride(0),
         q.stride(1),
         max_pages,
+        chunk,
         sink,
         recent,
         NUM_KV_HEADS=num_kv_heads,
-        GROUP=num_qo_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_P=BLOCK_P,
-        num_warps=4,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs N >= 16
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_P=block_p,
+        num_warps=CONFIG["num_warps"],
+        num_stages=CONFIG["num_stages"],
+        **dots,
+        **pdl_args(q.device),
     )
     return out

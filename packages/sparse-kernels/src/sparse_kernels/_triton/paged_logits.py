@@ -1,4 +1,10 @@
-"""Triton ``paged_logits``: one program per (row, KV head, tile of tokens) reads keys through the table."""
+"""Triton ``paged_logits``: program ``(row, KV head, chunk)`` streams its chunk of the row's tokens.
+
+Each loop step reads ``BLOCK_N`` keys of the head through the table (one contiguous ``head_dim`` row
+each, read transposed so the dot needs no transpose) and scores the whole query group with one
+tensor-core dot, ``[group, BLOCK_N]``, as the decode kernel does. Chunks cover a fixed grid
+(``stream_split``); the loop is pipelined (``num_stages``). Tokens past a row are written ``-inf``.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
+from sparse_kernels._triton.stream_split import items_per_program
 
-BLOCK_N = 64  # tokens per program
+# Tokens per loop step and launch shape (benchmarks/quest_select_probe.py sweeps these).
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 def _paged_logits_kernel(
@@ -21,34 +29,47 @@ def _paged_logits_kernel(
     stride_qb,
     stride_qh,
     max_tokens,
+    chunk,
     scale,
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    tok = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo = tl.program_id(2) * chunk
+    hi = tl.minimum(lo + chunk, max_tokens)
+    pdl_enter(USE_GDC)  # q is written by the step's earlier kernels
     start = tl.load(start_ptr + b).to(tl.int64)
-    kv_len = tl.load(lens_ptr + b).to(tl.int64)
-    valid = tok < kv_len
+    kv_len = tl.load(lens_ptr + b)
+    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    dmask = offs_d < HEAD_DIM
-    k = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    if tl.program_id(2) * BLOCK_N < kv_len:
+    mask_g = offs_g < GROUP
+    heads = h * GROUP + offs_g
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_g[:, None] & (offs_d[None, :] < HEAD_DIM),
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
+    out_rows = out_ptr + (b.to(tl.int64) * NUM_KV_HEADS * GROUP + heads) * max_tokens  # [BLOCK_G]
+    for t0 in range(lo, hi, BLOCK_N):
+        tok = t0 + tl.arange(0, BLOCK_N)
+        valid = tok < kv_len
         block = tl.load(table_ptr + start + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + tok % BLOCK_SIZE
-        ptrs = k_ptr + (slot[:, None] * NUM_KV_HEADS + h) * HEAD_DIM + offs_d[None, :]
-        k = tl.load(ptrs, mask=valid[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    for g in tl.static_range(GROUP):
-        hq = h * GROUP + g
-        qh = tl.load(q_ptr + b * stride_qb + hq * stride_qh + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        logit = tl.sum(qh[None, :] * k, axis=1) * scale
-        logit = tl.where(valid, logit, float("-inf"))
-        tl.store(out_ptr + (b * NUM_KV_HEADS * GROUP + hq) * max_tokens + tok, logit, mask=tok < max_tokens)
+        ptrs = k_ptr + (slot[None, :] * NUM_KV_HEADS + h) * HEAD_DIM + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
+        k = tl.load(ptrs, mask=valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        logit = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        logit = tl.where(valid[None, :], logit, float("-inf"))
+        tl.store(out_rows[:, None] + tok[None, :], logit, mask=mask_g[:, None] & (tok[None, :] < hi))
+    pdl_exit(USE_GDC)
 
 
 paged_logits_kernel = Kernel(_paged_logits_kernel)
@@ -61,7 +82,12 @@ def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, sc
     max_tokens = out.shape[2]
     if q.stride(2) != 1:
         q = q.contiguous()
-    paged_logits_kernel[(batch, num_kv_heads, triton.cdiv(max_tokens, BLOCK_N))](
+    group = num_qo_heads // num_kv_heads
+    block_n = CONFIG["BLOCK_N"]
+    chunk = items_per_program(batch * num_kv_heads, max_tokens, block_n)
+    # 16-bit dots when the query and the keys share a 16-bit dtype, fp32 otherwise.
+    dots = dot_args(k_cache.dtype if q.dtype == k_cache.dtype else torch.float32, q.device)
+    paged_logits_kernel[(batch, num_kv_heads, triton.cdiv(max_tokens, chunk))](
         q,
         k_cache,
         table_indices,
@@ -71,13 +97,18 @@ def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, sc
         q.stride(0),
         q.stride(1),
         max_tokens,
+        chunk,
         scale,
         BLOCK_SIZE=block_size,
         NUM_KV_HEADS=num_kv_heads,
-        GROUP=num_qo_heads // num_kv_heads,
+        GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_N=BLOCK_N,
-        num_warps=4,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_N=block_n,
+        num_warps=CONFIG["num_warps"],
+        num_stages=CONFIG["num_stages"],
+        **dots,
+        **pdl_args(q.device),
     )
     return out

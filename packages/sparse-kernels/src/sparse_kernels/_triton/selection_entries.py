@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
 def _selection_entries_kernel(
@@ -22,7 +22,9 @@ def _selection_entries_kernel(
     BLOCK_SIZE: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)  # the entries are the step's previous kernel's output
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -40,6 +42,7 @@ def _selection_entries_kernel(
         ids = tl.load(table_ptr + start + page, mask=mask, other=0).to(tl.int64)
     row = (b.to(tl.int64) * num_heads + h) * size
     tl.store(out_ptr + row + offs, ids.to(tl.int32), mask=mask)
+    pdl_exit(USE_GDC)
 
 
 selection_entries_kernel = Kernel(_selection_entries_kernel)
@@ -64,5 +67,6 @@ def selection_entries_triton(chosen, table_indices, table_start, kv_lens, out, b
         SLOTS=page_size == 1,
         BLOCK=block,
         num_warps=4,
+        **pdl_args(chosen.device),
     )
     return out

@@ -84,7 +84,8 @@ def _decode_runs(engine: LLMEngine, plan: BenchPlan, prompts: torch.Generator, c
     settings = engine_settings(engine)
     cfg = engine.runner.model_config
     # Per GPU: rank 0's weight shard and its KV heads (every rank reads as much under tensor parallelism).
-    weight_bytes = weight_bytes_per_step(engine.runner.model)
+    # Routed experts count only the experts a step of the run's batch is expected to read.
+    model = engine.runner.model
     heads = engine.runner.rank_config.num_key_value_heads
     slot_bytes = kv_bytes_per_token(1, heads, cfg.head_dim, engine.runner.dtype)
     if engine.runner.store.quantized:  # a slot read is its codes and scales (compressed bytes)
@@ -103,6 +104,7 @@ def _decode_runs(engine: LLMEngine, plan: BenchPlan, prompts: torch.Generator, c
         run.update(batch_size=raw["batch_size"], batch_size_arg=raw["batch_size_arg"])
         if raw["prefill_seconds"] is not None:
             run["prefill_metrics"] = prefill_summary(cfg, case.prompt_len, raw["batch_size"], raw["prefill_seconds"])
+        weight_bytes = weight_bytes_per_step(model, raw["batch_size"])
         runs.append({**run, "metrics": summarize(raw, weight_bytes, copy_bps), "raw": raw})
     return runs
 

@@ -1,0 +1,296 @@
+"""Quest / OmniKV selection kernels on the GPU (measured on the H200 at 848696c: results/bench/h200/quest_select/;
+the radix top-k measured there was slower than the bisection one, 55-87 us against 34 us for Quest's rows,
+and was reverted, so "new" top-k is the old kernel again): old (commit 1a3af46, ``quest_select_baseline``) against
+new (``sparse_kernels``), at the issue-17 shape: Qwen3-8B heads (32 query, 8 KV, head_dim 128, bf16),
+16-token pages in a shuffled pool, 128K context (8193 pages per row, ``max_pages`` 8448 as the engine
+plans for 2048 more tokens), Quest budget 128 pages (4 sink + 92 + 32 recent), OmniKV 2048 tokens.
+
+Per batch size: ``page_bounds`` (Quest, reads kmin/kmax), ``paged_logits`` (OmniKV's filter layers, reads
+K), ``top_k_ascending`` over Quest's bounds ([B, 8, 8448], k 128) and OmniKV's scores ([B, 135168],
+k 2048), and each method's whole selection chain (bounds + top-k; logits + top-k) captured in a CUDA
+graph as the engine runs it. Streaming kernels print GB/s and % of the copy bandwidth measured in the
+same process; the sweep rows (``cfg ...``) try other tile / warp / stage settings of the new kernels.
+Every call rotates over enough layers' buffers that L2 holds none of them. Checks first: new bounds
+and logits against the plain torch references, new and old top-k equal to a stable sort.
+
+    PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') python3 benchmarks/quest_select_probe.py \\
+        [--batches 1,5,8] [--no-sweep] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "packages/sparse-kernels/benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import quest_select_baseline as old  # noqa: E402
+from _timing import capture, copy_bandwidth, median_ms  # noqa: E402
+
+from sparse_kernels import page_bounds, paged_logits, top_k_ascending  # noqa: E402
+from sparse_kernels._triton import page_bounds as new_pb  # noqa: E402
+from sparse_kernels._triton import paged_logits as new_pl  # noqa: E402
+from sparse_kernels._triton import top_k_ascending as new_tk  # noqa: E402
+
+HQ, HKV, D, BS = 32, 8, 128, 16
+KV_LEN = 131072 + 1  # the prompt plus the token being decoded
+MAX_PAGES = 8448
+SINK, RECENT, QUEST_K = 4, 32, 128
+OMNI_K = 2048
+DEVICE = "cuda"
+L2_BYTES = 256 << 20  # rotate over at least this many bytes of inputs per timed call
+
+PB_SWEEP = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3)]  # BLOCK_P, warps, stages
+PL_SWEEP = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 3)]  # BLOCK_N, warps, stages
+QUEST_TK = {  # top-k variants: overrides of sparse_kernels._triton.top_k_ascending's constants
+    "one program": {"SINGLE": 16384},
+    "tile 2048": {"MIN_TILE": 2048},
+    "tile 4096": {"MIN_TILE": 4096},
+    "256 per warp": {"ELEMENTS_PER_WARP": 256},
+    "128 per warp": {"ELEMENTS_PER_WARP": 128},
+}
+OMNI_TK = {
+    "final 16384": {"SINGLE": 16384},
+    "tile 16384": {"MIN_TILE": 16384, "SINGLE": 32768},
+    "512 per warp": {"ELEMENTS_PER_WARP": 512},
+    "2048 per warp": {"ELEMENTS_PER_WARP": 2048},
+}
+
+
+class Inputs:
+    """``layers`` copies of one decode step's selection inputs (same tables, different summaries / keys)."""
+
+    def __init__(self, batch: int, layers: int, with_keys: bool, gen: torch.Generator):
+        dev = DEVICE
+        pages = -(-KV_LEN // BS)
+        self.batch, self.layers = batch, layers
+        num_blocks = batch * pages + 7
+        self.table = torch.randperm(num_blocks, generator=gen)[: batch * pages].to(torch.int32).to(dev)
+        self.start = (torch.arange(batch) * pages).to(torch.int32).to(dev)
+        self.num_pages = torch.full((batch,), pages, dtype=torch.int32, device=dev)
+        self.kv_lens = torch.full((batch,), KV_LEN, dtype=torch.int32, device=dev)
+        self.q = [torch.randn(batch, HQ, D, device=dev).bfloat16() for _ in range(layers)]
+        self.kmin, self.kmax = [], []
+        for _ in range(layers):
+            a, b = torch.randn(2, num_blocks, HKV, D, device=dev).bfloat16()
+            self.kmin.append(torch.minimum(a, b))
+            self.kmax.append(torch.maximum(a, b))
+        shape = (num_blocks, BS, HKV, D)
+        self.k_cache = [torch.randn(shape, device=dev).bfloat16() for _ in range(layers)] if with_keys else []
+        self.bounds = torch.empty(batch, HKV, MAX_PAGES, device=dev)
+        self.logits = torch.empty(batch, HQ, MAX_PAGES * BS, device=dev) if with_keys else None
+        self.pages = pages
+
+    def summary_bytes(self) -> int:
+        return self.batch * HKV * self.pages * 2 * D * 2 + self.bounds.numel() * 4
+
+    def key_bytes(self) -> int:
+        return self.batch * HKV * KV_LEN * D * 2 + self.logits.numel() * 4
+
+
+def layers_for(bytes_per_layer: int) -> int:
+    return max(1, math.ceil(L2_BYTES / bytes_per_layer))
+
+
+def rotate(fn, layers: int):
+    """A call that runs ``fn(layer)`` for every layer (timed per layer by dividing by ``layers``)."""
+
+    def call():
+        for i in range(layers):
+            fn(i)
+
+    return call
+
+
+def timed_us(fn, layers: int) -> float:
+    return median_ms(rotate(fn, layers), iters=5) * 1e3 / layers
+
+
+def row(name: str, us: float, nbytes: int | None, bw: float) -> dict:
+    entry = {"kernel": name, "us": round(us, 2)}
+    text = f"  {name:<44} {us:9.1f} us"
+    if nbytes is not None:
+        gbs = nbytes / (us * 1e-6) / 1e9
+        entry.update(gb_per_s=round(gbs, 1), pct_copy=round(100 * gbs * 1e9 / bw, 1))
+        text += f"  {gbs:7.0f} GB/s  {entry['pct_copy']:5.1f}% copy"
+    print(text, flush=True)
+    return entry
+
+
+def bounds_args(x: Inputs, i: int):
+    return (x.q[i], x.kmin[i], x.kmax[i], x.table, x.start, x.num_pages, x.bounds)
+
+
+def probe_stream(name: str, x: Inputs, bw: float, nbytes: int, run_old, module, run_new, sweep) -> list[dict]:
+    """Old against new (``run_*(layer)``), then the new kernel under each ``(tile, warps, stages)`` of
+    ``sweep`` (``module.CONFIG``'s tile key first)."""
+    rows = [
+        row(f"{name} old", timed_us(run_old, x.layers), nbytes, bw),
+        row(f"{name} new", timed_us(run_new, x.layers), nbytes, bw),
+    ]
+    tile_key = next(iter(module.CONFIG))
+    for tile, warps, stages in sweep:
+        saved = dict(module.CONFIG)
+        module.CONFIG.update({tile_key: tile, "num_warps": warps, "num_stages": stages})
+        try:
+            rows.append(row(f"  cfg {tile_key}={tile} w{warps} s{stages}", timed_us(run_new, x.layers), nbytes, bw))
+        finally:
+            module.CONFIG.update(saved)
+    return rows
+
+
+def probe_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
+    ref = torch.empty_like(x.bounds)
+    page_bounds(*bounds_args(x, 0)[:-1], ref, sink=SINK, recent=RECENT, backend="reference")
+    new_pb.page_bounds_triton(*bounds_args(x, 0), SINK, RECENT)
+    torch.testing.assert_close(x.bounds, ref, rtol=1e-4, atol=1e-3)
+    return probe_stream(
+        "page_bounds",
+        x,
+        bw,
+        x.summary_bytes(),
+        lambda i: old.page_bounds_triton(*bounds_args(x, i), SINK, RECENT),
+        new_pb,
+        lambda i: new_pb.page_bounds_triton(*bounds_args(x, i), SINK, RECENT),
+        PB_SWEEP if sweep else [],
+    )
+
+
+def logits_args(x: Inputs, i: int):
+    return (x.q[i], x.k_cache[i], x.table, x.start, x.kv_lens, x.logits)
+
+
+def probe_paged_logits(x: Inputs, bw: float, sweep: bool) -> list[dict]:
+    scale = D**-0.5
+    ref = torch.empty_like(x.logits)
+    paged_logits(*logits_args(x, 0)[:-1], ref, scale=scale, backend="reference")
+    new_pl.paged_logits_triton(*logits_args(x, 0), scale)
+    torch.testing.assert_close(x.logits, ref, rtol=1e-4, atol=1e-3)
+    del ref
+    return probe_stream(
+        "paged_logits",
+        x,
+        bw,
+        x.key_bytes(),
+        lambda i: old.paged_logits_triton(*logits_args(x, i), scale),
+        new_pl,
+        lambda i: new_pl.paged_logits_triton(*logits_args(x, i), scale),
+        PL_SWEEP if sweep else [],
+    )
+
+
+def probe_top_k(name: str, scores: torch.Tensor, k: int, variants: dict[str, dict]) -> list[dict]:
+    """Old, new, and new under each of ``variants`` (overrides of the Triton module's constants)."""
+    flat = scores.reshape(-1, scores.shape[-1])
+    expected = top_k_ascending(flat, k, backend="reference")
+    out = torch.empty_like(expected)
+    runs = {"old": (old.top_k_ascending_triton, {}), "new": (new_tk.top_k_ascending_triton, {})}
+    if not hasattr(new_tk, "stages"):  # the radix select was measured slower and reverted: old == new
+        variants = {}
+    runs.update({f"new {label}": (new_tk.top_k_ascending_triton, v) for label, v in variants.items()})
+    rows = []
+    for label, (fn, overrides) in runs.items():
+        saved = {key: getattr(new_tk, key) for key in overrides}
+        for key, value in overrides.items():
+            setattr(new_tk, key, value)
+        try:
+            radix = fn is new_tk.top_k_ascending_triton and hasattr(new_tk, "stages")
+            stages = new_tk.stages(flat.shape[1], k) if radix else None
+            out.fill_(-1)
+            fn(flat, k, out)
+            if not torch.equal(out, expected):
+                raise AssertionError(f"{name} top-k {label} differs from a stable sort")
+            us = median_ms(lambda fn=fn: fn(flat, k, out)) * 1e3
+            rows.append(row(f"{name} top-k {label}" + ("" if stages is None else f" {stages}"), us, None, 0.0))
+        finally:
+            for key, value in saved.items():
+                setattr(new_tk, key, value)
+    return rows
+
+
+def quest_scores(x: Inputs) -> torch.Tensor:
+    """Real bounds with ties: a run of pages shares one summary, so many bounds equal the threshold's."""
+    new_pb.page_bounds_triton(*bounds_args(x, 0), SINK, RECENT)
+    scores = x.bounds.clone()
+    scores[:, :, 1000:1400] = scores[:, :, 1000:1001]  # ties
+    return scores
+
+
+def omni_scores(batch: int, gen: torch.Generator) -> torch.Tensor:
+    scores = torch.rand(batch, MAX_PAGES * BS, generator=gen).to(DEVICE)
+    scores[:, :64] = float("inf")
+    scores[:, KV_LEN - 512 : KV_LEN] = float("inf")
+    scores[:, KV_LEN:] = float("-inf")
+    scores[:, 5000:8000] = 0.999  # a run of ties at the threshold
+    return scores
+
+
+def probe_chains(x_sum: Inputs, x: Inputs, omni: torch.Tensor) -> list[dict]:
+    """Each method's selection as the engine runs it (graph-captured): old kernels against new."""
+    chosen = torch.empty(x_sum.batch * HKV, QUEST_K, dtype=torch.int64, device=DEVICE)
+    omni_chosen = torch.empty(x.batch, OMNI_K, dtype=torch.int64, device=DEVICE)
+    flat_bounds, scale = x_sum.bounds.view(-1, MAX_PAGES), D**-0.5
+    chains = {  # name: (inputs, one layer's calls)
+        "quest bounds+top-k old": (x_sum, lambda i: (
+            old.page_bounds_triton(*bounds_args(x_sum, i), SINK, RECENT),
+            old.top_k_ascending_triton(flat_bounds, QUEST_K, chosen),
+        )),
+        "quest bounds+top-k new": (x_sum, lambda i: (
+            new_pb.page_bounds_triton(*bounds_args(x_sum, i), SINK, RECENT),
+            new_tk.top_k_ascending_triton(flat_bounds, QUEST_K, chosen),
+        )),
+        "omnikv logits+top-k old": (x, lambda i: (
+            old.paged_logits_triton(*logits_args(x, i), scale),
+            old.top_k_ascending_triton(omni, OMNI_K, omni_chosen),
+        )),
+        "omnikv logits+top-k new": (x, lambda i: (
+            new_pl.paged_logits_triton(*logits_args(x, i), scale),
+            new_tk.top_k_ascending_triton(omni, OMNI_K, omni_chosen),
+        )),
+    }  # fmt: skip
+    rows = []
+    for name, (inputs, fn) in chains.items():
+        graph = capture(rotate(fn, inputs.layers))
+        rows.append(row(f"{name} (graph)", median_ms(graph.replay, iters=5) * 1e3 / inputs.layers, None, 0.0))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,5,8")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the config sweeps of the new kernels")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
+    results = {"copy_gb_per_s": round(bw / 1e9, 1), "batches": {}}
+    for batch in (int(b) for b in args.batches.split(",")):
+        gen = torch.Generator().manual_seed(batch)
+        torch.manual_seed(batch)
+        x = Inputs(batch, layers_for(batch * HKV * KV_LEN * D * 2), with_keys=True, gen=gen)
+        x_sum = x  # more copies of the summaries (only) where one layer's fit in L2
+        if x.layers < layers_for(x.summary_bytes()):
+            x_sum = Inputs(batch, layers_for(x.summary_bytes()), with_keys=False, gen=gen)
+        print(f"batch {batch}: {x.pages} pages per row, {x_sum.layers} summary / {x.layers} key layer copies")
+        rows = probe_page_bounds(x_sum, bw, not args.no_sweep)
+        rows += probe_paged_logits(x, bw, not args.no_sweep)
+        rows += probe_top_k("quest", quest_scores(x_sum), QUEST_K, QUEST_TK)
+        omni = omni_scores(batch, gen)
+        rows += probe_top_k("omnikv", omni, OMNI_K, OMNI_TK)
+        rows += probe_chains(x_sum, x, omni)
+        results["batches"][batch] = rows
+        del x, x_sum
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
