@@ -105,7 +105,7 @@ def _holders(llm: LLM) -> Counter:
     for table in kv.chains.held_tables().values():
         held.update(table.block_ids)
     for req in llm.engine.scheduler.running:
-        held.update(kv.table(req.request_id).block_ids)
+        held.update(kv.tables(req.request_id).block_ids)  # every layer's (one table, or one per layer)
     return held
 
 

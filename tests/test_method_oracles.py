@@ -59,15 +59,16 @@ def _engine_kept(path, model, prompt, **method) -> list[list[set[int]]]:
     rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0))
     engine.step()  # the whole prompt, then the method's compaction
     req = engine.scheduler.running[0]
-    table = engine.kv.table(rid)
     dense = _dense_keys(model, prompt)
     kept = []
     for layer, kv_len in enumerate(req.kv_lens):
+        table = engine.kv.table(rid, layer)  # every layer's, or its own with a table per layer (PyramidKV)
         slots = table_slots(table.block_ids, kv_len, engine.config.block_size)
         keys = engine.runner.kv.k[layer].view(-1, *engine.runner.kv.k[layer].shape[2:])[slots]  # [n, Hkv, D]
         kept.append([_positions(keys[:, h], dense[layer][h]) for h in range(keys.shape[1])])
-    # Reclaim: the table holds exactly the blocks its longest layer needs.
-    assert len(table.block_ids) == math.ceil(max(req.kv_lens) / engine.config.block_size)
+        # Reclaim: the table holds exactly the blocks its longest layer (or this layer) needs.
+        longest = kv_len if engine.kv.per_layer else max(req.kv_lens)
+        assert len(table.block_ids) == math.ceil(longest / engine.config.block_size)
     engine.abort_request(rid)
     return kept
 
