@@ -121,8 +121,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         # Under tensor parallelism every rank captures the same buckets, NCCL collectives inside.
         if self.device.type == "cuda" and not config.enforce_eager:
-            # A decode step's layer groups: one, or one per layer (each with its own table).
-            layer_group = tuple(range(cfg.num_hidden_layers)) if per_layer else None
+            # A decode step's layer groups: one, or one per layer (each with its own table). A latent store
+            # keeps only its first group's plan in fixed buffers: with a table per layer it decodes eagerly.
+            layer_group = tuple(range(cfg.num_hidden_layers)) if per_layer and not self.store.latent else None
             self.graphs = DecodeGraphs(
                 self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device, layer_group
             )
