@@ -202,3 +202,26 @@ def test_synthetic_requests_take_only_the_window_in_local_layers(window_checkpoi
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_admission_sizes_local_layers_by_their_window(window_checkpoint):
+    """Two 300-token prompts on a pool of 3 x 100 blocks of 4 tokens: sized by the whole context (3 x 78
+    blocks each) one would wait for the other; a local layer holds about its window and a chunk (its
+    table per layer over one pool), so both run at once, with HF's greedy tokens."""
+    path, hf_model = window_checkpoint("gemma3")
+    prompts = [p * 8 for p in _prompts(seed=11)[3:]] + [q * 8 for q in _prompts(seed=12)[3:]]
+    prompts = [p[:300] for p in prompts]
+    expected = [hf_greedy(hf_model, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=16, num_kv_blocks=100)
+    engine = llm.engine
+    assert engine.kv.num_blocks_for([310] * 3) > engine.kv.num_blocks // 2  # whole contexts: one at a time
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    outputs, most_running = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.token_ids)
+        most_running = max(most_running, len(engine.scheduler.running))
+    assert most_running == 2 and engine.scheduler.num_preemptions == 0
+    assert [outputs["0"], outputs["1"]] == expected

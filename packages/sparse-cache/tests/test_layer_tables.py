@@ -28,6 +28,7 @@ def test_layout_choice():
     assert windowed.num_blocks([9, 9], 4) == 6 and LayerLayout(2).num_blocks([9, 3], 4) == 3
     assert windowed.first_read_block(1, 13, 4) == 2 and windowed.first_read_block(0, 13, 4) == 0
     assert windowed.window_peaks((100, 100), chunk=8, block_size=4) == (100, 16)
+    assert windowed.num_blocks(100, 4, step=8) == 25 + 4 and windowed.num_blocks(100, 4) == 50
     with pytest.raises(ValueError):
         LayerLayout(2, False, (None, 4))
 

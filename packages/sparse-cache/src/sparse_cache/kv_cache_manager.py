@@ -143,9 +143,10 @@ class KVCacheManager:
         req = self._requests[request_id]
         return sum(len(t.block_ids) - n for t, n in zip(req.tables, req.nulls, strict=True))
 
-    def num_blocks_for(self, tokens: int | Sequence[int]) -> int:
-        """Blocks a request holding ``tokens`` slots (per layer, or one count for all) takes."""
-        return self.layout.num_blocks(tokens, self.block_size)
+    def num_blocks_for(self, tokens: int | Sequence[int], step: int | None = None) -> int:
+        """Blocks a request holding ``tokens`` slots (per layer, or one count for all) takes; with ``step``
+        (the tokens its next step adds) a windowed layer counts at most its window and the step."""
+        return self.layout.num_blocks(tokens, self.block_size, step)
 
     # -- prefix cache ---------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:

@@ -69,9 +69,13 @@ class LayerLayout:
             raise ValueError(f"{len(tokens)} token counts for {self.num_layers} layers")
         return list(tokens) if self.per_layer else [max(tokens)]
 
-    def num_blocks(self, tokens: int | Sequence[int], block_size: int) -> int:
-        """Blocks a request holding ``tokens`` slots (per layer, or one count for all) takes from the pool."""
-        return sum(-(-n // block_size) for n in self.per_table(tokens))
+    def num_blocks(self, tokens: int | Sequence[int], block_size: int, step: int | None = None) -> int:
+        """Blocks a request holding ``tokens`` slots (per layer, or one count for all) takes from the pool;
+        with ``step`` (the tokens a step adds), a windowed layer's at most its window and the step."""
+        per_table = self.per_table(tokens)
+        if step is not None and self.windowed:
+            per_table = self.window_peaks(per_table, step, block_size)
+        return sum(-(-n // block_size) for n in per_table)
 
     def window_peaks(self, tokens: Sequence[int], chunk: int, block_size: int) -> tuple[int, ...]:
         """``tokens`` per layer, a windowed layer's capped at what it holds at most while it advances in

@@ -201,7 +201,7 @@ class Scheduler:
                 break  # a whole-prompt prefill runs alone (decodes may share its step)
             n = remaining if full else min(remaining, budget)
             kv_tokens, write_from = self._grown(req, n) if req.resumed else (done + n, None)
-            peak = self._blocks(_at_least(self.prefill_peak(req), kv_tokens)) - held
+            peak = self.kv.num_blocks_for(_at_least(self.prefill_peak(req), kv_tokens), step=n) - held
             if not self._fits(peak + reserved):
                 break
             if self.kv.allocate(req.request_id, kv_tokens, prefix=prefix, write_from=write_from) is None:
