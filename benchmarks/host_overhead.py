@@ -14,6 +14,8 @@ that the GPU waits for, serially, before each replay.
 
     uv run python benchmarks/host_overhead.py                   # the default shapes
     uv run python benchmarks/host_overhead.py --case 23x32768 --profile 10   # plus a cProfile top list
+    uv run python benchmarks/host_overhead.py --sliding-window 1024   # Gemma 3's 5 local : 1 global layers
+                                                                       # (a block table per layer)
 """
 
 from __future__ import annotations
@@ -44,12 +46,16 @@ DEFAULT_CASES = ("1x32768", "23x32768", "5x131072", "76x10240")
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
 
 
-def tiny_config(num_layers: int, vocab: int) -> str:
-    """A Qwen3-8B-shaped config with a tiny hidden size, written to a temporary folder."""
+def tiny_config(num_layers: int, vocab: int, sliding_window: int | None = None) -> str:
+    """A Qwen3-8B-shaped config with a tiny hidden size, written to a temporary folder; with
+    ``sliding_window``, five of every six layers slide over it (Gemma 3's pattern)."""
     src = Path(__file__).resolve().parents[1] / "packages/sparse-serve/src/sparse_serve/bench/configs/qwen3-8b"
     cfg = json.loads((src / "config.json").read_text())
     cfg.update(TINY, num_hidden_layers=num_layers, max_window_layers=num_layers, vocab_size=vocab)
     cfg.update(torch_dtype="float32", bos_token_id=0, eos_token_id=1)
+    if sliding_window is not None:
+        kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(num_layers)]
+        cfg.update(use_sliding_window=True, sliding_window=sliding_window, layer_types=kinds)
     folder = Path(tempfile.mkdtemp(prefix="host_overhead_"))
     (folder / "config.json").write_text(json.dumps(cfg))
     return str(folder)
@@ -80,7 +86,10 @@ def install_fake_graphs(engine: LLMEngine, max_batch: int) -> None:
     runner = engine.runner
     cfg = runner.model_config
     runner.model = StubModel(cfg.hidden_size, cfg.vocab_size, runner.device)
-    graphs = cuda_graphs.DecodeGraphs(runner.model, runner.attention, cfg.num_hidden_layers, max_batch, runner.device)
+    layer_group = tuple(range(cfg.num_hidden_layers)) if engine.kv.per_layer else None  # a table per layer
+    graphs = cuda_graphs.DecodeGraphs(
+        runner.model, runner.attention, cfg.num_hidden_layers, max_batch, runner.device, layer_group
+    )
     for bs in graphs.sizes:
         graphs.graphs[bs] = _NoopGraph()
         graphs.outputs[bs] = torch.zeros(bs, cfg.hidden_size, device=runner.device)
@@ -124,10 +133,12 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
     runner.run = timers.wrap("runner.run", runner.run)
 
 
-def build(batch: int, prompt_len: int, output_len: int, num_layers: int, vocab: int, device: str = "cpu") -> LLMEngine:
+def build(
+    batch: int, prompt_len: int, output_len: int, num_layers: int, vocab: int, device: str = "cpu", window=None
+) -> LLMEngine:
     blocks_each = -(-(prompt_len + output_len + 16) // 16)
     config = EngineConfig(
-        model=tiny_config(num_layers, vocab),
+        model=tiny_config(num_layers, vocab, window),
         device=device,
         enforce_eager=True,  # no capture: the fake graphs below replay nothing
         load_format="dummy",
@@ -142,9 +153,11 @@ def build(batch: int, prompt_len: int, output_len: int, num_layers: int, vocab: 
     return engine
 
 
-def run_case(case: str, steps: int, warmup: int, num_layers: int, vocab: int, profile: int, device: str) -> dict:
+def run_case(
+    case: str, steps: int, warmup: int, num_layers: int, vocab: int, profile: int, device: str, window=None
+) -> dict:
     batch, prompt_len = (int(x) for x in case.split("x"))
-    engine = build(batch, prompt_len, warmup + steps + profile + 2, num_layers, vocab, device)
+    engine = build(batch, prompt_len, warmup + steps + profile + 2, num_layers, vocab, device, window)
     timers = Timers()
     instrument(engine, timers)
     for _ in range(warmup):
@@ -168,7 +181,8 @@ def run_case(case: str, steps: int, warmup: int, num_layers: int, vocab: int, pr
         )
         med["postprocess (step - the rest)"] = med["step"] - sum(med[p] for p in parts)
         result_stats[stat] = med
-    blocks = sum(len(engine.kv.table(r.request_id).block_ids) for r in engine.scheduler.running)
+    tables = range(num_layers) if engine.kv.per_layer else (0,)
+    blocks = sum(len(engine.kv.table(r.request_id, t).block_ids) for r in engine.scheduler.running for t in tables)
     result = {"case": case, "batch": batch, "prompt_len": prompt_len, "blocks_listed": blocks, **result_stats}
     if profile:
         profile_steps(engine, profile, top=25)
@@ -196,6 +210,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--profile", type=int, default=0, help="also cProfile this many steps per case")
     ap.add_argument("--device", default="cpu", help="cuda: real pinned copies and syncs (the stub model still)")
+    ap.add_argument("--sliding-window", type=int, help="5 of 6 layers slide over this window (a table per layer)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -213,7 +228,9 @@ def main() -> None:
         "postprocess (step - the rest)",
     )
     for case in args.case or DEFAULT_CASES:
-        r = run_case(case, args.steps, args.warmup, args.num_layers, args.vocab, args.profile, args.device)
+        r = run_case(
+            case, args.steps, args.warmup, args.num_layers, args.vocab, args.profile, args.device, args.sliding_window
+        )
         results.append(r)
         print(f"\n{case}: {r['blocks_listed']} blocks listed; ms per step: median, min over {args.steps} steps")
         for k in order:

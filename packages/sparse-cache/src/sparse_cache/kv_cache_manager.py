@@ -217,8 +217,8 @@ class KVCacheManager:
         or None when the pool cannot supply them even after reclaiming idle chains (nothing changes then).
         """
         req = self._requests.get(request_id)
-        if req is not None and not self.per_layer and (prefix is None or not prefix.block_ids):
-            if self._grows_in_place(req.tables[0], num_tokens, write_from):  # most decode steps
+        if req is not None and (prefix is None or not prefix.block_ids):
+            if self._grows_in_place(req.tables, num_tokens, write_from):  # most decode steps
                 return []
         if prefix is not None and prefix.block_ids and req is not None:
             raise ValueError(f"request {request_id!r} already holds blocks; a prefix can only start a table")
@@ -272,17 +272,28 @@ class KVCacheManager:
         starts = tuple((self.null_block,) * first(t, kv_lens[t], bs) for t in range(self.layout.num_tables))
         return self.allocate(request_id, list(num_tokens), PrefixMatch(table_block_ids=starts))
 
-    def _grows_in_place(self, table: BlockTable, num_tokens: int | Sequence[int], write_from) -> bool:
-        """The shared layout's common case: the table has room and nothing from ``write_from`` on is
-        shared; then it takes the tokens (and True), else nothing changes."""
-        n = num_tokens if isinstance(num_tokens, int) else max(num_tokens)
-        if -(-n // self.block_size) > len(table.block_ids):
-            return False
-        if write_from is not None:
-            first = write_from if isinstance(write_from, int) else min(write_from)
-            if self._shared(table, first // self.block_size):
+    def _grows_in_place(self, tables: list[BlockTable], num_tokens: int | Sequence[int], write_from) -> bool:
+        """The common case: every table has room and nothing from ``write_from`` on is shared; then the
+        tables take the tokens (and True), else nothing changes."""
+        bs = self.block_size
+        if not self.per_layer:  # the shared layout's hot path: one table
+            table = tables[0]
+            n = num_tokens if isinstance(num_tokens, int) else max(num_tokens)
+            if -(-n // bs) > len(table.block_ids):
                 return False
-        table.num_tokens = max(table.num_tokens, min(n, table.capacity))
+            if write_from is not None:
+                first = write_from if isinstance(write_from, int) else min(write_from)
+                if self._shared(table, first // bs):
+                    return False
+            table.num_tokens = max(table.num_tokens, min(n, table.capacity))
+            return True
+        targets = [num_tokens] * len(tables) if isinstance(num_tokens, int) else num_tokens
+        firsts = [write_from] * len(tables) if write_from is None or isinstance(write_from, int) else write_from
+        for table, n, first in zip(tables, targets, firsts, strict=True):
+            if -(-n // bs) > len(table.block_ids) or (first is not None and self._shared(table, first // bs)):
+                return False
+        for table, n in zip(tables, targets, strict=True):
+            table.num_tokens = max(table.num_tokens, min(n, table.capacity))
         return True
 
     def _shared_from(self, tables: list[BlockTable], write_from: int | Sequence[int]) -> list[list[int]]:
