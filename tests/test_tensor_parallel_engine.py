@@ -41,6 +41,18 @@ METHODS = {
     "pyramidkv": dict(sink_keep_tokens=2, decode_keep_tokens=8, recent_keep_tokens=4, observation_window_size=4),
     "adakv": dict(sink_keep_tokens=2, decode_keep_tokens=8, recent_keep_tokens=4, observation_window_size=4),
     "omnikv": dict(sink_keep_tokens=2, decode_keep_tokens=6, recent_keep_tokens=4, full_attention_layers="1"),
+    "omnikv_prefill": dict(  # OmniKV whose prefill chunks after the filter layer read a selected history
+        sparse_method="omnikv",
+        sink_keep_tokens=2,
+        decode_keep_tokens=6,
+        recent_keep_tokens=4,
+        full_attention_layers="1",
+        prefill_sparse_method="omnikv_prefill",
+        prefill_sink_tokens=2,
+        prefill_keep_tokens=4,
+        prefill_recent_tokens=2,
+        max_num_batched_tokens=16,
+    ),
     "kvzip": dict(kvzip_token_budget=8, kvzip_score_chunk_size=16, kvzip_prev_postfix_size=4, sink_keep_tokens=2),
     "retroinfer": dict(
         retroinfer_sink_tokens=2,
@@ -57,7 +69,14 @@ METHODS = {
 }
 BASE = ("dense", "snapkv", "quest")  # on every family
 COMPRESSED = frozenset({"fp8_kv", "kivi", "turboquant"})  # every token kept: their tokens may equal dense's
-REDUCING = ("h2o", "tova", "adakv", "omnikv", "kvzip")  # combine KV heads over the ranks (HeadReduction)
+REDUCING = (
+    "h2o",
+    "tova",
+    "adakv",
+    "omnikv",
+    "omnikv_prefill",
+    "kvzip",
+)  # combine KV heads over the ranks (HeadReduction)
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -82,8 +101,8 @@ def checkpoint(tmp_path_factory):
 def _greedy(path: str, world: int, method: str) -> list[tuple[int, ...]]:
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (5, 40, 23)]
-    params = {"block_size": 4, **METHODS[method]}
-    llm = LLM(path, device="cpu", tensor_parallel_size=world, sparse_method=method, **params)
+    params = {"block_size": 4, "sparse_method": method, **METHODS[method]}
+    llm = LLM(path, device="cpu", tensor_parallel_size=world, **params)
     try:
         return [out.token_ids for out in llm.generate(prompts, PARAMS)]
     finally:
@@ -98,8 +117,7 @@ CASES = (
         for method in BASE
     ]
     + [  # MLA: heads split, the latent whole on every rank
-        pytest.param("deepseek_v2", 2, method, marks=() if method == "snapkv" else pytest.mark.slow)
-        for method in BASE
+        pytest.param("deepseek_v2", 2, method, marks=() if method == "snapkv" else pytest.mark.slow) for method in BASE
     ]
     + [pytest.param("deepseek_v2", 4, "dense", marks=pytest.mark.slow)]
     + [pytest.param("deepseek_v2", 2, "h2o", marks=pytest.mark.slow)]  # a shared score over the one latent head
