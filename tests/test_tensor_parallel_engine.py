@@ -1,17 +1,24 @@
 """Tensor-parallel engine: 2 and 4 gloo ranks (CPU, fp32; ``LLM`` starts the ranks) give the greedy
 tokens of one rank for a dense (Qwen3: KV heads split at 2 ranks, replicated at 4) and a MoE model
-(Qwen3-MoE), and at 2 ranks for the MLA models (DeepSeek-V2; GLM-4.7-Flash dense only: heads split,
-the latent whole on every rank), with dense attention, SnapKV (evicting) and Quest (selecting pages).
-The 2-rank Qwen3 cases and DeepSeek-V2 with SnapKV run by default; the rest of the matrix is slow."""
+(Qwen3-MoE), and at 2 and 4 ranks for the MLA models (DeepSeek-V2; GLM-4.7-Flash dense only: heads
+split, the latent whole on every rank), with dense attention, SnapKV (evicting) and Quest (selecting
+pages); and every other method on Qwen3 at 2 ranks (those that combine KV heads over the ranks,
+``HeadReduction``, at 4 as well: replicated heads count once), with budgets under the prompts so that
+each evicts or selects (its tokens differ from dense's; the compressed stores are exact stores of
+another kind and may not). KVzip runs on the embedded checkpoint (its replays need a tokenizer). The
+2-rank Qwen3 cases of dense, SnapKV, Quest and H2O (shared scores: a sum over the ranks) and
+DeepSeek-V2 with SnapKV run by default; the rest of the matrix is slow."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 import torch
-from tiny_models import family_config
+from tiny_models import DEFAULT_MODEL, family_config
 
+from sparse_methods.methods.tova import TOVA
 from sparse_serve import LLM, SamplingParams
 
 METHODS = {
@@ -21,7 +28,55 @@ METHODS = {
     "quest": dict(
         sink_keep_tokens=4, decode_keep_tokens=8, recent_keep_tokens=4, quest_chunk_size=4, quest_skip_layers=0
     ),
+    "h2o": dict(h2o_prefill_budget=12, h2o_decode_budget=10, decode_eviction_interval=4),  # shared scores
+    "streamingllm": dict(sink_keep_tokens=2, recent_keep_tokens=8, decode_eviction_interval=4),
+    "tova": dict(decode_keep_tokens=8),
+    "rkv": dict(
+        sink_keep_tokens=2,
+        decode_keep_tokens=6,
+        recent_keep_tokens=4,
+        rkv_compression_interval=4,
+        rkv_observation_tokens=4,
+    ),
+    "pyramidkv": dict(sink_keep_tokens=2, decode_keep_tokens=8, recent_keep_tokens=4, observation_window_size=4),
+    "adakv": dict(sink_keep_tokens=2, decode_keep_tokens=8, recent_keep_tokens=4, observation_window_size=4),
+    "omnikv": dict(sink_keep_tokens=2, decode_keep_tokens=6, recent_keep_tokens=4, full_attention_layers="1"),
+    "omnikv_prefill": dict(  # OmniKV whose prefill chunks after the filter layer read a selected history
+        sparse_method="omnikv",
+        sink_keep_tokens=2,
+        decode_keep_tokens=6,
+        recent_keep_tokens=4,
+        full_attention_layers="1",
+        prefill_sparse_method="omnikv_prefill",
+        prefill_sink_tokens=2,
+        prefill_keep_tokens=4,
+        prefill_recent_tokens=2,
+        max_num_batched_tokens=16,
+    ),
+    "kvzip": dict(kvzip_token_budget=8, kvzip_score_chunk_size=16, kvzip_prev_postfix_size=4, sink_keep_tokens=2),
+    "retroinfer": dict(
+        retroinfer_sink_tokens=2,
+        retroinfer_recent_tokens=4,
+        retroinfer_min_index_tokens=16,
+        retroinfer_update_tokens=8,
+        retroinfer_avg_cluster_size=4,
+        retroinfer_retrieval_ratio=0.25,
+        retroinfer_estimation_ratio=0.0,
+    ),
+    "fp8_kv": {},
+    "kivi": {"block_size": 16},  # its page (the block) is 16 to 128 tokens
+    "turboquant": {},
 }
+BASE = ("dense", "snapkv", "quest")  # on every family
+COMPRESSED = frozenset({"fp8_kv", "kivi", "turboquant"})  # every token kept: their tokens may equal dense's
+REDUCING = (
+    "h2o",
+    "tova",
+    "adakv",
+    "omnikv",
+    "omnikv_prefill",
+    "kvzip",
+)  # combine KV heads over the ranks (HeadReduction)
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
@@ -30,6 +85,8 @@ def checkpoint(tmp_path_factory):
     made = {}
 
     def make(family: str) -> str:
+        if family == "tiny_retrieval":  # the embedded checkpoint, with a tokenizer
+            return str(DEFAULT_MODEL)
         if family not in made:
             config, model_cls = family_config(family)
             torch.manual_seed(0)
@@ -40,10 +97,12 @@ def checkpoint(tmp_path_factory):
     return make
 
 
+@functools.cache  # a method's one-rank run serves every world size
 def _greedy(path: str, world: int, method: str) -> list[tuple[int, ...]]:
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in (5, 40, 23)]
-    llm = LLM(path, device="cpu", block_size=4, tensor_parallel_size=world, sparse_method=method, **METHODS[method])
+    params = {"block_size": 4, "sparse_method": method, **METHODS[method]}
+    llm = LLM(path, device="cpu", tensor_parallel_size=world, **params)
     try:
         return [out.token_ids for out in llm.generate(prompts, PARAMS)]
     finally:
@@ -55,13 +114,25 @@ CASES = (
         pytest.param(family, world, method, marks=() if (family, world) == ("qwen3", 2) else pytest.mark.slow)
         for family in ("qwen3", "qwen3_moe")
         for world in (2, 4)
-        for method in METHODS
+        for method in BASE
     ]
     + [  # MLA: heads split, the latent whole on every rank
-        pytest.param("deepseek_v2", 2, method, marks=() if method == "snapkv" else pytest.mark.slow)
-        for method in METHODS
+        pytest.param("deepseek_v2", 2, method, marks=() if method == "snapkv" else pytest.mark.slow) for method in BASE
     ]
+    + [pytest.param("deepseek_v2", 4, "dense", marks=pytest.mark.slow)]
+    + [pytest.param("deepseek_v2", 2, "h2o", marks=pytest.mark.slow)]  # a shared score over the one latent head
     + [pytest.param("glm4_moe_lite", 2, "dense", marks=pytest.mark.slow)]
+    + [  # every other method; KVzip on the embedded checkpoint (its replays need a tokenizer)
+        pytest.param(
+            "tiny_retrieval" if method == "kvzip" else "qwen3",
+            world,
+            method,
+            marks=() if (method, world) == ("h2o", 2) else pytest.mark.slow,
+        )
+        for method in METHODS
+        if method not in BASE
+        for world in ((2, 4) if method in REDUCING else (2,))
+    ]
 )
 
 
@@ -69,11 +140,12 @@ CASES = (
 def test_ranks_give_one_ranks_tokens(checkpoint, family, world, method):
     path = checkpoint(family)
     expected = _greedy(path, 1, method)
-    if method != "dense":  # the method really changes what is read
+    if method != "dense" and method not in COMPRESSED:  # the method really changes what is read
         assert expected != _greedy(path, 1, "dense")
     assert _greedy(path, world, method) == expected
 
 
-def test_method_without_tensor_parallel_is_an_error(checkpoint):
-    with pytest.raises(ValueError, match="h2o does not support tensor_parallel_size"):
-        LLM(checkpoint("qwen3"), device="cpu", tensor_parallel_size=2, sparse_method="h2o")
+def test_method_without_tensor_parallel_is_an_error(checkpoint, monkeypatch):
+    monkeypatch.setattr(TOVA, "supports_tensor_parallel", False)  # every registered method supports it
+    with pytest.raises(ValueError, match="tova does not support tensor_parallel_size"):
+        LLM(checkpoint("qwen3"), device="cpu", tensor_parallel_size=2, sparse_method="tova")

@@ -159,3 +159,35 @@ def test_decode_buffers_refuse_a_batch_over_capacity():
     indptr, indices = torch.tensor([0, 1, 2, 3], dtype=torch.int32), torch.arange(3, dtype=torch.int32)
     with pytest.raises(ValueError, match="capacity"):
         wrapper.plan(indptr, indices, torch.ones(3, dtype=torch.int32), sm_scale=1.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decode_captured_in_a_cuda_graph_replays_later_plans():
+    """A ``run`` captured once replays each later plan of the same batch size (other lengths, other
+    pages, another split usage) with the oracle's output."""
+    heads, latent, rope, bs, dtype = 20, 64, 32, 16, torch.bfloat16
+    scale = (latent + rope) ** -0.5
+    wrapper = BatchLatentDecode(
+        "cuda", num_heads=heads, latent_dim=latent, rope_dim=rope, block_size=bs, max_batch_size=4, max_num_pages=64
+    )
+    cache = torch.randn(64, bs, 1, latent + rope, dtype=dtype, device="cuda")
+    q = torch.empty(3, heads, latent + rope, dtype=dtype, device="cuda")
+    out = torch.empty(3, heads, latent, dtype=dtype, device="cuda")
+    graph = None
+    for seed, lens in enumerate(([5, 300, 17], [290, 1, 64], [33, 33, 700])):
+        g = torch.Generator().manual_seed(seed)
+        pages = [-(-n // bs) for n in lens]
+        indices = torch.randperm(64, generator=g)[: sum(pages)].to(torch.int32)
+        indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+        last = torch.tensor([n - (p - 1) * bs for n, p in zip(lens, pages, strict=True)], dtype=torch.int32)
+        q.copy_(torch.randn(q.shape, generator=g).to(dtype))
+        wrapper.plan(indptr, indices, last, sm_scale=scale, tiles={"min_split_keys": 32})
+        if graph is None:
+            wrapper.run(q, cache, out=out)  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                wrapper.run(q, cache, out=out)
+        graph.replay()
+        expected = _oracle(q.cpu(), cache.cpu(), [1] * 3, lens, indptr, indices, bs, latent, scale)
+        torch.testing.assert_close(out.cpu(), expected, **TOL[dtype])

@@ -13,12 +13,17 @@ import torch
 import torch.nn.functional as F
 
 from sparse_kernels import fused_moe
+from sparse_kernels._triton.compile_check import compiling_for
 from sparse_kernels.moe import fused_moe_reference, moe_config
 from sparse_kernels.moe_align import align_by_expert, max_expert_tiles
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
-LARGE = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}  # one tile for both GEMMs
+LARGE = {  # a tile per GEMM
+    "BLOCK_M": 32,
+    "gate_up": {"BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2},
+    "down": {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+}
 
 
 def _weights(num_experts, hidden, inter, dtype, seed=0):
@@ -50,7 +55,8 @@ def test_reference_matches_per_token_formula():
     torch.testing.assert_close(fused_moe_reference(x, w13, w2, ids, weights), expected)
 
 
-ALIGN_CASES = [(1, 1, 16, 16), (1, 8, 16, 16), (37, 2, 16, 20), (64, 4, 8, 16), (300, 3, 16, 12)]
+# (tokens, top_k, block_m, experts); (300, 8, ...) spans three counting chunks of the Triton kernel.
+ALIGN_CASES = [(1, 1, 16, 16), (1, 8, 16, 16), (37, 2, 16, 20), (64, 4, 8, 16), (300, 3, 16, 12), (300, 8, 16, 16)]
 
 
 @pytest.mark.parametrize(("num_tokens", "top_k", "block_m", "num_experts"), ALIGN_CASES)
@@ -95,8 +101,9 @@ def test_align_tile_bound_is_tight_at_decode():
 CASES = [  # (tokens, experts, top_k, hidden, inter, skew)
     (1, 8, 1, 64, 32, 0.0),  # decode, k = 1
     (1, 16, 4, 48, 40, 0.0),  # decode, k > 1, ragged K and N tails
-    (5, 8, 2, 64, 24, 0.0),
-    (33, 8, 2, 40, 48, 4.0),  # skewed: some experts take many tokens, others none
+    (1, 16, 8, 32, 16, 0.0),
+    (7, 5, 2, 64, 24, 3.0),  # skewed: some experts take many tokens, others none
+    (33, 16, 8, 40, 48, 4.0),  # k = 8 of 16, as at Qwen3-30B-A3B's decode (8 of 128); idle experts
     (70, 6, 3, 32, 16, 0.0),  # more than one tile per expert
 ]
 
@@ -117,6 +124,20 @@ def test_triton_matches_reference(num_tokens, num_experts, top_k, hidden, inter,
     torch.testing.assert_close(got.cpu(), expected, **TOL[dtype])
 
 
+def test_default_decode_tiles_compile_for_hopper(triton_device):
+    """bf16 at the default decode config (256-wide K tiles: whole on gate/up, a partial one on down)
+    equals the reference, and on CPU the align kernel and both GEMMs also compile for sm_90."""
+    num_experts, top_k, hidden, inter = 16, 8, 256, 48
+    w13, w2 = _weights(num_experts, hidden, inter, torch.bfloat16)
+    x = torch.randn(9, hidden, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ids, weights = _routing(9, num_experts, top_k, seed=5)
+    expected = fused_moe_reference(x, w13, w2, ids, weights)
+    dev = lambda t: t.to(triton_device)  # noqa: E731
+    with compiling_for():
+        got = fused_moe(dev(x), dev(w13), dev(w2), dev(ids), dev(weights), backend="triton")
+    torch.testing.assert_close(got.cpu(), expected, **TOL[torch.bfloat16])
+
+
 def test_triton_reads_only_routed_experts(triton_device):
     """Every expert no token chose holds NaN weights: a read of one would poison the output."""
     num_experts, hidden, inter = 8, 32, 16
@@ -134,8 +155,11 @@ def test_triton_reads_only_routed_experts(triton_device):
 
 
 def test_default_config_and_empty_batch():
-    assert moe_config(8)["BLOCK_M"] == 16 and moe_config(4096)["BLOCK_M"] == 64
-    assert moe_config(8, element_size=4)["BLOCK_K"] == 128  # fp32 decode tiles fit Hopper's shared memory
+    # Decode up to T = 512 at k = 8 (Qwen3-30B-A3B's batches 16-256 included) in 16-row tiles.
+    assert moe_config(8)["BLOCK_M"] == 16 and moe_config(256 * 8)["BLOCK_M"] == 16
+    assert moe_config(2048 * 8)["BLOCK_M"] == 64
+    for gemm in ("gate_up", "down"):  # fp32 decode tiles fit Hopper's shared memory
+        assert moe_config(8, element_size=4)[gemm]["BLOCK_K"] == moe_config(8)[gemm]["BLOCK_K"] // 2
     w13, w2 = _weights(4, 16, 8, torch.float32)
     empty = fused_moe(torch.zeros(0, 16), w13, w2, torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2))
     assert empty.shape == (0, 16)

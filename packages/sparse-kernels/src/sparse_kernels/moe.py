@@ -11,6 +11,11 @@ epilogue, one grouped GEMM over down with the routing weight in its epilogue, th
 contributions summed in fp32. Graph-safe (no host sync, shapes fixed by ``T``), and a decode step
 reads only its routed experts' weights.
 
+Four launches a layer (align, gate/up, down, the sum). The sum keeps its own: folding it into down's
+epilogue as atomic adds would need a zeroed fp32 output and a cast after it (two launches for one, and
+a summation order that changes from run to run), and it moves ``2 * T * k * H`` values, 8 MB at
+Qwen3-30B-A3B's T = 256, under 1% of the 1.2 GB of experts such a step reads.
+
 Rounding (both paths): gate/up and down outputs rounded to the input dtype as ``F.linear`` rounds
 them, ``silu(gate) * up`` as ``silu_and_mul``, each contribution ``round(y * weight)``, the ``k``
 contributions summed in fp32 and rounded once.
@@ -25,8 +30,24 @@ from sparse_kernels._backend import resolve_backend
 from sparse_kernels.moe_align import align_by_expert
 from sparse_kernels.silu_mul import silu_and_mul_reference
 
-# Entries (T * k) up to which decode's tile shape is used.
-SMALL_ENTRIES_MAX = 256
+
+def _tile(block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": num_warps, "num_stages": num_stages}
+
+
+# Tile shapes by step size: (largest T * k, config), the first row whose bound holds the step's
+# entries, else PREFILL_CONFIG. BLOCK_M is shared (the align step's tiles); each GEMM has its own tile
+# (gate/up is [2 * 768, 2048] per expert at Qwen3-30B-A3B's shape, down [2048, 768]).
+# Decode up to 4096 entries (T = 512 at k = 8, 32 entries per expert of 128 on average): every expert's
+# tokens in 16-row tiles, so the weights stream once per tile and no padding past 16 rows is computed;
+# 32-column tiles give each routed expert 24 gate/up and 64 down programs. On the H200 this tile ran
+# 76% of copy bandwidth at T = 8, while the 64-row prefill tile it used from 257 entries on ran 55% at
+# T = 64 (results/bench/h200/prefill/kernels/moe_probe.json). ``benchmarks/moe_probe.py --sweep``
+# times alternatives per T and prints rows in this form.
+MOE_CONFIGS: tuple[tuple[int, dict], ...] = (
+    (4096, {"BLOCK_M": 16, "gate_up": _tile(32, 256, 4, 4), "down": _tile(32, 256, 4, 4)}),
+)
+PREFILL_CONFIG = {"BLOCK_M": 64, "gate_up": _tile(128, 64, 4, 3), "down": _tile(128, 64, 4, 3)}
 
 
 def fused_moe(
@@ -52,8 +73,8 @@ def fused_moe(
     topk_weights : ``[T, k]`` float (cast to fp32).
     backend : ``"auto"`` (Triton on CUDA, reference on CPU; ``SPARSE_KERNELS_BACKEND`` overrides),
         ``"triton"`` (CPU tensors run under the interpreter: tests) or ``"reference"``.
-    config : Triton tile shape, ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``;
-        default ``moe_config(T * k)``.
+    config : Triton tile shape: ``BLOCK_M`` and, per GEMM under ``"gate_up"`` / ``"down"`` (or flat,
+        for both), ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``; default ``moe_config(T * k)``.
 
     Returns
     -------
@@ -69,15 +90,19 @@ def fused_moe(
 def moe_config(num_entries: int, element_size: int = 2) -> dict:
     """Tile shape for a step of ``num_entries = T * k`` entries of ``element_size``-byte values.
 
-    Decode (a few entries per expert): 16-row tiles, the smallest ``tl.dot`` takes, and narrow
-    ``BLOCK_N`` so a handful of experts still spread over many programs; fp32 halves ``BLOCK_K``
-    (its 4 stages of 256-wide tiles need 240 KB of shared memory, over the H200's 227 KB). Prefill:
-    64-row tiles. Untuned defaults; ``benchmarks/moe_probe.py`` times alternatives on a GPU.
+    The ``MOE_CONFIGS`` row for the step's size (``PREFILL_CONFIG`` past the last), as
+    ``{"BLOCK_M", "gate_up": {...}, "down": {...}}``. fp32 halves ``BLOCK_K`` (4 stages of 256-wide
+    fp32 tiles overflow the H200's 227 KB of shared memory).
     """
-    if num_entries <= SMALL_ENTRIES_MAX:
-        block_k = 256 if element_size <= 2 else 128
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+    config = next((c for bound, c in MOE_CONFIGS if num_entries <= bound), PREFILL_CONFIG)
+    if element_size > 2:
+        config = {k: {**v, "BLOCK_K": v["BLOCK_K"] // 2} if isinstance(v, dict) else v for k, v in config.items()}
+    return config
+
+
+def gemm_config(config: dict, gemm: str) -> dict:
+    """``config``'s tile for ``gemm`` (``"gate_up"`` or ``"down"``): its own entry, else the flat keys."""
+    return config.get(gemm, config)
 
 
 def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config: dict) -> torch.Tensor:
@@ -89,8 +114,10 @@ def _fused_moe_triton(hidden, w13, w2, topk_ids, topk_weights, config: dict) -> 
     num_tokens, top_k = topk_ids.shape
     tiles = align_by_expert(topk_ids, w13.shape[0], config["BLOCK_M"], backend="triton")
     weights = topk_weights.reshape(-1).float().contiguous()  # [T * k], entry order
-    act = moe_gemm_triton(hidden, w13, tiles, gated=True, a_row_div=top_k, topk_weights=None, config=config)
-    contrib = moe_gemm_triton(act, w2, tiles, gated=False, a_row_div=1, topk_weights=weights, config=config)
+    up = gemm_config(config, "gate_up")
+    act = moe_gemm_triton(hidden, w13, tiles, gated=True, a_row_div=top_k, topk_weights=None, config=up)
+    down = gemm_config(config, "down")
+    contrib = moe_gemm_triton(act, w2, tiles, gated=False, a_row_div=1, topk_weights=weights, config=down)
     return contrib.view(num_tokens, top_k, -1).sum(1)  # one launch; reduced-precision sums accumulate in fp32
 
 

@@ -5,7 +5,7 @@ A step routes each of its ``T`` tokens to ``k`` experts: ``T * k`` *entries*, en
 expert in consecutive rows, and every tile of ``block_m`` rows owned by a single expert, so each
 expert's run is padded up to a multiple of ``block_m``. The result has a fixed size that depends only
 on ``T * k``, ``E`` and ``block_m`` (not on the routing), so the step needs no host sync and replays
-under a CUDA graph (one Triton launch for decode-sized steps, ``sparse_kernels._triton.moe_align``):
+under a CUDA graph (one Triton launch, ``sparse_kernels._triton.moe_align``):
 tiles past the last expert's are marked with expert id ``E`` and their programs exit at once, and
 the tile count bound is small at decode (``T * k`` entries need at most ``T * k`` tiles however they
 are spread), so a decode step only ever reads the chosen experts' weights.
@@ -18,9 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from sparse_kernels._backend import resolve_backend
-
-# Entries (T * k) up to which the Triton backend aligns in one launch (the program holds them all).
-ALIGN_KERNEL_MAX = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +56,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, b
 
     Graph-safe (no host sync, routing-independent shapes); ids outside ``[0, num_experts)`` are not
     checked and corrupt the result. ``backend``: as everywhere (``sparse_kernels._backend``); Triton
-    takes steps of up to ``ALIGN_KERNEL_MAX`` entries in one launch, larger ones (prefill, where a
-    few more launches do not matter) and the reference run device-side torch ops. Both give the same
-    tiles, entries in ascending order within an expert.
+    aligns in one launch, the reference runs device-side torch ops (some twenty launches). Both give
+    the same tiles, entries in ascending order within an expert.
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, k], got {list(topk_ids.shape)}")
@@ -69,7 +65,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int, *, b
         raise ValueError(f"block_m and num_experts must be positive, got {block_m} and {num_experts}")
     num_entries = topk_ids.numel()
     num_tiles = max_expert_tiles(num_entries, num_experts, block_m)
-    if 0 < num_entries <= ALIGN_KERNEL_MAX and resolve_backend(backend, topk_ids.device) == "triton":
+    if num_entries and resolve_backend(backend, topk_ids.device) == "triton":
         from sparse_kernels._triton.moe_align import align_by_expert_triton
 
         flat = topk_ids.reshape(-1)

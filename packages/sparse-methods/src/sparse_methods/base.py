@@ -20,6 +20,14 @@ across requests: ``save_state(request_id)`` when a turn ends (before ``release``
 snapshot, and ``restore_state(request_id, state)`` hands it to the request of the next turn (or to
 each fork of the chain) before its first step. Methods without per-request state keep the defaults.
 
+Tensor parallelism (``supports_tensor_parallel``): each rank runs its own instance over its shard of the
+KV heads (``ModelShape``: the shard's KV heads and their whole query groups). Per-KV-head decisions
+need nothing more. A decision that spans KV heads (one kept set shared by every head, a ranking of
+all heads together) combines the shards first through ``SparseMethod.head_reduction``
+(``HeadReduction``: sum, max, gather over the shards; the identity on one rank), which the engine
+sets; its calls are collectives, so a method makes them only where every rank does (decisions that
+depend on steps, lengths and configs, never on scores).
+
 Slot order is the order of a request's table: slot ``i`` of layer ``l`` holds the ``i``-th
 retained token of that layer (in arrival order). Keys are stored after RoPE with their original
 positions, so compaction never re-rotates anything.
@@ -100,6 +108,39 @@ class ModelShape:
     @property
     def group_size(self) -> int:
         return self.num_q_heads // self.num_kv_heads
+
+
+class HeadReduction:
+    """Combines what a method computed over its shard of the KV heads with the other shards' results.
+
+    The model's KV heads are split into ``num_shards`` equal shards of ``ModelShape.num_kv_heads``
+    heads, in head order (ranks that share a replicated KV head hold the same shard; it counts once).
+    Every operation returns the same tensor on every rank, and every rank must call it at the same
+    point (they are collectives). This base class is one shard holding every head: each operation is
+    the identity. The engine hands a method its rank's reduction (``SparseMethod.head_reduction``).
+    """
+
+    num_shards: int = 1
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` summed over the shards (each shard's ``x`` of the same shape)."""
+        return x
+
+    def max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``x`` over the shards."""
+        return x
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every shard's ``x`` concatenated along ``dim`` in head order (``dim`` indexes this shard's heads)."""
+        return x
+
+    def local(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """This shard's part of a ``gather``-ed ``x`` along ``dim``."""
+        return x
+
+    def num_kv_heads(self, shape: ModelShape) -> int:
+        """The model's KV heads, of which ``shape`` is one shard."""
+        return shape.num_kv_heads * self.num_shards
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +355,11 @@ class SparseMethod(ABC):
     """Runs with the heads split over ranks: each rank's instance sees its KV heads and the query
     heads of their groups (``ModelShape``; the engine gathers a replicated KV head's group), so what
     it selects or evicts per KV head is the same on every rank that holds that head. A method whose
-    decision spans KV heads (a selection shared by all of them) needs a reduction over ranks first."""
+    decision spans KV heads (a selection shared by all of them) needs a reduction over ranks first
+    (``head_reduction``)."""
+    head_reduction: HeadReduction = HeadReduction()
+    """Combines per-shard results over the tensor-parallel ranks (set by the engine; the identity on one
+    rank): see ``HeadReduction`` and the module docstring."""
     Config: ClassVar[type[MethodConfig]]
     prefill_attention: PrefillAttention | None = None
     """How prefill chunks attend when a prefill attention method is chosen (``build_method`` sets it);

@@ -13,7 +13,7 @@ from collections.abc import Hashable
 
 import torch
 
-from sparse_methods.base import Selection
+from sparse_methods.base import HeadReduction, Selection
 
 
 def ragged_keep(kept: torch.Tensor, rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,10 +33,17 @@ class HeadMasks:
         self.num_layers = num_layers
         self._valid: dict[Hashable, list[torch.Tensor | None]] = {}
 
-    def set(self, request_id: Hashable, layer: int, valid: torch.Tensor) -> None:
-        """``valid`` ``[H, n]``: the layer was compacted to ``n`` slots; head ``h`` owns ``valid[h]``."""
+    def set(
+        self, request_id: Hashable, layer: int, valid: torch.Tensor, reduction: HeadReduction | None = None
+    ) -> None:
+        """``valid`` ``[H, n]``: the layer was compacted to ``n`` slots; head ``h`` owns ``valid[h]``.
+
+        ``reduction``: ``valid`` holds every shard's heads (``HeadReduction.gather``); this shard keeps
+        its rows, and every shard stores None (nothing to select) only when every head owns every slot,
+        so that all ranks select in the same layers."""
         layers = self._valid.setdefault(request_id, [None] * self.num_layers)
-        layers[layer] = None if bool(valid.all()) else valid
+        own = valid if reduction is None else reduction.local(valid, 0)
+        layers[layer] = None if bool(valid.all()) else own
 
     def any(self, layer: int) -> bool:
         return any(v[layer] is not None for v in self._valid.values())

@@ -79,10 +79,10 @@ def rank_attention_config(config: ModelConfig) -> ModelConfig:
     return replace(config, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads)
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the ranks, in place (the identity on one rank)."""
+def all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """Sum (``op="max"``: the maximum of) ``x`` over the ranks, in place (the identity on one rank)."""
     if _state.world_size > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return x
 
 

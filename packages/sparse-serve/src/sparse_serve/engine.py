@@ -25,6 +25,7 @@ from sparse_serve.kv_compaction import apply_compaction
 from sparse_serve.model_runner import ModelRunner
 from sparse_serve.outputs import RequestOutput
 from sparse_serve.prune import PruneResult, prune_history
+from sparse_serve.rank_head_reduction import head_reduction
 from sparse_serve.request import Request, RequestStatus
 from sparse_serve.sampler import PromptRows, SampledTokens, TokenFeed, TokenLogprobs
 from sparse_serve.sampling_params import SamplingParams
@@ -93,6 +94,7 @@ class LLMEngine:
             config.prefill_sparse_method,
             **config.method_params(),
         )
+        self.method.head_reduction = head_reduction(model_cfg.num_key_value_heads)  # spans this rank's shard
         self.num_layers = model_cfg.num_hidden_layers
         layout = self._layer_layout(model_cfg.layer_sliding_windows, config.max_model_len or model_max_len)
         self.runner = ModelRunner(config, model_cfg, config.max_model_len or model_max_len, self.method, layout)

@@ -46,6 +46,7 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -65,7 +66,7 @@ def _moe_gemm_kernel(
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs_k
-        mask_k = k < K
+        mask_k = (k < K) | EVEN_K  # whole K tiles: the K mask folds away
         a = tl.load(a_rows[:, None] + k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0).to(DOT_DTYPE)
         w_mask = mask_n[None, :] & mask_k[:, None]
         w = tl.load(w_rows[None, :] + k[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
@@ -101,8 +102,11 @@ def moe_gemm_triton(
     """One grouped GEMM: ``[num_entries, N]`` in ``a.dtype`` (rows of entries no tile names unwritten).
 
     ``a`` ``[rows, K]`` with unit stride on K; ``w`` ``[E, N or 2N, K]`` with unit stride on K;
-    ``topk_weights`` fp32 ``[num_entries]`` (down only); ``config``: ``BLOCK_N``, ``BLOCK_K``,
-    ``num_warps``, ``num_stages`` (``BLOCK_M`` is the tiles').
+    ``topk_weights`` fp32 ``[num_entries]`` (down only); ``config``: this GEMM's ``BLOCK_N``,
+    ``BLOCK_K``, ``num_warps``, ``num_stages`` (``BLOCK_M`` is the tiles').
+    Grid: ``(tiles, N / BLOCK_N)``, so a step of ``n`` routed experts runs ``n * N / BLOCK_N`` working
+    programs, and programs of an expert's consecutive tiles are launched together (its weights come
+    from L2 the second time).
     """
     n = w.shape[1] // 2 if gated else w.shape[1]
     out = torch.empty(tiles.num_entries, n, dtype=a.dtype, device=a.device)
@@ -127,6 +131,7 @@ def moe_gemm_triton(
         BLOCK_M=tiles.block_m,
         BLOCK_N=config["BLOCK_N"],
         BLOCK_K=config["BLOCK_K"],
+        EVEN_K=a.shape[1] % config["BLOCK_K"] == 0,
         **dot_args(w.dtype, w.device),
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],

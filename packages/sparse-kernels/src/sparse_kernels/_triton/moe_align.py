@@ -1,11 +1,15 @@
-"""Triton ``align_by_expert`` for small steps: one program, one launch (the torch ops of the reference
-are some twenty launches, which at decode would cost more than the expert GEMMs).
+"""Triton ``align_by_expert``: one launch, one program per expert plus one for the grid padding.
 
-The program holds every entry: a histogram gives each expert's count, cumulative sums its run in the
-sorted order and its padded run in the output, and a sort of ``expert * BLOCK_N + entry`` lists the
-entries grouped by expert in entry order. Each output position then finds its expert (the number of
-padded runs that end at or before it), its offset in that run, and gathers its entry, or the padding
-value ``num_entries``: every position is written once, so no fill and no barrier are needed.
+Every program counts the step's entries per expert (a histogram over all ``T * k`` ids, in chunks, from
+L2), so each knows where every padded run starts without talking to the others. Program ``e`` then
+writes its own run: its entries in entry order (a running cumulative sum of ``id == e`` gives each its
+rank), the padding rows after them, and the expert id of its tiles. The last program marks the tiles
+past the last run (expert id ``E``, rows ``num_entries``). Every output position is written exactly
+once, so no fill, no barrier and no sort.
+
+The one-program kernel this replaces sorted all entries in one program: 57 us at 512 entries on an
+H200 (``results/bench/h200/prefill/kernels/moe_probe.json``, ``align_ms`` at T = 64), a tenth of the
+layer; spread over 129 programs the counting and scattering is a few microseconds at any decode size.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
-BLOCK_Q = 64  # output positions per loop step
+CHUNK = 1024  # entries per counting / scattering step
+BLOCK_T = 16  # tiles (or padding rows) written per step
 
 
 def _moe_align_kernel(
@@ -24,37 +29,49 @@ def _moe_align_kernel(
     sorted_ids_ptr,
     tile_experts_ptr,
     num_entries,
-    num_positions,
+    num_tiles,
     NUM_EXPERTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    pdl_enter(USE_GDC)
-    offs = tl.arange(0, BLOCK_N)
-    mask = offs < num_entries
-    experts = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
-    counts = tl.histogram(experts, BLOCK_E, mask=mask)  # [BLOCK_E]; bins past NUM_EXPERTS stay 0
+    expert = tl.program_id(0)  # NUM_EXPERTS: the grid padding's program
+    pdl_enter(USE_GDC)  # the ids are this step's router's
+    counts = tl.zeros([BLOCK_E], tl.int32)
+    for c0 in range(0, num_entries, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        mask = offs < num_entries
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+        counts += tl.histogram(ids, BLOCK_E, mask=mask)  # bins past NUM_EXPERTS stay 0
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    start = tl.cumsum(counts, 0) - counts  # each expert's first index in the grouped order
-    key = tl.where(mask, experts * BLOCK_N + offs, BLOCK_E * BLOCK_N)  # absent entries sort last
-    grouped = tl.sort(key) % BLOCK_N  # entry ids grouped by expert, in entry order within one
-    for q0 in range(0, num_positions, BLOCK_Q):
-        q = q0 + tl.arange(0, BLOCK_Q)
-        expert = tl.sum((padded_end[None, :] <= q[:, None]).to(tl.int32), 1)  # runs ending at or before q
-        expert = tl.minimum(expert, NUM_EXPERTS)  # past the last run: the grid-padding id
-        owned = expert < NUM_EXPERTS
-        e = tl.where(owned, expert, 0)
-        offset = q - tl.gather(padded_start, e, 0)
-        real = owned & (offset < tl.gather(counts, e, 0))
-        entry = tl.gather(grouped, tl.where(real, tl.gather(start, e, 0) + offset, 0), 0)
-        in_range = q < num_positions
-        tl.store(sorted_ids_ptr + q, tl.where(real, entry, num_entries), mask=in_range)
-        tl.store(tile_experts_ptr + q // BLOCK_M, expert, mask=in_range & (q % BLOCK_M == 0))
+    if expert < NUM_EXPERTS:
+        this = tl.arange(0, BLOCK_E) == expert
+        run_end = tl.sum(tl.where(this, padded_end, 0))
+        run_start = run_end - tl.sum(tl.where(this, padded, 0))
+        count = tl.sum(tl.where(this, counts, 0))
+        rank = tl.full([], 0, tl.int32)  # entries of this expert seen so far
+        for c0 in range(0, num_entries, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < num_entries, other=NUM_EXPERTS).to(tl.int32)
+            mine = ids == expert
+            dest = run_start + rank + tl.cumsum(mine.to(tl.int32), 0) - 1
+            tl.store(sorted_ids_ptr + dest, offs, mask=mine)
+            rank += tl.sum(mine.to(tl.int32))
+        pad = run_start + count + tl.arange(0, BLOCK_M)  # the run's padding rows: fewer than BLOCK_M
+        tl.store(sorted_ids_ptr + pad, num_entries, mask=pad < run_end)
+        for t0 in range(run_start // BLOCK_M, run_end // BLOCK_M, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tl.store(tile_experts_ptr + t, expert, mask=t < run_end // BLOCK_M)
+    else:
+        first = tl.sum(padded) // BLOCK_M  # the first tile past every run
+        for t0 in range(first, num_tiles, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            tl.store(tile_experts_ptr + t, NUM_EXPERTS, mask=t < num_tiles)
+            rows = t[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            tl.store(sorted_ids_ptr + rows, num_entries, mask=(t < num_tiles)[:, None])
     pdl_exit(USE_GDC)
 
 
@@ -64,23 +81,22 @@ moe_align_kernel = Kernel(_moe_align_kernel)
 def align_by_expert_triton(
     flat_ids: torch.Tensor, num_experts: int, block_m: int, num_tiles: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sorted_ids, tile_experts)`` of ``flat_ids [N]`` (checked by ``sparse_kernels.moe_align``)."""
+    """``(sorted_ids, tile_experts)`` of ``flat_ids [N]``, ``N > 0`` (checked by ``sparse_kernels.moe_align``)."""
     num_entries = flat_ids.numel()
     sorted_ids = torch.empty(num_tiles * block_m, dtype=torch.int32, device=flat_ids.device)
     tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=flat_ids.device)
-    block_n = max(16, triton.next_power_of_2(num_entries))
-    moe_align_kernel[(1,)](
+    moe_align_kernel[(num_experts + 1,)](
         flat_ids,
         sorted_ids,
         tile_experts,
         num_entries,
-        num_tiles * block_m,
+        num_tiles,
         NUM_EXPERTS=num_experts,
         BLOCK_M=block_m,
-        BLOCK_N=block_n,
         BLOCK_E=max(16, triton.next_power_of_2(num_experts)),
-        BLOCK_Q=BLOCK_Q,
-        num_warps=4 if block_n <= 512 else 8,
+        CHUNK=min(CHUNK, max(16, triton.next_power_of_2(num_entries))),
+        BLOCK_T=BLOCK_T,
+        num_warps=4,
         **pdl_args(flat_ids.device),
     )
     return sorted_ids, tile_experts

@@ -73,6 +73,7 @@ class AdaKV(SnapKV):
     Config = AdaKVConfig
     supports_mla = False  # one latent KV head: nothing to share out
     supports_sliding_window = False  # its per-head masks and memory plan do not skip windowed layers yet
+    # supports_tensor_parallel (SnapKV's): the shards' scores are gathered and shared out together
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
@@ -82,7 +83,7 @@ class AdaKV(SnapKV):
 
     def max_head_tokens(self, prompt_len: int) -> int:
         """Most slots one head can end up with: its safeguard plus every place the others leave."""
-        c, h = self.config, self.shape.num_kv_heads
+        c, h = self.config, self.head_reduction.num_kv_heads(self.shape)
         budget = c.sink_keep_tokens + c.decode_keep_tokens + c.recent_keep_tokens
         floor = max(c.sink_keep_tokens + c.recent_keep_tokens, int(budget * c.alpha_safeguard))
         return min(prompt_len, budget + (h - 1) * max(0, budget - floor))
@@ -93,11 +94,20 @@ class AdaKV(SnapKV):
 
     # -- selection: the base's per-layer top-k, replaced by the adaptive one --------------------------
     def _select(self, scores: torch.Tensor | None, kv_len: int, budget: int) -> torch.Tensor:
+        """Every shard's heads share the layer's places out; this shard keeps its heads' rows (as wide as
+        the largest head of every shard, so every rank compacts to the same slots)."""
         sink, recent = self.protected(budget)
-        keep, self._chosen = adaptive_keep(
-            scores, kv_len=kv_len, sink=sink, recent=recent, budget=budget, alpha=self.config.alpha_safeguard
+        reduction = self.head_reduction
+        keep, chosen = adaptive_keep(
+            reduction.gather(scores, 0),
+            kv_len=kv_len,
+            sink=sink,
+            recent=recent,
+            budget=budget,
+            alpha=self.config.alpha_safeguard,
         )
-        return keep
+        self._chosen = chosen  # every shard's rows (``finish_step`` stores this shard's)
+        return reduction.local(keep, 0)
 
     def on_attention_end(self, layer, request, view) -> None:
         self._chosen = None
@@ -109,7 +119,7 @@ class AdaKV(SnapKV):
         for rid, layers in self._pending_valid.items():
             for layer, valid in enumerate(layers):
                 if valid is not None:
-                    self.masks.set(rid, layer, valid)
+                    self.masks.set(rid, layer, valid, self.head_reduction)
         self._pending_valid = {}
         return super().finish_step()
 

@@ -24,6 +24,7 @@ class _CompressedStorage(SparseMethod):
     category = Category.COMPRESSED_STORAGE
     prefix_cache_mode = PrefixCacheMode.RADIX  # codes are a function of the tokens: radix sharing holds
     Config = CompressedStorageConfig
+    supports_tensor_parallel = True  # codes and scales per KV head (KIVI's per channel and head)
     kv_cache_dtype: ClassVar[str]
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:

@@ -52,6 +52,7 @@ class H2O(EvictionMethod):
     Config = H2OConfig
     supports_mla = True  # scores through the absorbed queries: one KV head of latent + rope channels
     accumulates = True
+    supports_tensor_parallel = True  # per KV head, or a shared score summed over the shards' heads
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
         c = self.config
@@ -72,4 +73,4 @@ class H2O(EvictionMethod):
         sums = attention_column_sums(inputs.queries, inputs.keys, inputs.scale, query_slots=inputs.query_slots)
         if self.config.h2o_per_head:
             return sums.view(self.shape.num_kv_heads, self.shape.group_size, -1).sum(1)
-        return sums.sum(0, keepdim=True)
+        return self.head_reduction.sum(sums.sum(0, keepdim=True))

@@ -98,6 +98,7 @@ class KVzip(SparseMethod):
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
     Config = KVzipConfig
+    supports_tensor_parallel = True  # scores per KV head, ranked with every shard's (gathered)
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
@@ -117,7 +118,8 @@ class KVzip(SparseMethod):
     def max_head_tokens(self, prompt_len: int) -> int:
         """Most slots one layer's head can keep: everything ranked together may go to one head."""
         c = self.config
-        spread = self.shape.num_kv_heads * (1 if c.kvzip_layerwise else self.shape.num_layers)
+        heads = self.head_reduction.num_kv_heads(self.shape)
+        spread = heads * (1 if c.kvzip_layerwise else self.shape.num_layers)
         return min(prompt_len, c.kvzip_token_budget * spread)
 
     # -- the replay passes ---------------------------------------------------------------------------
@@ -173,8 +175,11 @@ class KVzip(SparseMethod):
         return out
 
     def _compaction(self, request_id: Hashable, state: _Replay) -> Compaction:
+        """Every shard's heads ranked together; this shard keeps its heads' rows (each layer as wide as
+        its largest head over all shards, so every rank compacts to the same slots)."""
         c = self.config
-        scores = torch.stack(state.scores)  # [layers, Hkv, L]
+        reduction = self.head_reduction
+        scores = reduction.gather(torch.stack(state.scores), 1)  # [layers, Hkv of every shard, L]
         scores[..., : c.sink_keep_tokens] = float("inf")
         layers, heads, length = scores.shape
         kept = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
@@ -189,8 +194,8 @@ class KVzip(SparseMethod):
         keep = []
         for layer in range(layers):
             idx, valid = ragged_keep(kept[layer], scores[layer])
-            self.masks.set(request_id, layer, valid)
-            keep.append(idx)
+            self.masks.set(request_id, layer, valid, reduction)
+            keep.append(reduction.local(idx, 0))
         return Compaction(tuple(keep))
 
     # -- decode: each head reads its own slots -------------------------------------------------------

@@ -85,6 +85,7 @@ class OmniKV(SparseMethod):
     category = Category.QUERY_AWARE_SELECTION
     prefix_cache_mode = PrefixCacheMode.RADIX
     Config = OmniKVConfig
+    supports_tensor_parallel = True  # the max over heads is the max over the shards' maxima
 
     def __init__(self, config: OmniKVConfig, shape) -> None:
         super().__init__(config, shape)
@@ -157,6 +158,7 @@ class OmniKV(SparseMethod):
         k.head_max_probs(
             logits, logit_max, logit_sum, batch.kv_lens, scores, sink=c.sink_keep_tokens, recent=c.recent_keep_tokens
         )
+        scores = self.head_reduction.max(scores)
         self._device_set = k.top_k_ascending(scores, min(self.budget, width))
 
     def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
@@ -184,8 +186,9 @@ class OmniKV(SparseMethod):
         if layer in self.filter_layers:
             self._history[rid] = None
             if view.history_len > self.prefill_budget:
+                scores = self.head_reduction.max(prefill_history_scores(view.queries, view.keys))
                 self._history[rid] = keep_indices(
-                    prefill_history_scores(view.queries, view.keys).view(1, -1),
+                    scores.view(1, -1),
                     kv_len=view.history_len,
                     sink=c.prefill_sink_tokens,
                     recent=c.prefill_recent_tokens,

@@ -73,6 +73,7 @@ class RetroInfer(SparseMethod):
     category = Category.QUERY_AWARE_SELECTION
     prefix_cache_mode = PrefixCacheMode.RADIX
     Config = RetroInferConfig
+    supports_tensor_parallel = True  # an index and a cluster ranking per KV head
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         super().__init__(config, shape)

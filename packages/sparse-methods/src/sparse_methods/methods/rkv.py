@@ -107,6 +107,7 @@ class RKVConfig(MethodConfig):
 class RKV(EvictionMethod):
     name = "rkv"
     Config = RKVConfig
+    supports_tensor_parallel = True  # importance and redundancy per KV head
 
     @property
     def _interval(self) -> int:

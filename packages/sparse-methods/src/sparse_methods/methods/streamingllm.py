@@ -31,6 +31,7 @@ class StreamingLLM(EvictionMethod):
     name = "streamingllm"
     Config = StreamingLLMConfig
     supports_mla = True  # scores through the absorbed queries: one KV head of latent + rope channels
+    supports_tensor_parallel = True  # the kept set depends on positions only
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...]:
         return (self.config.sink_keep_tokens + self.config.recent_keep_tokens,) * self.shape.num_layers

@@ -37,6 +37,7 @@ class TOVAConfig(MethodConfig):
 class TOVA(EvictionMethod):
     name = "tova"
     Config = TOVAConfig
+    supports_tensor_parallel = True  # the mean over heads is the mean of the shards' means (equal shards)
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...]:
         c = self.config
@@ -47,8 +48,10 @@ class TOVA(EvictionMethod):
         return 1  # the most recent query only
 
     def score(self, layer: int, inputs: ScoreInputs) -> torch.Tensor:
-        """``[1, kv_len]``: the last query's attention probabilities, averaged over all query heads."""
+        """``[1, kv_len]``: the last query's attention probabilities, averaged over all query heads (of
+        every shard)."""
         probs = attention_column_sums(
             inputs.queries[-1:], inputs.keys, inputs.scale, query_slots=inputs.query_slots[-1:]
         )  # [num_q_heads, kv_len]: one query, so its probabilities
-        return probs.mean(0, keepdim=True)
+        reduction = self.head_reduction
+        return reduction.sum(probs.mean(0, keepdim=True)) / reduction.num_shards
