@@ -149,3 +149,18 @@ def test_method_without_tensor_parallel_is_an_error(checkpoint, monkeypatch):
     monkeypatch.setattr(TOVA, "supports_tensor_parallel", False)  # every registered method supports it
     with pytest.raises(ValueError, match="tova does not support tensor_parallel_size"):
         LLM(checkpoint("qwen3"), device="cpu", tensor_parallel_size=2, sparse_method="tova")
+
+
+def test_pruning_under_tensor_parallelism_is_refused(checkpoint):
+    """Pruning's scratch scorer is not split over ranks yet: a clear error, and the engine still serves."""
+    from sparse_serve.prune import PruneError
+
+    llm = LLM(checkpoint("qwen3"), device="cpu", block_size=4, tensor_parallel_size=2)
+    try:
+        prompt = list(range(3, 40))
+        with pytest.raises(PruneError, match="tensor parallelism") as err:
+            llm.prune(prompt, [(4, 20)], keep_tokens=4)
+        assert err.value.code == "prune_unsupported"
+        assert len(llm.generate([prompt], PARAMS)[0].token_ids) == PARAMS.max_tokens
+    finally:
+        llm.close()

@@ -134,6 +134,9 @@ def prune_history(
             "pruning copies one table for every layer; this model keeps a table per layer (sliding windows)",
             "prune_unsupported",
         )
+    if engine.config.tensor_parallel_size > 1:
+        # Its scratch scorer runs the whole model's heads on each rank and sums over local heads only.
+        raise PruneError("pruning does not run under tensor parallelism yet", "prune_unsupported")
     if engine.runner.kv.store.has_tail:
         raise PruneError(
             f"pruning moves single tokens; a {engine.runner.kv.store.describe()} store quantizes whole pages",
