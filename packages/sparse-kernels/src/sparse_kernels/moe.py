@@ -38,14 +38,15 @@ def _tile(block_n: int, block_k: int, num_warps: int, num_stages: int) -> dict:
 # Tile shapes by step size: (largest T * k, config), the first row whose bound holds the step's
 # entries, else PREFILL_CONFIG. BLOCK_M is shared (the align step's tiles); each GEMM has its own tile
 # (gate/up is [2 * 768, 2048] per expert at Qwen3-30B-A3B's shape, down [2048, 768]).
-# Decode up to 4096 entries (T = 512 at k = 8, 32 entries per expert of 128 on average): every expert's
+# Decode up to 1024 entries (T = 128 at k = 8, 8 entries per expert of 128 on average): every expert's
 # tokens in 16-row tiles, so the weights stream once per tile and no padding past 16 rows is computed;
-# 32-column tiles give each routed expert 24 gate/up and 64 down programs. On the H200 this tile ran
-# 76% of copy bandwidth at T = 8, while the 64-row prefill tile it used from 257 entries on ran 55% at
-# T = 64 (results/bench/h200/prefill/kernels/moe_probe.json). ``benchmarks/moe_probe.py --sweep``
-# times alternatives per T and prints rows in this form.
+# 32-column tiles give each routed expert 24 gate/up and 64 down programs. On the H200 (moe_probe at
+# 6a72e0f, results/bench/h200/models/moe_probe_decode.*) a layer ran at 88-94% of copy bandwidth for
+# T = 8..128 (the 64-row tile: 86-87% at T = 64..128), but at T = 256 (2048 entries) 73% against the
+# 64-row tile's 84%, so the bound is 1024. ``benchmarks/moe_probe.py --sweep`` times alternatives per
+# T and prints rows in this form.
 MOE_CONFIGS: tuple[tuple[int, dict], ...] = (
-    (4096, {"BLOCK_M": 16, "gate_up": _tile(32, 256, 4, 4), "down": _tile(32, 256, 4, 4)}),
+    (1024, {"BLOCK_M": 16, "gate_up": _tile(32, 256, 4, 4), "down": _tile(32, 256, 4, 4)}),
 )
 PREFILL_CONFIG = {"BLOCK_M": 64, "gate_up": _tile(128, 64, 4, 3), "down": _tile(128, 64, 4, 3)}
 
