@@ -85,6 +85,7 @@ LARGE_BUDGETS = {
     "snapkv": dict(sparse_method="snapkv", decode_keep_tokens=1000, decode_eviction_interval=4),
     "h2o": dict(sparse_method="h2o", h2o_prefill_budget=1000, h2o_decode_budget=1000, decode_eviction_interval=4),
     "streamingllm": dict(sparse_method="streamingllm", sink_keep_tokens=4, recent_keep_tokens=1000),
+    "pyramidkv": dict(sparse_method="pyramidkv", decode_keep_tokens=1000),  # a table per layer
 }
 
 

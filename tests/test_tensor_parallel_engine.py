@@ -119,7 +119,7 @@ CASES = (
     + [  # MLA: heads split, the latent whole on every rank
         pytest.param("deepseek_v2", 2, method, marks=() if method == "snapkv" else pytest.mark.slow) for method in BASE
     ]
-    + [pytest.param("deepseek_v2", 4, "dense", marks=pytest.mark.slow)]
+    + [pytest.param("deepseek_v2", 4, method, marks=pytest.mark.slow) for method in BASE]
     + [pytest.param("deepseek_v2", 2, "h2o", marks=pytest.mark.slow)]  # a shared score over the one latent head
     + [pytest.param("glm4_moe_lite", 2, "dense", marks=pytest.mark.slow)]
     + [  # every other method; KVzip on the embedded checkpoint (its replays need a tokenizer)
