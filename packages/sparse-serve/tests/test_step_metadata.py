@@ -82,6 +82,27 @@ def test_packed_block_ids_equal_tables_and_plain_layout(seed, per_layer):
         assert decode + prefill == plain["lists"] and len(decode) == nd
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_windowed_layers_list_from_their_first_read_block(seed):
+    """With a window on layer 1, its lists leave off the blocks before the first one its queries read
+    (the same rule by which the manager gives them back); the other layers and the slots are unchanged."""
+    batch, kv = _batch(seed, per_layer=True)
+    layout = LayerLayout(3, True, (None, 5, None))
+    meta = build_step_metadata(batch, kv.table, BS, kv.block_id_array, per_layer=True, layout=layout)
+    for layer in range(3):
+        group = meta.groups[meta.layer_group[layer]]
+        plain = _plain_group(batch, kv, layer)
+        assert group.slot_mapping.tolist() == plain["slots"]
+        expected = []
+        for (req, _), (ids, last) in zip(batch.items, plain["lists"], strict=True):
+            skip = layout.first_read_block(layer, req.kv_lens[layer], BS)
+            assert skip == (max(0, req.kv_lens[layer] - 5) // BS if layer == 1 else 0)
+            expected.append((ids[skip:], last))  # the last block (and its length) always stays
+        decode = _csr_lists(group.decode_kv_indptr, group.decode_kv_indices, group.decode_kv_last_len)
+        prefill = _csr_lists(group.prefill_kv_indptr, group.prefill_kv_indices, group.prefill_kv_last_len)
+        assert decode + prefill == expected
+
+
 def test_a_position_outside_the_table_raises():
     kv = KVCacheManager(num_blocks=4, block_size=BS)
     req = Request("r", list(range(BS + 1)), SamplingParams(), arrival=0, kv_lens=[BS] * 3)

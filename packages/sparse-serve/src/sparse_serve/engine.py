@@ -340,7 +340,12 @@ class LLMEngine:
             return None
         self.chains.copy_pending()  # blocks shared with a fork, copied before this step writes them
         meta = build_step_metadata(
-            batch, self.kv.table, self.config.block_size, self.kv.block_id_array, per_layer=self.kv.per_layer
+            batch,
+            self.kv.table,
+            self.config.block_size,
+            self.kv.block_id_array,
+            per_layer=self.kv.per_layer,
+            layout=self.kv.layout,
         )
         feed = None if previous is None else _token_feed(batch, meta, previous)
         prompt_rows = _prompt_rows(batch, meta)

@@ -13,13 +13,14 @@ only with layers of the same table: every layer is its own group.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sparse_cache import BlockTable
+from sparse_cache import BlockTable, LayerLayout
 from sparse_methods import RequestStep
 from sparse_serve.request import Request
 from sparse_serve.scheduler import ScheduledBatch
@@ -93,12 +94,14 @@ def _i32(x) -> torch.Tensor:
     return torch.frombuffer(x, dtype=torch.int32) if x else torch.zeros(0, dtype=torch.int32)
 
 
-def _csr(block_ids: list[array], kv_lens: list[int], block_size: int) -> tuple[list[int], array, list[int]]:
-    """CSR over each list's first ``ceil(kv_len / block_size)`` block ids: one memory copy per request."""
+def _csr(
+    block_ids: list[array], kv_lens: list[int], block_size: int, skips: list[int]
+) -> tuple[list[int], array, list[int]]:
+    """CSR over each list's block ids ``skip .. ceil(kv_len / block_size)``: one memory copy per request."""
     indptr, indices, last_len = [0], array("i"), []
-    for ids, kv_len in zip(block_ids, kv_lens, strict=True):
+    for ids, kv_len, skip in zip(block_ids, kv_lens, skips, strict=True):
         num_blocks = -(-kv_len // block_size)
-        indices += ids[:num_blocks]
+        indices += ids[skip:num_blocks]
         indptr.append(len(indices))
         last_len.append(kv_len - (num_blocks - 1) * block_size)
     return indptr, indices, last_len
@@ -112,8 +115,18 @@ def _slots(ids: array, start: int, end: int, block_size: int) -> list[int]:
 
 
 def _group(
-    layers: tuple[int, ...], kv_lens: tuple[int, ...], items, block_ids: list[array], num_decode: int, block_size: int
+    layers: tuple[int, ...],
+    kv_lens: tuple[int, ...],
+    items,
+    block_ids: list[array],
+    num_decode: int,
+    block_size: int,
+    first_read: Callable[[int], int] | None = None,
 ) -> LayerGroupMetadata:
+    # A windowed layer's lists start at the first block its first query reads (``first_read(kv_len)``):
+    # the blocks before it were given back (the null block stands in their table). The kernels place
+    # queries and windows relative to the list's end, so whole blocks left off the front change nothing.
+    skips = [0] * len(kv_lens) if first_read is None else [first_read(kv_len) for kv_len in kv_lens]
     slots: list[int] = []
     ends: list[int] = []
     for (_, n), ids, kv_len in zip(items, block_ids, kv_lens, strict=True):
@@ -122,8 +135,8 @@ def _group(
         else:
             slots += _slots(ids, kv_len, kv_len + n, block_size)
         ends.append(kv_len + n)
-    d_indptr, d_indices, d_last = _csr(block_ids[:num_decode], ends[:num_decode], block_size)
-    p_indptr, p_indices, p_last = _csr(block_ids[num_decode:], ends[num_decode:], block_size)
+    d_indptr, d_indices, d_last = _csr(block_ids[:num_decode], ends[:num_decode], block_size, skips[:num_decode])
+    p_indptr, p_indices, p_last = _csr(block_ids[num_decode:], ends[num_decode:], block_size, skips[num_decode:])
     qo_indptr = [0]
     for _, n in items[num_decode:]:
         qo_indptr.append(qo_indptr[-1] + n)
@@ -149,10 +162,13 @@ def build_step_metadata(
     block_ids_of: Callable[..., array] | None = None,
     *,
     per_layer: bool = False,
+    layout: LayerLayout | None = None,
 ) -> StepMetadata:
     """Lay out a scheduled batch (decodes first, as the scheduler orders it) as step tensors.
 
     ``table_of(request_id)`` (``table_of(request_id, layer)`` with ``per_layer``): a request's block table.
+    ``layout`` (per-layer layout): a windowed layer's block lists leave off the blocks before the first
+    one its queries read (``LayerLayout.first_read_block``; ``LayerGroupMetadata`` keeps all ``block_ids``).
     ``block_ids_of``: the same signature, its block ids as an ``array('i')`` equal to the table's
     ``block_ids`` (``KVCacheManager.block_id_array``), which saves converting every listed block id each
     step; without it they are converted from the tables (same result).
@@ -189,7 +205,10 @@ def build_step_metadata(
     for g, ((table, kv_lens), layers) in enumerate(by_lens.items()):
         key = (table,) if per_layer else ()
         block_ids = [ids_of(step.request_id, *key) for step in steps]
-        groups.append(_group(tuple(layers), kv_lens, batch.items, block_ids, num_decode, block_size))
+        first_read = None
+        if per_layer and layout is not None and layout.windowed and layout.window(table) is not None:
+            first_read = functools.partial(layout.first_read_block, table, block_size=block_size)
+        groups.append(_group(tuple(layers), kv_lens, batch.items, block_ids, num_decode, block_size, first_read))
         for layer in layers:
             layer_group[layer] = g
     return StepMetadata(
