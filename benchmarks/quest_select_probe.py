@@ -1,17 +1,19 @@
-"""Quest / OmniKV selection kernels on the GPU (measured on the H200 at 848696c: results/bench/h200/quest_select/;
-the radix top-k measured there was slower than the bisection one, 55-87 us against 34 us for Quest's rows,
-and was reverted, so "new" top-k is the old kernel again): old (commit 1a3af46, ``quest_select_baseline``) against
-new (``sparse_kernels``), at the issue-17 shape: Qwen3-8B heads (32 query, 8 KV, head_dim 128, bf16),
-16-token pages in a shuffled pool, 128K context (8193 pages per row, ``max_pages`` 8448 as the engine
-plans for 2048 more tokens), Quest budget 128 pages (4 sink + 92 + 32 recent), OmniKV 2048 tokens.
+"""Quest / OmniKV selection kernels on the GPU, at the issue-17 shape: Qwen3-8B heads (32 query, 8 KV,
+head_dim 128, bf16), 16-token pages in a shuffled pool, 128K context (8193 pages per row, ``max_pages``
+8448 as the engine plans for 2048 more tokens), Quest budget 128 pages (4 sink + 92 + 32 recent),
+OmniKV 2048 tokens.
 
 Per batch size: ``page_bounds`` (Quest, reads kmin/kmax), ``paged_logits`` (OmniKV's filter layers, reads
 K), ``top_k_ascending`` over Quest's bounds ([B, 8, 8448], k 128) and OmniKV's scores ([B, 135168],
 k 2048), and each method's whole selection chain (bounds + top-k; logits + top-k) captured in a CUDA
 graph as the engine runs it. Streaming kernels print GB/s and % of the copy bandwidth measured in the
-same process; the sweep rows (``cfg ...``) try other tile / warp / stage settings of the new kernels.
-Every call rotates over enough layers' buffers that L2 holds none of them. Checks first: new bounds
-and logits against the plain torch references, new and old top-k equal to a stable sort.
+same process; the sweep rows (``cfg ...``) try other tile / warp / stage settings. Every call rotates
+over enough layers' buffers that L2 holds none of them. Checks first: bounds and logits against the
+plain torch references, top-k equal to a stable sort.
+
+The H200 run in results/bench/h200/quest_select/ (at 848696c) also timed the kernels of 1a3af46 and a
+radix-select top-k side by side (``git show 848696c:benchmarks/quest_select_probe.py``); the radix
+top-k was slower (55-87 us against 34 us for Quest's rows) and was reverted.
 
     PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') python3 benchmarks/quest_select_probe.py \\
         [--batches 1,5,8] [--no-sweep] [--json OUT.json]
@@ -30,7 +32,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages/sparse-kernels/benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import quest_select_baseline as old  # noqa: E402
 from _timing import capture, copy_bandwidth, median_ms  # noqa: E402
 
 from sparse_kernels import page_bounds, paged_logits, top_k_ascending  # noqa: E402
@@ -48,19 +49,6 @@ L2_BYTES = 256 << 20  # rotate over at least this many bytes of inputs per timed
 
 PB_SWEEP = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3)]  # BLOCK_P, warps, stages
 PL_SWEEP = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 3)]  # BLOCK_N, warps, stages
-QUEST_TK = {  # top-k variants: overrides of sparse_kernels._triton.top_k_ascending's constants
-    "one program": {"SINGLE": 16384},
-    "tile 2048": {"MIN_TILE": 2048},
-    "tile 4096": {"MIN_TILE": 4096},
-    "256 per warp": {"ELEMENTS_PER_WARP": 256},
-    "128 per warp": {"ELEMENTS_PER_WARP": 128},
-}
-OMNI_TK = {
-    "final 16384": {"SINGLE": 16384},
-    "tile 16384": {"MIN_TILE": 16384, "SINGLE": 32768},
-    "512 per warp": {"ELEMENTS_PER_WARP": 512},
-    "2048 per warp": {"ELEMENTS_PER_WARP": 2048},
-}
 
 
 class Inputs:
@@ -127,13 +115,10 @@ def bounds_args(x: Inputs, i: int):
     return (x.q[i], x.kmin[i], x.kmax[i], x.table, x.start, x.num_pages, x.bounds)
 
 
-def probe_stream(name: str, x: Inputs, bw: float, nbytes: int, run_old, module, run_new, sweep) -> list[dict]:
-    """Old against new (``run_*(layer)``), then the new kernel under each ``(tile, warps, stages)`` of
-    ``sweep`` (``module.CONFIG``'s tile key first)."""
-    rows = [
-        row(f"{name} old", timed_us(run_old, x.layers), nbytes, bw),
-        row(f"{name} new", timed_us(run_new, x.layers), nbytes, bw),
-    ]
+def probe_stream(name: str, x: Inputs, bw: float, nbytes: int, module, run_new, sweep) -> list[dict]:
+    """The kernel (``run_new(layer)``), then under each ``(tile, warps, stages)`` of ``sweep``
+    (``module.CONFIG``'s tile key first)."""
+    rows = [row(name, timed_us(run_new, x.layers), nbytes, bw)]
     tile_key = next(iter(module.CONFIG))
     for tile, warps, stages in sweep:
         saved = dict(module.CONFIG)
@@ -155,7 +140,6 @@ def probe_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
         x,
         bw,
         x.summary_bytes(),
-        lambda i: old.page_bounds_triton(*bounds_args(x, i), SINK, RECENT),
         new_pb,
         lambda i: new_pb.page_bounds_triton(*bounds_args(x, i), SINK, RECENT),
         PB_SWEEP if sweep else [],
@@ -178,40 +162,21 @@ def probe_paged_logits(x: Inputs, bw: float, sweep: bool) -> list[dict]:
         x,
         bw,
         x.key_bytes(),
-        lambda i: old.paged_logits_triton(*logits_args(x, i), scale),
         new_pl,
         lambda i: new_pl.paged_logits_triton(*logits_args(x, i), scale),
         PL_SWEEP if sweep else [],
     )
 
 
-def probe_top_k(name: str, scores: torch.Tensor, k: int, variants: dict[str, dict]) -> list[dict]:
-    """Old, new, and new under each of ``variants`` (overrides of the Triton module's constants)."""
+def probe_top_k(name: str, scores: torch.Tensor, k: int) -> list[dict]:
     flat = scores.reshape(-1, scores.shape[-1])
     expected = top_k_ascending(flat, k, backend="reference")
-    out = torch.empty_like(expected)
-    runs = {"old": (old.top_k_ascending_triton, {}), "new": (new_tk.top_k_ascending_triton, {})}
-    if not hasattr(new_tk, "stages"):  # the radix select was measured slower and reverted: old == new
-        variants = {}
-    runs.update({f"new {label}": (new_tk.top_k_ascending_triton, v) for label, v in variants.items()})
-    rows = []
-    for label, (fn, overrides) in runs.items():
-        saved = {key: getattr(new_tk, key) for key in overrides}
-        for key, value in overrides.items():
-            setattr(new_tk, key, value)
-        try:
-            radix = fn is new_tk.top_k_ascending_triton and hasattr(new_tk, "stages")
-            stages = new_tk.stages(flat.shape[1], k) if radix else None
-            out.fill_(-1)
-            fn(flat, k, out)
-            if not torch.equal(out, expected):
-                raise AssertionError(f"{name} top-k {label} differs from a stable sort")
-            us = median_ms(lambda fn=fn: fn(flat, k, out)) * 1e3
-            rows.append(row(f"{name} top-k {label}" + ("" if stages is None else f" {stages}"), us, None, 0.0))
-        finally:
-            for key, value in saved.items():
-                setattr(new_tk, key, value)
-    return rows
+    out = torch.full_like(expected, -1)
+    new_tk.top_k_ascending_triton(flat, k, out)
+    if not torch.equal(out, expected):
+        raise AssertionError(f"{name} top-k differs from a stable sort")
+    us = median_ms(lambda: new_tk.top_k_ascending_triton(flat, k, out)) * 1e3
+    return [row(f"{name} top-k", us, None, 0.0)]
 
 
 def quest_scores(x: Inputs) -> torch.Tensor:
@@ -232,24 +197,16 @@ def omni_scores(batch: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def probe_chains(x_sum: Inputs, x: Inputs, omni: torch.Tensor) -> list[dict]:
-    """Each method's selection as the engine runs it (graph-captured): old kernels against new."""
+    """Each method's selection as the engine runs it (graph-captured)."""
     chosen = torch.empty(x_sum.batch * HKV, QUEST_K, dtype=torch.int64, device=DEVICE)
     omni_chosen = torch.empty(x.batch, OMNI_K, dtype=torch.int64, device=DEVICE)
     flat_bounds, scale = x_sum.bounds.view(-1, MAX_PAGES), D**-0.5
     chains = {  # name: (inputs, one layer's calls)
-        "quest bounds+top-k old": (x_sum, lambda i: (
-            old.page_bounds_triton(*bounds_args(x_sum, i), SINK, RECENT),
-            old.top_k_ascending_triton(flat_bounds, QUEST_K, chosen),
-        )),
-        "quest bounds+top-k new": (x_sum, lambda i: (
+        "quest bounds+top-k": (x_sum, lambda i: (
             new_pb.page_bounds_triton(*bounds_args(x_sum, i), SINK, RECENT),
             new_tk.top_k_ascending_triton(flat_bounds, QUEST_K, chosen),
         )),
-        "omnikv logits+top-k old": (x, lambda i: (
-            old.paged_logits_triton(*logits_args(x, i), scale),
-            old.top_k_ascending_triton(omni, OMNI_K, omni_chosen),
-        )),
-        "omnikv logits+top-k new": (x, lambda i: (
+        "omnikv logits+top-k": (x, lambda i: (
             new_pl.paged_logits_triton(*logits_args(x, i), scale),
             new_tk.top_k_ascending_triton(omni, OMNI_K, omni_chosen),
         )),
@@ -264,7 +221,7 @@ def probe_chains(x_sum: Inputs, x: Inputs, omni: torch.Tensor) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,5,8")
-    ap.add_argument("--no-sweep", action="store_true", help="skip the config sweeps of the new kernels")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the config sweeps")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -281,9 +238,9 @@ def main() -> None:
         print(f"batch {batch}: {x.pages} pages per row, {x_sum.layers} summary / {x.layers} key layer copies")
         rows = probe_page_bounds(x_sum, bw, not args.no_sweep)
         rows += probe_paged_logits(x, bw, not args.no_sweep)
-        rows += probe_top_k("quest", quest_scores(x_sum), QUEST_K, QUEST_TK)
+        rows += probe_top_k("quest", quest_scores(x_sum), QUEST_K)
         omni = omni_scores(batch, gen)
-        rows += probe_top_k("omnikv", omni, OMNI_K, OMNI_TK)
+        rows += probe_top_k("omnikv", omni, OMNI_K)
         rows += probe_chains(x_sum, x, omni)
         results["batches"][batch] = rows
         del x, x_sum
