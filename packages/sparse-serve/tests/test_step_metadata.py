@@ -57,8 +57,8 @@ def _csr_lists(indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor):
 @pytest.mark.parametrize("seed", range(40))
 def test_packed_block_ids_equal_tables_and_plain_layout(seed, per_layer):
     batch, kv = _batch(seed, per_layer=per_layer)
-    fast = build_step_metadata(batch, kv.table, BS, kv.block_id_array, per_layer=per_layer)
-    slow = build_step_metadata(batch, kv.table, BS, per_layer=per_layer)
+    fast = build_step_metadata(batch, kv.table, BS, kv.block_id_array, layout=kv.layout)
+    slow = build_step_metadata(batch, kv.table, BS, layout=kv.layout)
     assert fast.layer_group == slow.layer_group and len(fast.groups) == len(slow.groups)
     if per_layer:
         assert fast.layer_group == (0, 1, 2)
@@ -88,7 +88,7 @@ def test_windowed_layers_list_from_their_first_read_block(seed):
     (the same rule by which the manager gives them back); the other layers and the slots are unchanged."""
     batch, kv = _batch(seed, per_layer=True)
     layout = LayerLayout(3, True, (None, 5, None))
-    meta = build_step_metadata(batch, kv.table, BS, kv.block_id_array, per_layer=True, layout=layout)
+    meta = build_step_metadata(batch, kv.table, BS, kv.block_id_array, layout=layout)
     for layer in range(3):
         group = meta.groups[meta.layer_group[layer]]
         plain = _plain_group(batch, kv, layer)

@@ -344,7 +344,6 @@ class LLMEngine:
             self.kv.table,
             self.config.block_size,
             self.kv.block_id_array,
-            per_layer=self.kv.per_layer,
             layout=self.kv.layout,
         )
         feed = None if previous is None else _token_feed(batch, meta, previous)

@@ -161,18 +161,20 @@ def build_step_metadata(
     block_size: int,
     block_ids_of: Callable[..., array] | None = None,
     *,
-    per_layer: bool = False,
     layout: LayerLayout | None = None,
 ) -> StepMetadata:
     """Lay out a scheduled batch (decodes first, as the scheduler orders it) as step tensors.
 
-    ``table_of(request_id)`` (``table_of(request_id, layer)`` with ``per_layer``): a request's block table.
-    ``layout`` (per-layer layout): a windowed layer's block lists leave off the blocks before the first
-    one its queries read (``LayerLayout.first_read_block``; ``LayerGroupMetadata`` keeps all ``block_ids``).
+    ``table_of(request_id)`` (``table_of(request_id, layer)`` when ``layout`` gives each layer its own
+    table): a request's block table.
+    ``layout``: the tables' layout (None: one table for every layer). A windowed layer's block lists
+    leave off the blocks before the first one its queries read (``LayerLayout.first_read_block``;
+    ``LayerGroupMetadata`` keeps all ``block_ids``).
     ``block_ids_of``: the same signature, its block ids as an ``array('i')`` equal to the table's
     ``block_ids`` (``KVCacheManager.block_id_array``), which saves converting every listed block id each
     step; without it they are converted from the tables (same result).
     """
+    per_layer = layout is not None and layout.per_layer
     input_ids: list[int] = []
     positions: list[int] = []
     logits_indices: list[int] = []
@@ -206,7 +208,7 @@ def build_step_metadata(
         key = (table,) if per_layer else ()
         block_ids = [ids_of(step.request_id, *key) for step in steps]
         first_read = None
-        if per_layer and layout is not None and layout.windowed and layout.window(table) is not None:
+        if per_layer and layout.windowed and layout.window(table) is not None:
             first_read = functools.partial(layout.first_read_block, table, block_size=block_size)
         groups.append(_group(tuple(layers), kv_lens, batch.items, block_ids, num_decode, block_size, first_read))
         for layer in layers:
