@@ -402,11 +402,13 @@ class KVCacheManager:
     def slide(self, request_id: Hashable, kv_lens: Sequence[int]) -> list[int]:
         """Give back each windowed layer's blocks that lie wholly before the window of a query at its
         KV length (``kv_lens``, per layer): they become the null block. Returns the released ids."""
-        if not self.layout.windowed:
+        windowed = self.layout.windowed_tables
+        if not windowed:
             return []
         req, bs, null = self._requests[request_id], self.block_size, self.null_block
         released = []
-        for t, (table, ids) in enumerate(zip(req.tables, req.ids, strict=True)):
+        for t in windowed:  # a layer without a window never gives blocks back here
+            table, ids = req.tables[t], req.ids[t]
             first = min(self.layout.first_read_block(t, kv_lens[t], bs), len(table.block_ids))
             for i in range(req.nulls[t], first):
                 released.append(table.block_ids[i])

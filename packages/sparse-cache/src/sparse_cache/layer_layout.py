@@ -58,6 +58,11 @@ class LayerLayout:
     def windowed(self) -> bool:
         return any(w is not None for w in self.window_left)
 
+    @property
+    def windowed_tables(self) -> tuple[int, ...]:
+        """The tables whose layer slides over a window (empty in the shared layout)."""
+        return tuple(t for t, w in enumerate(self.window_left) if w is not None) if self.per_layer else ()
+
     def window(self, table: int) -> int | None:
         return self.window_left[table] if self.per_layer else None
 
