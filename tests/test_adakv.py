@@ -1,7 +1,8 @@
 """AdaKV (per-head adaptive budgets over SnapKV scores) on CPU with tiny random models: kept sets after
 a prefill equal kvpress's AdaKVPress(SnapKVPress) configured the same way; each head attends only to
 its own tokens during decode (greedy tokens equal a plain per-head-masked decode written here); a
-budget above the context is dense; the memory plan holds the largest head the budgets allow."""
+budget above the context is dense; the head-major store holds the sum of the heads' counts (each
+(layer, KV head) lane ceil(kept / block_size) blocks), so AdaKV admits as many requests as SnapKV."""
 
 from __future__ import annotations
 
@@ -63,17 +64,18 @@ def _engine_kept(llm, model, prompt) -> list[list[set[int]]]:
 
 
 def head_kept(engine, rid, model, prompt) -> list[list[set[int]]]:
-    """Per (layer, KV head) the prompt tokens the head attends to in the engine (fillers left out)."""
+    """Per (layer, KV head) the prompt tokens the head's lane holds in the engine's head-major store;
+    the memory in use is the sum over lanes of ceil(kept / block_size) blocks."""
     req = engine.scheduler.running[0]
-    table = engine.kv.table(rid)
+    layout, bs = engine.kv.layout, engine.config.block_size
     dense = _dense_keys(model, prompt)
     kept = []
-    for layer, kv_len in enumerate(req.kv_lens):
-        slots = table_slots(table.block_ids, kv_len, engine.config.block_size)
-        keys = engine.runner.kv.k[layer].view(-1, *engine.runner.kv.k[layer].shape[2:])[slots]
-        own = engine.method.masks.head_slots(rid, layer, kv_len) or [torch.arange(kv_len)] * keys.shape[1]
-        kept.append([_positions(keys[own[h], h], dense[layer][h]) for h in range(keys.shape[1])])
-    assert len(table.block_ids) == -(-max(req.kv_lens) // engine.config.block_size)  # blocks given back
+    for layer in range(layout.num_layers):
+        flat = engine.runner.kv.k[layer].view(-1, engine.runner.kv.k[layer].shape[-1])  # one head per slot
+        lanes = [table_slots(engine.kv.table(rid, t).block_ids, req.kv_lens[t], bs) for t in layout.lanes(layer)]
+        kept.append([_positions(flat[slots], dense[layer][h]) for h, slots in enumerate(lanes)])
+    planned = sum(-(-len(s) // bs) for layer in kept for s in layer)
+    assert engine.kv.num_held_blocks(rid) == engine.kv.pool.num_used_blocks == planned  # tails given back
     return kept
 
 
@@ -183,22 +185,21 @@ def test_adakv_budget_above_context_is_dense(tiny_checkpoint):
     seed=st.integers(0, 1000),
 )
 def test_adaptive_keep_properties(heads, kv_len, budget, sink, recent, alpha, seed):
-    """Each head keeps its protected slots and its safeguard; the layer keeps H x budget; fillers pad
-    every row to the largest head; the plan's largest head bounds every outcome."""
+    """Each head keeps its protected slots and its safeguard; the layer keeps H x budget; each row leads
+    with its own kept slots, ascending, padded to the largest head; the plan's average is the budget."""
     budget = max(budget, sink + recent)
     if kv_len <= budget:
         return
     scores = torch.rand(heads, kv_len, generator=torch.Generator().manual_seed(seed))
-    keep, valid = adaptive_keep(scores, kv_len=kv_len, sink=sink, recent=recent, budget=budget, alpha=alpha)
-    counts = valid.sum(1)
-    assert int(counts.sum()) == heads * budget
-    assert int(counts.max()) == keep.shape[1]
-    assert bool((keep.diff(dim=1) > 0).all())
+    keep, counts = adaptive_keep(scores, kv_len=kv_len, sink=sink, recent=recent, budget=budget, alpha=alpha)
+    assert sum(counts) == heads * budget
+    assert max(counts) == keep.shape[1]
     floor = max(sink + recent, max(1, int(budget * alpha)) if alpha else 0)
-    assert int(counts.min()) >= min(floor, budget)
+    assert min(counts) >= min(floor, budget)
     for h in range(heads):
-        own = set(keep[h][valid[h]].tolist())
-        assert set(range(sink)) | set(range(kv_len - recent, kv_len)) <= own
+        own = keep[h, : counts[h]]
+        assert bool((own.diff() > 0).all())
+        assert set(range(sink)) | set(range(kv_len - recent, kv_len)) <= set(own.tolist())
     method = build_method(
         "adakv",
         ModelShape(1, heads, heads, 4),
@@ -208,4 +209,4 @@ def test_adaptive_keep_properties(heads, kv_len, budget, sink, recent, alpha, se
         decode_keep_tokens=budget - sink - recent,
         alpha_safeguard=alpha,
     )
-    assert keep.shape[1] <= method.max_head_tokens(kv_len)
+    assert method.memory_plan(kv_len, 0, kv_len).resident_tokens == (budget,)  # per head, on average

@@ -77,6 +77,10 @@ class StoreKind(enum.StrEnum):
     PAGED = "paged"
     PAGED_WITH_SUMMARIES = "paged + block summaries"
     """Per block and KV head, elementwise min and max of the keys (kept up to date on append)."""
+    HEAD_MAJOR = "head-major paged"
+    """A block table per (layer, KV head): a layer's heads may keep different numbers of tokens
+    (``Compaction.head_counts``), and the memory in use is the sum of what each head keeps. The method's
+    memory plan counts per-head averages. Decode reads every slot each head holds."""
 
 
 class MethodConfig(BaseModel):
@@ -328,9 +332,22 @@ class DecodeBatch:
 @dataclass(frozen=True, slots=True)
 class Compaction:
     """Kept slots of one request: ``keep[l]`` is None (layer unchanged) or ``[num_kv_heads, n_l]``
-    int64 indices into the layer's current slots, ascending in each row."""
+    int64 indices into the layer's current slots, ascending in each row.
+
+    ``head_counts`` (a ``StoreKind.HEAD_MAJOR`` store only; empty: none): per layer, None or per KV head
+    how many leading entries of its ``keep`` row it keeps (ragged per-head budgets); the rest of the row
+    is padding, never read. ``counts(l)`` gives every layer's."""
 
     keep: tuple[torch.Tensor | None, ...]
+    head_counts: tuple[tuple[int, ...] | None, ...] = ()
+
+    def counts(self, layer: int) -> tuple[int, ...] | None:
+        """Per KV head, the slots layer ``layer`` keeps (None: the layer is unchanged)."""
+        keep = self.keep[layer]
+        if keep is None:
+            return None
+        ragged = self.head_counts[layer] if self.head_counts else None
+        return ragged if ragged is not None else (keep.shape[1],) * keep.shape[0]
 
 
 class SparseMethod(ABC):

@@ -9,10 +9,15 @@ their own block table (the per-layer layout) or one table shared by all.
 Per compacted request the host waits on the device once (the bounds check of every layer's kept
 indices, in one reduction) and copies its inputs once (every slot list and CSR offset, packed, pinned
 and non-blocking); each layer is then one ``compact_kv`` launch.
+
+A head-major store (a table per (layer, KV head) lane) compacts each lane to its own count
+(``Compaction.head_counts``): ``apply_lane_compaction``, one launch per layer whose lanes are the
+kernel's requests of one KV head.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -102,3 +107,45 @@ def _device_inputs(
         out[key] = (slots[key[:2]], packed[offset : offset + 2], packed[offset + 2 : offset + 4])
         offset += 4
     return out
+
+
+def apply_lane_compaction(
+    pool: KVPool, lane_ids: Sequence[Sequence[int]], lane_lens: list[int], compaction: Compaction, block_size: int
+) -> list[int]:
+    """Compact a head-major request (``lane_ids`` / ``lane_lens``: per (layer, KV head) lane, layer-major);
+    returns the new per-lane lengths. Layer ``l``'s head ``h`` keeps the first ``counts(l)[h]`` entries
+    of its ``keep`` row. One host read for every layer's kept indices (their bounds are checked there)."""
+    num_layers = len(compaction.keep)
+    heads = len(lane_lens) // num_layers
+    if heads * num_layers != len(lane_lens):
+        raise ValueError(f"{len(lane_lens)} lanes are not {num_layers} layers' KV heads")
+    layers = [(layer, keep) for layer, keep in enumerate(compaction.keep) if keep is not None]
+    if not layers:
+        return list(lane_lens)
+    host = torch.cat([keep.flatten() for _, keep in layers]).cpu().split([keep.numel() for _, keep in layers])
+    new_lens, device = list(lane_lens), pool.device
+    for (layer, keep), flat in zip(layers, host, strict=True):
+        counts = compaction.counts(layer)
+        rows = flat.view(keep.shape)
+        lanes = range(layer * heads, (layer + 1) * heads)
+        kept = [rows[h, :n] for h, n in enumerate(counts)]
+        for lane, row in zip(lanes, kept, strict=True):
+            if row.numel() and (int(row.min()) < 0 or int(row.max()) >= lane_lens[lane]):
+                raise ValueError(f"layer {layer}: kept index outside lane {lane}'s {lane_lens[lane]} slots")
+        slots = torch.cat([table_slots(lane_ids[t], lane_lens[t], block_size) for t in lanes])
+        slot_indptr = torch.tensor([0, *itertools.accumulate(lane_lens[t] for t in lanes)])
+        keep_indptr = torch.tensor([0, *itertools.accumulate(counts)])
+        packed = to_device(torch.cat([slots, slot_indptr, keep_indptr, torch.cat(kept)]).to(torch.int32), device)
+        n_slots, n_ptr = slots.numel(), heads + 1
+        slot_ids, indptrs = packed[:n_slots], packed[n_slots : n_slots + 2 * n_ptr]
+        compact_kv(
+            pool.k[layer],
+            pool.v[layer],
+            slot_ids,
+            packed[n_slots + 2 * n_ptr :].view(1, -1),
+            slot_indptr=indptrs[:n_ptr],
+            keep_indptr=indptrs[n_ptr:],
+        )
+        for lane, n in zip(lanes, counts, strict=True):
+            new_lens[lane] = n
+    return new_lens

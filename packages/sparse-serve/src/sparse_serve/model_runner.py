@@ -86,9 +86,11 @@ class ModelRunner:
         # One tail row per running request (KIVI's incomplete page), taken on its first write.
         self.num_tail_rows = config.max_num_seqs if self.store.has_tail else 0
         self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
+        # A head-major store's block is one (layer, KV head) lane's: ``lanes`` of them hold a token in a layer.
+        self.lanes = layout.heads if layout is not None else 1
         self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
         per_layer = layout is not None and layout.per_layer
-        self.num_pool_blocks = self.num_blocks * (cfg.num_hidden_layers if per_layer else 1)
+        self.num_pool_blocks = self.num_blocks * (layout.num_tables if per_layer else 1)
         self.kv = allocate_kv_pool(
             self.store,
             cfg.num_hidden_layers,
@@ -97,9 +99,11 @@ class ModelRunner:
             self.device,
             self.num_tail_rows,
             one_tensor=per_layer,
+            tables_per_layer=self.lanes,
         )
         static_scales = _static_fp8_scales(config.fp8_kv_scale_path, cfg.num_hidden_layers)
         graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
+        lanes = self.lanes  # a head-major decode has a row per (request, KV head)
         self.attention = PagedAttention(
             self.kv,
             num_q_heads=heads.num_attention_heads,
@@ -110,8 +114,8 @@ class ModelRunner:
             tail_rows=self.tail_rows,
             static_scales=static_scales,
             max_num_tokens=max(config.max_num_batched_tokens, graph_batch),
-            max_batch_size=max(config.max_num_seqs, graph_batch),
-            max_num_pages=config.max_num_seqs * -(-max_model_len_hint // self.block_size) + graph_batch,
+            max_batch_size=max(config.max_num_seqs, graph_batch) * lanes,
+            max_num_pages=(config.max_num_seqs * -(-max_model_len_hint // self.block_size) + graph_batch) * lanes,
             sm_scale=cfg.softmax_scale,
             layer_windows=tuple(-1 if w is None else w - 1 for w in cfg.layer_sliding_windows),  # HF W: w - 1
             group_queries=None if tp_world_size() == 1 else _group_queries(cfg.num_key_value_heads),
@@ -120,7 +124,8 @@ class ModelRunner:
         self.method = method
         self.graphs: DecodeGraphs | None = None
         # Under tensor parallelism every rank captures the same buckets, NCCL collectives inside.
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # A head-major store decodes eagerly: its plans are not padded for graph buckets yet.
+        if self.device.type == "cuda" and not config.enforce_eager and not self.store.head_major:
             # A decode step's layer groups: one, or one per layer (each with its own table). A latent store
             # keeps only its first group's plan in fixed buffers: with a table per layer it decodes eagerly.
             layer_group = tuple(range(cfg.num_hidden_layers)) if per_layer and not self.store.latent else None
@@ -139,7 +144,12 @@ class ModelRunner:
             cap = self.config.max_num_seqs * -(-max_model_len // bs)
             budget = int(self.config.cpu_kv_cache_gib * 2**30)
             return num_blocks_for_budget(
-                self.store, cfg.num_hidden_layers, self.dtype, budget, cap, num_tail_rows=self.num_tail_rows
+                self.store,
+                cfg.num_hidden_layers * self.lanes,
+                self.dtype,
+                budget,
+                cap,
+                num_tail_rows=self.num_tail_rows,
             )
         free, total = torch.cuda.mem_get_info(self.device)
         # The weights are already loaded, so `free` excludes them; keep (1 - utilization) of the card
@@ -147,7 +157,7 @@ class ModelRunner:
         activation_reserve = 64 * self.config.max_num_batched_tokens * cfg.hidden_size * 4
         budget = free - int(total * (1.0 - self.config.gpu_memory_utilization)) - activation_reserve
         return num_blocks_for_budget(
-            self.store, cfg.num_hidden_layers, self.dtype, budget, num_tail_rows=self.num_tail_rows
+            self.store, cfg.num_hidden_layers * self.lanes, self.dtype, budget, num_tail_rows=self.num_tail_rows
         )
 
     @torch.inference_mode()
@@ -176,7 +186,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return bytes_per_block(self.store, self.model_config.num_hidden_layers, self.dtype)
+        return bytes_per_block(self.store, self.model_config.num_hidden_layers * self.lanes, self.dtype)
 
     def release(self, request_id) -> None:
         """A request finished, was aborted or preempted: give back what the runner holds for it."""

@@ -7,6 +7,9 @@ layers use: windowed or not); each layer's
 (score-based eviction), which gathers the requested requests' keys. Single-token items go to the
 decode kernel, prefill chunks to the prefill kernel. No method is named here: the method says
 which requests it wants per layer (``attention_requests``).
+
+A head-major store (one table per (layer, KV head) lane) runs the same kernels with a row per
+(request, KV head): one KV head, the head's query group as the query heads (``_forward_lanes``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class _GroupPlan:
         self._slots = torch.empty(max_tokens, dtype=torch.int32, device=device) if max_tokens else None
         self._tails = torch.empty(max_tokens, dtype=torch.int32, device=device) if max_tokens else None
         self.slot_mapping: torch.Tensor | None = None
+        self._prefill_rows: torch.Tensor | None = None  # head-major groups: lane order of the prefill rows
         self.tail_index: torch.Tensor | None = None  # per token row: its request's tail row (tailed stores)
         self.window_left = -1  # the sliding window of the layers this plan serves (-1: none)
 
@@ -58,6 +62,12 @@ class _GroupPlan:
     def _window(self) -> dict:
         # Only windowed plans pass it: a method's own prefill wrapper (global layers) need not take it.
         return {} if self.window_left < 0 else {"window_left": self.window_left}
+
+    def prefill_rows(self, group: LayerGroupMetadata) -> torch.Tensor:
+        """A head-major group's ``prefill_rows`` on the device (copied once per step)."""
+        if self._prefill_rows is None:
+            self._prefill_rows = to_device(group.prefill_rows, self.device)
+        return self._prefill_rows
 
     def plan(
         self,
@@ -69,6 +79,7 @@ class _GroupPlan:
     ) -> None:
         """``tails``: per token row and per request, each request's tail row (stores with a tail)."""
         self.slot_mapping = self._load(group.slot_mapping, self._slots)
+        self._prefill_rows = None
         self.tail_index = None if tails is None else self._load(tails[0], self._tails)
         nd = meta.num_decode_tokens
         if nd:
@@ -136,6 +147,9 @@ class PagedAttention:
             raise ValueError(f"a {pool.store.describe()} store needs tail rows")
         self.block_size = block_size
         self.shape = dict(num_qo_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+        self.lanes = num_kv_heads if pool.store.head_major else 1  # rows per request of a head-major plan
+        if self.lanes > 1:  # the kernels see one KV head and its query group per row
+            self.shape = dict(self.shape, num_qo_heads=num_q_heads // num_kv_heads, num_kv_heads=1)
         self.method = method
         self.group_queries = group_queries
         # Prefill chunks attend through the method's prefill attention (e.g. block-sparse) where it has one.
@@ -196,7 +210,7 @@ class PagedAttention:
             self._touched = None if decode_only else [self._touched_blocks(group, meta) for group in meta.groups]
         for selective in self._selectives:
             selective.reset()
-        if self.method is None:
+        if self.method is None or self.lanes > 1:  # a head-major layer reads every slot its lanes hold
             return
         for g, group in enumerate(meta.groups):
             if all(layer in self._layer_window for layer in group.layers):
@@ -266,6 +280,8 @@ class PagedAttention:
         plan = self._plans[group_idx] if window is None else self._window_plans[window][group_idx]
         if self.quantized is not None:
             return self._forward_quantized(layer_idx, plan, meta.groups[group_idx], q, k, v)
+        if self.lanes > 1:
+            return self._forward_lanes(layer_idx, plan, meta.groups[group_idx], q, k, v)
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         group = meta.groups[group_idx]
@@ -346,6 +362,42 @@ class PagedAttention:
                 self._observe(layer_idx, q, None, group, wanted)
         return out
 
+    def _forward_lanes(self, layer_idx: int, plan: _GroupPlan, group, q, k, v) -> torch.Tensor:
+        """A head-major store: rows are (request, KV head) lanes. ``q [T, Hkv * G, D]`` viewed as
+        ``[T * Hkv, G, D]`` is token-major; decode rows are already in lane order, prefill rows are
+        gathered into it (``group.prefill_rows``) and their outputs scattered back."""
+        meta, h = self._meta, self.lanes
+        k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]  # [N, bs, 1, D]
+        t, d = k.shape[0], k.shape[-1]
+        store_kv(k.reshape(t * h, 1, d), v.reshape(t * h, 1, d), k_cache, v_cache, plan.slot_mapping)
+        rows = q.reshape(t * h, -1, q.shape[-1])
+        out = torch.empty_like(rows)
+        nd = meta.num_decode_tokens * h
+        if nd:
+            plan.decode.run(rows[:nd], k_cache, v_cache, out=out[:nd])
+        if meta.num_prefill_requests:
+            order = plan.prefill_rows(group) + nd
+            out[order] = plan.prefill.run(rows[order], k_cache, v_cache)
+        if self.method is not None:
+            wanted = self.method.attention_requests(layer_idx)
+            if wanted:
+                self._observe(layer_idx, q, k_cache, group, wanted)
+        return out.view_as(q)
+
+    def _lane_keys(self, group, i: int, n: int, flat_k: torch.Tensor) -> torch.Tensor:
+        """Request ``i``'s keys ``[kv_len, Hkv, D]`` in a head-major layer whose lanes hold the same
+        number of slots (after this step's ``n`` tokens)."""
+        h = self.lanes
+        lens = {group.kv_lens[i * h + j] + n for j in range(h)}
+        if len(lens) > 1:
+            raise NotImplementedError(
+                f"{self.method.name} observes a layer whose KV heads hold different numbers of slots "
+                "(a resumed chain compacted per head): not supported yet"
+            )
+        kv_len = lens.pop()
+        host = torch.stack([table_slots(group.block_ids[i * h + j], kv_len, self.block_size) for j in range(h)])
+        return flat_k[to_device(host, self.device)].squeeze(2).transpose(0, 1)  # [H, kv_len, D] -> [kv_len, H, D]
+
     def _request_keys(
         self, layer_idx: int, group, i: int, kv_len: int, flat_k: torch.Tensor | None, dtype
     ) -> torch.Tensor:
@@ -375,8 +427,11 @@ class PagedAttention:
         for i, step in enumerate(meta.steps):
             if step.request_id not in wanted:
                 continue
-            kv_len = group.kv_lens[i] + step.num_new_tokens
-            keys = self._request_keys(layer_idx, group, i, kv_len, flat_k, q.dtype)
+            if self.lanes > 1:
+                keys = self._lane_keys(group, i, step.num_new_tokens, flat_k)
+            else:
+                kv_len = group.kv_lens[i] + step.num_new_tokens
+                keys = self._request_keys(layer_idx, group, i, kv_len, flat_k, q.dtype)
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
             rows = rows if self.group_queries is None else self.group_queries(rows)
             self.method.on_attention_end(layer_idx, step, LayerAttention(rows, keys, self.sm_scale))

@@ -6,8 +6,10 @@ A cached token's score is the most attention any replay query of its chunk pays 
 queries and the KV group's heads, softmax over the sinks, the chunk and the replay's own tokens).
 The ``L x H x layers`` scores are ranked together (``kvzip_layerwise``: per layer) and the best
 ``kvzip_token_budget`` per (layer, KV head) on average are kept; the first ``sink_keep_tokens``
-always. Kept counts differ per layer and per KV head: a layer holds its largest head's count for
-every head (fillers that decode never reads, ``head_masks``).
+always. Kept counts differ per layer and per KV head: it declares the head-major store
+(``StoreKind.HEAD_MAJOR``), so each (layer, KV head) holds its own count (``Compaction.head_counts``)
+and decode reads every slot each head holds. Each rank would hold different block counts: no tensor
+parallelism with this store yet.
 
 Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"
 (arXiv:2505.23416). kvpress's KVzipPress(compression_ratio=r, n_sink=4, chunk_size=2048) is
@@ -18,8 +20,10 @@ it uses the template's turn markers, which this method does not). SE's names and
 keeps one token set shared by every layer and head, which is not offered here.
 
 Cost: the replays process about the prompt again (each chunk plus ~20 instruction tokens), so
-prefill costs ~2x; the memory plan holds the prompt plus the longest replay while scoring. A request
-resuming a chain (its KV already compacted) is not replayed.
+prefill costs ~2x; the memory plan holds the prompt plus the longest replay while scoring, then the
+budget per (layer, KV head) on average: with the layers ranked together one layer may keep more than
+another, but the sum over layers, which admission counts, holds. A request resuming a chain (its KV
+already compacted) is not replayed.
 """
 
 from __future__ import annotations
@@ -32,18 +36,17 @@ from pydantic import Field
 from sparse_methods.base import (
     Category,
     Compaction,
-    DecodeView,
     LayerAttention,
     MemoryPlan,
     MethodConfig,
     PrefixCacheMode,
     ReplayPass,
     RequestStep,
-    Selection,
     SparseMethod,
     StepContext,
+    StoreKind,
 )
-from sparse_methods.head_masks import HeadMasks, ragged_keep
+from sparse_methods.ragged_heads import ragged_rows
 from sparse_methods.registry import register
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
@@ -98,29 +101,22 @@ class KVzip(SparseMethod):
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
     Config = KVzipConfig
-    supports_tensor_parallel = True  # scores per KV head, ranked with every shard's (gathered)
+    kv_store = StoreKind.HEAD_MAJOR  # ragged per-(layer, head) counts: memory is their sum
+    supports_tensor_parallel = False  # ranks' heads would hold different block counts (one scheduler for all)
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
-        self.masks = HeadMasks(shape.num_layers)
         self._replays: dict[Hashable, _Replay] = {}
         self._fresh: set[Hashable] = set()  # requests whose prompt KV is untouched (slot = position)
         self._step: dict[Hashable, int] = {}  # request -> replay pass index, this step
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         c = self.config
-        kept = min(prompt_len, self.max_head_tokens(prompt_len))
+        kept = min(prompt_len, c.kvzip_token_budget)  # per (layer, KV head) on average
         replay = 0
         if prompt_len > c.kvzip_token_budget:
             replay = MAX_INSTRUCTION_TOKENS + c.kvzip_prev_postfix_size + min(prompt_len, c.kvzip_score_chunk_size)
         return MemoryPlan.uniform(self.shape.num_layers, prompt_len + replay, kept, kept + max_new_tokens)
-
-    def max_head_tokens(self, prompt_len: int) -> int:
-        """Most slots one layer's head can keep: everything ranked together may go to one head."""
-        c = self.config
-        heads = self.head_reduction.num_kv_heads(self.shape)
-        spread = heads * (1 if c.kvzip_layerwise else self.shape.num_layers)
-        return min(prompt_len, c.kvzip_token_budget * spread)
 
     # -- the replay passes ---------------------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> None:
@@ -175,8 +171,7 @@ class KVzip(SparseMethod):
         return out
 
     def _compaction(self, request_id: Hashable, state: _Replay) -> Compaction:
-        """Every shard's heads ranked together; this shard keeps its heads' rows (each layer as wide as
-        its largest head over all shards, so every rank compacts to the same slots)."""
+        """Every shard's heads ranked together; this shard keeps its heads' rows."""
         c = self.config
         reduction = self.head_reduction
         scores = reduction.gather(torch.stack(state.scores), 1)  # [layers, Hkv of every shard, L]
@@ -191,29 +186,14 @@ class KVzip(SparseMethod):
             total = layers * heads * min(c.kvzip_token_budget, length)
             kept[torch.sort(scores.flatten(), descending=True, stable=True).indices[:total]] = True
         kept = kept.view(layers, heads, length)
-        keep = []
+        keep, counts = [], []
         for layer in range(layers):
-            idx, valid = ragged_keep(kept[layer], scores[layer])
-            self.masks.set(request_id, layer, valid, reduction)
+            idx, n = ragged_rows(kept[layer])
             keep.append(reduction.local(idx, 0))
-        return Compaction(tuple(keep))
-
-    # -- decode: each head reads its own slots -------------------------------------------------------
-    def selects_decode(self, layer: int) -> bool:
-        return self.masks.any(layer)
-
-    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        return self.masks.selection(request.request_id, layer, view.kv_len)
+            counts.append(tuple(reduction.local(torch.tensor(n), 0).tolist()))
+        return Compaction(tuple(keep), tuple(counts))
 
     # -- request events and chains -------------------------------------------------------------------
     def release(self, request_id: Hashable) -> None:
-        self.masks.pop(request_id)
         self._replays.pop(request_id, None)
         self._fresh.discard(request_id)
-
-    def save_state(self, request_id: Hashable) -> object | None:
-        return self.masks.snapshot(request_id)
-
-    def restore_state(self, request_id: Hashable, state: object) -> None:
-        if state is not None:
-            self.masks.restore(request_id, state)
