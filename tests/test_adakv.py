@@ -44,18 +44,23 @@ def masked_kept(model, n: int) -> list[list[set[int]]]:
 def _llm(path, **params) -> LLM:
     return LLM(
         str(path),
-        device="cpu",
-        dtype="float32",
-        block_size=16,
-        max_num_batched_tokens=4096,
-        sparse_method="adakv",
-        **params,
+        **{
+            "device": "cpu",
+            "dtype": "float32",
+            "block_size": 16,
+            "max_num_batched_tokens": 4096,
+            "sparse_method": "adakv",
+            **params,
+        },
     )
 
 
 def _engine_kept(llm, model, prompt) -> list[list[set[int]]]:
-    """Prefill in one step, then per (layer, head) the tokens the head attends to (fillers left out)."""
-    engine = llm.engine
+    return _engine_kept_on(llm.engine, model, prompt)
+
+
+def _engine_kept_on(engine, model, prompt) -> list[list[set[int]]]:
+    """Prefill in one step, then per (layer, head) the tokens the head holds."""
     rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0))
     engine.step()
     kept = head_kept(engine, rid, model, prompt)
@@ -73,7 +78,7 @@ def head_kept(engine, rid, model, prompt) -> list[list[set[int]]]:
     for layer in range(layout.num_layers):
         flat = engine.runner.kv.k[layer].view(-1, engine.runner.kv.k[layer].shape[-1])  # one head per slot
         lanes = [table_slots(engine.kv.table(rid, t).block_ids, req.kv_lens[t], bs) for t in layout.lanes(layer)]
-        kept.append([_positions(flat[slots], dense[layer][h]) for h, slots in enumerate(lanes)])
+        kept.append([_positions(flat[slots].cpu(), dense[layer][h]) for h, slots in enumerate(lanes)])
     planned = sum(-(-len(s) // bs) for layer in kept for s in layer)
     assert engine.kv.num_held_blocks(rid) == engine.kv.pool.num_used_blocks == planned  # tails given back
     return kept
@@ -210,3 +215,46 @@ def test_adaptive_keep_properties(heads, kv_len, budget, sink, recent, alpha, se
         alpha_safeguard=alpha,
     )
     assert method.memory_plan(kv_len, 0, kv_len).resident_tokens == (budget,)  # per head, on average
+
+
+def test_adakv_admits_at_least_as_many_as_snapkv(tiny_checkpoint):
+    """The same pool and budget: the head-major store holds the sum of the heads' counts, so AdaKV packs
+    as many synthetic requests (each lane holding the planned per-head budget) as SnapKV; a real prompt's
+    ragged layers take the sum over lanes of ceil(kept / block_size) blocks, fewer than the largest head
+    times the heads that a store without lanes held."""
+    path, model = tiny_checkpoint("llama")
+    params = _kvpress_params(48, 16, 0.2)
+    counts, bs = {}, 16
+    for name in ("snapkv", "adakv"):
+        own = params if name == "adakv" else {k: v for k, v in params.items() if k != "alpha_safeguard"}
+        engine = _llm(path, num_kv_blocks=60, max_num_seqs=64, **own, sparse_method=name).engine
+        counts[name] = _admitted(engine, 300)
+        lanes = engine.kv.layout.num_tables if name == "adakv" else 1
+        assert engine.kv.pool.num_used_blocks == counts[name] * lanes * -(-48 // bs)
+    assert counts["adakv"] >= counts["snapkv"] == 60 // 3
+    engine = _llm(path, **params).engine
+    kept = _engine_kept_on(engine, model, _prompt(4))
+    largest = sum(len(layer) * -(-max(map(len, layer)) // bs) for layer in kept)
+    assert sum(-(-len(s) // bs) for layer in kept for s in layer) < largest
+
+
+def _admitted(engine, prompt_len: int) -> int:
+    """Synthetic requests (prefilled to their method's resident KV) that fit the pool at once."""
+    n = 0
+    while True:
+        try:
+            engine.add_synthetic_request(prompt_len, SamplingParams(max_tokens=1))
+        except ValueError:
+            return n
+        n += 1
+
+
+def test_adakv_batches_equal_requests_alone(tiny_checkpoint):
+    """Prompts in one batch, prefilled in chunks beside other requests' decodes (a row per (request, KV
+    head) in every kernel, prefill rows gathered into lane order), generate what each does alone."""
+    path, _ = tiny_checkpoint("qwen3")
+    params = dict(_kvpress_params(40, 8, 0.2), max_num_batched_tokens=64)
+    prompts = [_prompt(seed, n) for seed, n in ((1, 90), (2, 130), (3, 61))]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    together = [o.token_ids for o in _llm(path, **params).generate(prompts, greedy)]
+    assert together == [_llm(path, **params).generate([p], greedy)[0].token_ids for p in prompts]

@@ -12,7 +12,7 @@ its own table, and a block holds one head's K/V, so the KV heads of a layer may 
 of tokens (ragged per-head budgets) and the memory in use is the sum of what each head holds. Lane
 ``layer * heads + head`` is table ``layer * heads + head``. Per-layer token counts given to a head-major
 layout are per-head averages of ragged lanes: a layer of average ``n`` takes at most
-``floor(heads * (n + block_size - 1) / block_size)`` blocks (each lane wastes less than one block).
+``ceil(heads * (n + block_size - 1) / block_size)`` blocks (each lane wastes less than one block).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class LayerLayout:
         step. Head-major per-layer counts are per-head averages of ragged lanes (their bound)."""
         if self.heads > 1 and not isinstance(tokens, int) and len(tokens) == self.num_layers:
             h = self.heads
-            return sum(h * (n + block_size - 1) // block_size if n else 0 for n in tokens)
+            return sum(-(-h * (n + block_size - 1) // block_size) if n else 0 for n in tokens)
         per_table = self.per_table(tokens)
         if step is not None and self.windowed:
             per_table = self.window_peaks(per_table, step, block_size)
