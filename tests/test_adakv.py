@@ -258,3 +258,26 @@ def test_adakv_batches_equal_requests_alone(tiny_checkpoint):
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     together = [o.token_ids for o in _llm(path, **params).generate(prompts, greedy)]
     assert together == [_llm(path, **params).generate([p], greedy)[0].token_ids for p in prompts]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(8, 50), min_size=1, max_size=4),
+    budget=st.integers(6, 30),
+    alpha=st.sampled_from([0.0, 0.2, 1.0]),
+    seed=st.integers(0, 1000),
+)
+def test_adaptive_keep_over_ragged_heads(lens, budget, alpha, seed):
+    """Heads that already hold different counts (a resumed chain): each keeps only its own slots, its own
+    sink and recent ones, and the layer keeps H x budget of them; uniform lengths give the uniform answer."""
+    sink, recent = 2, 3
+    scores = torch.rand(len(lens), max(lens), generator=torch.Generator().manual_seed(seed))
+    keep, counts = adaptive_keep(scores, kv_len=lens, sink=sink, recent=recent, budget=budget, alpha=alpha)
+    assert sum(counts) == min(len(lens) * budget, sum(lens))
+    for h, n in enumerate(lens):
+        own = keep[h, : counts[h]].tolist()
+        assert own == sorted(set(own)) and all(0 <= i < n for i in own)
+        assert set(range(sink)) | set(range(n - recent, n)) <= set(own)
+    uniform = adaptive_keep(scores, kv_len=max(lens), sink=sink, recent=recent, budget=budget, alpha=alpha)
+    ragged = adaptive_keep(scores, kv_len=[max(lens)] * len(lens), sink=sink, recent=recent, budget=budget, alpha=alpha)
+    assert torch.equal(uniform[0], ragged[0]) and uniform[1] == ragged[1]

@@ -229,11 +229,25 @@ class LayerAttention:
     ``keys``: ``[kv_len, num_kv_heads, head_dim]``, every slot the layer holds for the request after
     this step's keys were stored, in slot order (the last ``num_new_tokens`` are the new ones).
     ``scale``: the softmax scale attention used.
+
+    ``head_lens``: None, or (a ``StoreKind.HEAD_MAJOR`` layer whose KV heads hold different numbers of
+    slots, e.g. a resumed chain compacted per head) per KV head the slots it holds after this step:
+    head ``h``'s slots are ``keys[: head_lens[h] - n, h]`` then the step's ``n`` tokens ``keys[-n:, h]``
+    (rows between are padding, not slots), and a ``Compaction`` row ``h`` indexes them in that order.
+    ``head_keys(h)`` gives them.
     """
 
     queries: torch.Tensor
     keys: torch.Tensor
     scale: float
+    head_lens: tuple[int, ...] | None = None
+
+    def head_keys(self, head: int) -> torch.Tensor:
+        """``[head_lens[head], D]`` the slots KV head ``head`` holds, in slot order."""
+        keys, n = self.keys[:, head], self.queries.shape[0]
+        if self.head_lens is None:
+            return keys
+        return torch.cat([keys[: self.head_lens[head] - n], keys[keys.shape[0] - n :]])
 
 
 @dataclass(frozen=True, slots=True)

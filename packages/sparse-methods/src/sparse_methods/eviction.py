@@ -231,6 +231,10 @@ class EvictionMethod(SparseMethod):
             state.window[layer] = window = window[-self.observation_window :]  # 0: all of them
         if budgets is None or kv_len <= budgets[layer]:
             return
+        if view.head_lens is not None:  # a head-major layer whose heads hold different counts
+            keep = self._select_ragged(self._head_scores(layer, window, view), view.head_lens, budgets[layer])
+            self._pending.setdefault(rid, self._layers())[layer] = keep
+            return
         if not self.accumulates:
             scores = self.score(layer, ScoreInputs(window, view.keys, view.scale))
         keep = self._select(scores, kv_len, budgets[layer])
@@ -248,6 +252,26 @@ class EvictionMethod(SparseMethod):
             scores = torch.zeros(1, 0)  # not read: nothing to rank
         keep = keep_indices(scores, kv_len=kv_len, sink=sink, recent=recent, num_middle=middle)
         return keep.expand(self.shape.num_kv_heads, -1).contiguous()
+
+    def _head_scores(self, layer: int, window: torch.Tensor, view: LayerAttention) -> torch.Tensor:
+        """``[num_kv_heads, M]``: ``score()`` of each KV head over the slots it holds (``view.head_lens``),
+        with its query group's observed queries; ``-inf`` past a head's slots."""
+        if self.accumulates:
+            raise NotImplementedError(f"{self.name} accumulates scores per slot: not over ragged heads")
+        g = self.shape.group_size
+        rows = [
+            self.score(layer, ScoreInputs(window[:, h * g : (h + 1) * g], view.head_keys(h)[:, None], view.scale))[0]
+            for h in range(len(view.head_lens))
+        ]
+        out = torch.full((len(rows), max(r.numel() for r in rows)), float("-inf"), device=window.device)
+        for h, row in enumerate(rows):
+            out[h, : row.numel()] = row
+        return out
+
+    def _select_ragged(self, scores: torch.Tensor, head_lens: tuple[int, ...], budget: int) -> torch.Tensor:
+        """``_select`` for heads holding ``head_lens`` slots each (rows as ``Compaction.head_counts`` says):
+        only a method whose heads keep their own counts (a head-major store) can."""
+        raise NotImplementedError(f"{self.name} keeps one count per layer: it cannot compact ragged heads")
 
     def _compact_by_position(self, r: RequestStep, budgets: tuple[int, ...]) -> None:
         """A method that ranks nothing keeps sink and recent: decided before the forward, no inputs."""

@@ -384,19 +384,24 @@ class PagedAttention:
                 self._observe(layer_idx, q, k_cache, group, wanted)
         return out.view_as(q)
 
-    def _lane_keys(self, group, i: int, n: int, flat_k: torch.Tensor) -> torch.Tensor:
-        """Request ``i``'s keys ``[kv_len, Hkv, D]`` in a head-major layer whose lanes hold the same
-        number of slots (after this step's ``n`` tokens)."""
-        h = self.lanes
-        lens = {group.kv_lens[i * h + j] + n for j in range(h)}
-        if len(lens) > 1:
-            raise NotImplementedError(
-                f"{self.method.name} observes a layer whose KV heads hold different numbers of slots "
-                "(a resumed chain compacted per head): not supported yet"
-            )
-        kv_len = lens.pop()
-        host = torch.stack([table_slots(group.block_ids[i * h + j], kv_len, self.block_size) for j in range(h)])
-        return flat_k[to_device(host, self.device)].squeeze(2).transpose(0, 1)  # [H, kv_len, D] -> [kv_len, H, D]
+    def _lane_keys(self, group, i: int, n: int, flat_k: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+        """Request ``i``'s keys ``[kv_len, Hkv, D]`` in a head-major layer, after this step's ``n`` tokens,
+        and None; or, when its heads hold different counts, the padded keys ``LayerAttention.head_lens``
+        describes (each head's earlier slots first, the step's tokens last) and those counts."""
+        h, bs = self.lanes, self.block_size
+        lens = tuple(group.kv_lens[i * h + j] + n for j in range(h))
+        width = max(lens)
+        # Per head, the pool slots of its rows: its earlier slots, padding (its first slot, zeroed below), the step's.
+        rows = []
+        for j, kv_len in enumerate(lens):
+            slots = table_slots(group.block_ids[i * h + j], kv_len, bs)
+            rows.append(torch.cat([slots[: kv_len - n], slots[:1].expand(width - kv_len), slots[kv_len - n :]]))
+        keys = flat_k[to_device(torch.stack(rows), self.device)].squeeze(2).transpose(0, 1)  # [width, H, D]
+        if len(set(lens)) == 1:
+            return keys, None
+        for j, kv_len in enumerate(lens):
+            keys[kv_len - n : width - n, j] = 0
+        return keys, lens
 
     def _request_keys(
         self, layer_idx: int, group, i: int, kv_len: int, flat_k: torch.Tensor | None, dtype
@@ -427,11 +432,12 @@ class PagedAttention:
         for i, step in enumerate(meta.steps):
             if step.request_id not in wanted:
                 continue
+            head_lens = None
             if self.lanes > 1:
-                keys = self._lane_keys(group, i, step.num_new_tokens, flat_k)
+                keys, head_lens = self._lane_keys(group, i, step.num_new_tokens, flat_k)
             else:
                 kv_len = group.kv_lens[i] + step.num_new_tokens
                 keys = self._request_keys(layer_idx, group, i, kv_len, flat_k, q.dtype)
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
             rows = rows if self.group_queries is None else self.group_queries(rows)
-            self.method.on_attention_end(layer_idx, step, LayerAttention(rows, keys, self.sm_scale))
+            self.method.on_attention_end(layer_idx, step, LayerAttention(rows, keys, self.sm_scale, head_lens))

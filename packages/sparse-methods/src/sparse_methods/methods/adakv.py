@@ -16,7 +16,7 @@ average). Each rank would hold different block counts: no tensor parallelism wit
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from pydantic import Field
@@ -38,30 +38,39 @@ class AdaKVConfig(SnapKVConfig):
 
 
 def adaptive_keep(
-    scores: torch.Tensor, *, kv_len: int, sink: int, recent: int, budget: int, alpha: float
+    scores: torch.Tensor, *, kv_len: int | Sequence[int], sink: int, recent: int, budget: int, alpha: float
 ) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Per-head adaptive selection of one layer: ``(keep, counts)`` (``ragged_rows``: ``keep`` ``[H, n_max]``,
     row ``h``'s first ``counts[h]`` entries its kept slots, ascending).
 
-    ``scores``: ``[H, M]`` of slots ``0 .. M-1`` (``M >= kv_len - recent``). Each head keeps its
-    sink and recent slots and its top ``int(budget * alpha)`` (at least 1 when ``alpha > 0``; the
-    protected slots count first); the other ``H x budget`` places go to the best remaining scores
-    over all heads.
+    ``scores``: ``[H, M]`` of slots ``0 .. M-1`` (``M >= kv_len - recent``). ``kv_len``: the slots every
+    head holds, or per head (heads that already keep different counts; scores past them are ignored).
+    Each head keeps its sink and recent slots and its top ``int(budget * alpha)`` (at least 1 when
+    ``alpha > 0``; the protected slots count first); the other ``H x budget`` places go to the best
+    remaining scores over all heads.
     """
-    num_heads = scores.shape[0]
-    full = torch.full((num_heads, kv_len), float("inf"), dtype=torch.float32, device=scores.device)
-    mid_hi = kv_len - min(recent, kv_len - min(sink, kv_len))
-    full[:, sink:mid_hi] = scores[:, sink:mid_hi].float()
+    num_heads, device = scores.shape[0], scores.device
+    lens = torch.tensor([kv_len] * num_heads if isinstance(kv_len, int) else list(kv_len), device=device)
+    width = int(lens.max())
+    pos = torch.arange(width, device=device)
+    real = pos < lens[:, None]
+    mid_hi = lens - torch.minimum(torch.full_like(lens, recent), lens - lens.clamp(max=sink))
+    middle = (pos >= sink) & (pos < mid_hi[:, None])
+    ranked = torch.full((num_heads, width), float("-inf"), device=device)
+    m = min(width, scores.shape[1])
+    ranked[:, :m] = scores[:, :m].float()
+    full = torch.where(middle, ranked, float("inf")).masked_fill(~real, float("-inf"))
     n_safe = int(budget * alpha)
     if alpha > 0 and budget > 0:
         n_safe = max(1, n_safe)
     if n_safe:
-        top = torch.topk(full, min(n_safe, kv_len), dim=1).indices
-        full.scatter_(1, top, float("inf"))
-    order = torch.sort(full.flatten(), descending=True, stable=True).indices[: num_heads * min(budget, kv_len)]
-    kept = torch.zeros(num_heads * kv_len, dtype=torch.bool, device=scores.device)
+        top = torch.zeros_like(real).scatter_(1, torch.topk(full, min(n_safe, width), dim=1).indices, True)
+        full = full.masked_fill(top & real, float("inf"))
+    places = min(num_heads * budget, int(lens.sum()))
+    order = torch.sort(full.flatten(), descending=True, stable=True).indices[:places]
+    kept = torch.zeros(num_heads * width, dtype=torch.bool, device=device)
     kept[order] = True
-    return ragged_rows(kept.view(num_heads, kv_len))
+    return ragged_rows(kept.view(num_heads, width) & real)
 
 
 @register
@@ -93,6 +102,14 @@ class AdaKV(SnapKV):
         )
         self._chosen = tuple(reduction.local(torch.tensor(counts), 0).tolist())
         return reduction.local(keep, 0)
+
+    def _select_ragged(self, scores: torch.Tensor, head_lens: tuple[int, ...], budget: int) -> torch.Tensor:
+        """A resumed chain's heads hold different counts: the same sharing out, over each head's slots."""
+        sink, recent = self.protected(budget)
+        keep, self._chosen = adaptive_keep(
+            scores, kv_len=head_lens, sink=sink, recent=recent, budget=budget, alpha=self.config.alpha_safeguard
+        )
+        return keep
 
     def on_attention_end(self, layer, request, view) -> None:
         self._chosen = None
