@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from sparse_methods import ModelShape, build_method
 from sparse_methods.methods.adakv import adaptive_keep
 from sparse_serve import LLM, SamplingParams
+from sparse_serve.bench.decode import _step_kv_tokens, _step_kv_tokens_reference, max_batch_size
 from sparse_serve.step_metadata import table_slots
 
 
@@ -224,14 +225,18 @@ def test_adakv_admits_at_least_as_many_as_snapkv(tiny_checkpoint):
     times the heads that a store without lanes held."""
     path, model = tiny_checkpoint("llama")
     params = _kvpress_params(48, 16, 0.2)
-    counts, bs = {}, 16
+    counts, planned, bs = {}, {}, 16
     for name in ("snapkv", "adakv"):
         own = params if name == "adakv" else {k: v for k, v in params.items() if k != "alpha_safeguard"}
         engine = _llm(path, num_kv_blocks=60, max_num_seqs=64, **own, sparse_method=name).engine
+        planned[name] = max_batch_size(engine, 300, 1, "synthetic")  # what the benchmark adds (one token more)
         counts[name] = _admitted(engine, 300)
         lanes = engine.kv.layout.num_tables if name == "adakv" else 1
         assert engine.kv.pool.num_used_blocks == counts[name] * lanes * -(-48 // bs)
+        # The benchmark's bytes read per step count layer slots (every head), from per-lane lengths here.
+        assert _step_kv_tokens(engine) == _step_kv_tokens_reference(engine) == (counts[name] * 3 * 48, counts[name])
     assert counts["adakv"] >= counts["snapkv"] == 60 // 3
+    assert planned["adakv"] >= planned["snapkv"] == 60 // 4
     engine = _llm(path, **params).engine
     kept = _engine_kept_on(engine, model, _prompt(4))
     largest = sum(len(layer) * -(-max(map(len, layer)) // bs) for layer in kept)
