@@ -286,3 +286,29 @@ def test_adaptive_keep_over_ragged_heads(lens, budget, alpha, seed):
     uniform = adaptive_keep(scores, kv_len=max(lens), sink=sink, recent=recent, budget=budget, alpha=alpha)
     ragged = adaptive_keep(scores, kv_len=[max(lens)] * len(lens), sink=sink, recent=recent, budget=budget, alpha=alpha)
     assert torch.equal(uniform[0], ragged[0]) and uniform[1] == ragged[1]
+
+
+def test_padded_head_major_decode_equals_the_unpadded_one(tiny_checkpoint):
+    """A CUDA graph's step on CPU: a ragged head-major decode padded to a bucket (a dummy row per KV head
+    of each padded request) gives the real rows' hidden states unchanged; a capture's all-padding step runs."""
+    from sparse_serve.cuda_graphs import _dummy_decode_metadata, pad_decode_metadata
+    from sparse_serve.step_metadata import build_step_metadata
+
+    path, _ = tiny_checkpoint("qwen3")
+    engine = _llm(path, **_kvpress_params(40, 8, 0.2)).engine
+    for seed, n in ((1, 90), (2, 75)):
+        engine.add_request(_prompt(seed, n), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.prefill_len for r in engine.scheduler.running):
+        engine.step()
+    meta = build_step_metadata(engine.scheduler.schedule(), engine.kv.table, 16, layout=engine.kv.layout)
+    runner = engine.runner
+    assert meta.groups[0].heads > 1 and meta.num_prefill_requests == 0
+
+    def hidden(m):
+        runner.attention.plan(m)
+        return runner.model(m.input_ids, m.positions, runner.attention)
+
+    with torch.inference_mode():
+        want = hidden(meta)
+        torch.testing.assert_close(hidden(pad_decode_metadata(meta, 5))[:2], want, rtol=1e-5, atol=1e-5)
+        assert hidden(_dummy_decode_metadata(3, meta.layer_group, meta.groups[0].heads)).shape[0] == 3

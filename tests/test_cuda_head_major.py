@@ -1,7 +1,7 @@
 """The head-major store on a CUDA device (skipped without CUDA): AdaKV's ragged per-head decode through
-the Triton kernels (a row per (request, KV head), each lane its own block list) generates what a plain
-per-head-masked HF decode over the kept sets generates, and what the CPU reference path generates, in
-batches that mix prefill chunks and decodes; KVzip's likewise equals its CPU path."""
+the Triton kernels (a row per (request, KV head), each lane its own block list) under CUDA graphs
+generates what a plain per-head-masked HF decode over the kept sets generates, and what the eager and
+CPU reference paths generate, in batches that mix prefill chunks and decodes; KVzip's likewise."""
 
 from __future__ import annotations
 
@@ -35,8 +35,10 @@ def test_ragged_decode_on_cuda_equals_the_masked_reference(tiny_checkpoint):
     kept = head_kept(engine, rid, model, prompt)
     engine.abort_request(rid)
     assert any(len({len(s) for s in layer}) > 1 for layer in kept)  # ragged
-    out = _llm(path, "cuda", **params).generate([prompt], GREEDY)[0]
+    llm = _llm(path, "cuda", **params)
+    out = llm.generate([prompt], GREEDY)[0]
     assert list(out.token_ids) == _masked_decode_reference(model, prompt, kept, GREEDY.max_tokens)
+    assert llm.engine.runner.graphs.num_replays > 0, "head-major decode steps should replay CUDA graphs"
 
 
 @pytest.mark.parametrize("method", ["adakv", "kvzip"])
@@ -51,5 +53,8 @@ def test_head_major_batches_on_cuda_equal_cpu(tiny_checkpoint, method):
         )
     prompts = [_prompt(seed, n) for seed, n in ((1, 90), (2, 130), (3, 61))]
     params = dict(params, max_num_batched_tokens=64)
-    cuda = [o.token_ids for o in _llm(path, "cuda", **params).generate(prompts, GREEDY)]
+    graphs = _llm(path, "cuda", **params)
+    cuda = [o.token_ids for o in graphs.generate(prompts, GREEDY)]
+    assert graphs.engine.runner.graphs.num_replays > 0
+    assert cuda == [o.token_ids for o in _llm(path, "cuda", **params, enforce_eager=True).generate(prompts, GREEDY)]
     assert cuda == [o.token_ids for o in _llm(path, "cpu", **params).generate(prompts, GREEDY)]

@@ -113,9 +113,9 @@ class ModelRunner:
             method=method,
             tail_rows=self.tail_rows,
             static_scales=static_scales,
-            max_num_tokens=max(config.max_num_batched_tokens, graph_batch),
+            max_num_tokens=max(config.max_num_batched_tokens, graph_batch) * lanes,
             max_batch_size=max(config.max_num_seqs, graph_batch) * lanes,
-            max_num_pages=(config.max_num_seqs * -(-max_model_len_hint // self.block_size) + graph_batch) * lanes,
+            max_num_pages=self._max_decode_pages(max_model_len_hint, graph_batch),
             sm_scale=cfg.softmax_scale,
             layer_windows=tuple(-1 if w is None else w - 1 for w in cfg.layer_sliding_windows),  # HF W: w - 1
             group_queries=None if tp_world_size() == 1 else _group_queries(cfg.num_key_value_heads),
@@ -124,16 +124,24 @@ class ModelRunner:
         self.method = method
         self.graphs: DecodeGraphs | None = None
         # Under tensor parallelism every rank captures the same buckets, NCCL collectives inside.
-        # A head-major store decodes eagerly: its plans are not padded for graph buckets yet.
-        if self.device.type == "cuda" and not config.enforce_eager and not self.store.head_major:
+        if self.device.type == "cuda" and not config.enforce_eager:
             # A decode step's layer groups: one, or one per layer (each with its own table). A latent store
             # keeps only its first group's plan in fixed buffers: with a table per layer it decodes eagerly.
             layer_group = tuple(range(cfg.num_hidden_layers)) if per_layer and not self.store.latent else None
             self.graphs = DecodeGraphs(
-                self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device, layer_group
+                self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device, layer_group, lanes
             )
             self.graphs.capture()
         self.sampler = Sampler(config.seed, self.device)
+
+    def _max_decode_pages(self, max_model_len: int, graph_batch: int) -> int:
+        """Block ids one layer's decode step lists at most (its plans' fixed capacity): every request at full
+        length, plus a graph's padding rows. A head-major layer lists each lane's blocks: bounded by the
+        pool too (only chain forks list a shared block twice), which keeps a plan per layer affordable."""
+        full = self.config.max_num_seqs * -(-max_model_len // self.block_size)
+        if self.lanes == 1:
+            return full + graph_batch
+        return min(full * self.lanes, self.num_pool_blocks) + graph_batch * self.lanes
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg, bs = self.model_config, self.config.block_size
