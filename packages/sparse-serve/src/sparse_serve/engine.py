@@ -605,6 +605,8 @@ class LLMEngine:
         *,
         policy: str = "snapkv_global",
         observation_window_size: int = 32,
+        kvzip_score_chunk_size: int = 2048,
+        kvzip_prev_postfix_size: int = 64,
         chain_id: str | None = None,
     ) -> PruneResult:
         """Compress token ranges of the cached history ``prompt`` into a new degraded chain (see
@@ -612,7 +614,15 @@ class LLMEngine:
         _, token_ids = self._tokenize(prompt)
         self.drain()
         return prune_history(
-            self, token_ids, ranges, keep_tokens, policy=policy, window=observation_window_size, chain_id=chain_id
+            self,
+            token_ids,
+            ranges,
+            keep_tokens,
+            policy=policy,
+            window=observation_window_size,
+            kvzip_score_chunk_size=kvzip_score_chunk_size,
+            kvzip_prev_postfix_size=kvzip_prev_postfix_size,
+            chain_id=chain_id,
         )
 
     # -- stats ----------------------------------------------------------------------------------
