@@ -64,8 +64,8 @@ class LLMEngine:
     step N+1 while step N runs on the device (N+1's input ids are N's sampled tokens, copied on the
     device), then takes N's tokens and returns N's outputs, so each call still returns one step's
     outputs and each request gets the tokens it gets without pipelining (a request added meanwhile
-    joins at N+2). Only decode-only steps that compact nothing, with no request observed or on a
-    chain, are pipelined; anything else runs synchronously. A request that stops at N
+    joins at N+2). Decode-only steps with no request on a chain are pipelined, those that observe
+    attention or compact included (see ``_pipelinable``); anything else runs synchronously. A request that stops at N
     (EOS, stop ids or strings, abort) was already in N+1: that row is dropped, never emitted; its
     blocks are freed at once on the host, which is safe because every later device use of them is
     queued behind N+1 on the same stream. Requests whose token at N reaches their length limit sit
@@ -359,16 +359,18 @@ class LLMEngine:
         compactions = self.method.finish_step()
         self.num_steps += 1
         observed = frozenset().union(*(self.method.attention_requests(layer) for layer in range(self.num_layers)))
-        pipelined = self.async_scheduling and not observed and self._pipelinable(batch, meta, compactions)
+        pipelined = self.async_scheduling and self._pipelinable(batch, meta)
         return _LaunchedStep(batch, meta, pending, compactions, pipelined, observed)
 
-    def _pipelinable(self, batch: ScheduledBatch, meta: StepMetadata, compactions: Mapping) -> bool:
+    def _pipelinable(self, batch: ScheduledBatch, meta: StepMetadata) -> bool:
         """Whether the next step may be built before this one's tokens are known: a decode-only step
-        (one sampled token per request) that compacts nothing and observes no attention (any method:
-        an evicting one's steps between its compactions too), preempting nobody and touching no chain
-        (chains close on the exact tokens). What the next step's build needs on the host is then known
-        without the device: every request's KV lengths and blocks grow by the step's tokens."""
-        if compactions or batch.preempted:
+        (one sampled token per request) preempting nobody and touching no chain (chains close on the
+        exact tokens; a resumed chain's compaction may copy blocks shared with a fork first). What the
+        next step's build needs on the host is then known without the device, whatever the method
+        does: each request's KV lengths grow by one, and a compaction's new lengths are its kept counts
+        (budgets, host values) and its freed blocks follow from them; the kept indices stay on the
+        device and the compaction runs in stream order, after this step and before the next."""
+        if batch.preempted:
             return False
         if meta.num_prefill_requests or len(meta.sampled) != meta.num_tokens:
             return False

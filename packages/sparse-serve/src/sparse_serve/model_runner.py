@@ -6,8 +6,7 @@ import torch
 
 from sparse_cache import LayerLayout, TailRows
 from sparse_kernels import block_summary
-from sparse_methods import PrefixCacheMode, SparseMethod, StepContext
-from sparse_methods.query_ring import QueryRing
+from sparse_methods import PrefixCacheMode, QueryRing, SparseMethod, StepContext
 from sparse_models import ModelConfig, load_model
 from sparse_models.distributed import (
     gather_kv_group_heads,
@@ -247,8 +246,9 @@ def _query_ring(method: SparseMethod | None, store, config: EngineConfig, dtype,
     if window == 0 or store.latent:
         return None
     shape, rows = method.shape, config.max_num_seqs
-    method.query_ring = QueryRing(shape.num_layers, rows, window, shape.num_q_heads, shape.head_dim, rows, dtype, device)
-    return method.query_ring
+    ring = QueryRing(shape.num_layers, rows, window, shape.num_q_heads, shape.head_dim, rows, dtype, device)
+    method.query_ring = ring
+    return ring
 
 
 def _check_windows(method: SparseMethod | None, store, cfg: ModelConfig) -> None:
