@@ -132,10 +132,11 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", type=Path, default=None, help="default: results/eval/<set>")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/eval/<set> (methods: methods_quality)")
     args = parser.parse_args()
     configs = SETS[args.set](args.length)
-    args.out = args.out or Path("results/eval") / args.set
+    # results/eval/methods holds scripts/eval_methods.py's CPU runs (another layout): this set writes beside it.
+    args.out = args.out or Path("results/eval") / {"methods": "methods_quality"}.get(args.set, args.set)
     tasks = tuple(args.tasks.split(","))
     grid = EvalGrid(tasks, (args.length,), DEPTHS, samples_per_cell=args.samples_per_cell, seed=0)
     haystack = Haystack.from_stdlib()
