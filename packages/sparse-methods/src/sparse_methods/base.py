@@ -46,6 +46,7 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from sparse_methods.prefill_attention import PrefillAttention
+    from sparse_methods.query_ring import QueryRing
 
 
 class Category(enum.StrEnum):
@@ -423,6 +424,17 @@ class SparseMethod(ABC):
 
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:  # noqa: B027
         """Observe one request's queries and keys after ``layer``'s attention."""
+
+    @property
+    def query_ring_window(self) -> int:
+        """Latest decode queries per (request, layer) the method reads back at its compactions (0: none).
+        When positive the engine may give the method a ``QueryRing`` of that window (``query_ring``) that
+        every decode step writes on the device (full-attention layers, decode rows); the method then plans
+        it in ``prepare_step`` and asks for no attention inputs at the steps that only remember queries."""
+        return 0
+
+    query_ring: QueryRing | None = None
+    """Set by the engine when ``query_ring_window`` is positive and its store keeps plain queries."""
 
     @property
     def summary_page_size(self) -> int | None:

@@ -7,7 +7,9 @@ one-token KV list on block 0 (read, never written; their outputs are dropped); a
 groups pad a row per KV head of each padded request likewise. The graph reads its
 inputs from static buffers that each step fills in place: the token ids and positions here, each
 group's slot mapping and decode CSR inside the attention backend (whose plans copy into
-fixed-capacity buffers). Logits and sampling run eagerly on the real rows.
+fixed-capacity buffers). Logits and sampling run eagerly on the real rows. A method's query ring
+(``sparse_methods.QueryRing``: an evicting method's recent decode queries) is written inside the
+graphs from its fixed index buffer, so an evicting method's steps between compactions replay too.
 
 Tensor parallelism: each rank captures the same buckets with its NCCL collectives inside (the
 communicator already initialised by the warm-up forwards); rank 0 broadcasts every step, so every

@@ -6,13 +6,15 @@ reference on CPU) and this reports each layer's new length. The caller then
 shrinks the request's tables, returning whole blocks to the pool. Layers read their slots through
 their own block table (the per-layer layout) or one table shared by all.
 
-Per compacted request the host waits on the device once (the bounds check of every layer's kept
-indices, in one reduction) and copies its inputs once (every slot list and CSR offset, packed, pinned
-and non-blocking); each layer is then one ``compact_kv`` launch.
+Per compacted request the host copies the inputs once (every slot list and CSR offset, packed, pinned
+and non-blocking) and never waits for the device: the new lengths are the kept counts (shapes), and
+the bounds check of every layer's kept indices is one reduction that asserts on the device (a CPU
+raises at once). Each layer is then one ``compact_kv`` launch, so a pipelined engine compacts in
+stream order while the host builds the next step.
 
 A head-major store (a table per (layer, KV head) lane) compacts each lane to its own count
-(``Compaction.head_counts``): ``apply_lane_compaction``, one launch per layer whose lanes are the
-kernel's requests of one KV head.
+(``Compaction.head_counts``, host ints): ``apply_lane_compaction``, one launch per layer whose lanes
+are the kernel's requests of one KV head, without waiting for the device either.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def apply_compaction(
 
 
 def _check_bounds(layers: list[tuple[int, torch.Tensor]], kv_lens: list[int]) -> None:
-    """Every kept index lies in its layer's slots: one reduction over all layers, one host read."""
+    """Every kept index lies in its layer's slots: one reduction over all layers; on a GPU an assert on
+    the device (no wait), elsewhere one host read that names the layer."""
     keeps = [keep for _, keep in layers if keep.numel()]
     if not keeps:
         return
@@ -81,8 +84,13 @@ def _check_bounds(layers: list[tuple[int, torch.Tensor]], kv_lens: list[int]) ->
         lo, hi = torch.stack(keeps).flatten(1).aminmax(dim=1)
     else:
         lo, hi = (torch.stack(t) for t in zip(*(k.aminmax() for k in keeps), strict=True))
-    bounds = torch.stack([lo, hi]).tolist()  # the one wait for the device
     nonempty = [layer for layer, keep in layers if keep.numel()]
+    if lo.device.type == "cuda":
+        lens = torch.tensor([kv_lens[layer] for layer in nonempty], device="cpu").pin_memory()
+        inside = (lo >= 0).all() & (hi < lens.to(lo.device, non_blocking=True)).all()
+        torch._assert_async(inside, "compaction: a kept index lies outside its layer's slots")
+        return
+    bounds = torch.stack([lo, hi]).tolist()
     for layer, low, high in zip(nonempty, *bounds, strict=True):
         if low < 0 or high >= kv_lens[layer]:
             raise ValueError(f"layer {layer}: kept index outside the layer's {kv_lens[layer]} slots")
@@ -114,38 +122,47 @@ def apply_lane_compaction(
 ) -> list[int]:
     """Compact a head-major request (``lane_ids`` / ``lane_lens``: per (layer, KV head) lane, layer-major);
     returns the new per-lane lengths. Layer ``l``'s head ``h`` keeps the first ``counts(l)[h]`` entries
-    of its ``keep`` row. One host read for every layer's kept indices (their bounds are checked there)."""
+    of its ``keep`` row (picked on the device by host-made positions: no wait)."""
     num_layers = len(compaction.keep)
     heads = len(lane_lens) // num_layers
     if heads * num_layers != len(lane_lens):
         raise ValueError(f"{len(lane_lens)} lanes are not {num_layers} layers' KV heads")
-    layers = [(layer, keep) for layer, keep in enumerate(compaction.keep) if keep is not None]
-    if not layers:
-        return list(lane_lens)
-    host = torch.cat([keep.flatten() for _, keep in layers]).cpu().split([keep.numel() for _, keep in layers])
     new_lens, device = list(lane_lens), pool.device
-    for (layer, keep), flat in zip(layers, host, strict=True):
-        counts = compaction.counts(layer)
-        rows = flat.view(keep.shape)
-        lanes = range(layer * heads, (layer + 1) * heads)
-        kept = [rows[h, :n] for h, n in enumerate(counts)]
-        for lane, row in zip(lanes, kept, strict=True):
-            if row.numel() and (int(row.min()) < 0 or int(row.max()) >= lane_lens[lane]):
-                raise ValueError(f"layer {layer}: kept index outside lane {lane}'s {lane_lens[lane]} slots")
+    for layer, keep in enumerate(compaction.keep):
+        if keep is None:
+            continue
+        counts, lanes, width = compaction.counts(layer), range(layer * heads, (layer + 1) * heads), keep.shape[1]
+        if len(counts) != heads or any(n > width or n > lane_lens[t] for n, t in zip(counts, lanes, strict=True)):
+            raise ValueError(f"layer {layer}: keeps {counts} of rows {tuple(keep.shape)} over {heads} lanes")
+        pick = [h * width + i for h, n in enumerate(counts) for i in range(n)]  # row h's first counts[h]
+        limit = [lane_lens[t] for t, n in zip(lanes, counts, strict=True) for _ in range(n)]
         slots = torch.cat([table_slots(lane_ids[t], lane_lens[t], block_size) for t in lanes])
-        slot_indptr = torch.tensor([0, *itertools.accumulate(lane_lens[t] for t in lanes)])
-        keep_indptr = torch.tensor([0, *itertools.accumulate(counts)])
-        packed = to_device(torch.cat([slots, slot_indptr, keep_indptr, torch.cat(kept)]).to(torch.int32), device)
-        n_slots, n_ptr = slots.numel(), heads + 1
-        slot_ids, indptrs = packed[:n_slots], packed[n_slots : n_slots + 2 * n_ptr]
+        offsets = [0, *itertools.accumulate(lane_lens[t] for t in lanes), 0, *itertools.accumulate(counts)]
+        host = torch.cat([slots, torch.tensor(offsets + pick + limit, dtype=torch.int64)]).to(torch.int32)
+        packed, k = to_device(host, device), len(pick)
+        n_slots = slots.numel()
+        indptr = packed[n_slots : n_slots + 2 * (heads + 1)]
+        kept = keep.to(device).flatten()[packed[-2 * k : -k].long()] if k else keep.new_zeros(0)
+        _check_lane_bounds(kept, packed[-k:] if k else packed[:0], layer)
         compact_kv(
             pool.k[layer],
             pool.v[layer],
-            slot_ids,
-            packed[n_slots + 2 * n_ptr :].view(1, -1),
-            slot_indptr=indptrs[:n_ptr],
-            keep_indptr=indptrs[n_ptr:],
+            packed[:n_slots],
+            kept.view(1, -1),
+            slot_indptr=indptr[: heads + 1],
+            keep_indptr=indptr[heads + 1 :],
         )
         for lane, n in zip(lanes, counts, strict=True):
             new_lens[lane] = n
     return new_lens
+
+
+def _check_lane_bounds(kept: torch.Tensor, limit: torch.Tensor, layer: int) -> None:
+    """``0 <= kept < limit`` (each kept index within its lane): asserted on a GPU, checked at once elsewhere."""
+    if not kept.numel():
+        return
+    inside = ((kept >= 0) & (kept < limit)).all()
+    if kept.device.type == "cuda":
+        torch._assert_async(inside, "compaction: a kept index lies outside its lane's slots")
+    elif not bool(inside):
+        raise ValueError(f"layer {layer}: kept index outside its lane's slots")
