@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_method_oracles import PROMPT_LEN, _dense_keys, _positions, _prompt
+from test_methods_engine import _admitted
 from transformers import DynamicCache
 
 from sparse_methods import ModelShape, build_method
@@ -241,17 +242,6 @@ def test_adakv_admits_at_least_as_many_as_snapkv(tiny_checkpoint):
     kept = _engine_kept_on(engine, model, _prompt(4))
     largest = sum(len(layer) * -(-max(map(len, layer)) // bs) for layer in kept)
     assert sum(-(-len(s) // bs) for layer in kept for s in layer) < largest
-
-
-def _admitted(engine, prompt_len: int) -> int:
-    """Synthetic requests (prefilled to their method's resident KV) that fit the pool at once."""
-    n = 0
-    while True:
-        try:
-            engine.add_synthetic_request(prompt_len, SamplingParams(max_tokens=1))
-        except ValueError:
-            return n
-        n += 1
 
 
 def test_adakv_batches_equal_requests_alone(tiny_checkpoint):

@@ -181,13 +181,16 @@ class LLMEngine:
 
     def _prefill_peak(self, req: Request) -> int | tuple[int, ...]:
         """Slots the request's tables hold at most while its prompt is processed: per layer in the
-        per-layer layout (a windowed layer's capped at its window and a chunk), their largest otherwise."""
+        per-layer layout (a windowed layer's capped at its window and a chunk), per lane in the head-major
+        one, their largest otherwise."""
         rest = max(0, req.num_tokens - req.num_computed_tokens)
         if not self.kv.per_layer:
             if req.resumed:  # a chain's retained KV plus the suffix still to compute
                 return req.kv_len + rest
             return max(self.memory_plan(req).prefill_peak_tokens)
         peaks = [k + rest for k in req.kv_lens] if req.resumed else self.memory_plan(req).prefill_peak_tokens
+        if not req.resumed and self.kv.layout.heads > 1:  # a head-major request's lanes fill alike until compacted
+            peaks = self.kv.layout.per_table(peaks)
         return self.kv.layout.window_peaks(peaks, self.config.max_num_batched_tokens, self.config.block_size)
 
     def _full_prefill(self, req: Request) -> bool:

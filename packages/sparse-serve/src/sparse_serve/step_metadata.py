@@ -144,14 +144,21 @@ def _group(
         else:
             slots += _slots(ids, kv_len, kv_len + n, block_size)
         ends.append(kv_len + n)
-    d_indptr, d_indices, d_last = _csr(block_ids[:num_decode], ends[:num_decode], block_size, skips[:num_decode])
-    p_indptr, p_indices, p_last = _csr(block_ids[num_decode:], ends[num_decode:], block_size, skips[num_decode:])
     qo_indptr = [0]
     for _, n in items[num_decode:]:
         qo_indptr.append(qo_indptr[-1] + n)
+    return _lists(layers, kv_lens, block_ids, slots, ends, skips, num_decode, qo_indptr, block_size)
+
+
+def _lists(layers, kv_lens, block_ids, slots, ends, skips, num_decode_rows, qo_indptr, block_size, **extra):
+    """A group's metadata from its rows (``block_ids``, their ``ends`` after the step and ``skips``, the
+    first ``num_decode_rows`` single-token ones), its slot mapping and the prefill rows' ``qo_indptr``."""
+    d = num_decode_rows
+    d_indptr, d_indices, d_last = _csr(block_ids[:d], ends[:d], block_size, skips[:d])
+    p_indptr, p_indices, p_last = _csr(block_ids[d:], ends[d:], block_size, skips[d:])
     return LayerGroupMetadata(
         layers=layers,
-        kv_lens=kv_lens,
+        kv_lens=tuple(kv_lens),
         block_ids=tuple(block_ids),
         slot_mapping=_i32(slots),
         decode_kv_indptr=_i32(d_indptr),
@@ -161,6 +168,7 @@ def _group(
         prefill_kv_indptr=_i32(p_indptr),
         prefill_kv_indices=_i32(p_indices),
         prefill_kv_last_len=_i32(p_last),
+        **extra,
     )
 
 
@@ -177,30 +185,26 @@ def head_major_group(
         ends += [k + n for k in lens]
         block_ids += ids
         kv_lens += lens
-    rows = num_decode * heads
-    zero = [0] * len(ends)
-    d_indptr, d_indices, d_last = _csr(block_ids[:rows], ends[:rows], bs, zero[:rows])
-    p_indptr, p_indices, p_last = _csr(block_ids[rows:], ends[rows:], bs, zero[rows:])
     qo_indptr, prefill_rows, first = [0], [], 0
     for _, n in items[num_decode:]:
         for h in range(heads):
             qo_indptr.append(qo_indptr[-1] + n)
             prefill_rows += range(first * heads + h, (first + n) * heads, heads)
         first += n
-    return LayerGroupMetadata(
-        layers=(layer,),
-        kv_lens=tuple(kv_lens),
-        block_ids=tuple(block_ids),
-        slot_mapping=_i32(slots),
-        decode_kv_indptr=_i32(d_indptr),
-        decode_kv_indices=_i32(d_indices),
-        decode_kv_last_len=_i32(d_last),
-        prefill_qo_indptr=_i32(qo_indptr),
-        prefill_kv_indptr=_i32(p_indptr),
-        prefill_kv_indices=_i32(p_indices),
-        prefill_kv_last_len=_i32(p_last),
+    rows = torch.tensor(prefill_rows, dtype=torch.int64) if prefill_rows else None
+    skips = [0] * len(ends)
+    return _lists(
+        (layer,),
+        kv_lens,
+        block_ids,
+        slots,
+        ends,
+        skips,
+        num_decode * heads,
+        qo_indptr,
+        bs,
         heads=heads,
-        prefill_rows=torch.tensor(prefill_rows, dtype=torch.int64) if prefill_rows else None,
+        prefill_rows=rows,
     )
 
 

@@ -132,6 +132,7 @@ class KVzip(SparseMethod):
         super().__init__(config, shape)
         self._replays: dict[Hashable, _Replay] = {}
         self._fresh: set[Hashable] = set()  # requests whose prompt KV is untouched (slot = position)
+        self._compacted: set[Hashable] = set()  # requests (and chains' next turns) whose KV it compacted
         self._step: dict[Hashable, int] = {}  # request -> replay pass index, this step
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
@@ -148,13 +149,15 @@ class KVzip(SparseMethod):
         for r in step.requests:
             if r.replay is not None:
                 self._step[r.request_id] = r.replay
-            elif r.ends_prefill and r.kv_lens[0] == r.start:  # nothing compacted before: slots = positions
-                self._fresh.add(r.request_id)
+            elif r.ends_prefill and r.kv_lens[0] == r.start and r.request_id not in self._compacted:
+                self._fresh.add(r.request_id)  # nothing compacted before: slots = positions
 
     def replay_passes(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> tuple[ReplayPass, ...]:
         c = self.config
         n = len(prompt_token_ids)
-        if request_id not in self._fresh or n <= c.kvzip_token_budget:
+        fresh = request_id in self._fresh
+        self._fresh.discard(request_id)  # asked once per prompt
+        if not fresh or n <= c.kvzip_token_budget:
             return ()
         size = c.kvzip_score_chunk_size
         chunks = [(s, min(s + size, n)) for s in range(0, n, size)]
@@ -186,6 +189,7 @@ class KVzip(SparseMethod):
             state.done = index + 1
             if state.done == len(state.chunks):
                 out[rid] = self._compaction(rid, self._replays.pop(rid))
+                self._compacted.add(rid)
         self._step = {}
         return out
 
@@ -216,3 +220,11 @@ class KVzip(SparseMethod):
     def release(self, request_id: Hashable) -> None:
         self._replays.pop(request_id, None)
         self._fresh.discard(request_id)
+        self._compacted.discard(request_id)
+
+    def save_state(self, request_id: Hashable) -> object | None:
+        return True if request_id in self._compacted else None  # a later turn's slots are not positions
+
+    def restore_state(self, request_id: Hashable, state: object) -> None:
+        if state:
+            self._compacted.add(request_id)
