@@ -25,6 +25,7 @@ from sparse_methods.base import (
     StepContext,
     StoreKind,
 )
+from sparse_methods.decode_score_sums import DecodeScoreSums
 from sparse_methods.prefill_attention import PrefillAttention
 from sparse_methods.query_ring import QueryRing
 from sparse_methods.registry import (
@@ -43,6 +44,7 @@ from sparse_methods.registry import (
 __all__ = [
     "Category",
     "Compaction",
+    "DecodeScoreSums",
     "DecodeView",
     "HeadReduction",
     "LayerAttention",

@@ -45,6 +45,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
+    from sparse_methods.decode_score_sums import DecodeScoreSums
     from sparse_methods.prefill_attention import PrefillAttention
     from sparse_methods.query_ring import QueryRing
 
@@ -435,6 +436,17 @@ class SparseMethod(ABC):
 
     query_ring: QueryRing | None = None
     """Set by the engine when ``query_ring_window`` is positive and its store keeps plain queries."""
+
+    @property
+    def decode_score_shape(self) -> tuple[int, int] | None:
+        """``(capacity, heads)`` of the running attention sums an accumulating method adds every decode
+        query's probabilities to: the most tokens a decoding request holds in a layer, and 1 (summed over
+        the KV heads) or ``num_kv_heads``. The engine may then give the method ``DecodeScoreSums``
+        (``decode_score_sums``) that the decode kernel's score output feeds inside the step; None: no sums."""
+        return None
+
+    decode_score_sums: DecodeScoreSums | None = None
+    """Set by the engine when ``decode_score_shape`` is given and the decode kernel can write scores."""
 
     @property
     def summary_page_size(self) -> int | None:

@@ -45,6 +45,7 @@ from sparse_methods.base import (
     SparseMethod,
     StepContext,
 )
+from sparse_methods.eviction_device import DeviceObservation
 from sparse_methods.scoring import keep_indices
 
 _UNBOUNDED = sys.maxsize  # the budget of a layer the method leaves alone (a sliding-window layer)
@@ -94,7 +95,7 @@ class _RequestState:
     scores: list[torch.Tensor | None] = field(default_factory=list)
 
 
-class EvictionMethod(SparseMethod):
+class EvictionMethod(DeviceObservation, SparseMethod):
     """Base of the physical-eviction family (KV of dropped tokens is freed, positions unchanged).
 
     Subclasses set ``name`` and ``Config`` (with a ``decode_eviction_interval`` field, 0: never) and implement
@@ -113,7 +114,6 @@ class EvictionMethod(SparseMethod):
         super().__init__(config, shape)
         self._states: dict[Hashable, _RequestState] = {}
         self._step: dict[Hashable, tuple[tuple[int, ...] | None, int]] = {}  # request -> (budgets, rows)
-        self._recorded: frozenset[Hashable] = frozenset()  # requests whose decode query the ring records this step
         self._observing: frozenset[Hashable] = frozenset()
         self._pending: dict[Hashable, list[torch.Tensor | None]] = {}
 
@@ -173,11 +173,12 @@ class EvictionMethod(SparseMethod):
     # -- derived: the step's schedule ----------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> None:
         self._step, self._pending = {}, {}
-        recorded = self._plan_ring(step.requests)
         for r in step.requests:
-            state = self._states.get(r.request_id)
-            if state is None:
-                state = self._states[r.request_id] = _RequestState(window=self._layers(), scores=self._layers())
+            if r.request_id not in self._states:
+                self._states[r.request_id] = _RequestState(window=self._layers(), scores=self._layers())
+        recorded = self._plan_device(step.requests)
+        for r in step.requests:
+            state = self._states[r.request_id]
             budgets = self._compaction(r, state)
             rows = self._observed_rows(r, budgets, r.request_id in recorded)
             if rows < r.num_new_tokens and r.request_id not in recorded:
@@ -187,31 +188,28 @@ class EvictionMethod(SparseMethod):
                 self._compact_by_position(r, budgets)
         self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
 
-    def _forget_window(self, request_id: Hashable, state: _RequestState) -> None:
-        """Unobserved tokens arrive: the queries observed so far are no longer those of the last slots."""
-        state.window = self._layers()
-        if self.query_ring is not None:
-            self.query_ring.clear(request_id)
-
     @property
     def query_ring_window(self) -> int:
         """A window scorer with decode-time eviction remembers its decode queries in the ring."""
         window = self.observation_window
         return window if self._interval is not None and not self.accumulates and window else 0
 
-    def _plan_ring(self, requests: tuple[RequestStep, ...]) -> frozenset[Hashable]:
-        """Plan the ring's writes (the step's leading single-token rows: decodes record); returns who records."""
-        ring = self.query_ring
-        if ring is None:
-            return frozenset()
-        rows = []
-        for r in requests:
-            if r.num_new_tokens != 1:
-                break  # the decode rows come first
-            rows.append(r.request_id if r.is_decode else None)
-        ring.plan(rows)
-        self._recorded = frozenset(rid for rid in rows if rid is not None)
-        return self._recorded
+    @property
+    def decode_score_shape(self) -> tuple[int, int] | None:
+        """An accumulating scorer with decode-time eviction adds the decode kernel's scores on the device:
+        a request holds at most its largest budget plus an interval while decoding (and one more token:
+        a resumed turn's first)."""
+        heads = self.score_heads
+        if not self.accumulates or self._interval is None or (heads == 1 and self.head_reduction.num_shards > 1):
+            return None  # (a sum over every shard's heads would need a collective per step and layer)
+        budgets = [self._layer_budgets(1, phase) for phase in (Phase.PROMPT, Phase.DECODE)]
+        bounded = [b for layers in budgets if layers is not None for b in layers if b != _UNBOUNDED]
+        return (max(bounded) + self._interval + 1, heads) if bounded else None
+
+    @property
+    def score_heads(self) -> int:
+        """Rows of ``score()``: ``num_kv_heads`` (per-head selection) or 1 (one choice for every head)."""
+        return self.shape.num_kv_heads
 
     def _layers(self) -> list[torch.Tensor | None]:
         return [None] * self.shape.num_layers
@@ -233,7 +231,7 @@ class EvictionMethod(SparseMethod):
         if w is None:
             return 0
         if r.is_decode:
-            if recorded:
+            if recorded:  # kept on the device: handed over only to compact
                 return r.num_new_tokens if budgets is not None else 0
             return r.num_new_tokens if self._interval is not None else 0
         if self._layer_budgets(r.prompt_len, Phase.CHUNK) is not None:  # every chunk compacts: its own last rows
@@ -253,7 +251,10 @@ class EvictionMethod(SparseMethod):
         budgets, rows = self._step[rid]
         state = self._states[rid]
         queries, kv_len = view.queries[-rows:], view.keys.shape[0]
-        if self.accumulates:
+        summed = self.decode_score_sums is not None and rid in self._recorded
+        if summed:  # the decode kernel's scores were added on the device, this step's included
+            scores = self.decode_score_sums.row(rid, layer)
+        elif self.accumulates:
             scores = self.score(layer, ScoreInputs(queries, view.keys, view.scale))
             prev = state.scores[layer]
             if prev is not None:
@@ -276,7 +277,9 @@ class EvictionMethod(SparseMethod):
             scores = self.score(layer, ScoreInputs(window, view.keys, view.scale))
         keep = self._select(scores, kv_len, budgets[layer])
         self._pending.setdefault(rid, self._layers())[layer] = keep
-        if self.accumulates:  # scores follow their tokens (one row: the shared order)
+        if summed:
+            self.decode_score_sums.compact(rid, layer, keep)
+        elif self.accumulates:  # scores follow their tokens (one row: the shared order)
             state.scores[layer] = torch.gather(scores, 1, keep[: scores.shape[0]])
 
     def _select(self, scores: torch.Tensor | None, kv_len: int, budget: int) -> torch.Tensor:
@@ -331,29 +334,18 @@ class EvictionMethod(SparseMethod):
     # -- request events and chains -----------------------------------------------------------------
     def release(self, request_id: Hashable) -> None:
         self._states.pop(request_id, None)
-        if self.query_ring is not None:
-            self.query_ring.release(request_id)
+        for device_state in (self.query_ring, self.decode_score_sums):
+            if device_state is not None:
+                device_state.release(request_id)
 
     def save_state(self, request_id: Hashable) -> object | None:
         # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.
         state = self._states.get(request_id)
         if state is None:
             return None
-        return _RequestState(state.decoded, self._folded_windows(request_id, state), list(state.scores))
-
-    def _folded_windows(self, request_id: Hashable, state: _RequestState) -> list[torch.Tensor | None]:
-        """The request's windows with the queries the ring kept since the last fold appended."""
-        ring = self.query_ring
-        if ring is None or not ring.num_pending(request_id):
-            return list(state.window)
-        windows = []
-        for layer, prev in enumerate(state.window):
-            if layer in self.shape.windowed_layers:  # never observed nor recorded
-                windows.append(prev)
-                continue
-            queries = ring.latest(request_id, layer)
-            windows.append((queries if prev is None else torch.cat([prev, queries]))[-self.observation_window :])
-        return windows
+        return _RequestState(
+            state.decoded, self._folded_windows(request_id, state), self._saved_scores(request_id, state)
+        )
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
         if state is not None:

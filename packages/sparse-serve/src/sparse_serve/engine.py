@@ -65,8 +65,8 @@ class LLMEngine:
     device), then takes N's tokens and returns N's outputs, so each call still returns one step's
     outputs and each request gets the tokens it gets without pipelining (a request added meanwhile
     joins at N+2). Decode-only steps with no request on a chain are pipelined, those that observe
-    attention or compact included (see ``_pipelinable``); anything else runs synchronously. A request that stops at N
-    (EOS, stop ids or strings, abort) was already in N+1: that row is dropped, never emitted; its
+    attention or compact included (see ``_pipelinable``); anything else runs synchronously. A request
+    that stops at N (EOS, stop ids or strings, abort) was already in N+1: that row is dropped, never emitted; its
     blocks are freed at once on the host, which is safe because every later device use of them is
     queued behind N+1 on the same stream. Requests whose token at N reaches their length limit sit
     N+1 out.

@@ -6,7 +6,7 @@ import torch
 
 from sparse_cache import LayerLayout, TailRows
 from sparse_kernels import block_summary
-from sparse_methods import PrefixCacheMode, QueryRing, SparseMethod, StepContext
+from sparse_methods import DecodeScoreSums, PrefixCacheMode, QueryRing, SparseMethod, StepContext
 from sparse_models import ModelConfig, load_model
 from sparse_models.distributed import (
     gather_kv_group_heads,
@@ -88,10 +88,12 @@ class ModelRunner:
         self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
         # A head-major store's block is one (layer, KV head) lane's: ``lanes`` of them hold a token in a layer.
         self.lanes = layout.heads if layout is not None else 1
-        # Before the pool takes the free memory: the method's ring of recent decode queries, if it keeps one.
+        # Before the pool takes the free memory: the method's ring of recent decode queries or its running
+        # decode scores, if it keeps them.
         self.query_ring = _query_ring(method, self.store, config, self.dtype, self.device)
-        self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
         per_layer = layout is not None and layout.per_layer
+        self.score_sums = None if per_layer else _decode_score_sums(method, self.store, config, self.device)
+        self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
         self.num_pool_blocks = self.num_blocks * (layout.num_tables if per_layer else 1)
         self.kv = allocate_kv_pool(
             self.store,
@@ -123,6 +125,7 @@ class ModelRunner:
             group_queries=None if tp_world_size() == 1 else _group_queries(cfg.num_key_value_heads),
             num_graph_groups=cfg.num_hidden_layers if per_layer else 1,
             query_ring=self.query_ring,
+            score_sums=self.score_sums,
         )
         self.method = method
         self.graphs: DecodeGraphs | None = None
@@ -267,6 +270,20 @@ def _query_ring(method: SparseMethod | None, store, config: EngineConfig, dtype,
     ring = QueryRing(shape.num_layers, rows, window, shape.num_q_heads, shape.head_dim, rows, dtype, device)
     method.query_ring = ring
     return ring
+
+
+def _decode_score_sums(method: SparseMethod | None, store, config: EngineConfig, device) -> DecodeScoreSums | None:
+    """The running attention sums an accumulating method keeps per (decoding request, layer), fed by the decode
+    kernel's score output, handed to the method; None when it keeps none or the store's kernels write no
+    scores (quantized, latent: the method observes through the host path)."""
+    shape = None if method is None else method.decode_score_shape
+    if shape is None or store.quantized or store.latent:
+        return None
+    capacity, heads = shape
+    m, rows = method.shape, config.max_num_seqs
+    sums = DecodeScoreSums(m.num_layers, rows, capacity, heads, m.num_kv_heads, config.block_size, rows, device)
+    method.decode_score_sums = sums
+    return sums
 
 
 def _check_windows(method: SparseMethod | None, store, cfg: ModelConfig) -> None:

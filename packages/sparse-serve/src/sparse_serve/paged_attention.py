@@ -28,7 +28,7 @@ from sparse_kernels import (
 )
 from sparse_kernels.kv_quant import dequantize_blocks
 from sparse_kernels.quantized_store import store_kv_quantized
-from sparse_methods import LayerAttention, QueryRing, SparseMethod
+from sparse_methods import DecodeScoreSums, LayerAttention, QueryRing, SparseMethod
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.latent_paged_attention import LatentPagedAttention
 from sparse_serve.selective_decode import SelectiveDecode
@@ -130,6 +130,7 @@ class PagedAttention:
         group_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
         num_graph_groups: int = 1,
         query_ring: QueryRing | None = None,
+        score_sums: DecodeScoreSums | None = None,
     ):
         """``sm_scale``: the softmax scale the model passes (default ``head_dim ** -0.5``). ``layer_windows``:
         per layer its sliding window as the kernels' ``window_left`` (-1: full attention; empty: none).
@@ -139,7 +140,9 @@ class PagedAttention:
         so every rank holding a KV head selects and evicts the same tokens of it. ``num_graph_groups``: the
         leading layer groups whose plans keep fixed buffers (a decode step's groups under CUDA graphs: one,
         or one per layer in the per-layer layout). ``query_ring``: the method's ring of recent decode queries,
-        which every full-attention layer writes its decode rows into (graph-safe: CUDA graphs capture it)."""
+        which every full-attention layer writes its decode rows into (graph-safe: CUDA graphs capture it).
+        ``score_sums``: the method's running decode scores, which every full-attention layer's decode kernel
+        feeds through its score output (likewise captured)."""
         self.pool = pool
         self.device = pool.device
         self.quantized = pool.quantized  # per layer, or None for plain stores
@@ -155,6 +158,8 @@ class PagedAttention:
         self.method = method
         self.group_queries = group_queries
         self.query_ring = query_ring
+        self.score_sums = score_sums
+        self._score_columns = 0  # the planned decode step's score columns (its CSR tokens)
         # Prefill chunks attend through the method's prefill attention (e.g. block-sparse) where it has one.
         prefill_attention = None if method is None else method.prefill_attention
         self._make_prefill = (
@@ -199,6 +204,8 @@ class PagedAttention:
         """Prepare one step: copy each layer group's slot mapping and plan its kernels."""
         self._meta = meta
         self._observed_slots = {}
+        if self.score_sums is not None and meta.num_decode_tokens:
+            self._score_columns = int(meta.groups[0].decode_kv_indptr[-1]) * self.block_size
         if self.latent is not None:
             self.latent.plan(meta, self.sm_scale, self.method)
             return
@@ -300,8 +307,9 @@ class PagedAttention:
         method = self.method if window is None else None  # sparse methods act on full-attention layers only
         select_decode = nd > 0 and method is not None and method.selects_decode(layer_idx)
         select_prefill = has_prefill and method is not None and method.selects_prefill(layer_idx)
+        scores = self._scores_out(nd, window)
         if not has_prefill and not select_decode:
-            out = plan.decode.run(q, k_cache, v_cache)
+            out = plan.decode.run(q, k_cache, v_cache, scores_out=scores)
         elif nd == 0 and not select_prefill:
             out = plan.prefill.run(q, k_cache, v_cache)
         else:
@@ -323,14 +331,24 @@ class PagedAttention:
                         args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
                         selective.run(*args, **extra)
             elif nd:
-                plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
+                plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd], scores_out=scores)
             if select_prefill:
                 self.selective_prefill.run(method, layer_idx, q[nd:], k_cache, v_cache, meta, group, out[nd:])
             elif has_prefill:
                 plan.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
+        if scores is not None:
+            self.score_sums.add_decode(layer_idx)
         if window is None:  # sparse methods act on full-attention layers only
             self._hand_over(layer_idx, q, k_cache, group)
         return out
+
+    def _scores_out(self, nd: int, window: int | None) -> torch.Tensor | None:
+        """Where a full-attention layer's decode kernel writes its scores for the method's running sums."""
+        if self.score_sums is None or not nd or window is not None:
+            return None
+        if self._score_columns > self.score_sums.max_columns:
+            return None  # the method observes this step's decode rows through the host path instead
+        return self.score_sums.scores[:, : self._score_columns]
 
     def _hand_over(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group) -> None:
         """After a layer's attention: record the decode rows' queries in the ring (device only, also while
