@@ -81,6 +81,7 @@ class AdaKV(SnapKV):
     supports_mla = False  # one latent KV head: nothing to share out
     supports_sliding_window = False  # the head-major store has no windowed layers yet
     supports_tensor_parallel = False  # ranks' heads would hold different block counts (one scheduler for all)
+    batched_selection = False  # its adaptive selection shares each layer's places out per request
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
