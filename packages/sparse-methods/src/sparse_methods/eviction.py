@@ -4,7 +4,7 @@ A subclass says how many tokens each layer keeps (``budgets``), which tokens are
 recent, ``protected``) and how the others rank (``score``: per-token, per-KV-head scores, higher =
 keep). Everything else lives here once:
 
-- which requests' attention inputs each step needs (``attention_requests``), derived from when the
+- which requests' attention inputs each step needs (what ``prepare_step`` returns), derived from when the
   method compacts and how many recent queries it observes (``observation_window``);
 - the observed queries of each (request, layer): a sliding window of the latest ones, or, for an
   accumulating scorer (``accumulates``, H2O), a running per-token score that follows its tokens;
@@ -12,9 +12,9 @@ keep). Everything else lives here once:
   score with one row), and the ``Compaction`` records ``finish_step`` hands the engine;
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
 - the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
-- chain state (``save_state`` / ``restore_state``) and ``release``;
-- sliding-window layers (``ModelShape.windowed_layers``): never observed nor compacted, their budget
-  unbounded, so a windowed model's local layers keep their window and the method acts on its global ones.
+- chain state (``release`` returns it, ``restore_state`` takes it back);
+- sliding-window layers (``ModelShape.windowed_layers``): never compacted (the engine observes none), their
+  budget unbounded, so a windowed model's local layers keep their window and the method acts on its global ones.
 
 A method that ranks nothing (``observation_window`` None, StreamingLLM) asks for no attention
 inputs at all, so its decode steps stay eligible for CUDA graphs.
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -41,6 +41,7 @@ from sparse_methods.base import (
     RequestStep,
     SparseMethod,
     StepContext,
+    Support,
 )
 from sparse_methods.scoring import keep_indices
 
@@ -100,7 +101,7 @@ class EvictionMethod(SparseMethod):
 
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
-    supports_sliding_window = True  # compacts the full-attention layers only (see ``_layer_budgets``)
+    supports = frozenset({Support.SLIDING_WINDOW})  # compacts the full-attention layers only (``_layer_budgets``)
     accumulates: ClassVar[bool] = False
     """``score()`` is called for every step that observes queries and the results add up per token
     (H2O; ``score()`` then returns a new tensor, which the base adds the earlier sums into);
@@ -110,7 +111,6 @@ class EvictionMethod(SparseMethod):
         super().__init__(config, shape)
         self._states: dict[Hashable, _RequestState] = {}
         self._step: dict[Hashable, tuple[tuple[int, ...] | None, int]] = {}  # request -> (budgets, rows)
-        self._observing: frozenset[Hashable] = frozenset()
         self._pending: dict[Hashable, list[torch.Tensor | None]] = {}
 
     # -- what a method says ----------------------------------------------------------------------
@@ -167,7 +167,7 @@ class EvictionMethod(SparseMethod):
         return MemoryPlan(tuple(prefill_peak), tuple(resident), tuple(decode_peak))
 
     # -- derived: the step's schedule ----------------------------------------------------------------
-    def prepare_step(self, step: StepContext) -> None:
+    def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
         self._step, self._pending = {}, {}
         for r in step.requests:
             state = self._states.get(r.request_id)
@@ -180,7 +180,7 @@ class EvictionMethod(SparseMethod):
             self._step[r.request_id] = (budgets, rows)
             if budgets is not None and self.observation_window is None:
                 self._compact_by_position(r, budgets)
-        self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
+        return frozenset(rid for rid, (_, rows) in self._step.items() if rows)
 
     def _layers(self) -> list[torch.Tensor | None]:
         return [None] * self.shape.num_layers
@@ -209,9 +209,6 @@ class EvictionMethod(SparseMethod):
             return 0  # the prompt is not compacted or fits every layer: nothing will be ranked
         first = r.start if w == 0 else max(r.start, r.prompt_len - w)
         return max(0, r.end - first)
-
-    def attention_requests(self, layer: int) -> Collection[Hashable]:
-        return () if layer in self.shape.windowed_layers else self._observing
 
     # -- derived: observing and compacting ---------------------------------------------------------
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
@@ -265,14 +262,10 @@ class EvictionMethod(SparseMethod):
         return out
 
     # -- request events and chains -----------------------------------------------------------------
-    def release(self, request_id: Hashable) -> None:
-        self._states.pop(request_id, None)
-
-    def save_state(self, request_id: Hashable) -> object | None:
-        # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.
-        state = self._states.get(request_id)
-        return None if state is None else _RequestState(state.decoded, list(state.window), list(state.scores))
+    def release(self, request_id: Hashable) -> object | None:
+        return self._states.pop(request_id, None)
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
+        # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.
         if state is not None:
             self._states[request_id] = _RequestState(state.decoded, list(state.window), list(state.scores))

@@ -13,7 +13,7 @@ from collections.abc import Hashable
 
 import torch
 
-from sparse_methods.base import HeadReduction, Selection
+from sparse_methods.base import DENSE_LAYER, DecodeRead, HeadReduction, LayerPlan, Selection, Unit
 
 
 def ragged_keep(kept: torch.Tensor, rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,6 +24,9 @@ def ragged_keep(kept: torch.Tensor, rank: torch.Tensor) -> tuple[torch.Tensor, t
     order = torch.where(kept, torch.full_like(rank, float("inf")), rank.float())
     keep = torch.sort(torch.sort(order, dim=1, descending=True, stable=True).indices[:, :n_max], dim=1).values
     return keep, torch.gather(kept, 1, keep)
+
+
+_PER_HEAD = LayerPlan(DecodeRead.PER_REQUEST, unit=Unit.SLOT)
 
 
 class HeadMasks:
@@ -45,8 +48,11 @@ class HeadMasks:
         own = valid if reduction is None else reduction.local(valid, 0)
         layers[layer] = None if bool(valid.all()) else own
 
-    def any(self, layer: int) -> bool:
-        return any(v[layer] is not None for v in self._valid.values())
+    def layer_plan(self, layer: int) -> LayerPlan:
+        """Per-request slot lists (``selection``) in a layer where some request's heads own different slots."""
+        if any(v[layer] is not None for v in self._valid.values()):
+            return _PER_HEAD
+        return DENSE_LAYER
 
     def head_slots(self, request_id: Hashable, layer: int, kv_len: int) -> list[torch.Tensor] | None:
         """Per KV head, the slots ``0 .. kv_len-1`` it attends to (its own compacted ones, then every
@@ -70,9 +76,6 @@ class HeadMasks:
 
     def pop(self, request_id: Hashable) -> list[torch.Tensor | None] | None:
         return self._valid.pop(request_id, None)
-
-    def snapshot(self, request_id: Hashable) -> list[torch.Tensor | None]:
-        return list(self._valid.get(request_id, [None] * self.num_layers))
 
     def restore(self, request_id: Hashable, layers: list[torch.Tensor | None]) -> None:
         self._valid[request_id] = list(layers)

@@ -15,7 +15,7 @@ import torch
 
 import sparse_methods
 from sparse_cache import ChainInfo, KVCacheManager, LayerLayout
-from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, build_method
+from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, Support, build_method
 from sparse_models import read_model_config
 from sparse_models.distributed import rank_attention_config, tp_world_size
 from sparse_serve.chains import EngineChains
@@ -369,7 +369,7 @@ class LLMEngine:
             return False
         if any(req.chain_id is not None or req.sampling_params.penalized for req in meta.sampled):
             return False  # penalties read the exact previous tokens
-        return not any(self.method.attention_requests(layer) for layer in range(self.num_layers))
+        return not self.runner.observed
 
     def _complete(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Bookkeeping and outputs of a step launched synchronously (nothing launched after it)."""
@@ -545,9 +545,9 @@ class LLMEngine:
         return out
 
     def _finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
-        self.chains.close(req)  # the chain takes the request's KV before the scheduler would free it
+        state = self.method.release(req.request_id)
+        self.chains.close(req, state)  # the chain takes the request's KV before the scheduler would free it
         self.scheduler.finish(req, reason)
-        self.method.release(req.request_id)
         self.runner.release(req.request_id)
         req.stop_reason = stop_reason
         self.runner.sampler.release(req.request_id)
@@ -657,7 +657,7 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
             "start tensor-parallel engines through LLM(...) or sparse_serve.tensor_parallel.launch_engine"
         )
     method = sparse_methods.get_method_class(config.sparse_method)
-    if config.tensor_parallel_size > 1 and not method.supports_tensor_parallel:
+    if config.tensor_parallel_size > 1 and Support.TENSOR_PARALLEL not in method.supports:
         raise ValueError(f"{config.sparse_method} does not support tensor_parallel_size > 1 yet")
 
 

@@ -19,7 +19,7 @@ import torch
 from sparse_cache import MODEL_DTYPE, StoreKind, latent_paged, paged, quantized_paged
 from sparse_kernels.kv_quant import lloyd_max_codebook, turboquant_rotation
 from sparse_kernels.quantized_kv import QuantizedKV
-from sparse_methods import SparseMethod, get_method_class, method_names
+from sparse_methods import SparseMethod, Support, get_method_class, method_names
 from sparse_methods import StoreKind as MethodStore
 from sparse_models import ModelConfig
 
@@ -109,10 +109,10 @@ def store_kind(
 ) -> StoreKind:
     """The store kind for ``method`` over a ``kv_cache_dtype`` store (``auto``: the model dtype)."""
     h, d = cfg.num_key_value_heads, cfg.head_dim
-    summaries = method is not None and method.kv_store is MethodStore.PAGED_WITH_SUMMARIES
+    summaries = method is not None and method.storage.kind is MethodStore.PAGED_WITH_SUMMARIES
     if cfg.mla is not None:  # multi-head latent attention: one latent row per token
-        if method is not None and not method.supports_mla:
-            able = [name for name in method_names() if get_method_class(name).supports_mla]
+        if method is not None and Support.MLA not in method.supports:
+            able = [name for name in method_names() if Support.MLA in get_method_class(name).supports]
             raise ValueError(
                 f"method {method.name} does not support MLA models ({cfg.architecture}); those that do: {able}"
             )

@@ -35,6 +35,7 @@ from sparse_methods import (
     PrefixCacheMode,
     RequestStep,
     SparseMethod,
+    StepContext,
 )
 from sparse_methods.scoring import causal_probabilities, pool_scores
 from sparse_serve.paged_attention import PagedAttention
@@ -89,8 +90,8 @@ class _WindowScorer(SparseMethod):
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         raise NotImplementedError("a scratch scorer is never scheduled")
 
-    def attention_requests(self, layer: int) -> tuple[Hashable, ...]:
-        return (_SCRATCH_ID,)
+    def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
+        return frozenset({_SCRATCH_ID})
 
     def on_attention_end(self, layer: int, step: RequestStep, view: LayerAttention) -> None:
         lo, hi = max(self.rows.start, step.start), min(self.rows.stop, step.end)
@@ -230,7 +231,7 @@ def _score_range(engine: LLMEngine, token_ids: list[int], match: PrefixMatch, r:
             req = Request(_SCRATCH_ID, token_ids[: rows.stop], SamplingParams(), 0, kv_lens=[pos] * engine.num_layers)
             req.num_computed_tokens, req.prefill_len = pos, rows.stop
             meta = build_step_metadata(ScheduledBatch(((req, n),)), lambda _: table, bs)
-            attention.plan(meta)
+            attention.plan(meta, scorer.prepare_step(StepContext(meta.steps)))
             device = engine.runner.device
             with torch.inference_mode():
                 engine.runner.model(to_device(meta.input_ids, device), to_device(meta.positions, device), attention)

@@ -24,7 +24,7 @@ from collections.abc import Hashable, Mapping
 import torch
 from pydantic import Field
 
-from sparse_methods.base import Compaction, DecodeView, MemoryPlan, RequestStep, Selection
+from sparse_methods.base import Compaction, DecodeView, LayerPlan, MemoryPlan, RequestStep, Selection, Support
 from sparse_methods.head_masks import HeadMasks, ragged_keep
 from sparse_methods.methods.snapkv import SnapKV, SnapKVConfig
 from sparse_methods.registry import register
@@ -71,9 +71,9 @@ def adaptive_keep(
 class AdaKV(SnapKV):
     name = "adakv"
     Config = AdaKVConfig
-    supports_mla = False  # one latent KV head: nothing to share out
-    supports_sliding_window = False  # its per-head masks and memory plan do not skip windowed layers yet
-    # supports_tensor_parallel (SnapKV's): the shards' scores are gathered and shared out together
+    # Not MLA (one latent KV head: nothing to share out) nor sliding windows (its per-head masks and memory
+    # plan do not skip windowed layers yet); tensor parallel: the shards' scores are gathered and shared out.
+    supports = frozenset({Support.TENSOR_PARALLEL})
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
@@ -124,22 +124,19 @@ class AdaKV(SnapKV):
         return super().finish_step()
 
     # -- decode: each head reads its own slots -------------------------------------------------------
-    def selects_decode(self, layer: int) -> bool:
-        return self.masks.any(layer)
+    def layer_plan(self, layer: int) -> LayerPlan:
+        return self.masks.layer_plan(layer)
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
         return self.masks.selection(request.request_id, layer, view.kv_len)
 
     # -- request events and chains -------------------------------------------------------------------
-    def release(self, request_id: Hashable) -> None:
-        super().release(request_id)
-        self.masks.pop(request_id)
-
-    def save_state(self, request_id: Hashable) -> object | None:
-        return (super().save_state(request_id), self.masks.snapshot(request_id))
+    def release(self, request_id: Hashable) -> object | None:
+        return (super().release(request_id), self.masks.pop(request_id))
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
         if state is not None:
             base, valid = state
             super().restore_state(request_id, base)
-            self.masks.restore(request_id, valid)
+            if valid is not None:
+                self.masks.restore(request_id, valid)

@@ -24,7 +24,7 @@ resuming a chain (its KV already compacted) is not replayed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from pydantic import Field
@@ -34,6 +34,7 @@ from sparse_methods.base import (
     Compaction,
     DecodeView,
     LayerAttention,
+    LayerPlan,
     MemoryPlan,
     MethodConfig,
     PrefixCacheMode,
@@ -42,6 +43,7 @@ from sparse_methods.base import (
     Selection,
     SparseMethod,
     StepContext,
+    Support,
 )
 from sparse_methods.head_masks import HeadMasks, ragged_keep
 from sparse_methods.registry import register
@@ -98,7 +100,7 @@ class KVzip(SparseMethod):
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
     Config = KVzipConfig
-    supports_tensor_parallel = True  # scores per KV head, ranked with every shard's (gathered)
+    supports = frozenset({Support.TENSOR_PARALLEL})  # scores per KV head, ranked with every shard's (gathered)
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
@@ -123,13 +125,14 @@ class KVzip(SparseMethod):
         return min(prompt_len, c.kvzip_token_budget * spread)
 
     # -- the replay passes ---------------------------------------------------------------------------
-    def prepare_step(self, step: StepContext) -> None:
+    def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
         self._step = {}
         for r in step.requests:
             if r.replay is not None:
                 self._step[r.request_id] = r.replay
             elif r.ends_prefill and r.kv_lens[0] == r.start:  # nothing compacted before: slots = positions
                 self._fresh.add(r.request_id)
+        return frozenset(self._step)  # replay passes are observed
 
     def replay_passes(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> tuple[ReplayPass, ...]:
         c = self.config
@@ -149,9 +152,6 @@ class KVzip(SparseMethod):
                 parts = (NEXT_INSTRUCTION, hint if c.kvzip_prev_postfix_size else (), INSTRUCTION_END, chunk)
             passes.append(ReplayPass(parts))
         return tuple(passes)
-
-    def attention_requests(self, layer: int) -> Collection[Hashable]:
-        return self._step.keys()
 
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
         state = self._replays[request.request_id]
@@ -199,20 +199,17 @@ class KVzip(SparseMethod):
         return Compaction(tuple(keep))
 
     # -- decode: each head reads its own slots -------------------------------------------------------
-    def selects_decode(self, layer: int) -> bool:
-        return self.masks.any(layer)
+    def layer_plan(self, layer: int) -> LayerPlan:
+        return self.masks.layer_plan(layer)
 
     def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
         return self.masks.selection(request.request_id, layer, view.kv_len)
 
     # -- request events and chains -------------------------------------------------------------------
-    def release(self, request_id: Hashable) -> None:
-        self.masks.pop(request_id)
+    def release(self, request_id: Hashable) -> object | None:
         self._replays.pop(request_id, None)
         self._fresh.discard(request_id)
-
-    def save_state(self, request_id: Hashable) -> object | None:
-        return self.masks.snapshot(request_id)
+        return self.masks.pop(request_id)
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
         if state is not None:
