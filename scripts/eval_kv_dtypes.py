@@ -4,13 +4,17 @@ Every configuration of the chosen set answers the same prompts. ``--set kv_dtype
 dense bf16/fp32, fp8, KIVI 4 and 2 bits, TurboQuant 4 and 3 bits. ``--set prefill``: dense and
 flashprefill_v2 at several thresholds, each prompt prefilled in one chunk (``--chunk``) with sparse
 selection from 512 queries on (the default ``min_sparse_q_len`` of 4096 would leave a 4096-token
-prompt dense). The prompts: the harness's five retrieval tasks at the model's longest trained context (4096 tokens)
+prompt dense). ``--set methods``: every registered decode method at a budget of a quarter of the
+prompt (``method_settings``; a method that cannot run gets its error in the table, the others go
+on). ``--set retroinfer``: dense and RetroInfer at its defaults, and with an index at these lengths.
+The prompts: the harness's five retrieval tasks at the model's longest trained context (4096 tokens)
 over nine needle depths. Accuracy is reported with a Wilson 95% interval, and the difference to
 dense is paired (same prompts): its 95% interval comes from the discordant pairs, so "within one
 point of dense" can be read off directly. Writes ``summary.{json,md}`` under ``--out``.
 
 Run: ``uv run python scripts/eval_kv_dtypes.py --device cuda`` (about a minute on a GPU; on CPU
-use fewer ``--samples-per-cell``).
+use fewer ``--samples-per-cell``); ``--set methods --device cuda --samples-per-cell 8`` for the
+methods.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ import argparse
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from eval_methods import method_settings as eviction_settings  # scripts/: the eviction methods' 25% settings
 
 from sparse_serve import LLM
 from sparse_serve.cli import DEFAULT_MODEL
@@ -39,7 +46,58 @@ PREFILL = {
     "dense": {},
     **{f"flashprefill-{t}": dict(_SPARSE_PREFILL, flashprefill_v2_abs_threshold=t) for t in (0.002, 0.01, 0.05, 0.2)},
 }
-SETS = {"kv_dtypes": STORES, "prefill": PREFILL}
+
+
+def method_settings(length: int) -> dict[str, dict]:
+    """Every registered decode method at a budget of ``length // 4`` tokens: dense, StreamingLLM,
+    SnapKV, PyramidKV and H2O as in ``scripts/eval_methods.py``; the others with the same sink 4 and
+    recent 32 where they have them. R-KV compresses only after generated tokens: it cuts back to the
+    budget from the first one (interval 1). RetroInfer reads the best quarter of its clusters (its
+    centroid estimation is not implemented: ratio 0) from an index built at 1024 tokens."""
+    budget = length // 4
+    snapkv = eviction_settings(length)["snapkv"]
+    protected = dict(sink_keep_tokens=4, recent_keep_tokens=32, decode_keep_tokens=budget - 36)
+    return {
+        **eviction_settings(length),
+        "adakv": {**snapkv, "sparse_method": "adakv"},
+        "kvzip": dict(sparse_method="kvzip", kvzip_token_budget=budget, kvzip_score_chunk_size=1024),
+        "tova": dict(sparse_method="tova", **protected),
+        "rkv": dict(sparse_method="rkv", **protected, rkv_compression_interval=1, rkv_observation_tokens=1),
+        "quest": dict(
+            sparse_method="quest", sink_keep_tokens=16, recent_keep_tokens=32, decode_keep_tokens=budget - 48
+        ),
+        "omnikv": dict(sparse_method="omnikv", **protected),
+        "retroinfer": _retroinfer(0.25),
+    }
+
+
+def _retroinfer(ratio: float) -> dict:
+    return dict(
+        sparse_method="retroinfer",
+        retroinfer_min_index_tokens=1024,
+        retroinfer_retrieval_ratio=ratio,
+        retroinfer_estimation_ratio=0.0,
+    )
+
+
+def retroinfer_settings(length: int) -> dict[str, dict]:
+    """RetroInfer at its defaults (an index from 16384 tokens on: below that it reads every token), and
+    indexed from 1024 tokens reading its default 1.8% of clusters exactly, or 25% (default 1.8% exact +
+    23.2% estimated, all read exactly: the estimation is not implemented)."""
+    return {
+        "dense": {},
+        "retroinfer": dict(sparse_method="retroinfer"),
+        "retroinfer-0.018": _retroinfer(0.018),
+        "retroinfer-0.25": _retroinfer(0.25),
+    }
+
+
+SETS: dict[str, Callable[[int], dict[str, dict]]] = {
+    "kv_dtypes": lambda _: STORES,
+    "prefill": lambda _: PREFILL,
+    "methods": method_settings,
+    "retroinfer": retroinfer_settings,
+}
 DEPTHS = (0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 
 
@@ -74,44 +132,56 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens (prefill chunk)")
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", type=Path, default=None, help="default: results/eval/<set>")
+    parser.add_argument("--out", type=Path, default=None, help="default: results/eval/<set> (methods: methods_quality)")
     args = parser.parse_args()
-    configs = SETS[args.set]
-    args.out = args.out or Path("results/eval") / args.set
+    configs = SETS[args.set](args.length)
+    # results/eval/methods holds scripts/eval_methods.py's CPU runs (another layout): this set writes beside it.
+    args.out = args.out or Path("results/eval") / {"methods": "methods_quality"}.get(args.set, args.set)
     tasks = tuple(args.tasks.split(","))
     grid = EvalGrid(tasks, (args.length,), DEPTHS, samples_per_cell=args.samples_per_cell, seed=0)
     haystack = Haystack.from_stdlib()
     runs: dict[str, list] = {}
-    settings = {}
+    settings, failed = {}, {}
     for name in (args.stores or ",".join(configs)).split(","):
         cfg = configs[name]
-        llm = LLM(
-            str(DEFAULT_MODEL),
-            device=args.device,
-            max_model_len=args.length + 64,
-            max_num_batched_tokens=args.chunk,
-            max_num_seqs=64,
-            num_kv_blocks=64 * -(-(args.length + 64) // 16) + 64,  # every running request at full length
-            **cfg,
-        )
-        samples = make_samples(grid, llm.tokenizer, haystack)
-        t0 = time.perf_counter()
-        runs[name] = run_eval(llm, samples, progress=False)
-        settings[name] = {
-            **cfg,
-            "kv_store": llm.engine.runner.store.describe(),
-            "kv_bytes_per_token": llm.engine.runner.kv_bytes_per_block / llm.engine.config.block_size,
-            "device": str(llm.engine.runner.device),
-            "dtype": str(llm.engine.runner.dtype),
-            "block_size": llm.engine.config.block_size,
-            "seconds": round(time.perf_counter() - t0, 1),
-        }
+        try:
+            runs[name], settings[name] = run_config(args, grid, haystack, cfg)
+        except Exception as e:  # a method that cannot run here says why in the table; the others go on
+            failed[name] = {**cfg, "error": f"{type(e).__name__}: {e}"}
+            print(name, "failed:", failed[name]["error"], flush=True)
+            continue
         print(name, sum(r.correct for r in runs[name]), "/", len(runs[name]), flush=True)
-        del llm
-    write(args, grid, runs, settings)
+    write(args, grid, runs, settings, failed)
 
 
-def write(args, grid: EvalGrid, runs: dict[str, list], settings: dict) -> None:
+def run_config(args, grid: EvalGrid, haystack: Haystack, cfg: dict) -> tuple[list, dict]:
+    """Every sample of ``grid`` through an engine with ``cfg``: the results and the settings that ran."""
+    llm = LLM(
+        str(DEFAULT_MODEL),
+        device=args.device,
+        max_model_len=args.length + 64,
+        max_num_batched_tokens=args.chunk,
+        max_num_seqs=64,
+        num_kv_blocks=64 * -(-(args.length + 64) // 16) + 64,  # every running request at full length
+        **cfg,
+    )
+    samples = make_samples(grid, llm.tokenizer, haystack)
+    t0 = time.perf_counter()
+    results = run_eval(llm, samples, progress=False)
+    settings = {
+        **cfg,
+        "kv_store": llm.engine.runner.store.describe(),
+        "kv_bytes_per_token": llm.engine.runner.kv_bytes_per_block / llm.engine.config.block_size,
+        "device": str(llm.engine.runner.device),
+        "dtype": str(llm.engine.runner.dtype),
+        "block_size": llm.engine.config.block_size,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    return results, settings
+
+
+def write(args, grid: EvalGrid, runs: dict[str, list], settings: dict, failed: dict[str, dict]) -> None:
+    """``summary.{json,md}``: a row per configuration that ran, then one per configuration that failed."""
     base = [r.correct for r in runs["dense"]] if "dense" in runs else None
     rows = []
     for name, results in runs.items():
@@ -146,9 +216,12 @@ def write(args, grid: EvalGrid, runs: dict[str, list], settings: dict) -> None:
         "command": (
             f"uv run python scripts/eval_kv_dtypes.py --set {args.set} --chunk {args.chunk} --device {args.device} "
             f"--samples-per-cell {grid.samples_per_cell}"
+            + (f" --length {args.length}" if args.length != 4096 else "")
+            + (f" --tasks {args.tasks}" if args.tasks != ",".join(TASKS) else "")
+            + (f" --stores {args.stores}" if args.stores else "")
         ),
     }
-    (args.out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows, "failed": failed}, indent=1))
     lines = [
         f"Embedded model, {args.length}-token prompts, tasks {', '.join(grid.tasks)}, {len(grid.depths)} depths x "
         f"{grid.samples_per_cell} samples per (task, depth). Greedy exact match. `{meta['command']}`",
@@ -168,6 +241,9 @@ def write(args, grid: EvalGrid, runs: dict[str, list], settings: dict) -> None:
             f"| {r['store']} | {r['correct']} / {r['samples']} | {100 * r['accuracy']:.1f} | "
             f"[{100 * lo:.1f}, {100 * hi:.1f}] | {dd} | {di} | {r.get('disagreements', '')} | {tasks} |"
         )
+    for name, f in failed.items():
+        error = f["error"].replace("|", "/").replace("\n", " ")
+        lines.append(f"| {name} | not run: {error} |" + " |" * (5 + len(grid.tasks)))
     (args.out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -3,7 +3,7 @@
 The CPU runs the same control flow as CUDA (a "launch" there simply computes), so these tests hold
 every request's output equal between the two loops on workloads that end requests in every way
 (EOS, stop ids, stop strings, max_tokens, aborts), add requests mid-generation, share prefixes,
-preempt, compact (SnapKV: no step is pipelined) and stream; and they check that no block leaks.
+preempt, evict (pipelined between compactions, chains) and stream; and they check that no block leaks.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ class Trace:
         self.final: dict[str, tuple] = {}
         self.tokens: dict[str, list[int]] = {}
         self.text: dict[str, str] = {}
+        self.chains: dict = {}
 
     def record(self, outputs) -> None:
         for out in outputs:
@@ -42,15 +43,16 @@ class Trace:
                 self.final[out.request_id] = (out.token_ids, out.text, out.finish_reason, out.stop_reason)
 
 
-def drive(llm: LLM, script: dict[int, list[tuple]], max_steps: int = 400) -> Trace:
-    """Step the engine; before step ``i`` apply ``script[i]``: ("add", id, prompt, params) or ("abort", id)."""
+def drive(llm: LLM, script: dict[int, list[tuple]], max_steps: int = 400, chains: tuple[str, ...] = ()) -> Trace:
+    """Step the engine; before step ``i`` apply ``script[i]``: ("add", id, prompt, params[, add_request
+    keywords]) or ("abort", id)."""
     engine, trace = llm.engine, Trace()
     free = engine.num_free_blocks
     last = max(script, default=0)
     for i in range(max_steps):
         for event in script.get(i, ()):
             if event[0] == "add":
-                engine.add_request(event[2], event[3], request_id=event[1])
+                engine.add_request(event[2], event[3], request_id=event[1], **(event[4] if len(event) > 4 else {}))
             else:
                 engine.abort_request(event[1])
         if i > last and not engine.has_unfinished_requests():
@@ -58,6 +60,9 @@ def drive(llm: LLM, script: dict[int, list[tuple]], max_steps: int = 400) -> Tra
         trace.record(engine.step())
     else:
         raise AssertionError("the engine did not finish")
+    trace.chains = {chain_id: engine.chain_info(chain_id) for chain_id in chains}
+    for chain_id in chains:  # what the chains retain goes back to the pool
+        engine.drop_chain(chain_id)
     assert engine.num_free_blocks == free, "blocks leaked"
     assert engine.kv.pool.num_used_blocks == 0
     return trace
@@ -144,18 +149,80 @@ def test_tight_pool_preempts_and_recovers():
     assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.num_pipelined_steps > 0
 
 
-def test_compacting_method_runs_synchronously():
-    snapkv = dict(
-        sparse_method="snapkv",
+EVICTING = {
+    "snapkv": dict(sparse_method="snapkv", sink_keep_tokens=4, decode_keep_tokens=20, recent_keep_tokens=16)
+    | dict(observation_window_size=8),
+    "streamingllm": dict(sparse_method="streamingllm", sink_keep_tokens=4, recent_keep_tokens=20)
+    | dict(decode_eviction_interval=5),
+    "h2o": dict(sparse_method="h2o", h2o_prefill_budget=30, h2o_decode_budget=24, h2o_prefill_score_window=8),
+    "pyramidkv": dict(
+        sparse_method="pyramidkv",
         sink_keep_tokens=4,
         decode_keep_tokens=20,
         recent_keep_tokens=16,
         observation_window_size=8,
-    )
-    script = {0: [("add", f"r{i}", PROMPTS[i], greedy(10, ignore_eos=True)) for i in (0, 3)]}
-    sync, pipelined, llm = both(script, block_size=8, **snapkv)
-    assert pipelined.final == sync.final
-    assert llm.engine.num_pipelined_steps == 0
+        decode_eviction_interval=0,
+    ),
+}
+
+
+def _count_compactions(llm: LLM) -> list[int]:
+    """A one-element counter of the compactions the engine's method hands out from now on."""
+    method, count = llm.engine.method, [0]
+    finish = method.finish_step
+
+    def counted():
+        out = finish()
+        count[0] += len(out)
+        return out
+
+    method.finish_step = counted
+    return count
+
+
+@pytest.mark.parametrize("method", sorted(EVICTING))
+def test_evicting_methods_pipeline_between_compactions(method):
+    """Decode steps that compact and observe nothing are pipelined for evicting methods too (chunked
+    prefill, arrivals while decoding, an abort, a stop id): the same outputs as the synchronous loop."""
+    ref = _reference_tokens(PROMPTS[0], 12)
+    script = {
+        0: [
+            ("add", "a", PROMPTS[0], greedy(14, ignore_eos=True)),
+            ("add", "b", PROMPTS[3], greedy(12, ignore_eos=True, stop_token_ids=[ref[7]])),
+            ("add", "x", PROMPTS[2], greedy(30, ignore_eos=True)),
+        ],
+        4: [("add", "c", PROMPTS[1], greedy(9, ignore_eos=True))],
+        7: [("add", "d", PROMPTS[4], greedy(11, ignore_eos=True))],
+        10: [("abort", "x")],
+    }
+    config = dict(device="cpu", max_model_len=256, block_size=8, max_num_batched_tokens=16, **EVICTING[method])
+    sync = drive(LLM(str(DEFAULT_MODEL), async_scheduling=False, **config), script)
+    llm = LLM(str(DEFAULT_MODEL), async_scheduling=True, **config)
+    compactions = _count_compactions(llm)
+    pipelined = drive(llm, script)
+    assert pipelined.tokens == sync.tokens and pipelined.final == sync.final
+    assert compactions[0] > 0 and llm.engine.num_pipelined_steps > 0
+
+
+def test_evicting_chains_resume_alike_with_pipelined_neighbours():
+    """A chain's turns (never pipelined themselves) beside a pipelined decode: both loops resume the
+    same retained KV and produce the same tokens."""
+    turn = greedy(6, ignore_eos=True)
+    script = {
+        0: [
+            ("add", "long", PROMPTS[2], greedy(40, ignore_eos=True)),
+            ("add", "t1", PROMPTS[0], turn, {"chain_id": "c"}),
+        ],
+        14: [("add", "t2", PROMPTS[1][:9], turn, {"chain_id": "c", "chain_append_start": len(PROMPTS[0]) + 6})],
+        22: [("add", "t3", PROMPTS[4][:5], turn, {"chain_id": "c", "chain_append_start": len(PROMPTS[0]) + 21})],
+    }
+    config = dict(device="cpu", max_model_len=256, block_size=8, max_num_batched_tokens=16, **EVICTING["snapkv"])
+    sync = drive(LLM(str(DEFAULT_MODEL), async_scheduling=False, **config), script, chains=("c",))
+    llm = LLM(str(DEFAULT_MODEL), async_scheduling=True, **config)
+    pipelined = drive(llm, script, chains=("c",))
+    assert pipelined.tokens == sync.tokens and pipelined.final == sync.final
+    assert pipelined.chains == sync.chains and sync.chains["c"].num_tokens == len(PROMPTS[0]) + 31
+    assert sync.final["t3"][:1] and llm.engine.num_pipelined_steps > 0
 
 
 def test_streaming_deltas_match():

@@ -79,3 +79,19 @@ def test_max_batch_follows_the_memory_plan():
         max_batch_size(engine, 16000, 1)
     params = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     assert weight_bytes_per_step(engine.runner.model) == params  # tied embeddings: the LM head reads them all
+
+
+def test_bench_counts_layer_blocks_as_one_layer(tmp_path):
+    """With a table per layer (PyramidKV) a pool id is one layer's block: bytes in use are those
+    blocks' bytes, so they fall below dense's prompt (they read 36x too high before)."""
+    report = _bench(
+        tmp_path,
+        *("--batch-size", "1", "--sparse-method", "pyramidkv", "--decode-eviction-interval", "0"),
+        *("--sink-keep-tokens", "4", "--decode-keep-tokens", "28", "--recent-keep-tokens", "32"),
+    )
+    (run,) = report["invocations"][0]["runs"]
+    layers = run["model_shape"]["num_hidden_layers"]
+    dense_bytes = -(-(PROMPT + OUTPUT) // run["block_size"]) * run["kv_bytes_per_block"]
+    in_use = run["raw"]["kv_bytes_in_use"]
+    assert in_use % (run["kv_bytes_per_block"] // layers) == 0
+    assert 0 < in_use < dense_bytes

@@ -267,6 +267,20 @@ def test_prune_over_http_equals_offline(dense, keep):
     )
 
 
+def test_prune_kvzip_global_over_http_equals_offline(dense):
+    """kvzip_global with its fields: the offline kept positions (one budget over both ranges); the last
+    range may end the prompt (replays score it, not queries after it)."""
+    llm = dense.offline
+    llm.generate(HISTORY, SamplingParams(max_tokens=1))
+    args = dict(keep_tokens=6, policy="kvzip_global", kvzip_score_chunk_size=16, kvzip_prev_postfix_size=4)
+    ref = llm.prune(HISTORY[:64], [(5, 20), (30, 64)], **args)
+    body = {"prompt": HISTORY[:64], "ranges": [[5, 20], [30, 64]], **args}
+    r = httpx.post(dense.url + "/v1/chains/prune", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["kept"] == [list(k) for k in ref.kept] and sum(map(len, ref.kept)) == 6
+    assert r.json()["num_retained_tokens"] == ref.num_retained_tokens == 64 - 49 + 6
+
+
 def test_prune_a_text_prompt(dense):
     text = "def parse(text):\n    tokens = text.split()\n    return [t.strip() for t in tokens if t]\n" * 3
     llm = dense.offline
@@ -366,6 +380,15 @@ BAD = [
         400,
         "invalid_value",
         "observation_window_size",
+    ),
+    (
+        "prune zero kvzip chunk",
+        "POST",
+        PRUNE,
+        {**P, "policy": "kvzip_global", "kvzip_score_chunk_size": 0},
+        400,
+        "invalid_value",
+        "kvzip_score_chunk_size",
     ),
     ("prune uncached prompt", "POST", PRUNE, {**P, "prompt": _tokens(70, 9)}, 400, "prune_nothing_cached", "prompt"),
     ("prune onto a taken id", "POST", PRUNE, {**P, "chain_id": "known"}, 400, "chain_exists", "chain_id"),

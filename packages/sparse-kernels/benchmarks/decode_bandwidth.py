@@ -7,7 +7,9 @@ cannot serve repeats. Achieved bandwidth = KV bytes read per layer / time per la
 (bytes read + bytes written) / time of a 2 GiB ``copy_``. Sweeps tile size, warps, pipeline stages and
 split target, checks every variant's output against the default one, and prints a table last.
 
-Usage: ``python packages/sparse-kernels/benchmarks/decode_bandwidth.py [--quick] [--json PATH]``.
+Usage: ``python packages/sparse-kernels/benchmarks/decode_bandwidth.py [--quick] [--json PATH]``;
+``--kv-len 8192 --cases 5x16,76x1 --per-sm 1,2,4,8,16`` sweeps only the split target at other shapes
+(an evicting method's 8K contexts; ``BxL``: batch B cycling over L layer pools).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from sparse_kernels._triton import decode_launch, launch
 HQ, HKV, DIM, BLOCK, KV_LEN = 32, 8, 128, 16, 32768
 
 
-def make_step(batch: int, num_layers: int, seed: int = 0):
+def make_step(batch: int, num_layers: int, seed: int = 0, kv_len: int = KV_LEN):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    blocks_per_req = KV_LEN // BLOCK
+    blocks_per_req = kv_len // BLOCK
     num_blocks = batch * blocks_per_req + 7
     pools = [
         (
@@ -67,6 +69,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="default config only")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--kv-len", type=int, default=KV_LEN)
+    parser.add_argument("--cases", default="1x8,32x1", help="BxL: batch B over L layer pools")
+    parser.add_argument("--per-sm", default=None, help="sweep only these split targets (programs per SM)")
     parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     args = parser.parse_args()
     launch.PDL = not args.no_pdl
@@ -75,15 +80,18 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
     default = (dict(decode_launch.DECODE_CONFIG), buffers.PROGRAMS_PER_SM)
     grid = [default]
-    if not args.quick:
+    if args.per_sm:
+        grid += [(default[0], int(x)) for x in args.per_sm.split(",") if int(x) != default[1]]
+    elif not args.quick:
         for block_n, warps, stages, per_sm in itertools.product([32, 64, 128], [4, 8], [2, 3], [2, 4, 8]):
             cfg = ({"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}, per_sm)
             if cfg != default:
                 grid.append(cfg)
     rows = []
-    for batch, layers in ((1, 8), (32, 1)):
-        pools, csr, q = make_step(batch, layers)
-        kv_bytes = batch * KV_LEN * HKV * DIM * 2 * 2  # K and V, bf16
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    for batch, layers in cases:
+        pools, csr, q = make_step(batch, layers, kv_len=args.kv_len)
+        kv_bytes = batch * args.kv_len * HKV * DIM * 2 * 2  # K and V, bf16
         baseline = None
         for cfg, per_sm in grid:
             decode_launch.DECODE_CONFIG.update(cfg)
@@ -110,7 +118,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"copy_tb_s": copy_bw / 1e12, "rows": rows}, f, indent=1)
     print("\nbatch BLOCK_N warps stages per_sm splits     us   TB/s  of_copy  max_diff")
-    for batch in (1, 32):
+    for batch, _ in cases:
         mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["us"])
         for r in [r for r in rows if r["batch"] == batch][:1] + mine[:6]:
             print(

@@ -33,6 +33,7 @@ from sparse_methods.base import (
     Unit,
 )
 from sparse_methods.prefill_attention import PrefillAttention
+from sparse_methods.query_ring import QueryRing
 from sparse_methods.registry import (
     build_method,
     check_prefill_method,
@@ -63,6 +64,7 @@ __all__ = [
     "PrefillPolicy",
     "PrefillView",
     "PrefixCacheMode",
+    "QueryRing",
     "ReplayPass",
     "RequestStep",
     "Selection",

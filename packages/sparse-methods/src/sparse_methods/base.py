@@ -3,7 +3,7 @@
 A method is a class with a pydantic config (``Config``) and declarations: ``category``,
 ``prefill_policy``, ``prefix_cache_mode``, ``storage`` (the KV store it needs: kind and KV dtype),
 ``supports`` (MLA, sliding-window models, tensor parallelism) and a ``memory_plan``. The engine drives
-it through twelve hooks with plain tensors and small frozen records, never engine objects, so another
+it through a dozen hooks with plain tensors and small frozen records, never engine objects, so another
 engine can host the same classes. Per step:
 
 1. ``prepare_step(step)`` once before the forward, with every scheduled request's ``RequestStep``; it
@@ -13,6 +13,8 @@ engine can host the same classes. Per step:
    ``select_decode`` looked at the batch; what ``decode_selection`` answers per request on the host),
    whether prefill chunks read what ``prefill_selection`` picks, and which keys those need.
    ``selection_size`` gives the width of the device selections before the forward (static shapes).
+   A method that reads recent decode queries back at its compactions declares ``query_ring_window``;
+   the engine then records them on the device (``query_ring``) instead of handing them over each step.
 3. after each full-attention layer's attention: for each observed request, ``on_attention_end(layer,
    request, view)`` with the request's new queries and its keys.
 4. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per layer and
@@ -52,6 +54,7 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from sparse_methods.prefill_attention import PrefillAttention
+    from sparse_methods.query_ring import QueryRing
 
 
 class Category(enum.StrEnum):
@@ -449,6 +452,8 @@ class SparseMethod(ABC):
     prefill_attention: PrefillAttention | None = None
     """How prefill chunks attend when a prefill attention method is chosen (``build_method`` sets it);
     None: dense prefill attention."""
+    query_ring: QueryRing | None = None
+    """Set by the engine when ``query_ring_window`` is positive and its store keeps plain queries."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         if not isinstance(config, self.Config):
@@ -466,6 +471,14 @@ class SparseMethod(ABC):
         """How ``layer``'s attention involves the method this step (asked after ``prepare_step``; it may
         change between steps, never within one)."""
         return DENSE_LAYER
+
+    @property
+    def query_ring_window(self) -> int:
+        """Latest decode queries per (request, layer) the method reads back at its compactions (0: none).
+        When positive the engine may give the method a ``QueryRing`` of that window (``query_ring``) that
+        every decode step writes on the device (full-attention layers, decode rows); the method then plans
+        it in ``prepare_step`` and observes no request at the steps that only remember queries."""
+        return 0
 
     # -- one step ------------------------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> Collection[Hashable]:

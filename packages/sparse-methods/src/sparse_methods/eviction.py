@@ -8,6 +8,9 @@ keep). Everything else lives here once:
   method compacts and how many recent queries it observes (``observation_window``);
 - the observed queries of each (request, layer): a sliding window of the latest ones, or, for an
   accumulating scorer (``accumulates``, H2O), a running per-token score that follows its tokens;
+  with decode-time eviction, decode steps that do not compact write their queries into the engine's
+  ``QueryRing`` on the device and observe nothing (so they replay CUDA graphs); the compacting step
+  folds the ring into the window;
 - top-k under the budget with sink / recent protection, per KV head or shared by all heads (a
   score with one row), and the ``Compaction`` records ``finish_step`` hands the engine;
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
@@ -111,6 +114,8 @@ class EvictionMethod(SparseMethod):
         super().__init__(config, shape)
         self._states: dict[Hashable, _RequestState] = {}
         self._step: dict[Hashable, tuple[tuple[int, ...] | None, int]] = {}  # request -> (budgets, rows)
+        self._recorded: frozenset[Hashable] = frozenset()  # requests whose decode query the ring records this step
+        self._observing: frozenset[Hashable] = frozenset()
         self._pending: dict[Hashable, list[torch.Tensor | None]] = {}
 
     # -- what a method says ----------------------------------------------------------------------
@@ -169,18 +174,46 @@ class EvictionMethod(SparseMethod):
     # -- derived: the step's schedule ----------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
         self._step, self._pending = {}, {}
+        recorded = self._plan_ring(step.requests)
         for r in step.requests:
             state = self._states.get(r.request_id)
             if state is None:
                 state = self._states[r.request_id] = _RequestState(window=self._layers(), scores=self._layers())
             budgets = self._compaction(r, state)
-            rows = self._observed_rows(r)
-            if rows < r.num_new_tokens:  # unobserved tokens arrive: earlier queries are no longer the last slots
-                state.window = self._layers()
+            rows = self._observed_rows(r, budgets, r.request_id in recorded)
+            if rows < r.num_new_tokens and r.request_id not in recorded:
+                self._forget_window(r.request_id, state)
             self._step[r.request_id] = (budgets, rows)
             if budgets is not None and self.observation_window is None:
                 self._compact_by_position(r, budgets)
-        return frozenset(rid for rid, (_, rows) in self._step.items() if rows)
+        self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
+        return self._observing
+
+    def _forget_window(self, request_id: Hashable, state: _RequestState) -> None:
+        """Unobserved tokens arrive: the queries observed so far are no longer those of the last slots."""
+        state.window = self._layers()
+        if self.query_ring is not None:
+            self.query_ring.clear(request_id)
+
+    @property
+    def query_ring_window(self) -> int:
+        """A window scorer with decode-time eviction remembers its decode queries in the ring."""
+        window = self.observation_window
+        return window if self._interval is not None and not self.accumulates and window else 0
+
+    def _plan_ring(self, requests: tuple[RequestStep, ...]) -> frozenset[Hashable]:
+        """Plan the ring's writes (the step's leading single-token rows: decodes record); returns who records."""
+        ring = self.query_ring
+        if ring is None:
+            return frozenset()
+        rows = []
+        for r in requests:
+            if r.num_new_tokens != 1:
+                break  # the decode rows come first
+            rows.append(r.request_id if r.is_decode else None)
+        ring.plan(rows)
+        self._recorded = frozenset(rid for rid in rows if rid is not None)
+        return self._recorded
 
     def _layers(self) -> list[torch.Tensor | None]:
         return [None] * self.shape.num_layers
@@ -195,12 +228,15 @@ class EvictionMethod(SparseMethod):
             return self._layer_budgets(r.prompt_len, Phase.DECODE)
         return self._layer_budgets(r.prompt_len, Phase.PROMPT if r.ends_prefill else Phase.CHUNK)
 
-    def _observed_rows(self, r: RequestStep) -> int:
-        """How many of the step's last queries ``r`` hands to the method (0: none)."""
+    def _observed_rows(self, r: RequestStep, budgets: tuple[int, ...] | None, recorded: bool) -> int:
+        """How many of the step's last queries ``r`` hands to the method (0: none). ``recorded``: the ring
+        keeps its decode query, which only a compacting step needs to hand over."""
         w = self.observation_window
         if w is None:
             return 0
         if r.is_decode:
+            if recorded:
+                return r.num_new_tokens if budgets is not None else 0
             return r.num_new_tokens if self._interval is not None else 0
         if self._layer_budgets(r.prompt_len, Phase.CHUNK) is not None:  # every chunk compacts: its own last rows
             return r.num_new_tokens if w == 0 else min(w, r.num_new_tokens)
@@ -224,6 +260,9 @@ class EvictionMethod(SparseMethod):
             state.scores[layer] = scores
         else:
             prev = state.window[layer]
+            if self.query_ring is not None:  # queries the ring kept since the last fold (this step's, if recorded)
+                ring = self.query_ring.latest(rid, layer)
+                queries = ring if rid in self._recorded else torch.cat([ring, queries])
             window = queries if prev is None else torch.cat([prev, queries])
             state.window[layer] = window = window[-self.observation_window :]  # 0: all of them
         if budgets is None or kv_len <= budgets[layer]:
@@ -259,11 +298,33 @@ class EvictionMethod(SparseMethod):
     def finish_step(self) -> Mapping[Hashable, Compaction]:
         out = {rid: Compaction(tuple(keep)) for rid, keep in self._pending.items()}
         self._pending = {}
+        if self.query_ring is not None:
+            for rid in self._observing:  # folded into their windows
+                self.query_ring.clear(rid)
         return out
 
     # -- request events and chains -----------------------------------------------------------------
     def release(self, request_id: Hashable) -> object | None:
-        return self._states.pop(request_id, None)
+        state = self._states.pop(request_id, None)
+        if state is not None:  # what the next turn resumes: the windows with the ring's pending queries folded in
+            state.window = self._folded_windows(request_id, state)
+        if self.query_ring is not None:
+            self.query_ring.release(request_id)
+        return state
+
+    def _folded_windows(self, request_id: Hashable, state: _RequestState) -> list[torch.Tensor | None]:
+        """The request's windows with the queries the ring kept since the last fold appended."""
+        ring = self.query_ring
+        if ring is None or not ring.num_pending(request_id):
+            return list(state.window)
+        windows = []
+        for layer, prev in enumerate(state.window):
+            if layer in self.shape.windowed_layers:  # never observed nor recorded
+                windows.append(prev)
+                continue
+            queries = ring.latest(request_id, layer)
+            windows.append((queries if prev is None else torch.cat([prev, queries]))[-self.observation_window :])
+        return windows
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
         # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.

@@ -6,7 +6,9 @@ captured batch size: padded rows get token 0 at position 0, slot -1 (the KV stor
 one-token KV list on block 0 (read, never written; their outputs are dropped). The graph reads its
 inputs from static buffers that each step fills in place: the token ids and positions here, each
 group's slot mapping and decode CSR inside the attention backend (whose plans copy into
-fixed-capacity buffers). Logits and sampling run eagerly on the real rows.
+fixed-capacity buffers). Logits and sampling run eagerly on the real rows. A method's query ring
+(``sparse_methods.QueryRing``: an evicting method's recent decode queries) is written inside the
+graphs from its fixed index buffer, so an evicting method's steps between compactions replay too.
 
 Tensor parallelism: each rank captures the same buckets with its NCCL collectives inside (the
 communicator already initialised by the warm-up forwards); rank 0 broadcasts every step, so every

@@ -45,6 +45,7 @@ class _LaunchedStep:
 
     pipelined : the next step may be scheduled and launched before these tokens are known.
     placeholders : its sampled requests hold ``_PLACEHOLDER`` for the token (the next step is built).
+    observed : requests whose attention the method observed in the step (its state took the step in).
     """
 
     batch: ScheduledBatch
@@ -52,6 +53,7 @@ class _LaunchedStep:
     pending: SampledTokens
     compactions: Mapping
     pipelined: bool
+    observed: frozenset = frozenset()
     placeholders: bool = False
 
 
@@ -62,8 +64,8 @@ class LLMEngine:
     step N+1 while step N runs on the device (N+1's input ids are N's sampled tokens, copied on the
     device), then takes N's tokens and returns N's outputs, so each call still returns one step's
     outputs and each request gets the tokens it gets without pipelining (a request added meanwhile
-    joins at N+2). Only decode-only steps of methods that never compact, with no request observed
-    or on a chain, are pipelined; anything else runs synchronously. A request that stops at N
+    joins at N+2). Decode-only steps with no request on a chain are pipelined, those that observe
+    attention or compact included (see ``_pipelinable``); anything else runs synchronously. A request that stops at N
     (EOS, stop ids or strings, abort) was already in N+1: that row is dropped, never emitted; its
     blocks are freed at once on the host, which is safe because every later device use of them is
     queued behind N+1 on the same stream. Requests whose token at N reaches their length limit sit
@@ -356,20 +358,24 @@ class LLMEngine:
             pending = self.runner.run(meta) if feed is None else self.runner.run(meta, feed)
         compactions = self.method.finish_step()
         self.num_steps += 1
-        pipelined = self.async_scheduling and self._pipelinable(batch, meta, compactions)
-        return _LaunchedStep(batch, meta, pending, compactions, pipelined)
+        observed = frozenset(self.runner.observed)  # what the step handed the method (prepare_step's answer)
+        pipelined = self.async_scheduling and self._pipelinable(batch, meta)
+        return _LaunchedStep(batch, meta, pending, compactions, pipelined, observed)
 
-    def _pipelinable(self, batch: ScheduledBatch, meta: StepMetadata, compactions: Mapping) -> bool:
+    def _pipelinable(self, batch: ScheduledBatch, meta: StepMetadata) -> bool:
         """Whether the next step may be built before this one's tokens are known: a decode-only step
-        (one sampled token per request) of a method that never compacts, observing no attention,
-        preempting nobody and touching no chain (chains close on the exact tokens)."""
-        if self.scheduler.compacts or compactions or batch.preempted:
+        (one sampled token per request) preempting nobody and touching no chain (chains close on the
+        exact tokens; a resumed chain's compaction may copy blocks shared with a fork first). What the
+        next step's build needs on the host is then known without the device, whatever the method
+        does: each request's KV lengths grow by one, and a compaction's new lengths are its kept counts
+        (budgets, host values) and its freed blocks follow from them; the kept indices stay on the
+        device and the compaction runs in stream order, after this step and before the next."""
+        if batch.preempted:
             return False
         if meta.num_prefill_requests or len(meta.sampled) != meta.num_tokens:
             return False
-        if any(req.chain_id is not None or req.sampling_params.penalized for req in meta.sampled):
-            return False  # penalties read the exact previous tokens
-        return not self.runner.observed
+        # penalties read the exact previous tokens
+        return not any(req.chain_id is not None or req.sampling_params.penalized for req in meta.sampled)
 
     def _complete(self, launched: _LaunchedStep) -> list[RequestOutput]:
         """Bookkeeping and outputs of a step launched synchronously (nothing launched after it)."""
@@ -424,12 +430,15 @@ class LLMEngine:
 
     def _unlaunch(self, req: Request) -> None:
         """Undo the bookkeeping of the in-flight step for a request leaving before its tokens are
-        taken (abort): its state is then the one the caller has seen, as without pipelining."""
+        taken (abort): its state is then the one the caller has seen, as without pipelining. A step
+        that compacted or observed the request is kept instead (its KV was rewritten on the device, the
+        method's state took it in): a chain then resumes from the state after it."""
         inflight = self._inflight
         if inflight is None:
             return
+        kept = req.request_id in inflight.compactions or req.request_id in inflight.observed
         for r, n in inflight.batch.items:
-            if r is req:
+            if r is req and not kept:
                 req.num_computed_tokens -= n
                 req.kv_lens = [kv_len - n for kv_len in req.kv_lens]
         if all(r.is_finished or r is req for r, _ in inflight.batch.items):
@@ -598,6 +607,8 @@ class LLMEngine:
         *,
         policy: str = "snapkv_global",
         observation_window_size: int = 32,
+        kvzip_score_chunk_size: int = 2048,
+        kvzip_prev_postfix_size: int = 64,
         chain_id: str | None = None,
     ) -> PruneResult:
         """Compress token ranges of the cached history ``prompt`` into a new degraded chain (see
@@ -605,7 +616,15 @@ class LLMEngine:
         _, token_ids = self._tokenize(prompt)
         self.drain()
         return prune_history(
-            self, token_ids, ranges, keep_tokens, policy=policy, window=observation_window_size, chain_id=chain_id
+            self,
+            token_ids,
+            ranges,
+            keep_tokens,
+            policy=policy,
+            window=observation_window_size,
+            kvzip_score_chunk_size=kvzip_score_chunk_size,
+            kvzip_prev_postfix_size=kvzip_prev_postfix_size,
+            chain_id=chain_id,
         )
 
     # -- stats ----------------------------------------------------------------------------------

@@ -6,9 +6,11 @@ reference on CPU) and this reports each layer's new length. The caller then
 shrinks the request's tables, returning whole blocks to the pool. Layers read their slots through
 their own block table (the per-layer layout) or one table shared by all.
 
-Per compacted request the host waits on the device once (the bounds check of every layer's kept
-indices, in one reduction) and copies its inputs once (every slot list and CSR offset, packed, pinned
-and non-blocking); each layer is then one ``compact_kv`` launch.
+Per compacted request the host copies the inputs once (every slot list and CSR offset, packed, pinned
+and non-blocking) and never waits for the device: the new lengths are the kept counts (shapes), and
+the bounds check of every layer's kept indices is one reduction that asserts on the device (a CPU
+raises at once). Each layer is then one ``compact_kv`` launch, so a pipelined engine compacts in
+stream order while the host builds the next step.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ def apply_compaction(
 
 
 def _check_bounds(layers: list[tuple[int, torch.Tensor]], kv_lens: list[int]) -> None:
-    """Every kept index lies in its layer's slots: one reduction over all layers, one host read."""
+    """Every kept index lies in its layer's slots: one reduction over all layers; on a GPU an assert on
+    the device (no wait), elsewhere one host read that names the layer."""
     keeps = [keep for _, keep in layers if keep.numel()]
     if not keeps:
         return
@@ -76,8 +79,13 @@ def _check_bounds(layers: list[tuple[int, torch.Tensor]], kv_lens: list[int]) ->
         lo, hi = torch.stack(keeps).flatten(1).aminmax(dim=1)
     else:
         lo, hi = (torch.stack(t) for t in zip(*(k.aminmax() for k in keeps), strict=True))
-    bounds = torch.stack([lo, hi]).tolist()  # the one wait for the device
     nonempty = [layer for layer, keep in layers if keep.numel()]
+    if lo.device.type == "cuda":
+        lens = torch.tensor([kv_lens[layer] for layer in nonempty], device="cpu").pin_memory()
+        inside = (lo >= 0).all() & (hi < lens.to(lo.device, non_blocking=True)).all()
+        torch._assert_async(inside, "compaction: a kept index lies outside its layer's slots")
+        return
+    bounds = torch.stack([lo, hi]).tolist()
     for layer, low, high in zip(nonempty, *bounds, strict=True):
         if low < 0 or high >= kv_lens[layer]:
             raise ValueError(f"layer {layer}: kept index outside the layer's {kv_lens[layer]} slots")

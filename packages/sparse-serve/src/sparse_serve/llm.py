@@ -164,15 +164,22 @@ class LLM:
         *,
         policy: str = "snapkv_global",
         observation_window_size: int = 32,
+        kvzip_score_chunk_size: int = 2048,
+        kvzip_prev_postfix_size: int = 64,
         chain_id: str | None = None,
     ) -> PruneResult:
-        """Compress ``ranges`` of the cached history ``prompt`` to ``keep_tokens`` tokens each, into a new
-        degraded chain (``chain_id``, generated when None) that a later request resumes by naming it."""
+        """Compress ``ranges`` of the cached history ``prompt`` into a new degraded chain (``chain_id``,
+        generated when None) that a later request resumes by naming it. ``policy="snapkv_global"`` keeps
+        ``keep_tokens`` tokens in each range (scored by the ``observation_window_size`` queries after
+        it); ``"kvzip_global"`` keeps ``keep_tokens`` in all ranges together (scored by replays of
+        ``kvzip_score_chunk_size`` tokens, each after ``kvzip_prev_postfix_size`` tokens before it)."""
         return self.engine.prune(
             prompt,
             ranges,
             keep_tokens,
             policy=policy,
             observation_window_size=observation_window_size,
+            kvzip_score_chunk_size=kvzip_score_chunk_size,
+            kvzip_prev_postfix_size=kvzip_prev_postfix_size,
             chain_id=chain_id,
         )

@@ -8,7 +8,7 @@ import torch
 
 from sparse_cache import LayerLayout, TailRows
 from sparse_kernels import block_summary
-from sparse_methods import PrefixCacheMode, SparseMethod, StepContext, Support
+from sparse_methods import PrefixCacheMode, QueryRing, SparseMethod, StepContext, Support
 from sparse_models import ModelConfig, load_model
 from sparse_models.distributed import (
     gather_kv_group_heads,
@@ -83,6 +83,8 @@ class ModelRunner:
         # One tail row per running request (KIVI's incomplete page), taken on its first write.
         self.num_tail_rows = config.max_num_seqs if self.store.has_tail else 0
         self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
+        # Before the pool takes the free memory: the method's ring of recent decode queries, if it keeps one.
+        self.query_ring = _query_ring(method, self.store, config, self.dtype, self.device)
         self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
         per_layer = layout is not None and layout.per_layer
         self.num_pool_blocks = self.num_blocks * (cfg.num_hidden_layers if per_layer else 1)
@@ -113,6 +115,7 @@ class ModelRunner:
             layer_windows=tuple(-1 if w is None else w - 1 for w in cfg.layer_sliding_windows),  # HF W: w - 1
             group_queries=None if tp_world_size() == 1 else _group_queries(cfg.num_key_value_heads),
             num_graph_groups=cfg.num_hidden_layers if per_layer else 1,
+            query_ring=self.query_ring,
         )
         self.method = method
         self.observed: Collection[Hashable] = frozenset()  # what the current step observes (``prepare_step``)
@@ -174,7 +177,13 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
+        """Bytes of one block of every layer (what ``num_blocks`` counts)."""
         return bytes_per_block(self.store, self.model_config.num_hidden_layers, self.dtype)
+
+    @property
+    def kv_bytes_per_pool_block(self) -> int:
+        """Bytes of one id of the KV manager's pool: one layer's block in the per-layer layout."""
+        return self.kv_bytes_per_block * self.num_blocks // self.num_pool_blocks
 
     def release(self, request_id) -> None:
         """A request finished, was aborted or preempted: give back what the runner holds for it."""
@@ -224,6 +233,19 @@ class ModelRunner:
 def _group_queries(num_kv_heads: int):
     """Query heads of this rank's KV heads' groups, for what a method sees (see ``gather_kv_group_heads``)."""
     return lambda q: gather_kv_group_heads(q, num_kv_heads)
+
+
+def _query_ring(method: SparseMethod | None, store, config: EngineConfig, dtype, device) -> QueryRing | None:
+    """The ring of ``method.query_ring_window`` recent decode queries per (running request, layer) that decode
+    steps write on the device, handed to the method; None when it keeps none or reads a latent store (whose
+    absorbed queries it observes through the host path)."""
+    window = 0 if method is None else method.query_ring_window
+    if window == 0 or store.latent:
+        return None
+    shape, rows = method.shape, config.max_num_seqs
+    ring = QueryRing(shape.num_layers, rows, window, shape.num_q_heads, shape.head_dim, rows, dtype, device)
+    method.query_ring = ring
+    return ring
 
 
 def _check_windows(method: SparseMethod | None, store, cfg: ModelConfig) -> None:

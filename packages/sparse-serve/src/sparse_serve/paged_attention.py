@@ -26,7 +26,7 @@ from sparse_kernels import (
 )
 from sparse_kernels.kv_quant import dequantize_blocks
 from sparse_kernels.quantized_store import store_kv_quantized
-from sparse_methods import DENSE_LAYER, DecodeRead, LayerAttention, SparseMethod
+from sparse_methods import DENSE_LAYER, DecodeRead, LayerAttention, QueryRing, SparseMethod
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.latent_paged_attention import LatentPagedAttention
 from sparse_serve.selective_decode import SelectiveDecode
@@ -119,6 +119,7 @@ class PagedAttention:
         layer_windows: Sequence[int] = (),
         group_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
         num_graph_groups: int = 1,
+        query_ring: QueryRing | None = None,
     ):
         """``sm_scale``: the softmax scale the model passes (default ``head_dim ** -0.5``). ``layer_windows``:
         per layer its sliding window as the kernels' ``window_left`` (-1: full attention; empty: none).
@@ -127,7 +128,8 @@ class PagedAttention:
         rank's KV groups (gathered from the ranks that share a replicated KV head): what the method sees,
         so every rank holding a KV head selects and evicts the same tokens of it. ``num_graph_groups``: the
         leading layer groups whose plans keep fixed buffers (a decode step's groups under CUDA graphs: one,
-        or one per layer in the per-layer layout)."""
+        or one per layer in the per-layer layout). ``query_ring``: the method's ring of recent decode queries,
+        which every full-attention layer writes its decode rows into (graph-safe: CUDA graphs capture it)."""
         self.pool = pool
         self.device = pool.device
         self.quantized = pool.quantized  # per layer, or None for plain stores
@@ -139,6 +141,7 @@ class PagedAttention:
         self.shape = dict(num_qo_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
         self.method = method
         self.group_queries = group_queries
+        self.query_ring = query_ring
         # Prefill chunks attend through the method's prefill attention (e.g. block-sparse) where it has one.
         prefill_attention = None if method is None else method.prefill_attention
         self._make_prefill = (
@@ -314,9 +317,19 @@ class PagedAttention:
                 self.selective_prefill.run(method, layer_idx, q[nd:], k_cache, v_cache, meta, group, out[nd:])
             elif has_prefill:
                 plan.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
-        if method is not None and self._observed:
-            self._observe(layer_idx, q, k_cache, group, self._observed)
+        if window is None:  # sparse methods act on full-attention layers only
+            self._hand_over(layer_idx, q, k_cache, group)
         return out
+
+    def _hand_over(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group) -> None:
+        """After a layer's attention: record the decode rows' queries in the ring (device only, also while
+        a CUDA graph is captured), then hand the method the attention inputs it asked for."""
+        nd = self._meta.num_decode_tokens
+        if self.query_ring is not None and nd:
+            rows = q[:nd] if self.group_queries is None else self.group_queries(q[:nd])
+            self.query_ring.record(layer_idx, rows)
+        if self.method is not None and self._observed:
+            self._observe(layer_idx, q, k_cache, group, self._observed)
 
     def _forward_latent(self, layer_idx: int, group_idx: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """A latent store: ``rows [T, 1, D]`` are the cached rows (their values are a prefix of them)."""
@@ -342,8 +355,7 @@ class PagedAttention:
             if nd:
                 plan.decode.run_quantized(q[:nd], kv, out=out[:nd])
             plan.prefill.run_quantized(q[nd:], kv, out=out[nd:])
-        if self._observed:
-            self._observe(layer_idx, q, None, group, self._observed)
+        self._hand_over(layer_idx, q, None, group)
         return out
 
     def _request_keys(

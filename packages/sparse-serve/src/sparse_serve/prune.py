@@ -13,43 +13,33 @@ range token scores the attention probability those queries give it, summed over 
 query heads and layers, then max-pooled along tokens (kernel 7, as SnapKV) and the top
 ``keep_tokens`` are kept. Kept KV is the cached KV itself, copied to fresh blocks after the first
 changed slot; the unchanged leading blocks are shared with the cache.
+
+Policy ``kvzip_global`` (``prune_kvzip``): range tokens scored by KVzip's context reconstruction,
+the ``keep_tokens`` best over all ranges together (one budget). Both score with a scratch forward
+(``prune_scratch``); ``keep_tokens=0`` drops the ranges without scoring.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from sparse_cache import BlockTable, PrefixMatch, PruneRange, check_ranges, plan_prune
+from sparse_cache import PrefixMatch, PruneRange, check_ranges, plan_prune
 from sparse_kernels import block_summary
-from sparse_methods import (
-    Category,
-    LayerAttention,
-    MemoryPlan,
-    MethodConfig,
-    ModelShape,
-    PrefixCacheMode,
-    RequestStep,
-    SparseMethod,
-    StepContext,
-)
+from sparse_methods import LayerAttention, ModelShape, PrefixCacheMode, RequestStep
 from sparse_methods.scoring import causal_probabilities, pool_scores
-from sparse_serve.paged_attention import PagedAttention
-from sparse_serve.request import Request
-from sparse_serve.sampling_params import SamplingParams
-from sparse_serve.scheduler import ScheduledBatch
-from sparse_serve.step_metadata import build_step_metadata, to_device
+from sparse_serve.prune_kvzip import kvzip_global_scores, top_over_ranges
+from sparse_serve.prune_scratch import ScratchScorer, scratch_forward
 
 if TYPE_CHECKING:
     from sparse_serve.engine import LLMEngine
 
-PRUNE_POLICIES = ("snapkv_global",)
+PRUNE_POLICIES = ("snapkv_global", "kvzip_global")
 _POOL_KERNEL = 7
-_SCRATCH_ID = "__prune__"
 
 
 class PruneError(ValueError):
@@ -73,25 +63,14 @@ class PruneResult:
     kept: tuple[tuple[int, ...], ...]
 
 
-class _WindowScorer(SparseMethod):
-    """The method of a scratch forward (dense attention): sums the attention that the queries at
-    positions ``rows`` give to ``target`` positions, over query heads and layers."""
-
-    name = "prune_window_scorer"
-    category = Category.DENSE
-    prefix_cache_mode = PrefixCacheMode.RADIX
-    Config = MethodConfig
+class _WindowScorer(ScratchScorer):
+    """Sums the attention that the queries at positions ``rows`` give to ``target`` positions, over
+    query heads and layers."""
 
     def __init__(self, shape: ModelShape, target: PruneRange, rows: range):
-        super().__init__(MethodConfig(), shape)
+        super().__init__(shape)
         self.target, self.rows, self.num_kv_heads = target, rows, shape.num_kv_heads
         self.scores = torch.zeros(len(target), dtype=torch.float32)
-
-    def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
-        raise NotImplementedError("a scratch scorer is never scheduled")
-
-    def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
-        return frozenset({_SCRATCH_ID})
 
     def on_attention_end(self, layer: int, step: RequestStep, view: LayerAttention) -> None:
         lo, hi = max(self.rows.start, step.start), min(self.rows.stop, step.end)
@@ -112,16 +91,60 @@ def prune_history(
     *,
     policy: str = "snapkv_global",
     window: int = 32,
+    kvzip_score_chunk_size: int = 2048,
+    kvzip_prev_postfix_size: int = 64,
     chain_id: str | None = None,
 ) -> PruneResult:
     """Prune the cached history of ``token_ids`` (its leading full blocks in the radix cache).
 
-    ``ranges`` ([start, end) positions inside that cached history, each followed by at least one
-    token of ``token_ids`` to score it) keep ``keep_tokens`` tokens each. Returns the new chain.
-    Raises ``PruneError`` (a ValueError with a ``code`` and the request field at fault) when the
-    method is not exact, nothing is cached, a range is past the cached blocks or the pool is too full;
-    a chain id already in use raises the chain cache's ``ChainExistsError``.
+    ``ranges``: [start, end) positions inside that cached history (``snapkv_global``: each followed
+    by at least one token of ``token_ids``, whose ``window`` queries score it). ``snapkv_global``
+    keeps ``keep_tokens`` tokens in each range, ``kvzip_global`` ``keep_tokens`` in all of them
+    together (replays of ``kvzip_score_chunk_size`` tokens, hints of ``kvzip_prev_postfix_size``).
+    Returns the new chain. Raises ``PruneError`` (a ValueError with a ``code`` and the request field
+    at fault) when the method is not exact, nothing is cached, a range is past the cached blocks or
+    the pool is too full; a chain id already in use raises the chain cache's ``ChainExistsError``.
     """
+    _check_request(engine, policy, keep_tokens, window, kvzip_score_chunk_size, kvzip_prev_postfix_size)
+    kv = engine.kv
+    kv.chains.check_room(chain_id)  # before any work: the id is free and a chain record fits
+    match = kv.cached_prefix(token_ids)
+    if match.num_tokens == 0:
+        raise PruneError(
+            "no cached history of this prompt to prune (only full cached blocks can be pruned)",
+            "prune_nothing_cached",
+            "prompt",
+        )
+    try:
+        checked = check_ranges(ranges, match.num_tokens)
+    except ValueError as e:
+        inside_prompt = _valid_ranges(ranges, len(token_ids))  # then only the cached part is too short
+        code = "prune_range_not_cached" if inside_prompt else "invalid_value"
+        raise PruneError(f"{e} (cached: the first {match.num_tokens} tokens)", code, "ranges") from None
+    if policy == "snapkv_global" and checked[-1].end >= len(token_ids):
+        raise PruneError(
+            "each range needs at least one token after it whose queries score it", "invalid_value", "ranges"
+        )
+    kv.pool.acquire(match.block_ids)  # pin the history while scratch blocks are taken
+    try:
+        if keep_tokens == 0:
+            kept = [[] for _ in checked]
+        elif policy == "snapkv_global":
+            kept = [_snapkv_kept(engine, token_ids, match, r, window, keep_tokens) for r in checked]
+        else:
+            kept = _kvzip_kept(
+                engine, token_ids, match, checked, keep_tokens, kvzip_score_chunk_size, kvzip_prev_postfix_size
+            )
+        plan = plan_prune(match.num_tokens, checked, kept, kv.block_size)
+        new_id, copies = kv.add_pruned_chain(chain_id, token_ids, match, plan, engine.num_layers)
+        _copy_slots(engine, copies)
+    finally:
+        kv.pool.release(reversed(match.block_ids))
+    return PruneResult(new_id, match.num_tokens, plan.num_retained, tuple(tuple(k) for k in kept))
+
+
+def _check_request(engine: LLMEngine, policy: str, keep_tokens: int, window: int, chunk: int, prev: int) -> None:
+    """The engine can prune, and the request's fields are valid (a ``PruneError`` naming the field if not)."""
     if policy not in PRUNE_POLICIES:
         raise PruneError(
             f"unknown prune policy {policy!r}; known: {', '.join(PRUNE_POLICIES)}", "invalid_value", "policy"
@@ -143,44 +166,55 @@ def prune_history(
             f"pruning moves single tokens; a {engine.runner.kv.store.describe()} store quantizes whole pages",
             "prune_unsupported",
         )
+    if policy == "kvzip_global" and engine.tokenizer is None:
+        raise PruneError(
+            "kvzip_global's replay instruction needs a tokenizer; this model has none", "prune_unsupported"
+        )
     if keep_tokens < 0:
         raise PruneError(f"keep_tokens must be >= 0, got {keep_tokens}", "invalid_value", "keep_tokens")
     if window < 1:
         raise PruneError(
             f"the observation window must be >= 1, got {window}", "invalid_value", "observation_window_size"
         )
-    kv = engine.kv
-    kv.chains.check_room(chain_id)  # before any work: the id is free and a chain record fits
-    match = kv.cached_prefix(token_ids)
-    if match.num_tokens == 0:
-        raise PruneError(
-            "no cached history of this prompt to prune (only full cached blocks can be pruned)",
-            "prune_nothing_cached",
-            "prompt",
-        )
-    try:
-        checked = check_ranges(ranges, match.num_tokens)
-    except ValueError as e:
-        inside_prompt = _valid_ranges(ranges, len(token_ids))  # then only the cached part is too short
-        code = "prune_range_not_cached" if inside_prompt else "invalid_value"
-        raise PruneError(f"{e} (cached: the first {match.num_tokens} tokens)", code, "ranges") from None
-    if checked[-1].end >= len(token_ids):
-        raise PruneError(
-            "each range needs at least one token after it whose queries score it", "invalid_value", "ranges"
-        )
-    kv.pool.acquire(match.block_ids)  # pin the history while scratch blocks are taken
-    try:
-        kept = []
-        for r in checked:
-            rows = range(r.end, min(r.end + window, len(token_ids)))
-            scores = _score_range(engine, token_ids, match, r, rows)
-            kept.append(_top_positions(pool_scores(scores, _POOL_KERNEL, "max"), r, keep_tokens))
-        plan = plan_prune(match.num_tokens, checked, kept, kv.block_size)
-        new_id, copies = kv.add_pruned_chain(chain_id, token_ids, match, plan, engine.num_layers)
-        _copy_slots(engine, copies)
-    finally:
-        kv.pool.release(reversed(match.block_ids))
-    return PruneResult(new_id, match.num_tokens, plan.num_retained, tuple(tuple(k) for k in kept))
+    if chunk < 1:
+        raise PruneError(f"the replay chunk must be >= 1, got {chunk}", "invalid_value", "kvzip_score_chunk_size")
+    if prev < 0:
+        raise PruneError(f"the replay hint must be >= 0, got {prev}", "invalid_value", "kvzip_prev_postfix_size")
+
+
+def _snapkv_kept(
+    engine: LLMEngine, token_ids: list[int], match: PrefixMatch, r: PruneRange, window: int, keep: int
+) -> list[int]:
+    """snapkv_global: the window rows after ``r``, recomputed over the cached KV before them, score it."""
+    rows = range(r.end, min(r.end + window, len(token_ids)))
+    scorer = _WindowScorer(engine.method.shape, r, rows)
+    _scratch(engine, match, token_ids[: rows.stop], r.end, scorer)
+    return _top_positions(pool_scores(scorer.scores, _POOL_KERNEL, "max"), r, keep)
+
+
+def _kvzip_kept(
+    engine: LLMEngine,
+    token_ids: list[int],
+    match: PrefixMatch,
+    ranges: tuple[PruneRange, ...],
+    keep: int,
+    chunk: int,
+    prev: int,
+) -> list[list[int]]:
+    """kvzip_global: every range scored by replays after the history up to the last range's end."""
+    if keep >= sum(map(len, ranges)):
+        return [list(range(r.start, r.end)) for r in ranges]
+    r_max = ranges[-1].end
+    scores = kvzip_global_scores(
+        engine.method.shape,
+        token_ids,
+        ranges,
+        lambda text: engine.tokenizer.encode(text, add_special_tokens=False),
+        lambda ids, scorer: _scratch(engine, match, ids, r_max, scorer),
+        chunk_size=chunk,
+        prev_size=prev,
+    )
+    return top_over_ranges(scores, ranges, keep)
 
 
 def _valid_ranges(ranges: Sequence[tuple[int, int] | PruneRange], num_tokens: int) -> bool:
@@ -209,35 +243,16 @@ def _take_blocks(engine: LLMEngine, n: int) -> list[int]:
     return blocks
 
 
-def _score_range(engine: LLMEngine, token_ids: list[int], match: PrefixMatch, r: PruneRange, rows: range):
-    """Recompute the window rows after ``r`` over the cached KV before them; ``[len(r)]`` scores."""
-    bs, cfg = engine.kv.block_size, engine.runner.model_config
-    start = r.end // bs * bs  # cached full blocks before here are read in place; the rest is recomputed
-    scratch = _take_blocks(engine, -(-rows.stop // bs) - r.end // bs)
-    table = BlockTable(bs, [*match.block_ids[: r.end // bs], *scratch], rows.stop)
-    scorer = _WindowScorer(engine.method.shape, r, rows)
-    attention = PagedAttention(
-        engine.runner.kv,
-        num_q_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim,
-        block_size=bs,
-        method=scorer,
-    )
+def _scratch(engine: LLMEngine, match: PrefixMatch, token_ids: list[int], reuse: int, scorer: ScratchScorer) -> None:
+    """A scratch forward of ``token_ids`` that reads the cached full blocks before position ``reuse``
+    in place and recomputes the rest into blocks lent from the pool."""
+    bs = engine.kv.block_size
+    cached = list(match.block_ids[: reuse // bs])
+    scratch = _take_blocks(engine, -(-len(token_ids) // bs) - len(cached))
     try:
-        chunk = engine.config.max_num_batched_tokens
-        for pos in range(start, rows.stop, chunk):
-            n = min(chunk, rows.stop - pos)
-            req = Request(_SCRATCH_ID, token_ids[: rows.stop], SamplingParams(), 0, kv_lens=[pos] * engine.num_layers)
-            req.num_computed_tokens, req.prefill_len = pos, rows.stop
-            meta = build_step_metadata(ScheduledBatch(((req, n),)), lambda _: table, bs)
-            attention.plan(meta, scorer.prepare_step(StepContext(meta.steps)))
-            device = engine.runner.device
-            with torch.inference_mode():
-                engine.runner.model(to_device(meta.input_ids, device), to_device(meta.positions, device), attention)
+        scratch_forward(engine, cached, scratch, token_ids, scorer)
     finally:
         engine.kv.pool.release(reversed(scratch))
-    return scorer.scores
 
 
 def _copy_slots(engine: LLMEngine, copies: list[tuple[int, int]]) -> None:

@@ -64,6 +64,27 @@ class KVzipConfig(MethodConfig):
     sink_keep_tokens: int = Field(4, ge=0, description="Leading tokens always kept, in tokens.")
 
 
+def replay_probabilities(
+    queries: torch.Tensor, candidates: torch.Tensor, scale: float, own: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[num_kv_heads, g, n, m (+ n)]``: each replay query's softmax attention over ``candidates``.
+
+    ``queries`` ``[n, Hq, D]``; ``candidates`` ``[m, Hkv, D]`` keys before every query (all visible);
+    ``own`` ``[n, Hkv, D]``: the replay's own keys, in the softmax too, causally (query ``i`` sees
+    ``own[: i + 1]``), or None: the softmax is over the candidates only. Query heads ``h * g ..`` share KV
+    head ``h``."""
+    n, num_q_heads, d = queries.shape
+    num_kv_heads = candidates.shape[1]
+    g = num_q_heads // num_kv_heads
+    keys = candidates if own is None else torch.cat([candidates, own])
+    q = queries.float().view(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
+    logits = torch.matmul(q, keys.float().permute(1, 2, 0).unsqueeze(1)) * scale  # [Hkv, g, n, m (+ n)]
+    if own is not None:
+        later = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)
+        logits[..., candidates.shape[0] :].masked_fill_(later, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
 def replay_scores(
     queries: torch.Tensor, keys: torch.Tensor, scale: float, *, start: int, end: int, sink: int
 ) -> torch.Tensor:
@@ -72,17 +93,20 @@ def replay_scores(
     ``queries`` ``[n, Hq, D]`` are the replay's; ``keys`` ``[L + n, Hkv, D]`` the context then the
     replay's own. Softmax over the first ``min(sink, start)`` keys, the chunk and the replay (causal),
     max over the replay queries and each KV group's heads."""
-    n, num_q_heads, d = queries.shape
-    num_kv_heads = keys.shape[1]
-    g = num_q_heads // num_kv_heads
+    n = queries.shape[0]
     sink = min(sink, start)
-    picked = torch.cat([keys[:sink], keys[start:end], keys[keys.shape[0] - n :]]).float()  # [m, Hkv, D]
-    q = queries.float().view(n, num_kv_heads, g, d).permute(1, 2, 0, 3)  # [Hkv, g, n, D]
-    logits = torch.matmul(q, picked.permute(1, 2, 0).unsqueeze(1)) * scale  # [Hkv, g, n, m]
-    own = torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1)  # later replay tokens
-    logits[..., picked.shape[0] - n :].masked_fill_(own, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)[..., sink : sink + end - start]
-    return probs.amax(dim=(1, 2))
+    candidates = torch.cat([keys[:sink], keys[start:end]])
+    probs = replay_probabilities(queries, candidates, scale, own=keys[keys.shape[0] - n :])
+    return probs[..., sink : sink + end - start].amax(dim=(1, 2))
+
+
+def replay_parts(context: Sequence[int], start: int, end: int, hint_start: int | None) -> tuple:
+    """The ``ReplayPass.parts`` that reconstruct ``context[start:end]``: the first chunk's instruction
+    when ``hint_start`` is None, else the next chunk's with ``context[hint_start:start]`` as its hint."""
+    chunk = tuple(context[start:end])
+    if hint_start is None:
+        return (FIRST_INSTRUCTION, INSTRUCTION_END, chunk)
+    return (NEXT_INSTRUCTION, tuple(context[hint_start:start]), INSTRUCTION_END, chunk)
 
 
 class _Replay:
@@ -144,13 +168,8 @@ class KVzip(SparseMethod):
         self._replays[request_id] = _Replay(chunks, self.shape.num_layers)
         passes = []
         for i, (s, e) in enumerate(chunks):
-            chunk = tuple(prompt_token_ids[s:e])
-            if i == 0:
-                parts = (FIRST_INSTRUCTION, INSTRUCTION_END, chunk)
-            else:
-                hint = tuple(prompt_token_ids[max(chunks[i - 1][0], s - c.kvzip_prev_postfix_size) : s])
-                parts = (NEXT_INSTRUCTION, hint if c.kvzip_prev_postfix_size else (), INSTRUCTION_END, chunk)
-            passes.append(ReplayPass(parts))
+            hint = None if i == 0 else max(chunks[i - 1][0], s - c.kvzip_prev_postfix_size)
+            passes.append(ReplayPass(replay_parts(prompt_token_ids, s, e, hint)))
         return tuple(passes)
 
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:

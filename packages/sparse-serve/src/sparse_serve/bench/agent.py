@@ -216,7 +216,7 @@ def run_agent_workload(engine: LLMEngine, workload: AgentWorkload) -> dict:
         "prefix_cache_evicted_blocks": kv.pool.num_evictions - before[1],
         "prefix_hit_tokens_engine": kv.prefix_hit_tokens - before[2],
         "peak_kv_blocks_in_use": peak_blocks,
-        "peak_kv_bytes_in_use": peak_blocks * engine.runner.kv_bytes_per_block,
+        "peak_kv_bytes_in_use": peak_blocks * engine.runner.kv_bytes_per_pool_block,
         "num_kv_blocks": engine.runner.num_blocks,
         "chains_left": len(kv.chains),  # every session's chain was dropped: 0
         "kv_blocks_in_use_after": kv.pool.num_used_blocks,

@@ -177,7 +177,7 @@ def run_decode_case(
         "prefill_steps": prefill_steps,
         "prefill_seconds": prefill_s,
         "prefix_hit_tokens": engine.prefix_hit_tokens - hits,
-        "kv_bytes_in_use": raw["kv_blocks_in_use"] * engine.runner.kv_bytes_per_block,
+        "kv_bytes_in_use": raw["kv_blocks_in_use"] * engine.runner.kv_bytes_per_pool_block,
         "kv_bytes_per_slot": kv_bytes_per_slot,
     }
 

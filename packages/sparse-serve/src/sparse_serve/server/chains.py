@@ -7,8 +7,9 @@ Routes (JSON bodies validated as strictly as the OpenAI ones; errors in OpenAI's
 - ``GET /v1/chains/{chain_id}``: the chain's info (``LLMEngine.chain_info``).
 - ``DELETE /v1/chains/{chain_id}``: forget an idle chain and free its KV (``LLMEngine.drop_chain``).
 - ``POST /v1/chains/prune`` ``{"prompt", "ranges", "keep_tokens", "policy"?, "observation_window_size"?,
-  "chain_id"?}``: compress ranges of the cached history ``prompt`` into a new degraded chain
-  (``LLMEngine.prune``); answers its info and the positions kept in each range.
+  "kvzip_score_chunk_size"?, "kvzip_prev_postfix_size"?, "chain_id"?}``: compress ranges of the cached
+  history ``prompt`` into a new degraded chain (``LLMEngine.prune``); answers its info and the
+  positions kept in each range.
 
 Every engine call runs where the engine runs (``AsyncEngine.call`` / ``EngineProcess.call``), between
 steps; the functions are module-level so that they can cross to an engine process. Chain errors keep
@@ -46,11 +47,13 @@ class ForkChainRequest(_ChainBody):
 
 
 class PruneRequest(_ChainBody):
-    prompt: str | list[int]  # the cached history, then at least one token after the last range
+    prompt: str | list[int]  # the cached history (snapkv_global: then at least one token after the last range)
     ranges: list[tuple[int, int]] = Field(min_length=1)  # [start, end) token positions, ascending
-    keep_tokens: int = Field(ge=0)  # kept per range (0 drops a range's KV entirely)
+    keep_tokens: int = Field(ge=0)  # kept per range, kvzip_global: in all ranges (0 drops the ranges' KV)
     policy: Literal[PRUNE_POLICIES] = "snapkv_global"  # type: ignore[valid-type]
-    observation_window_size: int = Field(32, ge=1)
+    observation_window_size: int = Field(32, ge=1)  # snapkv_global
+    kvzip_score_chunk_size: int = Field(2048, ge=1)  # kvzip_global
+    kvzip_prev_postfix_size: int = Field(64, ge=0)  # kvzip_global
     chain_id: str | None = Field(None, min_length=1)  # the new chain's id, generated when left out
 
 
@@ -117,22 +120,15 @@ async def prune(request: Request) -> dict[str, Any]:
         check_ranges(body.ranges, len(token_ids))
     except ValueError as e:
         raise bad_request(str(e), param="ranges", code="invalid_value") from None
-    if body.ranges[-1][1] >= len(token_ids):
+    if body.policy == "snapkv_global" and body.ranges[-1][1] >= len(token_ids):
         raise bad_request("the prompt needs at least one token after the last range", param="ranges")
 
-    fields = body.model_dump(include={"ranges", "keep_tokens", "policy", "observation_window_size", "chain_id"})
+    fields = body.model_dump(exclude={"model", "prompt"})
     return await _call(state, _prune, token_ids, fields)
 
 
 def _prune(engine, token_ids: list[int], fields: dict[str, Any]) -> dict[str, Any]:
-    result = engine.prune(
-        token_ids,
-        fields["ranges"],
-        fields["keep_tokens"],
-        policy=fields["policy"],
-        observation_window_size=fields["observation_window_size"],
-        chain_id=fields["chain_id"],
-    )
+    result = engine.prune(token_ids, **fields)
     info = chain_json(engine.chain_info(result.chain_id))
     return {**info, "num_retained_tokens": result.num_retained_tokens, "kept": [list(k) for k in result.kept]}
 
