@@ -93,9 +93,9 @@ class QueryRing:
         if n == 0:
             return self.queries[layer][:0]
         row, written = self._rows[request_id], self._written[request_id]
-        positions = [(written - n + i) % self.window for i in range(n)]
-        index = torch.tensor(positions, dtype=torch.int64).add_(row * self.window).to(self.dest.device)
-        return self.queries[layer][index]
+        # made on the device from host scalars: a copy from pageable host memory would wait for the stream
+        positions = torch.arange(written - n, written, device=self.dest.device).remainder_(self.window)
+        return self.queries[layer][positions.add_(row * self.window)]
 
     def clear(self, request_id: Hashable) -> None:
         """Forget the request's recorded queries (it keeps its row)."""
