@@ -1,7 +1,8 @@
 """AdaKV (per-head adaptive budgets over SnapKV scores) on CPU with tiny random models: kept sets after
 a prefill equal kvpress's AdaKVPress(SnapKVPress) configured the same way; each head attends only to
 its own tokens during decode (greedy tokens equal a plain per-head-masked decode written here); a
-budget above the context is dense; the memory plan holds the largest head the budgets allow."""
+budget above the context is dense; the head-major store holds the sum of the heads' counts (each
+(layer, KV head) lane ceil(kept / block_size) blocks), so AdaKV admits as many requests as SnapKV."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_method_oracles import PROMPT_LEN, _dense_keys, _positions, _prompt
+from test_methods_engine import _admitted
 from transformers import DynamicCache
 
 from sparse_methods import ModelShape, build_method
 from sparse_methods.methods.adakv import adaptive_keep
 from sparse_serve import LLM, SamplingParams
+from sparse_serve.bench.decode import _step_kv_tokens, _step_kv_tokens_reference, max_batch_size
 from sparse_serve.step_metadata import table_slots
 
 
@@ -43,18 +46,23 @@ def masked_kept(model, n: int) -> list[list[set[int]]]:
 def _llm(path, **params) -> LLM:
     return LLM(
         str(path),
-        device="cpu",
-        dtype="float32",
-        block_size=16,
-        max_num_batched_tokens=4096,
-        sparse_method="adakv",
-        **params,
+        **{
+            "device": "cpu",
+            "dtype": "float32",
+            "block_size": 16,
+            "max_num_batched_tokens": 4096,
+            "sparse_method": "adakv",
+            **params,
+        },
     )
 
 
 def _engine_kept(llm, model, prompt) -> list[list[set[int]]]:
-    """Prefill in one step, then per (layer, head) the tokens the head attends to (fillers left out)."""
-    engine = llm.engine
+    return _engine_kept_on(llm.engine, model, prompt)
+
+
+def _engine_kept_on(engine, model, prompt) -> list[list[set[int]]]:
+    """Prefill in one step, then per (layer, head) the tokens the head holds."""
     rid = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0))
     engine.step()
     kept = head_kept(engine, rid, model, prompt)
@@ -63,17 +71,18 @@ def _engine_kept(llm, model, prompt) -> list[list[set[int]]]:
 
 
 def head_kept(engine, rid, model, prompt) -> list[list[set[int]]]:
-    """Per (layer, KV head) the prompt tokens the head attends to in the engine (fillers left out)."""
+    """Per (layer, KV head) the prompt tokens the head's lane holds in the engine's head-major store;
+    the memory in use is the sum over lanes of ceil(kept / block_size) blocks."""
     req = engine.scheduler.running[0]
-    table = engine.kv.table(rid)
+    layout, bs = engine.kv.layout, engine.config.block_size
     dense = _dense_keys(model, prompt)
     kept = []
-    for layer, kv_len in enumerate(req.kv_lens):
-        slots = table_slots(table.block_ids, kv_len, engine.config.block_size)
-        keys = engine.runner.kv.k[layer].view(-1, *engine.runner.kv.k[layer].shape[2:])[slots]
-        own = engine.method.masks.head_slots(rid, layer, kv_len) or [torch.arange(kv_len)] * keys.shape[1]
-        kept.append([_positions(keys[own[h], h], dense[layer][h]) for h in range(keys.shape[1])])
-    assert len(table.block_ids) == -(-max(req.kv_lens) // engine.config.block_size)  # blocks given back
+    for layer in range(layout.num_layers):
+        flat = engine.runner.kv.k[layer].view(-1, engine.runner.kv.k[layer].shape[-1])  # one head per slot
+        lanes = [table_slots(engine.kv.table(rid, t).block_ids, req.kv_lens[t], bs) for t in layout.lanes(layer)]
+        kept.append([_positions(flat[slots].cpu(), dense[layer][h]) for h, slots in enumerate(lanes)])
+    planned = sum(-(-len(s) // bs) for layer in kept for s in layer)
+    assert engine.kv.num_held_blocks(rid) == engine.kv.pool.num_used_blocks == planned  # tails given back
     return kept
 
 
@@ -183,22 +192,21 @@ def test_adakv_budget_above_context_is_dense(tiny_checkpoint):
     seed=st.integers(0, 1000),
 )
 def test_adaptive_keep_properties(heads, kv_len, budget, sink, recent, alpha, seed):
-    """Each head keeps its protected slots and its safeguard; the layer keeps H x budget; fillers pad
-    every row to the largest head; the plan's largest head bounds every outcome."""
+    """Each head keeps its protected slots and its safeguard; the layer keeps H x budget; each row leads
+    with its own kept slots, ascending, padded to the largest head; the plan's average is the budget."""
     budget = max(budget, sink + recent)
     if kv_len <= budget:
         return
     scores = torch.rand(heads, kv_len, generator=torch.Generator().manual_seed(seed))
-    keep, valid = adaptive_keep(scores, kv_len=kv_len, sink=sink, recent=recent, budget=budget, alpha=alpha)
-    counts = valid.sum(1)
-    assert int(counts.sum()) == heads * budget
-    assert int(counts.max()) == keep.shape[1]
-    assert bool((keep.diff(dim=1) > 0).all())
+    keep, counts = adaptive_keep(scores, kv_len=kv_len, sink=sink, recent=recent, budget=budget, alpha=alpha)
+    assert sum(counts) == heads * budget
+    assert max(counts) == keep.shape[1]
     floor = max(sink + recent, max(1, int(budget * alpha)) if alpha else 0)
-    assert int(counts.min()) >= min(floor, budget)
+    assert min(counts) >= min(floor, budget)
     for h in range(heads):
-        own = set(keep[h][valid[h]].tolist())
-        assert set(range(sink)) | set(range(kv_len - recent, kv_len)) <= own
+        own = keep[h, : counts[h]]
+        assert bool((own.diff() > 0).all())
+        assert set(range(sink)) | set(range(kv_len - recent, kv_len)) <= set(own.tolist())
     method = build_method(
         "adakv",
         ModelShape(1, heads, heads, 4),
@@ -208,4 +216,89 @@ def test_adaptive_keep_properties(heads, kv_len, budget, sink, recent, alpha, se
         decode_keep_tokens=budget - sink - recent,
         alpha_safeguard=alpha,
     )
-    assert keep.shape[1] <= method.max_head_tokens(kv_len)
+    assert method.memory_plan(kv_len, 0, kv_len).resident_tokens == (budget,)  # per head, on average
+
+
+def test_adakv_admits_at_least_as_many_as_snapkv(tiny_checkpoint):
+    """The same pool and budget: the head-major store holds the sum of the heads' counts, so AdaKV packs
+    as many synthetic requests (each lane holding the planned per-head budget) as SnapKV; a real prompt's
+    ragged layers take the sum over lanes of ceil(kept / block_size) blocks, fewer than the largest head
+    times the heads that a store without lanes held."""
+    path, model = tiny_checkpoint("llama")
+    params = _kvpress_params(48, 16, 0.2)
+    counts, planned, bs = {}, {}, 16
+    for name in ("snapkv", "adakv"):
+        own = params if name == "adakv" else {k: v for k, v in params.items() if k != "alpha_safeguard"}
+        engine = _llm(path, num_kv_blocks=60, max_num_seqs=64, **own, sparse_method=name).engine
+        planned[name] = max_batch_size(engine, 300, 1, "synthetic")  # what the benchmark adds (one token more)
+        counts[name] = _admitted(engine, 300)
+        lanes = engine.kv.layout.num_tables if name == "adakv" else 1
+        assert engine.kv.pool.num_used_blocks == counts[name] * lanes * -(-48 // bs)
+        # The benchmark's bytes read per step count layer slots (every head), from per-lane lengths here.
+        assert _step_kv_tokens(engine) == _step_kv_tokens_reference(engine) == (counts[name] * 3 * 48, counts[name])
+    assert counts["adakv"] >= counts["snapkv"] == 60 // 3
+    assert planned["adakv"] >= planned["snapkv"] == 60 // 4
+    engine = _llm(path, **params).engine
+    kept = _engine_kept_on(engine, model, _prompt(4))
+    largest = sum(len(layer) * -(-max(map(len, layer)) // bs) for layer in kept)
+    assert sum(-(-len(s) // bs) for layer in kept for s in layer) < largest
+
+
+def test_adakv_batches_equal_requests_alone(tiny_checkpoint):
+    """Prompts in one batch, prefilled in chunks beside other requests' decodes (a row per (request, KV
+    head) in every kernel, prefill rows gathered into lane order), generate what each does alone."""
+    path, _ = tiny_checkpoint("qwen3")
+    params = dict(_kvpress_params(40, 8, 0.2), max_num_batched_tokens=64)
+    prompts = [_prompt(seed, n) for seed, n in ((1, 90), (2, 130), (3, 61))]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    together = [o.token_ids for o in _llm(path, **params).generate(prompts, greedy)]
+    assert together == [_llm(path, **params).generate([p], greedy)[0].token_ids for p in prompts]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(8, 50), min_size=1, max_size=4),
+    budget=st.integers(6, 30),
+    alpha=st.sampled_from([0.0, 0.2, 1.0]),
+    seed=st.integers(0, 1000),
+)
+def test_adaptive_keep_over_ragged_heads(lens, budget, alpha, seed):
+    """Heads that already hold different counts (a resumed chain): each keeps only its own slots, its own
+    sink and recent ones, and the layer keeps H x budget of them; uniform lengths give the uniform answer."""
+    sink, recent = 2, 3
+    scores = torch.rand(len(lens), max(lens), generator=torch.Generator().manual_seed(seed))
+    keep, counts = adaptive_keep(scores, kv_len=lens, sink=sink, recent=recent, budget=budget, alpha=alpha)
+    assert sum(counts) == min(len(lens) * budget, sum(lens))
+    for h, n in enumerate(lens):
+        own = keep[h, : counts[h]].tolist()
+        assert own == sorted(set(own)) and all(0 <= i < n for i in own)
+        assert set(range(sink)) | set(range(n - recent, n)) <= set(own)
+    uniform = adaptive_keep(scores, kv_len=max(lens), sink=sink, recent=recent, budget=budget, alpha=alpha)
+    ragged = adaptive_keep(scores, kv_len=[max(lens)] * len(lens), sink=sink, recent=recent, budget=budget, alpha=alpha)
+    assert torch.equal(uniform[0], ragged[0]) and uniform[1] == ragged[1]
+
+
+def test_padded_head_major_decode_equals_the_unpadded_one(tiny_checkpoint):
+    """A CUDA graph's step on CPU: a ragged head-major decode padded to a bucket (a dummy row per KV head
+    of each padded request) gives the real rows' hidden states unchanged; a capture's all-padding step runs."""
+    from sparse_serve.cuda_graphs import _dummy_decode_metadata, pad_decode_metadata
+    from sparse_serve.step_metadata import build_step_metadata
+
+    path, _ = tiny_checkpoint("qwen3")
+    engine = _llm(path, **_kvpress_params(40, 8, 0.2)).engine
+    for seed, n in ((1, 90), (2, 75)):
+        engine.add_request(_prompt(seed, n), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    while engine.scheduler.waiting or any(r.num_computed_tokens < r.prefill_len for r in engine.scheduler.running):
+        engine.step()
+    meta = build_step_metadata(engine.scheduler.schedule(), engine.kv.table, 16, layout=engine.kv.layout)
+    runner = engine.runner
+    assert meta.groups[0].heads > 1 and meta.num_prefill_requests == 0
+
+    def hidden(m):
+        runner.attention.plan(m)
+        return runner.model(m.input_ids, m.positions, runner.attention)
+
+    with torch.inference_mode():
+        want = hidden(meta)
+        torch.testing.assert_close(hidden(pad_decode_metadata(meta, 5))[:2], want, rtol=1e-5, atol=1e-5)
+        assert hidden(_dummy_decode_metadata(3, meta.layer_group, meta.groups[0].heads)).shape[0] == 3

@@ -42,6 +42,13 @@ METHODS = {
         decode_eviction_interval=3,
     ),
     "h2o": dict(sparse_method="h2o", h2o_prefill_budget=40, h2o_decode_budget=24, decode_eviction_interval=3),
+    "adakv": dict(  # a head-major store: the chain keeps a table per (layer, KV head), ragged after turn 1
+        sparse_method="adakv",
+        sink_keep_tokens=4,
+        decode_keep_tokens=20,
+        recent_keep_tokens=16,
+        observation_window_size=8,
+    ),
     "tova": dict(sparse_method="tova", decode_keep_tokens=35, decode_eviction_interval=2),
     "rkv": dict(
         sparse_method="rkv",
@@ -179,7 +186,7 @@ def test_exact_chain_equals_full_recompute_and_append_start(llama):
         llm.generate(s2, GREEDY, chain_id="c", chain_append_start=len(full) + 99)
 
 
-@pytest.mark.parametrize("case", ["dense", "snapkv"])
+@pytest.mark.parametrize("case", ["dense", "snapkv", "adakv"])
 def test_forks_continue_independently_and_free_everything(llama, case):
     """Two forks of one chain run in one batch (their shared blocks are copied on write: the partial
     last block on append, compacted blocks before compaction) and equal each branch run alone."""

@@ -136,6 +136,8 @@ def test_refuses_what_it_does_not_model(tiny_checkpoint):
         SparseKVCache(model, "quest")
     with pytest.raises(ValueError, match="has no parameter"):
         SparseKVCache(model, "snapkv", h2o_prefill_budget=8)
+    with pytest.raises(ValueError, match="ragged per-head counts"):
+        SparseKVCache(model, "adakv")
     padded = torch.tensor([[0, 0] + _prompt(11, 20), _prompt(12, 22)])
     mask = torch.ones_like(padded)
     mask[0, :2] = 0

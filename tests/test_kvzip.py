@@ -113,3 +113,26 @@ def test_kvzip_budget_above_context_is_dense(plain_model):
     llm = _llm(path, kvzip_token_budget=120)
     assert llm.generate([prompt], greedy)[0].token_ids == dense.token_ids
     assert llm.engine.num_steps == 8  # no replay pass ran
+
+
+def test_kvzip_chain_resumes_its_ragged_heads(plain_model):
+    """A chain keeps a table per (layer, KV head) with ragged counts; the next turns prefill over each
+    head's own slots (no replay: the KV is compacted already) and equal one uninterrupted session."""
+    from test_chain_cache_engine import _check_blocks, _uninterrupted
+
+    path, _ = plain_model
+    llm = _llm(path, **_params(60))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    turns = [_prompt(7, 150), _prompt(8, 40), _prompt(9, 5)]
+    expected = _uninterrupted(llm, turns, greedy.max_tokens)
+    prompt, outs = turns[0], []
+    for suffix in [None, *turns[1:]]:
+        if suffix is not None:
+            prompt = prompt + list(outs[-1]) + suffix
+        outs.append(llm.generate(prompt, greedy, chain_id="c")[0].token_ids)
+        _check_blocks(llm)
+        lens = llm.engine.chain_info("c").kv_lens
+        assert len(lens) == llm.engine.kv.layout.num_tables and len(set(lens)) > 1  # per lane, ragged
+    assert outs == expected
+    llm.drop_chain("c")
+    assert llm.engine.kv.pool.num_used_blocks == 0

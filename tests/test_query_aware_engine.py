@@ -91,8 +91,8 @@ def omnikv_reference(method):
 
 
 def _on_host(monkeypatch, method, decode_selection) -> None:
-    """Route ``method``'s selecting layers through the host path (``PER_REQUEST``: the plumbing of adakv,
-    kvzip and retroinfer), answered by ``decode_selection``."""
+    """Route ``method``'s selecting layers through the host path (``PER_REQUEST``: retroinfer's plumbing),
+    answered by ``decode_selection``."""
     plan = method.layer_plan
 
     def host_plan(layer: int) -> LayerPlan:

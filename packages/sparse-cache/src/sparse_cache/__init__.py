@@ -17,7 +17,15 @@ from sparse_cache.chain_errors import (
 from sparse_cache.kv_cache_manager import KVCacheManager, PrefixMatch
 from sparse_cache.layer_layout import LayerLayout
 from sparse_cache.pruning import PrunePlan, PruneRange, check_ranges, plan_prune
-from sparse_cache.store_kind import MODEL_DTYPE, StoreKind, TensorSpec, latent_paged, paged, quantized_paged
+from sparse_cache.store_kind import (
+    MODEL_DTYPE,
+    StoreKind,
+    TensorSpec,
+    head_major_paged,
+    latent_paged,
+    paged,
+    quantized_paged,
+)
 from sparse_cache.tail_rows import TailRows
 
 __all__ = [
@@ -49,6 +57,7 @@ __all__ = [
     "check_ranges",
     "hash_block",
     "hash_full_blocks",
+    "head_major_paged",
     "latent_paged",
     "paged",
     "plan_prune",

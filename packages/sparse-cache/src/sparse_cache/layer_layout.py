@@ -6,6 +6,13 @@ different amounts (per-layer budgets such as PyramidKV's, sliding-window layers 
 window) every layer gets its own table, and block ids come from one pool shared by all layers (one KV
 tensor per kind that every layer indexes with its own ids), so the memory in use is the sum of what
 each layer holds instead of its largest layer times the layer count.
+
+The head-major layout (``heads > 1``) goes one step further: every (layer, KV head) is a *lane* with
+its own table, and a block holds one head's K/V, so the KV heads of a layer may keep different numbers
+of tokens (ragged per-head budgets) and the memory in use is the sum of what each head holds. Lane
+``layer * heads + head`` is table ``layer * heads + head``. Per-layer token counts given to a head-major
+layout are per-head averages of ragged lanes: a layer of average ``n`` takes at most
+``ceil(heads * (n + block_size - 1) / block_size)`` blocks (each lane wastes less than one block).
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ class LayerLayout:
     per_layer : one table per layer (else one table for all).
     window_left : per layer (per-layer layout only; empty otherwise): a query at position ``p`` reads
         slots ``p - window_left .. p`` (the kernels' ``window_left``); None: every slot.
+    heads : tables per layer: 1, or the KV heads of the head-major layout (one lane per head).
     """
 
     num_layers: int
     per_layer: bool = False
     window_left: tuple[int | None, ...] = ()
+    heads: int = 1
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -37,6 +46,13 @@ class LayerLayout:
             raise ValueError(f"{len(self.window_left)} windows for {self.num_layers} layers")
         if any(w is not None for w in self.window_left) and not self.per_layer:
             raise ValueError("sliding windows free blocks per layer: they need the per-layer layout")
+        if self.heads < 1 or (self.heads > 1 and (not self.per_layer or self.windowed)):
+            raise ValueError(f"the head-major layout ({self.heads} heads) needs per-layer tables and no window")
+
+    @classmethod
+    def head_major(cls, num_layers: int, heads: int) -> LayerLayout:
+        """One table per (layer, KV head) lane."""
+        return cls(num_layers, True, (None,) * num_layers, heads)
 
     @classmethod
     def choose(
@@ -52,7 +68,22 @@ class LayerLayout:
 
     @property
     def num_tables(self) -> int:
-        return self.num_layers if self.per_layer else 1
+        return self.num_layers * self.heads if self.per_layer else 1
+
+    @property
+    def num_lens(self) -> int:
+        """KV lengths a request keeps: one per layer, or per lane in the head-major layout."""
+        return self.num_layers * self.heads
+
+    def lanes(self, layer: int) -> range:
+        """The tables of ``layer`` (its one table, or its heads' lanes)."""
+        return range(layer * self.heads, (layer + 1) * self.heads) if self.per_layer else range(1)
+
+    def layer_lens(self, lens: Sequence[int]) -> tuple[int, ...]:
+        """Per layer, the most slots a lane of it holds (``lens``: per layer, or per lane)."""
+        if len(lens) == self.num_layers:
+            return tuple(lens)
+        return tuple(max(lens[t] for t in self.lanes(layer)) for layer in range(self.num_layers))
 
     @property
     def windowed(self) -> bool:
@@ -64,19 +95,28 @@ class LayerLayout:
         return tuple(t for t, w in enumerate(self.window_left) if w is not None) if self.per_layer else ()
 
     def window(self, table: int) -> int | None:
-        return self.window_left[table] if self.per_layer else None
+        return self.window_left[table // self.heads] if self.per_layer else None
 
     def per_table(self, tokens: int | Sequence[int]) -> list[int]:
-        """Slots each table must hold for a request holding ``tokens`` (per layer, or one count for all)."""
+        """Slots each table must hold for a request holding ``tokens`` (per layer, per lane in the
+        head-major layout, or one count for all; a layer's count goes to each of its lanes)."""
         if isinstance(tokens, int):
             return [tokens] * self.num_tables
+        if self.heads > 1 and len(tokens) == self.num_tables:
+            return list(tokens)
         if len(tokens) != self.num_layers:
             raise ValueError(f"{len(tokens)} token counts for {self.num_layers} layers")
-        return list(tokens) if self.per_layer else [max(tokens)]
+        if not self.per_layer:
+            return [max(tokens)]
+        return [n for n in tokens for _ in range(self.heads)]
 
     def num_blocks(self, tokens: int | Sequence[int], block_size: int, step: int | None = None) -> int:
-        """Blocks a request holding ``tokens`` slots (per layer, or one count for all) takes from the pool;
-        with ``step`` (the tokens a step adds), a windowed layer's at most its window and the step."""
+        """Blocks a request holding ``tokens`` slots (per layer, per lane, or one count for all) takes from
+        the pool; with ``step`` (the tokens a step adds), a windowed layer's at most its window and the
+        step. Head-major per-layer counts are per-head averages of ragged lanes (their bound)."""
+        if self.heads > 1 and not isinstance(tokens, int) and len(tokens) == self.num_layers:
+            h = self.heads
+            return sum(-(-h * (n + block_size - 1) // block_size) if n else 0 for n in tokens)
         per_table = self.per_table(tokens)
         if step is not None and self.windowed:
             per_table = self.window_peaks(per_table, step, block_size)

@@ -7,6 +7,9 @@ shapes and dtypes, and so the real bytes per token. The serving engine allocates
 tensors from it and sizes the pool by it, so admission packs requests by the bytes they really
 hold; methods only declare what they need.
 
+A head-major store gives each (layer, KV head) lane its own blocks of one head's K/V, so the heads of a
+layer may hold different numbers of tokens (``LayerLayout``'s head-major layout indexes it).
+
 A latent store (multi-head latent attention, DeepSeek-V2) holds one row per token: the normalized
 latent ``c_kv`` (``latent_dim`` channels) then the decoupled, post-RoPE key. Attention reads it as one
 KV head of ``head_dim = latent_dim + rope_dim`` channels whose values are the first ``latent_dim``.
@@ -27,6 +30,7 @@ PAGED = "paged"
 PAGED_WITH_SUMMARIES = "paged + block summaries"
 QUANTIZED_PAGED = "quantized paged"
 LATENT_PAGED = "latent paged"
+HEAD_MAJOR_PAGED = "head-major paged"
 
 QUANT_SCHEMES = {"fp8": (8,), "kivi": (2, 4), "turboquant": (2, 3, 4)}
 
@@ -76,6 +80,10 @@ class StoreKind:
         return self.kind == LATENT_PAGED
 
     @property
+    def head_major(self) -> bool:
+        return self.kind == HEAD_MAJOR_PAGED
+
+    @property
     def quantized(self) -> bool:
         return self.kind == QUANTIZED_PAGED
 
@@ -119,6 +127,15 @@ def paged(block_size: int, num_kv_heads: int, head_dim: int, *, summaries: bool 
     summary = (num_kv_heads, head_dim)
     tensors += (TensorSpec("kmin", summary, MODEL_DTYPE), TensorSpec("kmax", summary, MODEL_DTYPE))
     return StoreKind(PAGED_WITH_SUMMARIES, block_size, num_kv_heads, head_dim, tensors)
+
+
+def head_major_paged(block_size: int, num_kv_heads: int, head_dim: int) -> StoreKind:
+    """K/V in the model dtype, one KV head per block: ``[block_size, 1, head_dim]`` (a block belongs to
+    one (layer, KV head) lane; ``num_kv_heads`` is the model's, for reference)."""
+    _check_positive(block_size, num_kv_heads, head_dim)
+    row = (block_size, 1, head_dim)
+    tensors = (TensorSpec("k", row, MODEL_DTYPE), TensorSpec("v", row, MODEL_DTYPE))
+    return StoreKind(HEAD_MAJOR_PAGED, block_size, num_kv_heads, head_dim, tensors)
 
 
 def latent_paged(block_size: int, latent_dim: int, rope_dim: int, *, summaries: bool = False) -> StoreKind:

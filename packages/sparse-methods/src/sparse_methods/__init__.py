@@ -32,6 +32,7 @@ from sparse_methods.base import (
     Support,
     Unit,
 )
+from sparse_methods.decode_score_sums import DecodeScoreSums
 from sparse_methods.prefill_attention import PrefillAttention
 from sparse_methods.query_ring import QueryRing
 from sparse_methods.registry import (
@@ -53,6 +54,7 @@ __all__ = [
     "Compaction",
     "DecodeBatch",
     "DecodeRead",
+    "DecodeScoreSums",
     "DecodeView",
     "HeadReduction",
     "LayerAttention",

@@ -2,19 +2,25 @@
 
 A method is a class with a pydantic config (``Config``) and declarations: ``category``,
 ``prefill_policy``, ``prefix_cache_mode``, ``storage`` (the KV store it needs: kind and KV dtype),
-``supports`` (MLA, sliding-window models, tensor parallelism) and a ``memory_plan``. The engine drives
-it through a dozen hooks with plain tensors and small frozen records, never engine objects, so another
-engine can host the same classes. Per step:
+``supports`` (MLA, sliding-window models, tensor parallelism) and a ``memory_plan``. Methods whose KV
+heads keep different numbers of tokens (AdaKV, KVzip) declare the head-major store
+(``StoreKind.HEAD_MAJOR``: a table per layer and KV head, ``Compaction.head_counts``), whose decode reads
+every slot each head holds: they need no decode selection. The engine drives it through a dozen hooks
+with plain tensors and small frozen records, never engine objects, so another engine can host the same
+classes. Per step:
 
 1. ``prepare_step(step)`` once before the forward, with every scheduled request's ``RequestStep``; it
    returns the requests whose attention inputs the step observes (the engine keeps that for the step).
 2. per layer, ``layer_plan(layer)`` says how the layer involves the method (``LayerPlan``): how decode
    reads (everything; what ``select_decode`` picks for the whole batch on the device; everything after
-   ``select_decode`` looked at the batch; what ``decode_selection`` answers per request on the host),
-   whether prefill chunks read what ``prefill_selection`` picks, and which keys those need.
+   ``select_decode`` looked at the batch; what ``decode_selection`` answers per request on the host,
+   RetroInfer's cluster retrieval only), whether prefill chunks read what ``prefill_selection`` picks,
+   and which keys those need.
    ``selection_size`` gives the width of the device selections before the forward (static shapes).
    A method that reads recent decode queries back at its compactions declares ``query_ring_window``;
-   the engine then records them on the device (``query_ring``) instead of handing them over each step.
+   the engine then records them on the device (``query_ring``) instead of handing them over each step;
+   one that sums decode attention scores declares ``decode_score_shape`` and gets running sums that the
+   decode kernel's score output feeds (``decode_score_sums``).
 3. after each full-attention layer's attention: for each observed request, ``on_attention_end(layer,
    request, view)`` with the request's new queries and its keys.
 4. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per layer and
@@ -53,6 +59,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
+    from sparse_methods.decode_score_sums import DecodeScoreSums
     from sparse_methods.prefill_attention import PrefillAttention
     from sparse_methods.query_ring import QueryRing
 
@@ -86,6 +93,10 @@ class StoreKind(enum.StrEnum):
     PAGED = "paged"
     PAGED_WITH_SUMMARIES = "paged + block summaries"
     """Per block (the page) and KV head, elementwise min and max of the keys (kept up to date on append)."""
+    HEAD_MAJOR = "head-major paged"
+    """A block table per (layer, KV head): a layer's heads may keep different numbers of tokens
+    (``Compaction.head_counts``), and the memory in use is the sum of what each head keeps. The method's
+    memory plan counts per-head averages. Decode reads every slot each head holds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,11 +337,25 @@ class LayerAttention:
     ``keys``: ``[kv_len, num_kv_heads, head_dim]``, every slot the layer holds for the request after
     this step's keys were stored, in slot order (the last ``num_new_tokens`` are the new ones).
     ``scale``: the softmax scale attention used.
+
+    ``head_lens``: None, or (a ``StoreKind.HEAD_MAJOR`` layer whose KV heads hold different numbers of
+    slots, e.g. a resumed chain compacted per head) per KV head the slots it holds after this step:
+    head ``h``'s slots are ``keys[: head_lens[h] - n, h]`` then the step's ``n`` tokens ``keys[-n:, h]``
+    (rows between are padding, not slots), and a ``Compaction`` row ``h`` indexes them in that order.
+    ``head_keys(h)`` gives them.
     """
 
     queries: torch.Tensor
     keys: torch.Tensor
     scale: float
+    head_lens: tuple[int, ...] | None = None
+
+    def head_keys(self, head: int) -> torch.Tensor:
+        """``[head_lens[head], D]`` the slots KV head ``head`` holds, in slot order."""
+        keys, n = self.keys[:, head], self.queries.shape[0]
+        if self.head_lens is None:
+            return keys
+        return torch.cat([keys[: self.head_lens[head] - n], keys[keys.shape[0] - n :]])
 
 
 @dataclass(frozen=True, slots=True)
@@ -372,7 +397,7 @@ class Selection:
     """What one decode query reads: ``indices`` ``[num_kv_heads, n]`` ascending, in units of
     ``page_size`` slots of the request's table (``page_size=1``: single tokens). The newest slot's
     page must be the last entry of every row. Single-slot rows may lead with ``-1`` entries, which
-    read nothing (heads that read fewer slots than others, e.g. AdaKV's per-head budgets)."""
+    read nothing (heads that read fewer slots than others, e.g. RetroInfer's per-head clusters)."""
 
     indices: torch.Tensor
     page_size: int
@@ -429,9 +454,22 @@ class DecodeBatch:
 @dataclass(frozen=True, slots=True)
 class Compaction:
     """Kept slots of one request: ``keep[l]`` is None (layer unchanged) or ``[num_kv_heads, n_l]``
-    int64 indices into the layer's current slots, ascending in each row."""
+    int64 indices into the layer's current slots, ascending in each row.
+
+    ``head_counts`` (a ``StoreKind.HEAD_MAJOR`` store only; empty: none): per layer, None or per KV head
+    how many leading entries of its ``keep`` row it keeps (ragged per-head budgets); the rest of the row
+    is padding, never read. ``counts(l)`` gives every layer's."""
 
     keep: tuple[torch.Tensor | None, ...]
+    head_counts: tuple[tuple[int, ...] | None, ...] = ()
+
+    def counts(self, layer: int) -> tuple[int, ...] | None:
+        """Per KV head, the slots layer ``layer`` keeps (None: the layer is unchanged)."""
+        keep = self.keep[layer]
+        if keep is None:
+            return None
+        ragged = self.head_counts[layer] if self.head_counts else None
+        return ragged if ragged is not None else (keep.shape[1],) * keep.shape[0]
 
 
 class SparseMethod(ABC):
@@ -454,6 +492,8 @@ class SparseMethod(ABC):
     None: dense prefill attention."""
     query_ring: QueryRing | None = None
     """Set by the engine when ``query_ring_window`` is positive and its store keeps plain queries."""
+    decode_score_sums: DecodeScoreSums | None = None
+    """Set by the engine when ``decode_score_shape`` is given and the decode kernel can write scores."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         if not isinstance(config, self.Config):
@@ -479,6 +519,14 @@ class SparseMethod(ABC):
         every decode step writes on the device (full-attention layers, decode rows); the method then plans
         it in ``prepare_step`` and observes no request at the steps that only remember queries."""
         return 0
+
+    @property
+    def decode_score_shape(self) -> tuple[int, int] | None:
+        """``(capacity, heads)`` of the running attention sums an accumulating method adds every decode
+        query's probabilities to: the most tokens a decoding request holds in a layer, and 1 (summed over
+        the KV heads) or ``num_kv_heads``. The engine may then give the method ``DecodeScoreSums``
+        (``decode_score_sums``) that the decode kernel's score output feeds inside the step; None: no sums."""
+        return None
 
     # -- one step ------------------------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> Collection[Hashable]:

@@ -46,6 +46,7 @@ from sparse_methods.base import (
     StepContext,
     Support,
 )
+from sparse_methods.eviction_device import DeviceObservation
 from sparse_methods.scoring import keep_indices
 
 _UNBOUNDED = sys.maxsize  # the budget of a layer the method leaves alone (a sliding-window layer)
@@ -95,7 +96,7 @@ class _RequestState:
     scores: list[torch.Tensor | None] = field(default_factory=list)
 
 
-class EvictionMethod(SparseMethod):
+class EvictionMethod(DeviceObservation, SparseMethod):
     """Base of the physical-eviction family (KV of dropped tokens is freed, positions unchanged).
 
     Subclasses set ``name`` and ``Config`` (with a ``decode_eviction_interval`` field, 0: never) and implement
@@ -114,7 +115,6 @@ class EvictionMethod(SparseMethod):
         super().__init__(config, shape)
         self._states: dict[Hashable, _RequestState] = {}
         self._step: dict[Hashable, tuple[tuple[int, ...] | None, int]] = {}  # request -> (budgets, rows)
-        self._recorded: frozenset[Hashable] = frozenset()  # requests whose decode query the ring records this step
         self._observing: frozenset[Hashable] = frozenset()
         self._pending: dict[Hashable, list[torch.Tensor | None]] = {}
 
@@ -174,11 +174,12 @@ class EvictionMethod(SparseMethod):
     # -- derived: the step's schedule ----------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
         self._step, self._pending = {}, {}
-        recorded = self._plan_ring(step.requests)
         for r in step.requests:
-            state = self._states.get(r.request_id)
-            if state is None:
-                state = self._states[r.request_id] = _RequestState(window=self._layers(), scores=self._layers())
+            if r.request_id not in self._states:
+                self._states[r.request_id] = _RequestState(window=self._layers(), scores=self._layers())
+        recorded = self._plan_device(step.requests)
+        for r in step.requests:
+            state = self._states[r.request_id]
             budgets = self._compaction(r, state)
             rows = self._observed_rows(r, budgets, r.request_id in recorded)
             if rows < r.num_new_tokens and r.request_id not in recorded:
@@ -189,31 +190,28 @@ class EvictionMethod(SparseMethod):
         self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
         return self._observing
 
-    def _forget_window(self, request_id: Hashable, state: _RequestState) -> None:
-        """Unobserved tokens arrive: the queries observed so far are no longer those of the last slots."""
-        state.window = self._layers()
-        if self.query_ring is not None:
-            self.query_ring.clear(request_id)
-
     @property
     def query_ring_window(self) -> int:
         """A window scorer with decode-time eviction remembers its decode queries in the ring."""
         window = self.observation_window
         return window if self._interval is not None and not self.accumulates and window else 0
 
-    def _plan_ring(self, requests: tuple[RequestStep, ...]) -> frozenset[Hashable]:
-        """Plan the ring's writes (the step's leading single-token rows: decodes record); returns who records."""
-        ring = self.query_ring
-        if ring is None:
-            return frozenset()
-        rows = []
-        for r in requests:
-            if r.num_new_tokens != 1:
-                break  # the decode rows come first
-            rows.append(r.request_id if r.is_decode else None)
-        ring.plan(rows)
-        self._recorded = frozenset(rid for rid in rows if rid is not None)
-        return self._recorded
+    @property
+    def decode_score_shape(self) -> tuple[int, int] | None:
+        """An accumulating scorer with decode-time eviction adds the decode kernel's scores on the device:
+        a request holds at most its largest budget plus an interval while decoding (and one more token:
+        a resumed turn's first)."""
+        heads = self.score_heads
+        if not self.accumulates or self._interval is None or (heads == 1 and self.head_reduction.num_shards > 1):
+            return None  # (a sum over every shard's heads would need a collective per step and layer)
+        budgets = [self._layer_budgets(1, phase) for phase in (Phase.PROMPT, Phase.DECODE)]
+        bounded = [b for layers in budgets if layers is not None for b in layers if b != _UNBOUNDED]
+        return (max(bounded) + self._interval + 1, heads) if bounded else None
+
+    @property
+    def score_heads(self) -> int:
+        """Rows of ``score()``: ``num_kv_heads`` (per-head selection) or 1 (one choice for every head)."""
+        return self.shape.num_kv_heads
 
     def _layers(self) -> list[torch.Tensor | None]:
         return [None] * self.shape.num_layers
@@ -235,7 +233,7 @@ class EvictionMethod(SparseMethod):
         if w is None:
             return 0
         if r.is_decode:
-            if recorded:
+            if recorded:  # kept on the device: handed over only to compact
                 return r.num_new_tokens if budgets is not None else 0
             return r.num_new_tokens if self._interval is not None else 0
         if self._layer_budgets(r.prompt_len, Phase.CHUNK) is not None:  # every chunk compacts: its own last rows
@@ -252,7 +250,10 @@ class EvictionMethod(SparseMethod):
         budgets, rows = self._step[rid]
         state = self._states[rid]
         queries, kv_len = view.queries[-rows:], view.keys.shape[0]
-        if self.accumulates:
+        summed = self.decode_score_sums is not None and rid in self._recorded
+        if summed:  # the decode kernel's scores were added on the device, this step's included
+            scores = self.decode_score_sums.row(rid, layer)
+        elif self.accumulates:
             scores = self.score(layer, ScoreInputs(queries, view.keys, view.scale))
             prev = state.scores[layer]
             if prev is not None:
@@ -267,11 +268,17 @@ class EvictionMethod(SparseMethod):
             state.window[layer] = window = window[-self.observation_window :]  # 0: all of them
         if budgets is None or kv_len <= budgets[layer]:
             return
+        if view.head_lens is not None:  # a head-major layer whose heads hold different counts
+            keep = self._select_ragged(self._head_scores(layer, window, view), view.head_lens, budgets[layer])
+            self._pending.setdefault(rid, self._layers())[layer] = keep
+            return
         if not self.accumulates:
             scores = self.score(layer, ScoreInputs(window, view.keys, view.scale))
         keep = self._select(scores, kv_len, budgets[layer])
         self._pending.setdefault(rid, self._layers())[layer] = keep
-        if self.accumulates:  # scores follow their tokens (one row: the shared order)
+        if summed:
+            self.decode_score_sums.compact(rid, layer, keep)
+        elif self.accumulates:  # scores follow their tokens (one row: the shared order)
             state.scores[layer] = torch.gather(scores, 1, keep[: scores.shape[0]])
 
     def _select(self, scores: torch.Tensor | None, kv_len: int, budget: int) -> torch.Tensor:
@@ -284,6 +291,26 @@ class EvictionMethod(SparseMethod):
             scores = torch.zeros(1, 0)  # not read: nothing to rank
         keep = keep_indices(scores, kv_len=kv_len, sink=sink, recent=recent, num_middle=middle)
         return keep.expand(self.shape.num_kv_heads, -1).contiguous()
+
+    def _head_scores(self, layer: int, window: torch.Tensor, view: LayerAttention) -> torch.Tensor:
+        """``[num_kv_heads, M]``: ``score()`` of each KV head over the slots it holds (``view.head_lens``),
+        with its query group's observed queries; ``-inf`` past a head's slots."""
+        if self.accumulates:
+            raise NotImplementedError(f"{self.name} accumulates scores per slot: not over ragged heads")
+        g = self.shape.group_size
+        rows = [
+            self.score(layer, ScoreInputs(window[:, h * g : (h + 1) * g], view.head_keys(h)[:, None], view.scale))[0]
+            for h in range(len(view.head_lens))
+        ]
+        out = torch.full((len(rows), max(r.numel() for r in rows)), float("-inf"), device=window.device)
+        for h, row in enumerate(rows):
+            out[h, : row.numel()] = row
+        return out
+
+    def _select_ragged(self, scores: torch.Tensor, head_lens: tuple[int, ...], budget: int) -> torch.Tensor:
+        """``_select`` for heads holding ``head_lens`` slots each (rows as ``Compaction.head_counts`` says):
+        only a method whose heads keep their own counts (a head-major store) can."""
+        raise NotImplementedError(f"{self.name} keeps one count per layer: it cannot compact ragged heads")
 
     def _compact_by_position(self, r: RequestStep, budgets: tuple[int, ...]) -> None:
         """A method that ranks nothing keeps sink and recent: decided before the forward, no inputs."""
@@ -306,25 +333,13 @@ class EvictionMethod(SparseMethod):
     # -- request events and chains -----------------------------------------------------------------
     def release(self, request_id: Hashable) -> object | None:
         state = self._states.pop(request_id, None)
-        if state is not None:  # what the next turn resumes: the windows with the ring's pending queries folded in
-            state.window = self._folded_windows(request_id, state)
-        if self.query_ring is not None:
-            self.query_ring.release(request_id)
+        if state is not None:  # what the next turn resumes: the ring's pending queries folded into the
+            state.window = self._folded_windows(request_id, state)  # windows, the scores copied out of the sums
+            state.scores = self._saved_scores(request_id, state)
+        for device_state in (self.query_ring, self.decode_score_sums):
+            if device_state is not None:
+                device_state.release(request_id)
         return state
-
-    def _folded_windows(self, request_id: Hashable, state: _RequestState) -> list[torch.Tensor | None]:
-        """The request's windows with the queries the ring kept since the last fold appended."""
-        ring = self.query_ring
-        if ring is None or not ring.num_pending(request_id):
-            return list(state.window)
-        windows = []
-        for layer, prev in enumerate(state.window):
-            if layer in self.shape.windowed_layers:  # never observed nor recorded
-                windows.append(prev)
-                continue
-            queries = ring.latest(request_id, layer)
-            windows.append((queries if prev is None else torch.cat([prev, queries]))[-self.observation_window :])
-        return windows
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
         # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.

@@ -24,8 +24,8 @@ The method sees the same calls as inside ``sparse_serve``: ``prepare_step`` with
 cache, or a later turn's new tokens); a forward of one token after the first is a decode step.
 
 Limits: rows of a batch must have the same length (no padding) and the method must keep equally
-many slots in each row of a layer; greedy and sampled decoding work, beam search does not; every
-layer must be full attention (no sliding window).
+many slots in each row and KV head of a layer (not AdaKV's or KVzip's ragged heads); greedy and
+sampled decoding work, beam search does not; every layer must be full attention (no sliding window).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from sparse_methods.base import Category, LayerAttention, ModelShape, RequestStep, StepContext
+from sparse_methods.base import Category, LayerAttention, ModelShape, RequestStep, StepContext, StoreKind
 from sparse_methods.registry import build_method
 
 ATTENTION_NAME = "sparse_methods"
@@ -114,6 +114,8 @@ class SparseKVCache(DynamicCache):
             raise ValueError(
                 f"sparse_methods.hf runs eviction methods; {sparse_method!r} is {self.method.category.value}"
             )
+        if self.method.storage.kind is StoreKind.HEAD_MAJOR:  # a DynamicCache layer keeps one count for all heads
+            raise ValueError(f"{sparse_method!r} keeps ragged per-head counts: sparse_methods.hf cannot hold them")
         self.num_tokens = 0  # logical length: tokens processed, evicted ones included
         self.prompt_len = 0
         self._positions: list[torch.Tensor] = []  # per layer [B, Hkv, n] int64 logical positions of the slots

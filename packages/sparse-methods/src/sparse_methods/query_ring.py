@@ -21,6 +21,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from sparse_methods.request_rows import RequestRows, fill
+
 
 class QueryRing:
     """``window`` queries ``[num_heads, head_dim]`` per (request, layer) for up to ``num_rows`` requests.
@@ -48,8 +50,7 @@ class QueryRing:
         shape = (num_rows * window + 1, num_heads, head_dim)
         self.queries = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.dest = torch.full((max_batch_size,), self.scratch, dtype=torch.int64, device=device)
-        self._free = list(range(num_rows - 1, -1, -1))  # a stack: pop() gives the lowest row
-        self._rows: dict[Hashable, int] = {}
+        self._rows = RequestRows(num_rows, "query-ring")
         self._written: dict[Hashable, int] = {}  # queries written into the request's row since it was taken
         self._pending: dict[Hashable, int] = {}  # of those, written since the last ``clear``
         self._dest_used = False  # ``dest`` holds some row's position (else all scratch)
@@ -68,15 +69,12 @@ class QueryRing:
         for i, rid in enumerate(request_ids):
             if rid is None:
                 continue
-            row = self._row(rid)
+            row = self._rows.take(rid)
             written = self._written.get(rid, 0)
             host[i] = row * self.window + written % self.window
             self._written[rid] = written + 1
             self._pending[rid] = self._pending.get(rid, 0) + 1
-        if self.dest.device.type == "cpu":
-            self.dest.copy_(host)
-        else:  # a fresh pinned tensor per step: the previous step's copy may still read its own
-            self.dest.copy_(host.pin_memory(), non_blocking=True)
+        fill(self.dest, host)
 
     def record(self, layer: int, queries: torch.Tensor) -> None:
         """Write a step's decode rows ``queries [n, num_heads, head_dim]`` where ``plan`` said (device only)."""
@@ -105,15 +103,4 @@ class QueryRing:
         """Give the request's row back (no-op when it holds none)."""
         self._pending.pop(request_id, None)
         self._written.pop(request_id, None)
-        row = self._rows.pop(request_id, None)
-        if row is not None:
-            self._free.append(row)
-            self._free.sort(reverse=True)
-
-    def _row(self, request_id: Hashable) -> int:
-        row = self._rows.get(request_id)
-        if row is None:
-            if not self._free:
-                raise RuntimeError(f"no free query-ring row for {request_id!r}: all {self.num_rows} rows are held")
-            row = self._rows[request_id] = self._free.pop()
-        return row
+        self._rows.release(request_id)

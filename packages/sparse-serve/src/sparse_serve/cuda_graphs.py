@@ -3,7 +3,8 @@
 A decode-only step (every item one token, the layer groups the graphs were captured with: one, or
 one per layer in the per-layer layout; no method asking to observe attention) is padded to the next
 captured batch size: padded rows get token 0 at position 0, slot -1 (the KV store skips it) and a
-one-token KV list on block 0 (read, never written; their outputs are dropped). The graph reads its
+one-token KV list on block 0 (read, never written; their outputs are dropped); a head-major store's
+groups pad a row per KV head of each padded request likewise. The graph reads its
 inputs from static buffers that each step fills in place: the token ids and positions here, each
 group's slot mapping and decode CSR inside the attention backend (whose plans copy into
 fixed-capacity buffers). Logits and sampling run eagerly on the real rows. A method's query ring
@@ -54,19 +55,21 @@ def graph_batch_sizes(max_batch_size: int) -> list[int]:
 
 
 def _pad_group(group: LayerGroupMetadata, pad: int) -> LayerGroupMetadata:
-    last = int(group.decode_kv_indptr[-1])
+    """``pad`` dummy requests: a row each, or one per KV head of a head-major group."""
+    rows, last = pad * group.heads, int(group.decode_kv_indptr[-1])
     return LayerGroupMetadata(
         layers=group.layers,
-        kv_lens=group.kv_lens + (0,) * pad,
+        kv_lens=group.kv_lens + (0,) * rows,
         block_ids=group.block_ids,  # the real rows' (what host-side readers of a graphed step index)
-        slot_mapping=torch.cat([group.slot_mapping, torch.full((pad,), -1, dtype=torch.int32)]),
-        decode_kv_indptr=torch.cat([group.decode_kv_indptr, last + torch.arange(1, pad + 1, dtype=torch.int32)]),
-        decode_kv_indices=torch.cat([group.decode_kv_indices, torch.zeros(pad, dtype=torch.int32)]),
-        decode_kv_last_len=torch.cat([group.decode_kv_last_len, torch.ones(pad, dtype=torch.int32)]),
+        slot_mapping=torch.cat([group.slot_mapping, torch.full((rows,), -1, dtype=torch.int32)]),
+        decode_kv_indptr=torch.cat([group.decode_kv_indptr, last + torch.arange(1, rows + 1, dtype=torch.int32)]),
+        decode_kv_indices=torch.cat([group.decode_kv_indices, torch.zeros(rows, dtype=torch.int32)]),
+        decode_kv_last_len=torch.cat([group.decode_kv_last_len, torch.ones(rows, dtype=torch.int32)]),
         prefill_qo_indptr=group.prefill_qo_indptr,
         prefill_kv_indptr=group.prefill_kv_indptr,
         prefill_kv_indices=group.prefill_kv_indices,
         prefill_kv_last_len=group.prefill_kv_last_len,
+        heads=group.heads,
     )
 
 
@@ -88,8 +91,9 @@ def pad_decode_metadata(meta: StepMetadata, batch_size: int) -> StepMetadata:
     )
 
 
-def _dummy_decode_metadata(batch_size: int, layer_group: tuple[int, ...]) -> StepMetadata:
-    """A decode step of ``batch_size`` padding rows only (what a capture runs), with ``layer_group``'s groups."""
+def _dummy_decode_metadata(batch_size: int, layer_group: tuple[int, ...], heads: int = 1) -> StepMetadata:
+    """A decode step of ``batch_size`` padding rows only (what a capture runs), with ``layer_group``'s groups
+    (``heads``: their lanes per request, a head-major store's KV heads)."""
     empty = torch.zeros(0, dtype=torch.int32)
     groups = tuple(
         LayerGroupMetadata(
@@ -104,6 +108,7 @@ def _dummy_decode_metadata(batch_size: int, layer_group: tuple[int, ...]) -> Ste
             prefill_kv_indptr=torch.zeros(1, dtype=torch.int32),
             prefill_kv_indices=empty,
             prefill_kv_last_len=empty,
+            heads=heads,
         )
         for group in range(max(layer_group) + 1)
     )
@@ -133,12 +138,15 @@ class DecodeGraphs:
         max_batch_size: int,
         device,
         layer_group: tuple[int, ...] | None = None,
+        heads: int = 1,
     ):
-        """``layer_group``: each layer's group in the steps captured (default: one group for all layers)."""
+        """``layer_group``: each layer's group in the steps captured (default: one group for all layers);
+        ``heads``: rows per request in each group (a head-major store's KV heads)."""
         self.model = model
         self.attention = attention
         self.num_layers = num_layers
         self.layer_group = layer_group or (0,) * num_layers
+        self.heads = heads
         self.sizes = graph_batch_sizes(max_batch_size)
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
@@ -156,7 +164,7 @@ class DecodeGraphs:
         method, self.attention.method = self.attention.method, None  # captures never observe
         try:
             for bs in reversed(self.sizes):
-                self.attention.plan(_dummy_decode_metadata(bs, self.layer_group))
+                self.attention.plan(_dummy_decode_metadata(bs, self.layer_group, self.heads))
                 ids, pos = self.input_ids[:bs], self.positions[:bs]
                 for _ in range(2):  # warm up: Triton compiles, allocator settles
                     self.model(ids, pos, self.attention)

@@ -15,13 +15,13 @@ import torch
 
 import sparse_methods
 from sparse_cache import ChainInfo, KVCacheManager, LayerLayout
-from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, Support, build_method
+from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, StoreKind, Support, build_method
 from sparse_models import read_model_config
 from sparse_models.distributed import rank_attention_config, tp_world_size
 from sparse_serve.chains import EngineChains
 from sparse_serve.config import EngineConfig
 from sparse_serve.detokenizer import IncrementalDetokenizer
-from sparse_serve.kv_compaction import apply_compaction
+from sparse_serve.kv_compaction import apply_compaction, apply_lane_compaction
 from sparse_serve.model_runner import ModelRunner
 from sparse_serve.outputs import RequestOutput
 from sparse_serve.prune import PruneResult, prune_history
@@ -65,8 +65,8 @@ class LLMEngine:
     device), then takes N's tokens and returns N's outputs, so each call still returns one step's
     outputs and each request gets the tokens it gets without pipelining (a request added meanwhile
     joins at N+2). Decode-only steps with no request on a chain are pipelined, those that observe
-    attention or compact included (see ``_pipelinable``); anything else runs synchronously. A request that stops at N
-    (EOS, stop ids or strings, abort) was already in N+1: that row is dropped, never emitted; its
+    attention or compact included (see ``_pipelinable``); anything else runs synchronously. A request
+    that stops at N (EOS, stop ids or strings, abort) was already in N+1: that row is dropped, never emitted; its
     blocks are freed at once on the host, which is safe because every later device use of them is
     queued behind N+1 on the same stream. Requests whose token at N reaches their length limit sit
     N+1 out.
@@ -99,6 +99,8 @@ class LLMEngine:
         self.method.head_reduction = head_reduction(model_cfg.num_key_value_heads)  # spans this rank's shard
         self.num_layers = model_cfg.num_hidden_layers
         layout = self._layer_layout(model_cfg.layer_sliding_windows, config.max_model_len or model_max_len)
+        if self.method.storage.kind is StoreKind.HEAD_MAJOR and model_cfg.mla is None:  # a table per (layer, KV head)
+            layout = LayerLayout.head_major(self.num_layers, heads.num_key_value_heads)
         self.runner = ModelRunner(config, model_cfg, config.max_model_len or model_max_len, self.method, layout)
         self.max_model_len = self._resolve_max_model_len(model_max_len)
         cfg = self.runner.model_config
@@ -179,13 +181,16 @@ class LLMEngine:
 
     def _prefill_peak(self, req: Request) -> int | tuple[int, ...]:
         """Slots the request's tables hold at most while its prompt is processed: per layer in the
-        per-layer layout (a windowed layer's capped at its window and a chunk), their largest otherwise."""
+        per-layer layout (a windowed layer's capped at its window and a chunk), per lane in the head-major
+        one, their largest otherwise."""
         rest = max(0, req.num_tokens - req.num_computed_tokens)
         if not self.kv.per_layer:
             if req.resumed:  # a chain's retained KV plus the suffix still to compute
                 return req.kv_len + rest
             return max(self.memory_plan(req).prefill_peak_tokens)
         peaks = [k + rest for k in req.kv_lens] if req.resumed else self.memory_plan(req).prefill_peak_tokens
+        if not req.resumed and self.kv.layout.heads > 1:  # a head-major request's lanes fill alike until compacted
+            peaks = self.kv.layout.per_table(peaks)
         return self.kv.layout.window_peaks(peaks, self.config.max_num_batched_tokens, self.config.block_size)
 
     def _full_prefill(self, req: Request) -> bool:
@@ -224,7 +229,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        req = Request(request_id, token_ids, params, arrival=self.num_steps, prompt=text, kv_lens=[0] * self.num_layers)
+        lens = [0] * self.kv.layout.num_lens  # per layer, or per lane (head-major)
+        req = Request(request_id, token_ids, params, arrival=self.num_steps, prompt=text, kv_lens=lens)
         if chain_id is not None:
             req.chain_id = chain_id
             self.chains.open(req)  # last check that can fail: nothing to undo before it
@@ -261,8 +267,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         g = torch.Generator().manual_seed(zlib.crc32(str(request_id).encode()))  # the same on every rank
         token_ids = torch.randint(0, self.runner.model_config.vocab_size, (num_prompt_tokens,), generator=g).tolist()
-        req = Request(request_id, token_ids, params, arrival=self.num_steps, kv_lens=[0] * self.num_layers)
+        req = Request(request_id, token_ids, params, arrival=self.num_steps, kv_lens=[0] * self.kv.layout.num_lens)
         resident = self.memory_plan(req).resident_tokens
+        if self.kv.layout.heads > 1:  # every lane of a layer holds its planned (average) count
+            resident = self.kv.layout.per_table(resident)
         req.kv_lens = [n - 1 for n in resident]
         if self.kv.allocate_computed(request_id, resident, req.kv_lens) is None:
             raise ValueError(f"a synthetic request holding {max(resident)} tokens does not fit the KV pool now")
@@ -520,9 +528,13 @@ class LLMEngine:
         False (nothing changed) when blocks shared with a fork cannot be copied first."""
         if not self.chains.make_writable(req, compaction):
             return False
-        rid = req.request_id
-        tables = [self.kv.table(rid, layer).block_ids for layer in range(self.num_layers)]
-        req.kv_lens = apply_compaction(self.runner.kv, tables, req.kv_lens, compaction, self.config.block_size)
+        rid, bs = req.request_id, self.config.block_size
+        if self.kv.layout.heads > 1:  # ragged per-head counts, each (layer, KV head) lane compacted alone
+            lanes = [self.kv.table(rid, t).block_ids for t in range(self.kv.layout.num_tables)]
+            req.kv_lens = apply_lane_compaction(self.runner.kv, lanes, req.kv_lens, compaction, bs)
+        else:
+            tables = [self.kv.table(rid, layer).block_ids for layer in range(self.num_layers)]
+            req.kv_lens = apply_compaction(self.runner.kv, tables, req.kv_lens, compaction, bs)
         self.kv.shrink(rid, req.kv_lens)
         return True
 

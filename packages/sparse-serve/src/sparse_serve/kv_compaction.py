@@ -11,10 +11,15 @@ and non-blocking) and never waits for the device: the new lengths are the kept c
 the bounds check of every layer's kept indices is one reduction that asserts on the device (a CPU
 raises at once). Each layer is then one ``compact_kv`` launch, so a pipelined engine compacts in
 stream order while the host builds the next step.
+
+A head-major store (a table per (layer, KV head) lane) compacts each lane to its own count
+(``Compaction.head_counts``, host ints): ``apply_lane_compaction``, one launch per layer whose lanes
+are the kernel's requests of one KV head, without waiting for the device either.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -110,3 +115,54 @@ def _device_inputs(
         out[key] = (slots[key[:2]], packed[offset : offset + 2], packed[offset + 2 : offset + 4])
         offset += 4
     return out
+
+
+def apply_lane_compaction(
+    pool: KVPool, lane_ids: Sequence[Sequence[int]], lane_lens: list[int], compaction: Compaction, block_size: int
+) -> list[int]:
+    """Compact a head-major request (``lane_ids`` / ``lane_lens``: per (layer, KV head) lane, layer-major);
+    returns the new per-lane lengths. Layer ``l``'s head ``h`` keeps the first ``counts(l)[h]`` entries
+    of its ``keep`` row (picked on the device by host-made positions: no wait)."""
+    num_layers = len(compaction.keep)
+    heads = len(lane_lens) // num_layers
+    if heads * num_layers != len(lane_lens):
+        raise ValueError(f"{len(lane_lens)} lanes are not {num_layers} layers' KV heads")
+    new_lens, device = list(lane_lens), pool.device
+    for layer, keep in enumerate(compaction.keep):
+        if keep is None:
+            continue
+        counts, lanes, width = compaction.counts(layer), range(layer * heads, (layer + 1) * heads), keep.shape[1]
+        if len(counts) != heads or any(n > width or n > lane_lens[t] for n, t in zip(counts, lanes, strict=True)):
+            raise ValueError(f"layer {layer}: keeps {counts} of rows {tuple(keep.shape)} over {heads} lanes")
+        pick = [h * width + i for h, n in enumerate(counts) for i in range(n)]  # row h's first counts[h]
+        limit = [lane_lens[t] for t, n in zip(lanes, counts, strict=True) for _ in range(n)]
+        slots = torch.cat([table_slots(lane_ids[t], lane_lens[t], block_size) for t in lanes])
+        offsets = [0, *itertools.accumulate(lane_lens[t] for t in lanes), 0, *itertools.accumulate(counts)]
+        host = torch.cat([slots, torch.tensor(offsets + pick + limit, dtype=torch.int64)]).to(torch.int32)
+        packed, k = to_device(host, device), len(pick)
+        n_slots = slots.numel()
+        indptr = packed[n_slots : n_slots + 2 * (heads + 1)]
+        kept = keep.to(device).flatten()[packed[-2 * k : -k].long()] if k else keep.new_zeros(0)
+        _check_lane_bounds(kept, packed[-k:] if k else packed[:0], layer)
+        compact_kv(
+            pool.k[layer],
+            pool.v[layer],
+            packed[:n_slots],
+            kept.view(1, -1),
+            slot_indptr=indptr[: heads + 1],
+            keep_indptr=indptr[heads + 1 :],
+        )
+        for lane, n in zip(lanes, counts, strict=True):
+            new_lens[lane] = n
+    return new_lens
+
+
+def _check_lane_bounds(kept: torch.Tensor, limit: torch.Tensor, layer: int) -> None:
+    """``0 <= kept < limit`` (each kept index within its lane): asserted on a GPU, checked at once elsewhere."""
+    if not kept.numel():
+        return
+    inside = ((kept >= 0) & (kept < limit)).all()
+    if kept.device.type == "cuda":
+        torch._assert_async(inside, "compaction: a kept index lies outside its lane's slots")
+    elif not bool(inside):
+        raise ValueError(f"layer {layer}: kept index outside its lane's slots")

@@ -7,7 +7,8 @@ kind is chosen here from the method's declaration and the engine's ``kv_cache_dt
 
 In the per-layer layout (``sparse_cache.LayerLayout``: each layer has its own block table) every
 layer's entry is a view of one tensor per kind holding all layers' blocks: a block id names the same
-memory whichever layer's table holds it, so the pool's blocks serve any layer.
+memory whichever layer's table holds it, so the pool's blocks serve any layer. A head-major store
+(``head_major_paged``: one KV head per block) is laid out the same way, with a table per (layer, KV head).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_cache import MODEL_DTYPE, StoreKind, latent_paged, paged, quantized_paged
+from sparse_cache import MODEL_DTYPE, StoreKind, head_major_paged, latent_paged, paged, quantized_paged
 from sparse_kernels.kv_quant import lloyd_max_codebook, turboquant_rotation
 from sparse_kernels.quantized_kv import QuantizedKV
 from sparse_methods import SparseMethod, Support, get_method_class, method_names
@@ -110,6 +111,10 @@ def store_kind(
     """The store kind for ``method`` over a ``kv_cache_dtype`` store (``auto``: the model dtype)."""
     h, d = cfg.num_key_value_heads, cfg.head_dim
     summaries = method is not None and method.storage.kind is MethodStore.PAGED_WITH_SUMMARIES
+    if method is not None and method.storage.kind is MethodStore.HEAD_MAJOR and cfg.mla is None:
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"{method.name} keeps a head-major store in the model dtype, not {kv_cache_dtype!r}")
+        return head_major_paged(block_size, h, d)
     if cfg.mla is not None:  # multi-head latent attention: one latent row per token
         if method is not None and Support.MLA not in method.supports:
             able = [name for name in method_names() if Support.MLA in get_method_class(name).supports]
@@ -156,10 +161,12 @@ def allocate_kv_pool(
     device,
     num_tail_rows: int = 0,
     one_tensor: bool = False,
+    tables_per_layer: int = 1,
 ) -> KVPool:
     """Every layer's tensors of ``store``: ``num_blocks`` blocks and ``num_tail_rows`` tail rows.
-    ``one_tensor`` (the per-layer layout): one tensor per kind of ``num_layers * num_blocks`` blocks,
-    which every layer indexes (the same bytes)."""
+    ``one_tensor`` (the per-layer layout): one tensor per kind of ``num_layers * tables_per_layer *
+    num_blocks`` blocks (``tables_per_layer``: the head-major layout's KV heads), which every layer
+    indexes (the same bytes)."""
     device = torch.device(device)
     # Kernels read only slots that were written. On CPU an uninitialised pool costs memory only as
     # it fills (the OS maps pages on first touch); on GPU it is zeroed, so padded graph rows read zeros.
@@ -171,7 +178,7 @@ def allocate_kv_pool(
         return {t.name: new((n, *t.shape), dtype=_torch_dtype(t.dtype, dtype), device=device) for t in specs}
 
     if one_tensor:
-        layers = (blocks(num_layers * num_blocks),) * num_layers
+        layers = (blocks(num_layers * tables_per_layer * num_blocks),) * num_layers
     else:
         layers = tuple(blocks(num_blocks) for _ in range(num_layers))
     tails = tuple(

@@ -8,7 +8,7 @@ import torch
 
 from sparse_cache import LayerLayout, TailRows
 from sparse_kernels import block_summary
-from sparse_methods import PrefixCacheMode, QueryRing, SparseMethod, StepContext, Support
+from sparse_methods import DecodeScoreSums, PrefixCacheMode, QueryRing, SparseMethod, StepContext, Support
 from sparse_models import ModelConfig, load_model
 from sparse_models.distributed import (
     gather_kv_group_heads,
@@ -83,11 +83,15 @@ class ModelRunner:
         # One tail row per running request (KIVI's incomplete page), taken on its first write.
         self.num_tail_rows = config.max_num_seqs if self.store.has_tail else 0
         self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
-        # Before the pool takes the free memory: the method's ring of recent decode queries, if it keeps one.
+        # A head-major store's block is one (layer, KV head) lane's: ``lanes`` of them hold a token in a layer.
+        self.lanes = layout.heads if layout is not None else 1
+        # Before the pool takes the free memory: the method's ring of recent decode queries or its running
+        # decode scores, if it keeps them.
         self.query_ring = _query_ring(method, self.store, config, self.dtype, self.device)
-        self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
         per_layer = layout is not None and layout.per_layer
-        self.num_pool_blocks = self.num_blocks * (cfg.num_hidden_layers if per_layer else 1)
+        self.score_sums = None if per_layer else _decode_score_sums(method, self.store, config, self.device)
+        self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
+        self.num_pool_blocks = self.num_blocks * (layout.num_tables if per_layer else 1)
         self.kv = allocate_kv_pool(
             self.store,
             cfg.num_hidden_layers,
@@ -96,9 +100,11 @@ class ModelRunner:
             self.device,
             self.num_tail_rows,
             one_tensor=per_layer,
+            tables_per_layer=self.lanes,
         )
         static_scales = _static_fp8_scales(config.fp8_kv_scale_path, cfg.num_hidden_layers)
         graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
+        lanes = self.lanes  # a head-major decode has a row per (request, KV head)
         self.attention = PagedAttention(
             self.kv,
             num_q_heads=heads.num_attention_heads,
@@ -108,14 +114,15 @@ class ModelRunner:
             method=method,
             tail_rows=self.tail_rows,
             static_scales=static_scales,
-            max_num_tokens=max(config.max_num_batched_tokens, graph_batch),
-            max_batch_size=max(config.max_num_seqs, graph_batch),
-            max_num_pages=config.max_num_seqs * -(-max_model_len_hint // self.block_size) + graph_batch,
+            max_num_tokens=max(config.max_num_batched_tokens, graph_batch) * lanes,
+            max_batch_size=max(config.max_num_seqs, graph_batch) * lanes,
+            max_num_pages=self._max_decode_pages(max_model_len_hint, graph_batch),
             sm_scale=cfg.softmax_scale,
             layer_windows=tuple(-1 if w is None else w - 1 for w in cfg.layer_sliding_windows),  # HF W: w - 1
             group_queries=None if tp_world_size() == 1 else _group_queries(cfg.num_key_value_heads),
             num_graph_groups=cfg.num_hidden_layers if per_layer else 1,
             query_ring=self.query_ring,
+            score_sums=self.score_sums,
         )
         self.method = method
         self.observed: Collection[Hashable] = frozenset()  # what the current step observes (``prepare_step``)
@@ -126,10 +133,19 @@ class ModelRunner:
             # keeps only its first group's plan in fixed buffers: with a table per layer it decodes eagerly.
             layer_group = tuple(range(cfg.num_hidden_layers)) if per_layer and not self.store.latent else None
             self.graphs = DecodeGraphs(
-                self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device, layer_group
+                self.model, self.attention, cfg.num_hidden_layers, graph_batch, self.device, layer_group, lanes
             )
             self.graphs.capture()
         self.sampler = Sampler(config.seed, self.device)
+
+    def _max_decode_pages(self, max_model_len: int, graph_batch: int) -> int:
+        """Block ids one layer's decode step lists at most (its plans' fixed capacity): every request at full
+        length, plus a graph's padding rows. A head-major layer lists each lane's blocks: bounded by the
+        pool too (only chain forks list a shared block twice), which keeps a plan per layer affordable."""
+        full = self.config.max_num_seqs * -(-max_model_len // self.block_size)
+        if self.lanes == 1:
+            return full + graph_batch
+        return min(full * self.lanes, self.num_pool_blocks) + graph_batch * self.lanes
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg, bs = self.model_config, self.config.block_size
@@ -140,7 +156,12 @@ class ModelRunner:
             cap = self.config.max_num_seqs * -(-max_model_len // bs)
             budget = int(self.config.cpu_kv_cache_gib * 2**30)
             return num_blocks_for_budget(
-                self.store, cfg.num_hidden_layers, self.dtype, budget, cap, num_tail_rows=self.num_tail_rows
+                self.store,
+                cfg.num_hidden_layers * self.lanes,
+                self.dtype,
+                budget,
+                cap,
+                num_tail_rows=self.num_tail_rows,
             )
         free, total = torch.cuda.mem_get_info(self.device)
         # The weights are already loaded, so `free` excludes them; keep (1 - utilization) of the card
@@ -148,7 +169,7 @@ class ModelRunner:
         activation_reserve = 64 * self.config.max_num_batched_tokens * cfg.hidden_size * 4
         budget = free - int(total * (1.0 - self.config.gpu_memory_utilization)) - activation_reserve
         return num_blocks_for_budget(
-            self.store, cfg.num_hidden_layers, self.dtype, budget, num_tail_rows=self.num_tail_rows
+            self.store, cfg.num_hidden_layers * self.lanes, self.dtype, budget, num_tail_rows=self.num_tail_rows
         )
 
     @torch.inference_mode()
@@ -177,8 +198,8 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """Bytes of one block of every layer (what ``num_blocks`` counts)."""
-        return bytes_per_block(self.store, self.model_config.num_hidden_layers, self.dtype)
+        """Bytes of one block of every layer (what ``num_blocks`` counts; a head-major store's: every lane)."""
+        return bytes_per_block(self.store, self.model_config.num_hidden_layers * self.lanes, self.dtype)
 
     @property
     def kv_bytes_per_pool_block(self) -> int:
@@ -246,6 +267,20 @@ def _query_ring(method: SparseMethod | None, store, config: EngineConfig, dtype,
     ring = QueryRing(shape.num_layers, rows, window, shape.num_q_heads, shape.head_dim, rows, dtype, device)
     method.query_ring = ring
     return ring
+
+
+def _decode_score_sums(method: SparseMethod | None, store, config: EngineConfig, device) -> DecodeScoreSums | None:
+    """The running attention sums an accumulating method keeps per (decoding request, layer), fed by the decode
+    kernel's score output, handed to the method; None when it keeps none or the store's kernels write no
+    scores (quantized, latent: the method observes through the host path)."""
+    shape = None if method is None else method.decode_score_shape
+    if shape is None or store.quantized or store.latent:
+        return None
+    capacity, heads = shape
+    m, rows = method.shape, config.max_num_seqs
+    sums = DecodeScoreSums(m.num_layers, rows, capacity, heads, m.num_kv_heads, config.block_size, rows, device)
+    method.decode_score_sums = sums
+    return sums
 
 
 def _check_windows(method: SparseMethod | None, store, cfg: ModelConfig) -> None:

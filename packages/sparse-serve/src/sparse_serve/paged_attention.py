@@ -8,6 +8,9 @@ layers use: windowed or not); each layer's
 decode kernel, prefill chunks to the prefill kernel. No method is named here: the method says how
 each layer reads (``layer_plan``) and which requests the step observes (``prepare_step``'s answer,
 handed to ``plan``).
+
+A head-major store (one table per (layer, KV head) lane) runs the same kernels with a row per
+(request, KV head): one KV head, the head's query group as the query heads (``_forward_lanes``).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from sparse_kernels import (
 )
 from sparse_kernels.kv_quant import dequantize_blocks
 from sparse_kernels.quantized_store import store_kv_quantized
-from sparse_methods import DENSE_LAYER, DecodeRead, LayerAttention, QueryRing, SparseMethod
+from sparse_methods import DENSE_LAYER, DecodeRead, DecodeScoreSums, LayerAttention, QueryRing, SparseMethod
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.latent_paged_attention import LatentPagedAttention
 from sparse_serve.selective_decode import SelectiveDecode
@@ -50,6 +53,7 @@ class _GroupPlan:
         self._slots = torch.empty(max_tokens, dtype=torch.int32, device=device) if max_tokens else None
         self._tails = torch.empty(max_tokens, dtype=torch.int32, device=device) if max_tokens else None
         self.slot_mapping: torch.Tensor | None = None
+        self._prefill_rows: torch.Tensor | None = None  # head-major groups: lane order of the prefill rows
         self.tail_index: torch.Tensor | None = None  # per token row: its request's tail row (tailed stores)
         self.window_left = -1  # the sliding window of the layers this plan serves (-1: none)
 
@@ -59,6 +63,12 @@ class _GroupPlan:
     def _window(self) -> dict:
         # Only windowed plans pass it: a method's own prefill wrapper (global layers) need not take it.
         return {} if self.window_left < 0 else {"window_left": self.window_left}
+
+    def prefill_rows(self, group: LayerGroupMetadata) -> torch.Tensor:
+        """A head-major group's ``prefill_rows`` on the device (copied once per step)."""
+        if self._prefill_rows is None:
+            self._prefill_rows = to_device(group.prefill_rows, self.device)
+        return self._prefill_rows
 
     def plan(
         self,
@@ -70,6 +80,7 @@ class _GroupPlan:
     ) -> None:
         """``tails``: per token row and per request, each request's tail row (stores with a tail)."""
         self.slot_mapping = self._load(group.slot_mapping, self._slots)
+        self._prefill_rows = None
         self.tail_index = None if tails is None else self._load(tails[0], self._tails)
         nd = meta.num_decode_tokens
         if nd:
@@ -120,6 +131,7 @@ class PagedAttention:
         group_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
         num_graph_groups: int = 1,
         query_ring: QueryRing | None = None,
+        score_sums: DecodeScoreSums | None = None,
     ):
         """``sm_scale``: the softmax scale the model passes (default ``head_dim ** -0.5``). ``layer_windows``:
         per layer its sliding window as the kernels' ``window_left`` (-1: full attention; empty: none).
@@ -129,7 +141,9 @@ class PagedAttention:
         so every rank holding a KV head selects and evicts the same tokens of it. ``num_graph_groups``: the
         leading layer groups whose plans keep fixed buffers (a decode step's groups under CUDA graphs: one,
         or one per layer in the per-layer layout). ``query_ring``: the method's ring of recent decode queries,
-        which every full-attention layer writes its decode rows into (graph-safe: CUDA graphs capture it)."""
+        which every full-attention layer writes its decode rows into (graph-safe: CUDA graphs capture it).
+        ``score_sums``: the method's running decode scores, which every full-attention layer's decode kernel
+        feeds through its score output (likewise captured)."""
         self.pool = pool
         self.device = pool.device
         self.quantized = pool.quantized  # per layer, or None for plain stores
@@ -139,9 +153,14 @@ class PagedAttention:
             raise ValueError(f"a {pool.store.describe()} store needs tail rows")
         self.block_size = block_size
         self.shape = dict(num_qo_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size)
+        self.lanes = num_kv_heads if pool.store.head_major else 1  # rows per request of a head-major plan
+        if self.lanes > 1:  # the kernels see one KV head and its query group per row
+            self.shape = dict(self.shape, num_qo_heads=num_q_heads // num_kv_heads, num_kv_heads=1)
         self.method = method
         self.group_queries = group_queries
         self.query_ring = query_ring
+        self.score_sums = score_sums
+        self._score_columns = 0  # the planned decode step's score columns (its CSR tokens)
         # Prefill chunks attend through the method's prefill attention (e.g. block-sparse) where it has one.
         prefill_attention = None if method is None else method.prefill_attention
         self._make_prefill = (
@@ -189,6 +208,8 @@ class PagedAttention:
         self._meta = meta
         self._observed_slots = {}
         self._observed = observed if self.method is not None else frozenset()
+        if self.score_sums is not None and meta.num_decode_tokens:
+            self._score_columns = int(meta.groups[0].decode_kv_indptr[-1]) * self.block_size
         if self.latent is not None:
             self.latent.plan(meta, self.sm_scale, self.method)
             return
@@ -203,7 +224,7 @@ class PagedAttention:
             self._touched = None if decode_only else [self._touched_blocks(group, meta) for group in meta.groups]
         for selective in self._selectives:
             selective.reset()
-        if self.method is None:
+        if self.method is None or self.lanes > 1:  # a head-major layer reads every slot its lanes hold
             return
         for g, group in enumerate(meta.groups):
             if all(layer in self._layer_window for layer in group.layers):
@@ -273,6 +294,8 @@ class PagedAttention:
         plan = self._plans[group_idx] if window is None else self._window_plans[window][group_idx]
         if self.quantized is not None:
             return self._forward_quantized(layer_idx, plan, meta.groups[group_idx], q, k, v)
+        if self.lanes > 1:
+            return self._forward_lanes(layer_idx, plan, meta.groups[group_idx], q, k, v)
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         group = meta.groups[group_idx]
@@ -289,8 +312,9 @@ class PagedAttention:
         layer = DENSE_LAYER if method is None else method.layer_plan(layer_idx)
         select_decode = nd > 0 and layer.selects_decode
         select_prefill = has_prefill and layer.prefill
+        scores = self._scores_out(nd, window)
         if not has_prefill and not select_decode:
-            out = plan.decode.run(q, k_cache, v_cache)
+            out = plan.decode.run(q, k_cache, v_cache, scores_out=scores)
         elif nd == 0 and not select_prefill:
             out = plan.prefill.run(q, k_cache, v_cache)
         else:
@@ -312,14 +336,24 @@ class PagedAttention:
                         args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
                         selective.run_batched(*args, dense=plan.decode, **extra)
             elif nd:
-                plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
+                plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd], scores_out=scores)
             if select_prefill:
                 self.selective_prefill.run(method, layer_idx, q[nd:], k_cache, v_cache, meta, group, out[nd:])
             elif has_prefill:
                 plan.prefill.run(q[nd:], k_cache, v_cache, out=out[nd:])
+        if scores is not None:
+            self.score_sums.add_decode(layer_idx)
         if window is None:  # sparse methods act on full-attention layers only
             self._hand_over(layer_idx, q, k_cache, group)
         return out
+
+    def _scores_out(self, nd: int, window: int | None) -> torch.Tensor | None:
+        """Where a full-attention layer's decode kernel writes its scores for the method's running sums."""
+        if self.score_sums is None or not nd or window is not None:
+            return None
+        if self._score_columns > self.score_sums.max_columns:
+            return None  # the method observes this step's decode rows through the host path instead
+        return self.score_sums.scores[:, : self._score_columns]
 
     def _hand_over(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group) -> None:
         """After a layer's attention: record the decode rows' queries in the ring (device only, also while
@@ -358,6 +392,44 @@ class PagedAttention:
         self._hand_over(layer_idx, q, None, group)
         return out
 
+    def _forward_lanes(self, layer_idx: int, plan: _GroupPlan, group, q, k, v) -> torch.Tensor:
+        """A head-major store: rows are (request, KV head) lanes. ``q [T, Hkv * G, D]`` viewed as
+        ``[T * Hkv, G, D]`` is token-major; decode rows are already in lane order, prefill rows are
+        gathered into it (``group.prefill_rows``) and their outputs scattered back."""
+        meta, h = self._meta, self.lanes
+        k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]  # [N, bs, 1, D]
+        t, d = k.shape[0], k.shape[-1]
+        store_kv(k.reshape(t * h, 1, d), v.reshape(t * h, 1, d), k_cache, v_cache, plan.slot_mapping)
+        rows = q.reshape(t * h, -1, q.shape[-1])
+        out = torch.empty_like(rows)
+        nd = meta.num_decode_tokens * h
+        if nd:
+            plan.decode.run(rows[:nd], k_cache, v_cache, out=out[:nd])
+        if meta.num_prefill_requests:
+            order = plan.prefill_rows(group) + nd
+            out[order] = plan.prefill.run(rows[order], k_cache, v_cache)
+        self._hand_over(layer_idx, q, k_cache, group)
+        return out.view_as(q)
+
+    def _lane_keys(self, group, i: int, n: int, flat_k: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+        """Request ``i``'s keys ``[kv_len, Hkv, D]`` in a head-major layer, after this step's ``n`` tokens,
+        and None; or, when its heads hold different counts, the padded keys ``LayerAttention.head_lens``
+        describes (each head's earlier slots first, the step's tokens last) and those counts."""
+        h, bs = self.lanes, self.block_size
+        lens = tuple(group.kv_lens[i * h + j] + n for j in range(h))
+        width = max(lens)
+        # Per head, the pool slots of its rows: its earlier slots, padding (its first slot, zeroed below), the step's.
+        rows = []
+        for j, kv_len in enumerate(lens):
+            slots = table_slots(group.block_ids[i * h + j], kv_len, bs)
+            rows.append(torch.cat([slots[: kv_len - n], slots[:1].expand(width - kv_len), slots[kv_len - n :]]))
+        keys = flat_k[to_device(torch.stack(rows), self.device)].squeeze(2).transpose(0, 1)  # [width, H, D]
+        if len(set(lens)) == 1:
+            return keys, None
+        for j, kv_len in enumerate(lens):
+            keys[kv_len - n : width - n, j] = 0
+        return keys, lens
+
     def _request_keys(
         self, layer_idx: int, group, i: int, kv_len: int, flat_k: torch.Tensor | None, dtype
     ) -> torch.Tensor:
@@ -387,8 +459,12 @@ class PagedAttention:
         for i, step in enumerate(meta.steps):
             if step.request_id not in wanted:
                 continue
-            kv_len = group.kv_lens[i] + step.num_new_tokens
-            keys = self._request_keys(layer_idx, group, i, kv_len, flat_k, q.dtype)
+            head_lens = None
+            if self.lanes > 1:
+                keys, head_lens = self._lane_keys(group, i, step.num_new_tokens, flat_k)
+            else:
+                kv_len = group.kv_lens[i] + step.num_new_tokens
+                keys = self._request_keys(layer_idx, group, i, kv_len, flat_k, q.dtype)
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
             rows = rows if self.group_queries is None else self.group_queries(rows)
-            self.method.on_attention_end(layer_idx, step, LayerAttention(rows, keys, self.sm_scale))
+            self.method.on_attention_end(layer_idx, step, LayerAttention(rows, keys, self.sm_scale, head_lens))

@@ -36,7 +36,8 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     prompt_token_ids: tuple[int, ...] = ()  # set from token_ids on creation
-    # KV slots each layer holds; equals num_computed_tokens unless the sparse method evicted some.
+    # KV slots each layer holds (each (layer, KV head) lane in the head-major layout, layer-major);
+    # equals num_computed_tokens unless the sparse method evicted some.
     kv_lens: list[int] = field(default_factory=lambda: [0])
     # Tokens present when the request was (re)admitted: what this admission prefills. Equals the
     # prompt, or prompt + output so far after a preemption (recompute).

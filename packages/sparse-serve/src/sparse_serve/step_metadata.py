@@ -8,7 +8,9 @@ in each layer, which eviction can make shorter than the position and different p
 whose KV lengths agree for every request of the step form one *layer group* sharing one slot
 mapping and one pair of kernel plans; without per-layer eviction there is exactly one group. In the
 per-layer layout (``sparse_cache.LayerLayout``) each layer also has its own block table, so layers group
-only with layers of the same table: every layer is its own group.
+only with layers of the same table: every layer is its own group. In the head-major layout each
+(layer, KV head) lane has its own table and length: a layer's group lists one row per (item, head)
+(``heads``), see ``head_major_group``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class LayerGroupMetadata:
     block_ids : per scheduled item, the block ids of the group's table (``array('i')``; read only).
     decode_kv_* : CSR over the blocks of the single-token items (kv_indptr [Bd+1], kv_indices, kv_last_len [Bd]).
     prefill_* : qo_indptr [Bp+1] (relative to the first prefill token) and CSR over their blocks.
+    heads : 1, or the KV heads of a head-major group: then ``kv_lens``, ``block_ids`` and the CSR rows are
+        per (item, head) lane (row ``item * heads + head``), the slot mapping ``[num_tokens * heads]`` is
+        token-major (entry ``t * heads + h``), and ``prefill_rows`` int64 ``[num_prefill_tokens * heads]``
+        lists, in lane order (item, head, token), each prefill query's row of the token-major
+        ``[num_prefill_tokens * heads, group, head_dim]`` view of the prefill queries.
     """
 
     layers: tuple[int, ...]
@@ -47,6 +54,8 @@ class LayerGroupMetadata:
     prefill_kv_indptr: torch.Tensor
     prefill_kv_indices: torch.Tensor
     prefill_kv_last_len: torch.Tensor
+    heads: int = 1
+    prefill_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,14 +144,21 @@ def _group(
         else:
             slots += _slots(ids, kv_len, kv_len + n, block_size)
         ends.append(kv_len + n)
-    d_indptr, d_indices, d_last = _csr(block_ids[:num_decode], ends[:num_decode], block_size, skips[:num_decode])
-    p_indptr, p_indices, p_last = _csr(block_ids[num_decode:], ends[num_decode:], block_size, skips[num_decode:])
     qo_indptr = [0]
     for _, n in items[num_decode:]:
         qo_indptr.append(qo_indptr[-1] + n)
+    return _lists(layers, kv_lens, block_ids, slots, ends, skips, num_decode, qo_indptr, block_size)
+
+
+def _lists(layers, kv_lens, block_ids, slots, ends, skips, num_decode_rows, qo_indptr, block_size, **extra):
+    """A group's metadata from its rows (``block_ids``, their ``ends`` after the step and ``skips``, the
+    first ``num_decode_rows`` single-token ones), its slot mapping and the prefill rows' ``qo_indptr``."""
+    d = num_decode_rows
+    d_indptr, d_indices, d_last = _csr(block_ids[:d], ends[:d], block_size, skips[:d])
+    p_indptr, p_indices, p_last = _csr(block_ids[d:], ends[d:], block_size, skips[d:])
     return LayerGroupMetadata(
         layers=layers,
-        kv_lens=kv_lens,
+        kv_lens=tuple(kv_lens),
         block_ids=tuple(block_ids),
         slot_mapping=_i32(slots),
         decode_kv_indptr=_i32(d_indptr),
@@ -152,6 +168,43 @@ def _group(
         prefill_kv_indptr=_i32(p_indptr),
         prefill_kv_indices=_i32(p_indices),
         prefill_kv_last_len=_i32(p_last),
+        **extra,
+    )
+
+
+def head_major_group(
+    layer: int, heads: int, items, lane_ids: list[list[array]], lane_lens: list[list[int]], num_decode: int, bs: int
+) -> LayerGroupMetadata:
+    """One head-major layer's group: ``lane_ids[i][h]`` / ``lane_lens[i][h]`` are item ``i``'s lane ``h``'s
+    block ids and slots before the step. Every lane of an item takes the item's tokens at its own end."""
+    slots: list[int] = []
+    ends, block_ids, kv_lens = [], [], []
+    for (_, n), ids, lens in zip(items, lane_ids, lane_lens, strict=True):
+        per_lane = [_slots(ids[h], lens[h], lens[h] + n, bs) for h in range(heads)]
+        slots += [per_lane[h][t] for t in range(n) for h in range(heads)]  # token-major, as K/V come
+        ends += [k + n for k in lens]
+        block_ids += ids
+        kv_lens += lens
+    qo_indptr, prefill_rows, first = [0], [], 0
+    for _, n in items[num_decode:]:
+        for h in range(heads):
+            qo_indptr.append(qo_indptr[-1] + n)
+            prefill_rows += range(first * heads + h, (first + n) * heads, heads)
+        first += n
+    rows = torch.tensor(prefill_rows, dtype=torch.int64) if prefill_rows else None
+    skips = [0] * len(ends)
+    return _lists(
+        (layer,),
+        kv_lens,
+        block_ids,
+        slots,
+        ends,
+        skips,
+        num_decode * heads,
+        qo_indptr,
+        bs,
+        heads=heads,
+        prefill_rows=rows,
     )
 
 
@@ -175,6 +228,7 @@ def build_step_metadata(
     step; without it they are converted from the tables (same result).
     """
     per_layer = layout is not None and layout.per_layer
+    heads = layout.heads if per_layer else 1
     input_ids: list[int] = []
     positions: list[int] = []
     logits_indices: list[int] = []
@@ -188,7 +242,8 @@ def build_step_metadata(
         replay = req.num_replays_done if req.replaying else None  # a replay pass: its tokens, nothing sampled
         input_ids += req.token_ids[start : start + n] if replay is None else req.next_replay
         positions += range(start, start + n)
-        steps.append(RequestStep(req.request_id, start, n, req.prefill_len, tuple(req.kv_lens), replay))
+        kv_lens = tuple(req.kv_lens) if heads == 1 else layout.layer_lens(req.kv_lens)  # a layer's longest lane
+        steps.append(RequestStep(req.request_id, start, n, req.prefill_len, kv_lens, replay))
         if n == 1:
             if num_decode != len(steps) - 1:
                 raise ValueError("single-token items must come before prefill chunks")
@@ -196,7 +251,26 @@ def build_step_metadata(
         if replay is None and start + n == req.num_tokens:
             logits_indices.append(len(input_ids) - 1)
             sampled.append(req)
-    num_layers = len(batch.items[0][0].kv_lens) if batch.items else 1
+    num_layers = len(steps[0].kv_lens) if steps else 1
+    if heads > 1:
+        ids_of = block_ids_of or (lambda *key: array("i", table_of(*key).block_ids))
+        groups = []
+        for layer in range(num_layers):
+            lanes = layout.lanes(layer)
+            lane_ids = [[ids_of(req.request_id, t) for t in lanes] for req, _ in batch.items]
+            lane_lens = [[req.kv_lens[t] for t in lanes] for req, _ in batch.items]
+            groups.append(head_major_group(layer, heads, batch.items, lane_ids, lane_lens, num_decode, block_size))
+        return _metadata(
+            input_ids,
+            positions,
+            num_decode,
+            groups,
+            tuple(range(num_layers)),
+            steps,
+            row_starts,
+            logits_indices,
+            sampled,
+        )
     # Column ``layer`` of the requests' KV lengths; layers with equal columns (and tables) share a group.
     columns = zip(*(s.kv_lens for s in steps), strict=True) if steps else [()] * num_layers
     by_lens: dict[tuple, list[int]] = {}
@@ -213,13 +287,21 @@ def build_step_metadata(
         groups.append(_group(tuple(layers), kv_lens, batch.items, block_ids, num_decode, block_size, first_read))
         for layer in layers:
             layer_group[layer] = g
+    return _metadata(
+        input_ids, positions, num_decode, groups, tuple(layer_group), steps, row_starts, logits_indices, sampled
+    )
+
+
+def _metadata(
+    input_ids, positions, num_decode, groups, layer_group, steps, row_starts, logits_indices, sampled
+) -> StepMetadata:
     return StepMetadata(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
         num_decode_tokens=num_decode,
         num_prefill_requests=len(steps) - num_decode,
         groups=tuple(groups),
-        layer_group=tuple(layer_group),
+        layer_group=layer_group,
         steps=tuple(steps),
         row_starts=tuple(row_starts),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),

@@ -8,25 +8,22 @@ kvpress's AdaKVPress(SnapKVPress, alpha_safeguard=0.2) is ``sink_keep_tokens=0,
 recent_keep_tokens=observation_window_size=64, score_kernel_size=5, score_pooling="avg"`` with
 ``decode_keep_tokens = n_kept - 64``. It compresses once, after the prompt.
 
-Memory: today's store gives every KV head of a layer the same slots, so a compacted layer holds
-``max_h(n_h) x H`` slots, not ``sum_h n_h``. A head with fewer tokens than the largest one keeps its
-own tokens plus filler slots (its next-best tokens) that it never attends to: decode reads each head's
-own tokens only (``head_masks``: per-head slot lists through ``decode_selection``). The memory plan reserves the
-largest ``max_h(n_h)`` the budgets allow (one head takes everything the safeguard leaves), so
-admission holds whatever the scores turn out to be. A chain's next turn prefills over every slot
-(fillers included): prefill selections are shared by all KV heads.
+Memory: it declares the head-major store (``StoreKind.HEAD_MAJOR``): each KV head of a layer keeps its
+own count of slots (``Compaction.head_counts``), so a compacted layer holds ``sum_h n_h = H x budget``
+slots, and decode reads every slot each head holds. Its memory plan is SnapKV's (``budget`` per head on
+average). Each rank would hold different block counts: no tensor parallelism with this store yet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from pydantic import Field
 
-from sparse_methods.base import Compaction, DecodeView, LayerPlan, MemoryPlan, RequestStep, Selection, Support
-from sparse_methods.head_masks import HeadMasks, ragged_keep
+from sparse_methods.base import Compaction, Storage, StoreKind
 from sparse_methods.methods.snapkv import SnapKV, SnapKVConfig
+from sparse_methods.ragged_heads import ragged_rows
 from sparse_methods.registry import register
 
 
@@ -41,64 +38,62 @@ class AdaKVConfig(SnapKVConfig):
 
 
 def adaptive_keep(
-    scores: torch.Tensor, *, kv_len: int, sink: int, recent: int, budget: int, alpha: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-head adaptive selection of one layer: ``(keep, valid)``, both ``[H, n_max]``.
+    scores: torch.Tensor, *, kv_len: int | Sequence[int], sink: int, recent: int, budget: int, alpha: float
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Per-head adaptive selection of one layer: ``(keep, counts)`` (``ragged_rows``: ``keep`` ``[H, n_max]``,
+    row ``h``'s first ``counts[h]`` entries its kept slots, ascending).
 
-    ``scores``: ``[H, M]`` of slots ``0 .. M-1`` (``M >= kv_len - recent``). Each head keeps its
-    sink and recent slots and its top ``int(budget * alpha)`` (at least 1 when ``alpha > 0``; the
-    protected slots count first); the other ``H x budget`` places go to the best remaining scores
-    over all heads. ``keep[h]`` ascending holds head ``h``'s kept slots and, where it keeps fewer
-    than the largest head, its next-best slots as fillers (``valid[h]`` False there).
+    ``scores``: ``[H, M]`` of slots ``0 .. M-1`` (``M >= kv_len - recent``). ``kv_len``: the slots every
+    head holds, or per head (heads that already keep different counts; scores past them are ignored).
+    Each head keeps its sink and recent slots and its top ``int(budget * alpha)`` (at least 1 when
+    ``alpha > 0``; the protected slots count first); the other ``H x budget`` places go to the best
+    remaining scores over all heads.
     """
-    num_heads = scores.shape[0]
-    full = torch.full((num_heads, kv_len), float("inf"), dtype=torch.float32, device=scores.device)
-    mid_hi = kv_len - min(recent, kv_len - min(sink, kv_len))
-    full[:, sink:mid_hi] = scores[:, sink:mid_hi].float()
+    num_heads, device = scores.shape[0], scores.device
+    lens = torch.tensor([kv_len] * num_heads if isinstance(kv_len, int) else list(kv_len), device=device)
+    width = int(lens.max())
+    pos = torch.arange(width, device=device)
+    real = pos < lens[:, None]
+    mid_hi = lens - torch.minimum(torch.full_like(lens, recent), lens - lens.clamp(max=sink))
+    middle = (pos >= sink) & (pos < mid_hi[:, None])
+    ranked = torch.full((num_heads, width), float("-inf"), device=device)
+    m = min(width, scores.shape[1])
+    ranked[:, :m] = scores[:, :m].float()
+    full = torch.where(middle, ranked, float("inf")).masked_fill(~real, float("-inf"))
     n_safe = int(budget * alpha)
     if alpha > 0 and budget > 0:
         n_safe = max(1, n_safe)
     if n_safe:
-        top = torch.topk(full, min(n_safe, kv_len), dim=1).indices
-        full.scatter_(1, top, float("inf"))
-    order = torch.sort(full.flatten(), descending=True, stable=True).indices[: num_heads * min(budget, kv_len)]
-    kept = torch.zeros(num_heads * kv_len, dtype=torch.bool, device=scores.device)
+        top = torch.zeros_like(real).scatter_(1, torch.topk(full, min(n_safe, width), dim=1).indices, True)
+        full = full.masked_fill(top & real, float("inf"))
+    places = min(num_heads * budget, int(lens.sum()))
+    order = torch.sort(full.flatten(), descending=True, stable=True).indices[:places]
+    kept = torch.zeros(num_heads * width, dtype=torch.bool, device=device)
     kept[order] = True
-    return ragged_keep(kept.view(num_heads, kv_len), full)
+    return ragged_rows(kept.view(num_heads, width) & real)
 
 
 @register
 class AdaKV(SnapKV):
     name = "adakv"
     Config = AdaKVConfig
-    # Not MLA (one latent KV head: nothing to share out) nor sliding windows (its per-head masks and memory
-    # plan do not skip windowed layers yet); tensor parallel: the shards' scores are gathered and shared out.
-    supports = frozenset({Support.TENSOR_PARALLEL})
+    # Ragged per-head budgets: memory is the sum of the heads' counts. Not MLA (one latent KV head: nothing
+    # to share out), nor sliding windows (the head-major store has no windowed layers yet), nor tensor
+    # parallel (ranks' heads would hold different block counts, under one scheduler for all).
+    storage = Storage(StoreKind.HEAD_MAJOR)
+    supports = frozenset()
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
-        self.masks = HeadMasks(shape.num_layers)
-        self._pending_valid: dict[Hashable, list[torch.Tensor | None]] = {}
-        self._chosen: torch.Tensor | None = None
-
-    def max_head_tokens(self, prompt_len: int) -> int:
-        """Most slots one head can end up with: its safeguard plus every place the others leave."""
-        c, h = self.config, self.head_reduction.num_kv_heads(self.shape)
-        budget = c.sink_keep_tokens + c.decode_keep_tokens + c.recent_keep_tokens
-        floor = max(c.sink_keep_tokens + c.recent_keep_tokens, int(budget * c.alpha_safeguard))
-        return min(prompt_len, budget + (h - 1) * max(0, budget - floor))
-
-    def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
-        kept = min(prompt_len, self.max_head_tokens(prompt_len))
-        return MemoryPlan.uniform(self.shape.num_layers, prompt_len, kept, kept + max_new_tokens)
+        self._pending_counts: dict[Hashable, list[tuple[int, ...] | None]] = {}
+        self._chosen: tuple[int, ...] | None = None
 
     # -- selection: the base's per-layer top-k, replaced by the adaptive one --------------------------
     def _select(self, scores: torch.Tensor | None, kv_len: int, budget: int) -> torch.Tensor:
-        """Every shard's heads share the layer's places out; this shard keeps its heads' rows (as wide as
-        the largest head of every shard, so every rank compacts to the same slots)."""
+        """Every shard's heads share the layer's places out; this shard keeps its heads' rows."""
         sink, recent = self.protected(budget)
         reduction = self.head_reduction
-        keep, chosen = adaptive_keep(
+        keep, counts = adaptive_keep(
             reduction.gather(scores, 0),
             kv_len=kv_len,
             sink=sink,
@@ -106,37 +101,24 @@ class AdaKV(SnapKV):
             budget=budget,
             alpha=self.config.alpha_safeguard,
         )
-        self._chosen = chosen  # every shard's rows (``finish_step`` stores this shard's)
+        self._chosen = tuple(reduction.local(torch.tensor(counts), 0).tolist())
         return reduction.local(keep, 0)
+
+    def _select_ragged(self, scores: torch.Tensor, head_lens: tuple[int, ...], budget: int) -> torch.Tensor:
+        """A resumed chain's heads hold different counts: the same sharing out, over each head's slots."""
+        sink, recent = self.protected(budget)
+        keep, self._chosen = adaptive_keep(
+            scores, kv_len=head_lens, sink=sink, recent=recent, budget=budget, alpha=self.config.alpha_safeguard
+        )
+        return keep
 
     def on_attention_end(self, layer, request, view) -> None:
         self._chosen = None
         super().on_attention_end(layer, request, view)
         if self._chosen is not None:
-            self._pending_valid.setdefault(request.request_id, self._layers())[layer] = self._chosen
+            self._pending_counts.setdefault(request.request_id, self._layers())[layer] = self._chosen
 
     def finish_step(self) -> Mapping[Hashable, Compaction]:
-        for rid, layers in self._pending_valid.items():
-            for layer, valid in enumerate(layers):
-                if valid is not None:
-                    self.masks.set(rid, layer, valid, self.head_reduction)
-        self._pending_valid = {}
-        return super().finish_step()
-
-    # -- decode: each head reads its own slots -------------------------------------------------------
-    def layer_plan(self, layer: int) -> LayerPlan:
-        return self.masks.layer_plan(layer)
-
-    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        return self.masks.selection(request.request_id, layer, view.kv_len)
-
-    # -- request events and chains -------------------------------------------------------------------
-    def release(self, request_id: Hashable) -> object | None:
-        return (super().release(request_id), self.masks.pop(request_id))
-
-    def restore_state(self, request_id: Hashable, state: object) -> None:
-        if state is not None:
-            base, valid = state
-            super().restore_state(request_id, base)
-            if valid is not None:
-                self.masks.restore(request_id, valid)
+        counts, self._pending_counts = self._pending_counts, {}
+        out = super().finish_step()
+        return {rid: Compaction(c.keep, tuple(counts.get(rid, self._layers()))) for rid, c in out.items()}

@@ -68,6 +68,10 @@ class H2O(EvictionMethod):
     def observation_window(self) -> int:
         return self.config.h2o_prefill_score_window
 
+    @property
+    def score_heads(self) -> int:
+        return self.shape.num_kv_heads if self.config.h2o_per_head else 1
+
     def score(self, layer: int, inputs: ScoreInputs) -> torch.Tensor:
         """This step's attention paid to every slot, summed over its queries and the KV head's query
         group (``[num_kv_heads, kv_len]``) or over every query head (``[1, kv_len]``, shared)."""

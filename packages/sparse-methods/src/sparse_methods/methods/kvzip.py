@@ -6,8 +6,10 @@ A cached token's score is the most attention any replay query of its chunk pays 
 queries and the KV group's heads, softmax over the sinks, the chunk and the replay's own tokens).
 The ``L x H x layers`` scores are ranked together (``kvzip_layerwise``: per layer) and the best
 ``kvzip_token_budget`` per (layer, KV head) on average are kept; the first ``sink_keep_tokens``
-always. Kept counts differ per layer and per KV head: a layer holds its largest head's count for
-every head (fillers that decode never reads, ``head_masks``).
+always. Kept counts differ per layer and per KV head: it declares the head-major store
+(``StoreKind.HEAD_MAJOR``), so each (layer, KV head) holds its own count (``Compaction.head_counts``)
+and decode reads every slot each head holds. Each rank would hold different block counts: no tensor
+parallelism with this store yet.
 
 Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction"
 (arXiv:2505.23416). kvpress's KVzipPress(compression_ratio=r, n_sink=4, chunk_size=2048) is
@@ -18,8 +20,10 @@ it uses the template's turn markers, which this method does not). SE's names and
 keeps one token set shared by every layer and head, which is not offered here.
 
 Cost: the replays process about the prompt again (each chunk plus ~20 instruction tokens), so
-prefill costs ~2x; the memory plan holds the prompt plus the longest replay while scoring. A request
-resuming a chain (its KV already compacted) is not replayed.
+prefill costs ~2x; the memory plan holds the prompt plus the longest replay while scoring, then the
+budget per (layer, KV head) on average: with the layers ranked together one layer may keep more than
+another, but the sum over layers, which admission counts, holds. A request resuming a chain (its KV
+already compacted) is not replayed.
 """
 
 from __future__ import annotations
@@ -32,20 +36,18 @@ from pydantic import Field
 from sparse_methods.base import (
     Category,
     Compaction,
-    DecodeView,
     LayerAttention,
-    LayerPlan,
     MemoryPlan,
     MethodConfig,
     PrefixCacheMode,
     ReplayPass,
     RequestStep,
-    Selection,
     SparseMethod,
     StepContext,
-    Support,
+    Storage,
+    StoreKind,
 )
-from sparse_methods.head_masks import HeadMasks, ragged_keep
+from sparse_methods.ragged_heads import ragged_rows
 from sparse_methods.registry import register
 
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
@@ -124,29 +126,23 @@ class KVzip(SparseMethod):
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
     Config = KVzipConfig
-    supports = frozenset({Support.TENSOR_PARALLEL})  # scores per KV head, ranked with every shard's (gathered)
+    storage = Storage(StoreKind.HEAD_MAJOR)  # ragged per-(layer, head) counts: memory is their sum
+    # Not tensor parallel: ranks' heads would hold different block counts (one scheduler for all).
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
-        self.masks = HeadMasks(shape.num_layers)
         self._replays: dict[Hashable, _Replay] = {}
         self._fresh: set[Hashable] = set()  # requests whose prompt KV is untouched (slot = position)
+        self._compacted: set[Hashable] = set()  # requests (and chains' next turns) whose KV it compacted
         self._step: dict[Hashable, int] = {}  # request -> replay pass index, this step
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         c = self.config
-        kept = min(prompt_len, self.max_head_tokens(prompt_len))
+        kept = min(prompt_len, c.kvzip_token_budget)  # per (layer, KV head) on average
         replay = 0
         if prompt_len > c.kvzip_token_budget:
             replay = MAX_INSTRUCTION_TOKENS + c.kvzip_prev_postfix_size + min(prompt_len, c.kvzip_score_chunk_size)
         return MemoryPlan.uniform(self.shape.num_layers, prompt_len + replay, kept, kept + max_new_tokens)
-
-    def max_head_tokens(self, prompt_len: int) -> int:
-        """Most slots one layer's head can keep: everything ranked together may go to one head."""
-        c = self.config
-        heads = self.head_reduction.num_kv_heads(self.shape)
-        spread = heads * (1 if c.kvzip_layerwise else self.shape.num_layers)
-        return min(prompt_len, c.kvzip_token_budget * spread)
 
     # -- the replay passes ---------------------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
@@ -154,14 +150,16 @@ class KVzip(SparseMethod):
         for r in step.requests:
             if r.replay is not None:
                 self._step[r.request_id] = r.replay
-            elif r.ends_prefill and r.kv_lens[0] == r.start:  # nothing compacted before: slots = positions
-                self._fresh.add(r.request_id)
+            elif r.ends_prefill and r.kv_lens[0] == r.start and r.request_id not in self._compacted:
+                self._fresh.add(r.request_id)  # nothing compacted before: slots = positions
         return frozenset(self._step)  # replay passes are observed
 
     def replay_passes(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> tuple[ReplayPass, ...]:
         c = self.config
         n = len(prompt_token_ids)
-        if request_id not in self._fresh or n <= c.kvzip_token_budget:
+        fresh = request_id in self._fresh
+        self._fresh.discard(request_id)  # asked once per prompt
+        if not fresh or n <= c.kvzip_token_budget:
             return ()
         size = c.kvzip_score_chunk_size
         chunks = [(s, min(s + size, n)) for s in range(0, n, size)]
@@ -190,12 +188,12 @@ class KVzip(SparseMethod):
             state.done = index + 1
             if state.done == len(state.chunks):
                 out[rid] = self._compaction(rid, self._replays.pop(rid))
+                self._compacted.add(rid)
         self._step = {}
         return out
 
     def _compaction(self, request_id: Hashable, state: _Replay) -> Compaction:
-        """Every shard's heads ranked together; this shard keeps its heads' rows (each layer as wide as
-        its largest head over all shards, so every rank compacts to the same slots)."""
+        """Every shard's heads ranked together; this shard keeps its heads' rows."""
         c = self.config
         reduction = self.head_reduction
         scores = reduction.gather(torch.stack(state.scores), 1)  # [layers, Hkv of every shard, L]
@@ -210,26 +208,22 @@ class KVzip(SparseMethod):
             total = layers * heads * min(c.kvzip_token_budget, length)
             kept[torch.sort(scores.flatten(), descending=True, stable=True).indices[:total]] = True
         kept = kept.view(layers, heads, length)
-        keep = []
+        keep, counts = [], []
         for layer in range(layers):
-            idx, valid = ragged_keep(kept[layer], scores[layer])
-            self.masks.set(request_id, layer, valid, reduction)
+            idx, n = ragged_rows(kept[layer])
             keep.append(reduction.local(idx, 0))
-        return Compaction(tuple(keep))
-
-    # -- decode: each head reads its own slots -------------------------------------------------------
-    def layer_plan(self, layer: int) -> LayerPlan:
-        return self.masks.layer_plan(layer)
-
-    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        return self.masks.selection(request.request_id, layer, view.kv_len)
+            counts.append(tuple(reduction.local(torch.tensor(n), 0).tolist()))
+        return Compaction(tuple(keep), tuple(counts))
 
     # -- request events and chains -------------------------------------------------------------------
     def release(self, request_id: Hashable) -> object | None:
         self._replays.pop(request_id, None)
         self._fresh.discard(request_id)
-        return self.masks.pop(request_id)
+        if request_id in self._compacted:
+            self._compacted.discard(request_id)
+            return True  # a later turn's slots are not positions
+        return None
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
-        if state is not None:
-            self.masks.restore(request_id, state)
+        if state:
+            self._compacted.add(request_id)

@@ -42,14 +42,17 @@ class DecodeCase:
     profile_steps: int = 0
 
 
-def blocks_per_request(engine: LLMEngine, prompt_len: int, output_len: int) -> tuple[int, int]:
+def blocks_per_request(engine: LLMEngine, prompt_len: int, output_len: int, prefill: str = "real") -> tuple[int, int]:
     """(decode blocks, prefill-peak blocks) one request needs, from its method's memory plan: blocks of
     its largest layer's table, or with a table per layer the sum of each layer's (a windowed layer's
-    capped at its window)."""
+    capped at its window). Head-major tables: a synthetic request holds the plan in every lane alike;
+    a real one's ragged lanes may round up in each lane (the layout's bound)."""
     chunk = engine.config.max_num_batched_tokens
     plan = engine.method.memory_plan(prompt_len, output_len, chunk)
     bs, layout = engine.config.block_size, engine.kv.layout
     decode = [max(d, r + 1) for d, r in zip(plan.decode_peak_tokens, plan.resident_tokens, strict=True)]
+    if prefill == "synthetic" and layout.heads > 1:
+        decode = layout.per_table(decode)
     prefill = plan.prefill_peak_tokens
     return engine.kv.num_blocks_for(layout.window_peaks(decode, 1, bs)), engine.kv.num_blocks_for(
         layout.window_peaks(prefill, chunk, bs)
@@ -62,7 +65,7 @@ def max_batch_size(engine: LLMEngine, prompt_len: int, output_len: int, prefill:
     Each holds its plan's decode peak (resident + output for methods that do not evict during
     decode); with real prefill one request at a time may also need its prefill peak.
     """
-    per_req, prefill_peak = blocks_per_request(engine, prompt_len, output_len)
+    per_req, prefill_peak = blocks_per_request(engine, prompt_len, output_len, prefill)
     extra = max(0, prefill_peak - per_req) if prefill == "real" else 0
     fit = (engine.kv.num_blocks - extra) // per_req
     if fit < 1:
@@ -103,6 +106,7 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
     running = engine.scheduler.running
     if not running:
         return 0, 0
+    heads = engine.kv.layout.heads  # head-major: the lengths are per lane, a slot one head's
     method, bs = engine.method, engine.config.block_size
     summaries = getattr(engine.runner.kv, "kmin", None) is not None
     layers = range(len(running[0].kv_lens))
@@ -114,7 +118,7 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
             n = r.kv_lens[layer] + 1
             read = method.decode_read_tokens(layer, n, bs)
             total += read - n + (-(-n // bs) if summaries and read < n else 0)
-    return total, len(running)
+    return -(-total // heads), len(running)
 
 
 def _step_kv_tokens_reference(engine: LLMEngine) -> tuple[int, int]:
@@ -122,13 +126,14 @@ def _step_kv_tokens_reference(engine: LLMEngine) -> tuple[int, int]:
     running = engine.scheduler.running
     method, bs = engine.method, engine.config.block_size
     summaries = getattr(engine.runner.kv, "kmin", None) is not None
+    heads = engine.kv.layout.heads  # head-major: per lane, each lane a layer's head
     total = 0
     for r in running:
-        for layer, kv_len in enumerate(r.kv_lens):
+        for lane, kv_len in enumerate(r.kv_lens):
             n = kv_len + 1
-            read = method.decode_read_tokens(layer, n, bs)
+            read = method.decode_read_tokens(lane // heads, n, bs)
             total += read + (-(-n // bs) if summaries and read < n else 0)
-    return total, len(running)
+    return -(-total // heads), len(running)
 
 
 def run_decode_case(
