@@ -21,7 +21,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
 def _llm(path, device: str, **params) -> LLM:
+    # A fixed pool: sized by free GPU memory, a second engine in the same test would find none left.
     base = dict(device=device, dtype="float32", block_size=16, max_num_batched_tokens=4096, enforce_eager=False)
+    base["num_kv_blocks"] = 2048
     return LLM(str(path), **{**base, **params})
 
 
