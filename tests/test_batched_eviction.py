@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 from test_async_scheduling import drive, greedy
-from test_eviction_pipeline import DECODE_EVICTING, _llm, _spy
+from test_eviction_pipeline import _llm, _spy
 
 from sparse_methods.scoring import keep_indices, keep_indices_batch, window_scores, window_scores_batch
 
@@ -26,18 +26,18 @@ BATCHED = ("snapkv", "pyramidkv", "rkv", "tova")
 
 
 @pytest.mark.parametrize("method", BATCHED)
-def test_batched_selection_equals_each_request_alone(method):
+def test_batched_compactions_equal_each_request_alone(method):
     script = {0: [("add", f"r{i}", p, greedy(22, ignore_eos=True)) for i, p in enumerate(PROMPTS)]}
     script[0].append(("add", "t", PROMPTS[2], greedy(12, ignore_eos=True), {"chain_id": "c"}))
     traces, keeps, saved = [], [], []
     for batched in (True, False):
         llm = _llm(method, max_num_batched_tokens=512, max_num_seqs=8)
-        llm.engine.method.batched_selection = batched
-        outs, saves = _spy(llm, "finish_step"), _spy(llm, "save_state")
+        llm.engine.method.batches_compactions = batched
+        outs, releases = _spy(llm, "finish_step"), _spy(llm, "release")
         traces.append(drive(llm, script, chains=("c",)))
         keeps.append([(rid, c.keep) for _, out in outs for rid, c in sorted(out.items())])
         sizes = [len(out) for _, out in outs]
-        saved.append(saves[0][1].window)
+        saved.append(next(state for (rid, *_), state in releases if rid == "t").window)
     assert traces[0].tokens == traces[1].tokens and traces[0].final == traces[1].final
     assert [rid for rid, _ in keeps[0]] == [rid for rid, _ in keeps[1]]
     assert max(sizes) >= 4  # several requests compacted at one step
