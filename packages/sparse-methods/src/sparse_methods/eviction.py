@@ -13,6 +13,9 @@ keep). Everything else lives here once:
   folds the ring into the window;
 - top-k under the budget with sink / recent protection, per KV head or shared by all heads (a
   score with one row), and the ``Compaction`` records ``finish_step`` hands the engine;
+  a layer's compacting requests are scored and ranked together once its last one was observed
+  (``DeferredSelections``: ``score_batch`` and one top-k per budget), so a decode-time eviction of
+  the whole batch costs a few device ops per layer rather than per (request, layer);
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
 - the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
 - chain state (``release`` returns it, ``restore_state`` takes it back);
