@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparse_kernels.top_k_ascending import top_k_ascending
 
@@ -57,9 +59,9 @@ def test_wide_rows_in_two_stages_equal_a_stable_sort(n, k, triton_device, monkey
     last tiles (fewer columns than k) and ties across tiles included."""
     from sparse_kernels._triton import top_k_ascending as kernel
 
-    monkeypatch.setattr(kernel, "MAX_COLUMNS", 256)
-    monkeypatch.setattr(kernel, "TILE", 32)
-    assert n > kernel.MAX_COLUMNS and kernel.fits(n, k)
+    monkeypatch.setitem(kernel.CONFIG, "single", 256)
+    monkeypatch.setitem(kernel.CONFIG, "tile", 32)
+    assert n > 256 and len(kernel.stages(n, k)) == 1
     scores = _rows(n, seed=7 * n + k)
     got = top_k_ascending(scores.to(triton_device), k, backend="triton")
     assert torch.equal(got.cpu(), _expected(scores, k))
@@ -91,3 +93,121 @@ def test_ties_within_every_byte_go_to_the_lower_column(k, triton_device):
     scores[5] = torch.ldexp(torch.ones(97), torch.randint(-3, 3, (97,), generator=gen))  # exponent byte only
     got = top_k_ascending(scores.to(triton_device), k, backend="triton")
     assert torch.equal(got.cpu(), _expected(scores, k))
+
+
+# Selectable kernels (``CONFIG`` of the Triton module): the packed passes reduce their digit counts
+# word by word here (``fused`` False), which the interpreter runs fast; the fused reduction has its
+# own test below.
+VARIANTS = {
+    "serial": {"select": "serial"},
+    **{f"packed{bits}": {"select": "packed", "bits": bits, "fused": False} for bits in (1, 2, 3, 4)},
+}
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def variant(request, monkeypatch):
+    from sparse_kernels._triton import top_k_ascending as kernel
+
+    for key, value in VARIANTS[request.param].items():
+        monkeypatch.setitem(kernel.CONFIG, key, value)
+    return kernel
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (37, 5), (97, 97), (200, 28)])
+def test_every_variant_equals_a_stable_sort(variant, n, k, triton_device, monkeypatch):
+    """One program per row up to 64 columns, else candidate stages of 64-column tiles (200 columns and
+    k 28: 4 tiles, then 2 over the candidates, then the row's pick). Rows of ties, and of infinities."""
+    monkeypatch.setitem(variant.CONFIG, "single", 64)
+    monkeypatch.setitem(variant.CONFIG, "merge", 64)
+    monkeypatch.setitem(variant.CONFIG, "tile", 32)
+    assert len(variant.stages(n, k)) == (2 if n == 200 else 0)
+    scores = _rows(n, seed=3 * n + k)[:2, 0]
+    got = top_k_ascending(scores.to(triton_device), k, backend="triton")
+    assert torch.equal(got.cpu(), _expected(scores, k))
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_fused_digit_counts_equal_a_stable_sort(bits, triton_device, monkeypatch):
+    """The packed select with every digit count in one reduction (its GPU setting)."""
+    from sparse_kernels._triton import top_k_ascending as kernel
+
+    monkeypatch.setitem(kernel.CONFIG, "select", "packed")
+    monkeypatch.setitem(kernel.CONFIG, "bits", bits)
+    monkeypatch.setitem(kernel.CONFIG, "fused", True)
+    scores = _rows(20, seed=bits)[:2, 0]
+    got = top_k_ascending(scores.to(triton_device), 6, backend="triton")
+    assert torch.equal(got.cpu(), _expected(scores, 6))
+
+
+_POOL = [float("-inf"), -3.0, -1.0, -1e-45, -0.0, 0.0, 1e-45, 0.5, 0.50000006, 2.0, float("inf")]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(sorted(VARIANTS)),
+    values=st.lists(st.one_of(st.sampled_from(_POOL), st.floats(allow_nan=False, width=32)), min_size=1, max_size=150),
+    tile=st.sampled_from([16, 32, 64]),
+    data=st.data(),
+)
+def test_variants_property(name, values, tile, data):
+    """Random rows drawn around ties, signed zeros, subnormals and infinities, any k, rows of one
+    program or several candidate stages: every variant equals a stable descending sort."""
+    from sparse_kernels._triton import top_k_ascending as kernel
+    from sparse_kernels._triton.compile_check import compiling_for
+
+    k = data.draw(st.integers(1, len(values)))
+    scores = torch.tensor([values, values[::-1]], dtype=torch.float32)
+    saved = dict(kernel.CONFIG)
+    try:
+        kernel.CONFIG.update(VARIANTS[name], single=tile, merge=tile, tile=tile)
+        with compiling_for(None):  # every variant compiles in the tests above; here only the interpreter
+            got = top_k_ascending(scores, k, backend="triton")
+    finally:
+        kernel.CONFIG.update(saved)
+    assert torch.equal(got, _expected(scores, k))
+
+
+@pytest.mark.parametrize(("n", "k"), [(8448, 128), (135168, 2048), (40000, 10000), (10**6, 2048)])
+@pytest.mark.parametrize("tile", [16, 1024, 16384])
+@pytest.mark.parametrize("single", [64, 2048, 32768])
+@pytest.mark.parametrize("merge", [64, 32768])
+def test_stage_plans_shrink_to_one_program(n, k, tile, single, merge, monkeypatch):
+    """Each candidate stage keeps at most half its input plus one short tile, and the last candidates
+    fit one program; the default plan is one program up to 32768 columns, else 16384-column tiles."""
+    from sparse_kernels._triton import top_k_ascending as kernel
+
+    default = kernel.stages(n, k)
+    monkeypatch.setitem(kernel.CONFIG, "single", single)
+    monkeypatch.setitem(kernel.CONFIG, "merge", merge)
+    monkeypatch.setitem(kernel.CONFIG, "tile", tile)
+    plan, width = kernel.stages(n, k), n
+    for tile in plan:
+        assert 2 * k <= tile <= kernel.MAX_COLUMNS
+        shrunk = -(-width // tile) * k
+        assert shrunk <= width // 2 + k and shrunk < width
+        width = shrunk
+    assert width <= kernel.MAX_COLUMNS
+    assert n > single and width <= max(merge, plan[0]) if plan else n <= max(single, kernel.MAX_COLUMNS)
+    assert bool(default) == (n > 32768) and set(default) <= {16384 if k <= 8192 else 32768}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("n", "k"), [(8448, 128), (135168, 2048)])
+@pytest.mark.parametrize("tile", [1024, 16384])
+def test_every_variant_in_a_cuda_graph(variant, n, k, tile, monkeypatch):
+    """Quest's and OmniKV's rows, one program or candidate stages, replayed from a CUDA graph on new
+    scores: equal to a stable sort (fixed grids, no host sync)."""
+    monkeypatch.setitem(variant.CONFIG, "fused", True)
+    monkeypatch.setitem(variant.CONFIG, "single", tile)
+    monkeypatch.setitem(variant.CONFIG, "tile", tile)
+    scores = torch.randn(6, n, device="cuda")
+    out = torch.empty(6, k, dtype=torch.int64, device="cuda")
+    top_k_ascending(scores, k, out, backend="triton")  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        top_k_ascending(scores, k, out, backend="triton")
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        scores.copy_(torch.randint(-50, 50, (6, n), generator=gen, device="cuda").float() / 8)  # ties
+        graph.replay()
+        assert torch.equal(out, top_k_ascending(scores, k, backend="reference"))

@@ -2,12 +2,14 @@
 
 A query-aware method that keeps "the best ``k`` pages" and then needs them in table order (the
 decode kernel reads a list's newest page last) would run a top-k and then a sort. Here one program
-per row finds the ``k``-th largest value by a binary search over the values' ordered bit patterns
-(32 counting passes over the row, held in registers), then writes the chosen columns in ascending
-order through a prefix sum of the chosen mask. Ties at the threshold go to the lower column, as in a
-stable descending sort (``sparse_methods.scoring.keep_indices``' rule); ``-0.0`` equals ``0.0``.
-Rows wider than one program holds go through per-tile candidates first (see the Triton module);
-rows the kernel cannot take (``fits``) use the reference. Fixed grids, no host sync: graph-safe.
+per row finds the ``k``-th largest value from the values' ordered bit patterns (counting passes over
+the row, held in registers: one bit per pass, or several with every digit's count in one reduction),
+then writes the chosen columns in ascending order through a prefix sum of the chosen mask. Ties at
+the threshold go to the lower column, as in a stable descending sort
+(``sparse_methods.scoring.keep_indices``' rule); ``-0.0`` equals ``0.0``. Wide rows go through
+per-tile candidates first, spread over many programs (the Triton module's ``CONFIG`` picks the select
+and the tiles); rows the kernel cannot take (``fits``) use the reference. Fixed grids, no host sync:
+graph-safe.
 """
 
 from __future__ import annotations
