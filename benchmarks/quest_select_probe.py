@@ -5,18 +5,21 @@ OmniKV 2048 tokens.
 
 Per batch size: ``page_bounds`` (Quest, reads kmin/kmax), ``paged_logits`` (OmniKV's filter layers, reads
 K), ``top_k_ascending`` over Quest's bounds ([B, 8, 8448], k 128) and OmniKV's scores ([B, 135168],
-k 2048), and each method's whole selection chain (bounds + top-k; logits + top-k) captured in a CUDA
-graph as the engine runs it. Streaming kernels print GB/s and % of the copy bandwidth measured in the
+k 2048) under every variant of ``TOPK_VARIANTS`` (the Triton module's ``CONFIG``: select, bits per
+pass, candidate tiles, warps; each checked against a stable sort, then timed replaying a CUDA graph,
+and tabled at the end), and each method's whole selection chain (bounds + top-k; logits + top-k)
+captured in a CUDA graph as the engine runs it. Streaming kernels print GB/s and % of the copy bandwidth measured in the
 same process; the sweep rows (``cfg ...``) try other tile / warp / stage settings. Every call rotates
 over enough layers' buffers that L2 holds none of them. Checks first: bounds and logits against the
 plain torch references, top-k equal to a stable sort.
 
 The H200 run in results/bench/h200/quest_select/ (at 848696c) also timed the kernels of 1a3af46 and a
 radix-select top-k side by side (``git show 848696c:benchmarks/quest_select_probe.py``); the radix
-top-k was slower (55-87 us against 34 us for Quest's rows) and was reverted.
+top-k was slower (55-87 us against 34 us for Quest's rows) and was reverted; those top-k timings were
+eager back-to-back calls, where a candidate stage's launch adds host time.
 
     PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') python3 benchmarks/quest_select_probe.py \\
-        [--batches 1,5,8] [--no-sweep] [--json OUT.json]
+        [--batches 1,5,8] [--no-sweep] [--top-k-only] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -168,15 +171,87 @@ def probe_paged_logits(x: Inputs, bw: float, sweep: bool) -> list[dict]:
     )
 
 
+# top_k_ascending variants: CONFIG overrides of the Triton module (the rest at its defaults). "t1024":
+# candidate stages of 1024-column tiles from 2048 columns (at least 8 k: OmniKV's 2048 of 135168
+# tokens take 16384-column tiles); "m2048": candidates over 2048 (and the tile) take another stage.
+_PACKED, _T1024 = {"select": "packed"}, {"single": 2048, "tile": 1024, "tile_per_k": 8}
+TOPK_VARIANTS = {
+    "serial (default)": {},
+    "serial t1024": _T1024,
+    **{f"packed b{b}": {**_PACKED, "bits": b} for b in (1, 2, 4)},
+    **{f"packed b{b} t1024": {**_PACKED, **_T1024, "bits": b} for b in (1, 2, 3, 4)},
+    "packed b4 t1024 unfused": {**_PACKED, **_T1024, "bits": 4, "fused": False},
+    "packed b3 t1024 w2": {**_PACKED, **_T1024, "bits": 3, "min_warps": 2},
+    "packed b3 t1024 w8": {**_PACKED, **_T1024, "bits": 3, "columns_per_warp": 128},
+    "packed b2 t2048": {**_PACKED, **_T1024, "bits": 2, "tile": 2048},
+    "packed b2 t512": {**_PACKED, **_T1024, "bits": 2, "tile": 512, "tile_per_k": 4},
+    "packed b3 t1024 m2048": {**_PACKED, **_T1024, "bits": 3, "merge": 2048},
+    "packed b2 t4096 x4 w512": {**_PACKED, "bits": 2, "single": 2048, "tile": 4096, "tile_per_k": 4,
+                                "columns_per_warp": 512},
+}  # fmt: skip
+
+
+def topk_variant(name: str):
+    """A context that sets the Triton module's ``CONFIG`` to the variant's, restoring it after."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        saved = dict(new_tk.CONFIG)
+        new_tk.CONFIG.update(TOPK_VARIANTS[name])
+        try:
+            yield
+        finally:
+            new_tk.CONFIG.clear()
+            new_tk.CONFIG.update(saved)
+
+    return scope()
+
+
+def graph_us(fn, calls: int = 20) -> float:
+    """us per call of ``fn`` replayed ``calls`` times from one CUDA graph (no host launch cost: the
+    engine's decode steps replay graphs, and a candidate stage is one more launch)."""
+    graph = capture(lambda: [fn() for _ in range(calls)])
+    return median_ms(graph.replay, iters=5) * 1e3 / calls
+
+
 def probe_top_k(name: str, scores: torch.Tensor, k: int) -> list[dict]:
+    """Every variant: equal to a stable sort (checked first), then timed from a CUDA graph."""
     flat = scores.reshape(-1, scores.shape[-1])
     expected = top_k_ascending(flat, k, backend="reference")
     out = torch.full_like(expected, -1)
-    new_tk.top_k_ascending_triton(flat, k, out)
-    if not torch.equal(out, expected):
-        raise AssertionError(f"{name} top-k differs from a stable sort")
-    us = median_ms(lambda: new_tk.top_k_ascending_triton(flat, k, out)) * 1e3
-    return [row(f"{name} top-k", us, None, 0.0)]
+    rows = []
+    for variant in TOPK_VARIANTS:
+        with topk_variant(variant):
+            out.fill_(-1)
+            new_tk.top_k_ascending_triton(flat, k, out)
+            if not torch.equal(out, expected):
+                raise AssertionError(f"{name} top-k ({variant}) differs from a stable sort")
+            plan = "+".join(str(t) for t in new_tk.stages(flat.shape[1], k)) or "one"
+            us = graph_us(lambda: new_tk.top_k_ascending_triton(flat, k, out))
+        rows.append(row(f"{name} top-k {variant} [{plan}]", us, None, 0.0))
+    return rows
+
+
+def probe_top_ks(x_sum: Inputs, gen: torch.Generator) -> list[dict]:
+    """Quest's rows (real bounds of ``x_sum``'s first layer) and OmniKV's, every variant."""
+    print(f"batch {x_sum.batch}: top-k variants", flush=True)
+    return probe_top_k("quest", quest_scores(x_sum), QUEST_K) + probe_top_k(
+        "omnikv", omni_scores(x_sum.batch, gen), OMNI_K
+    )
+
+
+def top_k_table(results: dict) -> None:
+    """us per call of every top-k variant (rows) per shape and batch (columns)."""
+    cols = [(b, shape) for b in results["batches"] for shape in ("quest", "omnikv")]
+    print("\ntop_k_ascending, us per call (CUDA graph)")
+    print(f"  {'variant':<28}" + "".join(f"{shape[:5]} B{b}".rjust(12) for b, shape in cols))
+    for variant in TOPK_VARIANTS:
+        cells = []
+        for b, shape in cols:
+            hit = [r["us"] for r in results["batches"][b] if r["kernel"].startswith(f"{shape} top-k {variant} [")]
+            cells.append(f"{hit[0]:12.1f}" if hit else " " * 12)
+        print(f"  {variant:<28}" + "".join(cells))
 
 
 def quest_scores(x: Inputs) -> torch.Tensor:
@@ -222,8 +297,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1,5,8")
     ap.add_argument("--no-sweep", action="store_true", help="skip the config sweeps")
+    ap.add_argument("--top-k-only", action="store_true", help="only the top-k variants")
+    ap.add_argument("--top-k-variants", help="comma-separated names of TOPK_VARIANTS to time (default all)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
+    if args.top_k_variants:
+        keep = args.top_k_variants.split(",")
+        for name in [v for v in TOPK_VARIANTS if v not in keep]:
+            del TOPK_VARIANTS[name]
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.0f} GB/s (read + written)", flush=True)
@@ -231,6 +312,9 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         gen = torch.Generator().manual_seed(batch)
         torch.manual_seed(batch)
+        if args.top_k_only:  # one layer's summaries, for Quest's bounds
+            results["batches"][batch] = probe_top_ks(Inputs(batch, 1, with_keys=False, gen=gen), gen)
+            continue
         x = Inputs(batch, layers_for(batch * HKV * KV_LEN * D * 2), with_keys=True, gen=gen)
         x_sum = x  # more copies of the summaries (only) where one layer's fit in L2
         if x.layers < layers_for(x.summary_bytes()):
@@ -238,13 +322,12 @@ def main() -> None:
         print(f"batch {batch}: {x.pages} pages per row, {x_sum.layers} summary / {x.layers} key layer copies")
         rows = probe_page_bounds(x_sum, bw, not args.no_sweep)
         rows += probe_paged_logits(x, bw, not args.no_sweep)
-        rows += probe_top_k("quest", quest_scores(x_sum), QUEST_K)
-        omni = omni_scores(batch, gen)
-        rows += probe_top_k("omnikv", omni, OMNI_K)
-        rows += probe_chains(x_sum, x, omni)
+        rows += probe_top_ks(x_sum, gen)
+        rows += probe_chains(x_sum, x, omni_scores(batch, gen))
         results["batches"][batch] = rows
         del x, x_sum
         torch.cuda.empty_cache()
+    top_k_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
