@@ -51,7 +51,7 @@ def test_head_major_batches_on_cuda_equal_cpu(tiny_checkpoint, method):
     else:
         path = DEFAULT_MODEL
         params = dict(
-            sparse_method="kvzip", kvzip_token_budget=40, kvzip_score_chunk_size=48, kvzip_prev_postfix_size=8
+            sparse_method="kvzip", kvzip_token_budget=40, kvzip_score_chunk_size=40, kvzip_prev_postfix_size=8
         )
     prompts = [_prompt(seed, n) for seed, n in ((1, 90), (2, 130), (3, 61))]
     params = dict(params, max_num_batched_tokens=64)
