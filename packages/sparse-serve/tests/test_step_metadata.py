@@ -126,7 +126,8 @@ def test_decode_steps_build_every_layer_at_once_as_layer_by_layer(seed, kind):
         "head_major": LayerLayout.head_major(3, 2),
     }[kind]
     batch, kv = _batch(seed, per_layer=True, decodes_only=True, layout=layout)
-    meta = build_step_metadata(batch, kv.table, BS, kv.block_id_array, layout=layout)
+    arrays_of = kv.block_id_arrays if seed % 2 else None  # every table at once, or table by table
+    meta = build_step_metadata(batch, kv.table, BS, kv.block_id_array, layout=layout, block_id_arrays_of=arrays_of)
     assert meta.layer_group == (0, 1, 2) and meta.num_decode_tokens == len(batch.items)
     for layer, group in enumerate(meta.groups):
         if kind == "head_major":

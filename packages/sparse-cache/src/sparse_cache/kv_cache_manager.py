@@ -138,6 +138,10 @@ class KVCacheManager:
         read it, do not change it)."""
         return self._requests[request_id].ids[layer if self.per_layer else 0]
 
+    def block_id_arrays(self, request_id: Hashable) -> list[array]:
+        """``block_id_array`` of each of the request's tables, in table order (read them, do not change them)."""
+        return self._requests[request_id].ids
+
     def num_held_blocks(self, request_id: Hashable) -> int:
         """Pool blocks the request holds (all its tables; null blocks excluded)."""
         req = self._requests[request_id]
@@ -290,22 +294,20 @@ class KVCacheManager:
             table.num_tokens = max(table.num_tokens, min(n, table.capacity))
             return []
         # One pass over the tables (a request has one per layer, or per lane): a decode step adds a block
-        # to the few whose last block filled.
+        # to the few whose last block filled, and writes to the last one or two blocks of each.
         targets = [num_tokens] * len(tables) if isinstance(num_tokens, int) else num_tokens
         firsts = [write_from] * len(tables) if write_from is None or isinstance(write_from, int) else write_from
-        null, refcount = self.null_block, self.pool.refcount
-        short, wanted = [], 0
+        short, wanted, written = [], 0, []
         for i, (table, n, first) in enumerate(zip(tables, targets, firsts, strict=True)):
             ids = table.block_ids
             missing = -(-n // bs) - len(ids)
             if missing > 0:
                 short.append((i, missing))
                 wanted += missing
-            if first is not None and first // bs < len(ids):
-                if any(b != null and refcount(b) > 1 for b in ids[max(0, first // bs) :]):
-                    return None
-        if wanted > self.pool.num_free_blocks:
-            return None  # the general path reclaims idle chains
+            if first is not None and first < len(ids) * bs:
+                written += ids[max(0, first // bs) :]
+        if self.pool.any_shared(written, self.null_block) or wanted > self.pool.num_free_blocks:
+            return None  # the general path copies shared blocks and reclaims idle chains
         new_blocks = []
         for i, missing in short:
             fresh = self.pool.allocate(missing)
@@ -315,7 +317,7 @@ class KVCacheManager:
             new_blocks += fresh
         for table, n in zip(tables, targets, strict=True):
             if n > table.num_tokens:
-                table.num_tokens = min(n, table.capacity)
+                table.num_tokens = min(n, len(table.block_ids) * bs)
         return new_blocks
 
     def _shared_from(self, tables: list[BlockTable], write_from: int | Sequence[int]) -> list[list[int]]:

@@ -16,6 +16,7 @@ only with layers of the same table: every layer is its own group. In the head-ma
 from __future__ import annotations
 
 import functools
+import itertools
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -210,23 +211,21 @@ def head_major_group(
 
 
 def decode_groups(
-    layout: LayerLayout, request_ids: list, kv_lens: np.ndarray, ids_of: Callable[..., array], bs: int
+    request_ids: list, kv_lens: np.ndarray, arrays_of: Callable[..., Sequence[array]], bs: int, layout: LayerLayout
 ) -> list[LayerGroupMetadata]:
     """A decode-only step's groups in a layout with a table per layer (or per lane): one per layer, built
     for all layers at once. ``kv_lens`` int64 ``[B, L, H]``: each request's lanes' slots before the step
-    (``H`` 1 without lanes); ``ids_of(request_id, table)``: a table's block ids. Equal to ``_group`` /
-    ``head_major_group`` per layer (rows of a layer: item-major, then head)."""
+    (``H`` 1 without lanes); ``arrays_of(request_id)``: the block ids of each of its tables. Equal to
+    ``_group`` / ``head_major_group`` per layer (rows of a layer: item-major, then head)."""
     num_items, num_layers, heads = kv_lens.shape
     rows = num_items * heads
     # Row r of layer l (r = item * heads + head) is table l * heads + head of its item: layer-major order.
-    arrays = [ids_of(rid, t) for t in range(num_layers * heads) for rid in request_ids]
-    if heads > 1:  # table-major (layer, head, item) -> (layer, item, head)
-        arrays = [
-            arrays[(lyr * heads + h) * num_items + i]
-            for lyr in range(num_layers)
-            for i in range(num_items)
-            for h in range(heads)
-        ]
+    tables = [arrays_of(rid) for rid in request_ids]
+    if heads == 1:
+        arrays = list(itertools.chain.from_iterable(zip(*tables, strict=True)))
+    else:
+        lanes = (t[lyr * heads : (lyr + 1) * heads] for lyr in range(num_layers) for t in tables)
+        arrays = list(itertools.chain.from_iterable(lanes))
     before = kv_lens.transpose(1, 0, 2).reshape(-1)  # [L * rows]
     num_blocks = before // bs + 1  # blocks listed: through the one the step's token goes to
     have = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
@@ -284,6 +283,7 @@ def build_step_metadata(
     block_ids_of: Callable[..., array] | None = None,
     *,
     layout: LayerLayout | None = None,
+    block_id_arrays_of: Callable[..., Sequence[array]] | None = None,
 ) -> StepMetadata:
     """Lay out a scheduled batch (decodes first, as the scheduler orders it) as step tensors.
 
@@ -295,6 +295,8 @@ def build_step_metadata(
     ``block_ids_of``: the same signature, its block ids as an ``array('i')`` equal to the table's
     ``block_ids`` (``KVCacheManager.block_id_array``), which saves converting every listed block id each
     step; without it they are converted from the tables (same result).
+    ``block_id_arrays_of(request_id)``: optional, every table's ``block_ids_of`` at once, in table order
+    (``KVCacheManager.block_id_arrays``; one call per request for a table per layer or lane).
     """
     per_layer = layout is not None and layout.per_layer
     heads = layout.heads if per_layer else 1
@@ -326,9 +328,11 @@ def build_step_metadata(
             sampled.append(req)
     num_layers = len(steps[0].kv_lens) if steps else 1
     if per_layer and steps and num_decode == len(steps):  # decodes only: every layer's lists at once
-        ids_of = block_ids_of or (lambda *key: array("i", table_of(*key).block_ids))
+        if block_id_arrays_of is None:
+            ids_of = block_ids_of or (lambda *key: array("i", table_of(*key).block_ids))
+            block_id_arrays_of = lambda rid: [ids_of(rid, t) for t in range(layout.num_tables)]  # noqa: E731
         lens = lanes if lanes is not None else np.array([s.kv_lens for s in steps], dtype=np.int64)[:, :, None]
-        groups = decode_groups(layout, [s.request_id for s in steps], lens, ids_of, block_size)
+        groups = decode_groups([s.request_id for s in steps], lens, block_id_arrays_of, block_size, layout)
         return _metadata(
             input_ids,
             positions,
