@@ -92,9 +92,9 @@ def test_device_observation_equals_the_host_path(method):
     traces, saved, ranked, observed = [], [], [], []
     for on_device in (True, False):
         llm = _llm(method, on_device)
-        saves, views, selects = (_spy(llm, name) for name in ("save_state", "on_attention_end", "_select"))
+        releases, views, selects = (_spy(llm, name) for name in ("release", "on_attention_end", "_select"))
         traces.append(drive(llm, script, chains=("c",)))
-        ((_, state),) = saves
+        (state,) = [out for (rid,), out in releases if rid == "t"]  # what the chain keeps of request t
         saved.append(state.scores if method in SUMS_METHODS else state.window)
         ranked.append([args[0] for args, _ in selects])
         observed.append(len(views))

@@ -90,7 +90,7 @@ def test_quest_reads_only_the_pages_it_picks(mla_checkpoint, monkeypatch, device
     method = llm.engine.method
     pending: list = []
     checked = {"rows": 0}
-    select = method.select_batched
+    select = method.select_decode
 
     def spy_select(layer, batch):
         chosen = select(layer, batch)
@@ -120,7 +120,7 @@ def test_quest_reads_only_the_pages_it_picks(mla_checkpoint, monkeypatch, device
                 checked["rows"] += 1
         return out
 
-    monkeypatch.setattr(method, "select_batched", spy_select)
+    monkeypatch.setattr(method, "select_decode", spy_select)
     monkeypatch.setattr(lpa, "latent_attention", spy_attention)
     prompts = _prompts(seed=5)
     tokens = _greedy(llm, prompts)

@@ -4,6 +4,7 @@ prefix caching and continuous batching on, and each list holds no more than the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import DEFAULT_MODEL
 
-from sparse_methods import Selection
+from sparse_methods import DecodeRead, LayerPlan, Selection
 from sparse_serve import LLM, SamplingParams
 
 PROMPTS = ["def parse(text):" * 40, "Return the number of" * 30, "class Queue:" * 12, "x = 1\n" * 50]
@@ -56,7 +57,7 @@ def quest_reference(method):
         return Selection(_top_ascending(scores, sink, recent, k), page)
 
     return SimpleNamespace(
-        name="quest_reference", batched_selection=False, needs_decode_keys=lambda layer: False, decode_selection=select
+        name="quest_reference", layer_plan=lambda layer: LayerPlan(DecodeRead.PER_REQUEST), decode_selection=select
     )
 
 
@@ -83,11 +84,23 @@ def omnikv_reference(method):
 
     return SimpleNamespace(
         name="omnikv_reference",
-        batched_selection=False,
         sets=sets,
-        needs_decode_keys=lambda layer: layer in method.filter_layers,
+        layer_plan=lambda layer: LayerPlan(DecodeRead.PER_REQUEST, decode_keys=layer in method.filter_layers),
         decode_selection=select,
     )
+
+
+def _on_host(monkeypatch, method, decode_selection) -> None:
+    """Route ``method``'s selecting layers through the host path (``PER_REQUEST``: retroinfer's plumbing),
+    answered by ``decode_selection``."""
+    plan = method.layer_plan
+
+    def host_plan(layer: int) -> LayerPlan:
+        p = plan(layer)
+        return replace(p, decode=DecodeRead.PER_REQUEST) if p.selects_decode else p
+
+    monkeypatch.setattr(method, "layer_plan", host_plan)
+    monkeypatch.setattr(method, "decode_selection", decode_selection)
 
 
 def _check_summaries(llm: LLM) -> int:
@@ -122,8 +135,7 @@ def test_reading_every_page_through_the_sparse_path_equals_dense(monkeypatch):
         pages = -(-view.kv_len // view.page_size)
         return Selection(torch.arange(pages).expand(view.page_min.shape[1], pages), view.page_size)
 
-    monkeypatch.setattr(method, "batched_selection", False)  # the host path's plumbing (adakv, kvzip)
-    monkeypatch.setattr(method, "decode_selection", every_page)
+    _on_host(monkeypatch, method, every_page)
     assert _tokens(llm) == _tokens(_llm())
     assert llm.engine.runner.attention.selective.pages_read > 0
 
@@ -188,8 +200,7 @@ def test_omnikv_reading_every_slot_through_slot_lists_equals_dense(monkeypatch):
     def every_slot(layer, request, view):
         return Selection(torch.arange(view.kv_len).expand(2, view.kv_len), 1)
 
-    monkeypatch.setattr(method, "batched_selection", False)  # the host path's plumbing (adakv, kvzip)
-    monkeypatch.setattr(method, "decode_selection", every_slot)
+    _on_host(monkeypatch, method, every_slot)
     assert _tokens(llm) == _tokens(_llm())
     assert llm.engine.runner.attention.selective.tokens_read > 0
 

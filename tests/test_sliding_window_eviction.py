@@ -37,7 +37,7 @@ def _windowed_eviction_methods() -> list[str]:
     return [
         name
         for name in sm.method_names()
-        if issubclass(cls := sm.get_method_class(name), EvictionMethod) and cls.supports_sliding_window
+        if issubclass(cls := sm.get_method_class(name), EvictionMethod) and sm.Support.SLIDING_WINDOW in cls.supports
     ]
 
 

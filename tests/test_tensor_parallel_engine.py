@@ -18,6 +18,7 @@ import pytest
 import torch
 from tiny_models import family_config
 
+from sparse_methods import Support
 from sparse_methods.methods.tova import TOVA
 from sparse_serve import LLM, SamplingParams
 
@@ -135,7 +136,7 @@ def test_ranks_give_one_ranks_tokens(checkpoint, family, world, method):
 
 
 def test_method_without_tensor_parallel_is_an_error(checkpoint, monkeypatch):
-    monkeypatch.setattr(TOVA, "supports_tensor_parallel", False)
+    monkeypatch.setattr(TOVA, "supports", TOVA.supports - {Support.TENSOR_PARALLEL})  # every registered method has it
     with pytest.raises(ValueError, match="tova does not support tensor_parallel_size"):
         LLM(checkpoint("qwen3"), device="cpu", tensor_parallel_size=2, sparse_method="tova")
     # The head-major store's ranks would hold different block counts under one schedule.

@@ -54,11 +54,11 @@ def _drive(method, keys, prompt_len, chunk, num_decode, rid="r", on_step=None, h
     while done < total:
         n = min(chunk, prompt_len - done) if done < prompt_len else 1
         step = RequestStep(rid, done, n, prompt_len, tuple(h.shape[1] for h in held))
-        method.prepare_step(StepContext((step,)))
+        observed = method.prepare_step(StepContext((step,)))
         new = torch.arange(done, done + n).expand(SHAPE.num_kv_heads, -1)
         held = [torch.cat([h, new], dim=1) for h in held]
         for layer in range(SHAPE.num_layers):
-            if rid in method.attention_requests(layer):
+            if rid in observed:
                 layer_keys = keys[layer][held[layer].T, torch.arange(SHAPE.num_kv_heads)]  # [kv_len, Hkv, D]
                 queries = torch.randn(n, SHAPE.num_q_heads, SHAPE.head_dim)
                 if tagged:
@@ -122,20 +122,20 @@ def test_chain_state_resumes_like_one_session(name):
         return KeyNorm(KeyNormConfig(), SHAPE) if name == "keynorm" else sm.build_method(name, SHAPE, **params)
 
     keys = _keys(80, seed=1)
-    one = build()
-    torch.manual_seed(0)
-    held = _drive(one, keys, 30, chunk=8, num_decode=5)  # turn 1: 30 prompt tokens, 5 generated
-    state = one.save_state("r")
+    one, session = build(), build()
+    for method in (one, session):
+        torch.manual_seed(0)
+        held = _drive(method, keys, 30, chunk=8, num_decode=5)  # turn 1: 30 prompt tokens, 5 generated
+    state = one.release("r")
     torch.manual_seed(1)
-    expected = _drive(one, keys, 38, chunk=8, num_decode=7, held=held)  # turn 2 of the same request
+    expected = _drive(session, keys, 38, chunk=8, num_decode=7, held=held)  # turn 2 of the same request
     for _ in range(2):
         other = build()
         other.restore_state("s", state)
         torch.manual_seed(1)
         resumed = _drive(other, keys, 38, chunk=8, num_decode=7, rid="s", held=held)
         assert all(torch.equal(a, b) for a, b in zip(resumed, expected, strict=True))
-    one.release("r")
-    assert one.save_state("r") is None
+    assert one.release("r") is None
 
 
 @pytest.mark.parametrize("name", ["streamingllm", "snapkv", "pyramidkv", "h2o"])
@@ -151,10 +151,10 @@ def test_streamingllm_asks_for_no_attention_inputs():
         "streamingllm", SHAPE, sink_keep_tokens=2, recent_keep_tokens=6, decode_eviction_interval=4
     )
 
-    def check(step, held):
-        assert not any(method.attention_requests(layer) for layer in range(SHAPE.num_layers))
-
-    held = _drive(method, _keys(40), 30, chunk=8, num_decode=10, on_step=check)
+    observed, prepare = [], method.prepare_step
+    method.prepare_step = lambda step: observed.append(prepare(step)) or observed[-1]
+    held = _drive(method, _keys(40), 30, chunk=8, num_decode=10)
+    assert len(observed) == 4 + 10 and not any(observed)
     # the prompt's chunks are cut to 8 slots; then every 4 generated tokens (at tokens 33 and 37)
     assert held[0][0].tolist() == [0, 1, 32, 33, 34, 35, 36, 37, 38, 39]
 
@@ -206,7 +206,7 @@ def test_resumed_window_names_only_this_chains_latest_slots():
     one = build()
     held = _drive(one, keys, 10, chunk=8, num_decode=8, tagged=True)  # turn 1: evicts at 5 generated
     other = build()
-    other.restore_state("s", one.save_state("r"))
+    other.restore_state("s", one.release("r"))
     seen.clear()
     # turn 2: 3 new prompt tokens (18-20), then generated 21, 22: the chain's 10th token evicts
     _drive(other, keys, 21, chunk=8, num_decode=2, rid="s", held=held, tagged=True)

@@ -81,10 +81,10 @@ def _drive(method, shard: int | None, data) -> list[torch.Tensor]:
 
     def step(r: RequestStep, tokens: torch.Tensor) -> None:  # tokens: the step's token ids into ``data``
         nonlocal held
-        method.prepare_step(StepContext((r,)))
+        observed = method.prepare_step(StepContext((r,)))
         ahead = [torch.cat([h, tokens.expand(heads, -1)], dim=1) for h in held]
         for layer in range(FULL.num_layers):
-            if r.request_id in method.attention_requests(layer):
+            if r.request_id in observed:
                 k = keys[layer][:, kvh][ahead[layer].T, torch.arange(heads)]  # [kv_len, heads, D]
                 method.on_attention_end(layer, r, LayerAttention(queries[layer][tokens][:, qh], k, SCALE))
         if r.replay is None:
@@ -147,7 +147,7 @@ def test_shards_keep_what_one_instance_keeps(name):
         _, kvh = _heads(shard)
         for layer in range(FULL.num_layers):
             assert torch.equal(part[layer], held[layer][kvh])
-            assert method.selects_decode(layer) == full.selects_decode(layer)
+            assert method.layer_plan(layer) == full.layer_plan(layer)
 
 
 def test_shards_pick_omnikvs_prefill_history():

@@ -31,7 +31,7 @@ def _one_row(query, pages_or_len, block_size, **kw) -> DecodeBatch:
 
 
 def select_pages(query, kmin, kmax, *, sink, keep, recent):
-    """Quest's selection (``select_batched``, the reference kernels) of one request whose pages are
+    """Quest's selection (``select_decode``, the reference kernels) of one request whose pages are
     the blocks of ``kmin`` / ``kmax``, with its budgets in pages."""
     num_pages, hkv, d = kmin.shape
     method = sm.build_method(
@@ -42,7 +42,7 @@ def select_pages(query, kmin, kmax, *, sink, keep, recent):
         recent_keep_tokens=recent * 4,
         quest_chunk_size=4,
     )
-    return method.select_batched(2, _one_row(query, num_pages, 4, page_min=kmin, page_max=kmax))[0]
+    return method.select_decode(2, _one_row(query, num_pages, 4, page_min=kmin, page_max=kmax))[0]
 
 
 def _reference(query, kmin, kmax, sink, keep, recent):
@@ -107,10 +107,19 @@ def test_upper_bound_bounds_every_key():
 def test_quest_declarations_and_dense_under_budget():
     method = sm.build_method("quest", sm.ModelShape(4, 8, 2, 16))
     assert method.prefix_cache_mode is sm.PrefixCacheMode.RADIX
-    assert method.kv_store is sm.StoreKind.PAGED_WITH_SUMMARIES
+    assert method.storage == sm.Storage(sm.StoreKind.PAGED_WITH_SUMMARIES)
     assert method.budget == 64 + 1472 + 512
-    assert [method.selects_decode(layer) for layer in range(4)] == [False, False, True, True]
+    modes = [method.layer_plan(layer).decode for layer in range(4)]
+    assert modes == [sm.DecodeRead.ALL] * 2 + [sm.DecodeRead.SELECTED] * 2
     assert method.selection_size(2000, 16) is None  # within budget: dense
+
+
+def test_quest_pages_are_the_blocks():
+    """Quest's pages are the engine's blocks: selecting over blocks of another size than quest_chunk_size fails."""
+    method = sm.build_method("quest", sm.ModelShape(4, 8, 2, 16), quest_chunk_size=16)
+    assert method.selection_size(4096, 16) == (64 + 1472 + 512) // 16
+    with pytest.raises(ValueError, match="block_size"):
+        method.selection_size(4096, 8)
 
 
 def _omnikv_reference(query, keys, sink, keep, recent):
@@ -148,11 +157,12 @@ def test_omnikv_filter_matches_the_paper(length, g, seed):
     key_cache = torch.zeros(pages * 16, 2, 8)
     key_cache[:length] = keys
     batch = _one_row(query, length, 16, key_cache=key_cache.view(pages, 16, 2, 8), sm_scale=8**-0.5)
-    assert not method.selects_decode(0) and method.needs_decode_keys(1) and not method.needs_decode_keys(2)
-    assert method.observes_decode_batch(1)  # the filter layer reads everything
-    method.observe_decode_batch(1, batch)
-    chosen = method.select_batched(2, batch)[0]
-    assert method.selection_page_size(16) == 1 and chosen.shape[0] == 2
+    plans = [method.layer_plan(layer) for layer in range(3)]
+    assert not plans[0].selects_decode and plans[1].decode_keys and not plans[2].decode_keys
+    assert plans[1].decode is sm.DecodeRead.OBSERVED  # the filter layer reads everything
+    assert method.select_decode(1, batch) is None
+    chosen = method.select_decode(2, batch)[0]
+    assert plans[2].unit is sm.Unit.SLOT and chosen.shape[0] == 2
     assert chosen[0].tolist() == chosen[1].tolist() == _omnikv_reference(query, keys, 4, 10, 6)
 
 

@@ -41,7 +41,7 @@ def _drive(method, keys, prompt_len, num_decode, *, chunk=64, rid="r", held=None
     while done < prompt_len + num_decode:
         n = min(chunk, prompt_len - done) if done < prompt_len else 1
         step = RequestStep(rid, done, n, prompt_len, tuple(h.shape[1] for h in held))
-        method.prepare_step(StepContext((step,)))
+        observed = method.prepare_step(StepContext((step,)))
         new = torch.arange(done, done + n).expand(SHAPE.num_kv_heads, -1)
         held = [torch.cat([h, new], dim=1) for h in held]
         views = []
@@ -49,7 +49,7 @@ def _drive(method, keys, prompt_len, num_decode, *, chunk=64, rid="r", held=None
             queries[layer] = torch.cat([queries[layer], torch.randn(n, SHAPE.num_q_heads, SHAPE.head_dim, generator=g)])
             layer_keys = keys[layer][held[layer].T, torch.arange(SHAPE.num_kv_heads)]  # [kv_len, Hkv, D]
             views.append(layer_keys)
-            if rid in method.attention_requests(layer):
+            if rid in observed:
                 method.on_attention_end(layer, step, LayerAttention(queries[layer][-n:], layer_keys, SCALE))
         for layer, keep in enumerate(method.finish_step().get(rid, sm.Compaction((None,) * SHAPE.num_layers)).keep):
             if keep is not None:
@@ -140,8 +140,7 @@ def test_rkv_keeps_what_the_papers_scoring_keeps(alpha):
 def test_rkv_never_compresses_the_prompt_and_observes_no_prefill():
     method = sm.build_method("rkv", SHAPE, sink_keep_tokens=0, decode_keep_tokens=16, recent_keep_tokens=0)
     step = RequestStep("r", 0, 100, 100, (0, 0))
-    method.prepare_step(StepContext((step,)))
-    assert not any(method.attention_requests(layer) for layer in range(SHAPE.num_layers))
+    assert not method.prepare_step(StepContext((step,)))
     assert method.finish_step() == {}
     plan = method.memory_plan(1000, 300, 256)
     assert plan.prefill_peak_tokens == plan.resident_tokens == (1000, 1000)
@@ -201,10 +200,11 @@ def test_chain_state_resumes_like_one_session(name):
         else dict(rkv_compression_interval=3, rkv_observation_tokens=3)
     )
     keys = _keys(90, seed=5)
-    one = sm.build_method(name, SHAPE, **params)
+    one, session = (sm.build_method(name, SHAPE, **params) for _ in range(2))
     held = _drive(one, keys, 30, 7, chunk=8)
-    state = one.save_state("r")
-    expected = _drive(one, keys, 45, 8, chunk=8, held=held, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(_drive(session, keys, 30, 7, chunk=8), held, strict=True))
+    state = one.release("r")
+    expected = _drive(session, keys, 45, 8, chunk=8, held=held, seed=1)
     for _ in range(2):
         other = sm.build_method(name, SHAPE, **params)
         other.restore_state("s", state)

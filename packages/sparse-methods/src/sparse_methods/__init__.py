@@ -7,11 +7,15 @@ functions are pure and exported from ``scoring``. See ``../shared/DESIGN.md``.
 
 from sparse_methods import methods  # noqa: F401 - registers the methods
 from sparse_methods.base import (
+    DENSE_LAYER,
     Category,
     Compaction,
+    DecodeBatch,
+    DecodeRead,
     DecodeView,
     HeadReduction,
     LayerAttention,
+    LayerPlan,
     MemoryPlan,
     MethodConfig,
     ModelShape,
@@ -23,7 +27,10 @@ from sparse_methods.base import (
     Selection,
     SparseMethod,
     StepContext,
+    Storage,
     StoreKind,
+    Support,
+    Unit,
 )
 from sparse_methods.decode_score_sums import DecodeScoreSums
 from sparse_methods.prefill_attention import PrefillAttention
@@ -42,12 +49,16 @@ from sparse_methods.registry import (
 )
 
 __all__ = [
+    "DENSE_LAYER",
     "Category",
     "Compaction",
+    "DecodeBatch",
+    "DecodeRead",
     "DecodeScoreSums",
     "DecodeView",
     "HeadReduction",
     "LayerAttention",
+    "LayerPlan",
     "MemoryPlan",
     "MethodConfig",
     "ModelShape",
@@ -61,7 +72,10 @@ __all__ = [
     "Selection",
     "SparseMethod",
     "StepContext",
+    "Storage",
     "StoreKind",
+    "Support",
+    "Unit",
     "build_method",
     "check_prefill_method",
     "get_method_class",

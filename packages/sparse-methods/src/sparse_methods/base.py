@@ -1,26 +1,40 @@
 """The SparseMethodRuntime contract: declarations, step contexts and lifecycle hooks.
 
-A method is a class with a pydantic config and four declarations (category, prefill policy,
-prefix-cache mode, memory plan). The engine drives it through hooks with plain tensors and small
-frozen records, never engine objects, so another engine can host the same classes:
+A method is a class with a pydantic config (``Config``) and declarations: ``category``,
+``prefill_policy``, ``prefix_cache_mode``, ``storage`` (the KV store it needs: kind and KV dtype),
+``supports`` (MLA, sliding-window models, tensor parallelism) and a ``memory_plan``. Methods whose KV
+heads keep different numbers of tokens (AdaKV, KVzip) declare the head-major store
+(``StoreKind.HEAD_MAJOR``: a table per layer and KV head, ``Compaction.head_counts``), whose decode reads
+every slot each head holds: they need no decode selection. The engine drives it through a dozen hooks
+with plain tensors and small frozen records, never engine objects, so another engine can host the same
+classes. Per step:
 
-1. ``prepare_step(step)`` once per forward step, with every scheduled request's ``RequestStep``.
-2. per layer, after the layer's attention: for each request id in ``attention_requests(layer)``,
-   ``on_attention_end(layer, request, view)`` with the request's new queries and its keys.
-   A method may ask for extra forward passes over a request's KV once its prompt is processed
-   (``replay_passes``, e.g. KVzip's context reconstruction): the engine runs them as ordinary
-   steps whose ``RequestStep.replay`` is set, keeps none of their KV and samples nothing.
-3. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per
-   layer and KV head); the engine gathers the kept slots to the front of each layer and frees
-   whole blocks that no layer uses any more.
-4. ``release(request_id)`` when a request finishes, is aborted or is preempted.
+1. ``prepare_step(step)`` once before the forward, with every scheduled request's ``RequestStep``; it
+   returns the requests whose attention inputs the step observes (the engine keeps that for the step).
+2. per layer, ``layer_plan(layer)`` says how the layer involves the method (``LayerPlan``): how decode
+   reads (everything; what ``select_decode`` picks for the whole batch on the device; everything after
+   ``select_decode`` looked at the batch; what ``decode_selection`` answers per request on the host,
+   RetroInfer's cluster retrieval only), whether prefill chunks read what ``prefill_selection`` picks,
+   and which keys those need.
+   ``selection_size`` gives the width of the device selections before the forward (static shapes).
+   A method that reads recent decode queries back at its compactions declares ``query_ring_window``;
+   the engine then records them on the device (``query_ring``) instead of handing them over each step;
+   one that sums decode attention scores declares ``decode_score_shape`` and gets running sums that the
+   decode kernel's score output feeds (``decode_score_sums``).
+3. after each full-attention layer's attention: for each observed request, ``on_attention_end(layer,
+   request, view)`` with the request's new queries and its keys.
+4. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per layer and
+   KV head); the engine gathers the kept slots to the front of each layer and frees whole blocks that no
+   layer uses any more.
 
-Chains (a conversation whose retained KV the next turn resumes) carry a method's per-request state
-across requests: ``save_state(request_id)`` when a turn ends (before ``release``) returns an opaque
-snapshot, and ``restore_state(request_id, state)`` hands it to the request of the next turn (or to
-each fork of the chain) before its first step. Methods without per-request state keep the defaults.
+Per request: ``replay_passes`` once its prompt is processed (extra forward passes over its KV, e.g.
+KVzip's context reconstruction: the engine runs them as ordinary steps whose ``RequestStep.replay`` is
+set, keeps none of their KV and samples nothing); ``release(request_id)`` when it finishes, is aborted
+or is preempted, which returns the state the next turn of its chain needs (an opaque snapshot the engine
+stores with the chain's retained KV); ``restore_state(request_id, state)`` hands that state to the
+request of the next turn (or to each fork of the chain) before its first step.
 
-Tensor parallelism (``supports_tensor_parallel``): each rank runs its own instance over its shard of the
+Tensor parallelism (``Support.TENSOR_PARALLEL``): each rank runs its own instance over its shard of the
 KV heads (``ModelShape``: the shard's KV heads and their whole query groups). Per-KV-head decisions
 need nothing more. A decision that spans KV heads (one kept set shared by every head, a ranking of
 all heads together) combines the shards first through ``SparseMethod.head_reduction``
@@ -78,11 +92,103 @@ class StoreKind(enum.StrEnum):
 
     PAGED = "paged"
     PAGED_WITH_SUMMARIES = "paged + block summaries"
-    """Per block and KV head, elementwise min and max of the keys (kept up to date on append)."""
+    """Per block (the page) and KV head, elementwise min and max of the keys (kept up to date on append)."""
     HEAD_MAJOR = "head-major paged"
     """A block table per (layer, KV head): a layer's heads may keep different numbers of tokens
     (``Compaction.head_counts``), and the memory in use is the sum of what each head keeps. The method's
     memory plan counts per-head averages. Decode reads every slot each head holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Storage:
+    """The KV store a method needs (``SparseMethod.storage``): its kind and, for compressed-storage
+    methods, the KV dtype it stores in (``fp8``, ``kivi``, ``turboquant``; None: the engine's
+    ``kv_cache_dtype`` decides, the model dtype by default). Pages are always the engine's blocks."""
+
+    kind: StoreKind = StoreKind.PAGED
+    kv_cache_dtype: str | None = None
+
+
+class Support(enum.StrEnum):
+    """Model and engine shapes a method runs on besides plain full-attention, one rank (``SparseMethod.supports``)."""
+
+    MLA = "mla"
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): the cache is one KV head of
+    ``kv_lora_rank + rope`` channels (the latent store) seen through absorbed queries."""
+    SLIDING_WINDOW = "sliding window"
+    """Models with sliding-window layers (Gemma 3, Mistral / Qwen2 with a window): the engine attends
+    densely over those layers' windows and never selects, observes or compacts them for the method; the
+    method acts on the full-attention layers only (its memory plan and compactions leave windowed ones whole)."""
+    TENSOR_PARALLEL = "tensor parallel"
+    """The heads split over ranks: each rank's instance sees its KV heads and the query heads of their
+    groups (``ModelShape``; the engine gathers a replicated KV head's group), so what it selects or evicts
+    per KV head is the same on every rank that holds that head. A decision that spans KV heads needs a
+    reduction over ranks first (``SparseMethod.head_reduction``)."""
+
+
+class DecodeRead(enum.StrEnum):
+    """How a layer's decode queries read the KV (``LayerPlan.decode``)."""
+
+    ALL = "all"
+    """Every slot, no selection."""
+    SELECTED = "selected"
+    """What ``select_decode`` picks for the whole batch on the device (no host sync: CUDA-graph safe)."""
+    OBSERVED = "observed"
+    """Every slot, after ``select_decode`` looked at the batch on the device (it returns None; e.g. a
+    filter layer that picks what the next layers read)."""
+    PER_REQUEST = "per request"
+    """What ``decode_selection`` answers per request on the host (one sync per layer; never mixed with
+    the device modes in one method)."""
+
+
+class Unit(enum.StrEnum):
+    """What one entry of a decode selection reads (``LayerPlan.unit``)."""
+
+    PAGE = "page"
+    """A page: the engine's block of ``block_size`` slots."""
+    SLOT = "slot"
+    """One slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    """How one layer involves the method in a step (``SparseMethod.layer_plan``).
+
+    ``decode``: how decode queries read (``DecodeRead``). ``decode_keys``: decode selection needs the
+    layer's keys (``DecodeBatch.key_cache`` / ``DecodeView.keys``). ``prefill``: prefill chunks read the
+    history ``prefill_selection`` picks (else all of it); ``prefill_keys``: it needs the history's keys
+    (``PrefillView.keys``). ``unit``: the entries of the device modes' selections (pages or slots).
+    """
+
+    decode: DecodeRead = DecodeRead.ALL
+    decode_keys: bool = False
+    prefill: bool = False
+    prefill_keys: bool = False
+    unit: Unit = Unit.PAGE
+
+    def __post_init__(self) -> None:
+        if self.decode_keys and self.decode is DecodeRead.ALL:
+            raise ValueError("decode_keys needs a selecting decode")
+        if self.prefill_keys and not self.prefill:
+            raise ValueError("prefill_keys needs a selecting prefill")
+
+    @property
+    def selects_decode(self) -> bool:
+        """Decode involves the method (any mode but ``ALL``)."""
+        return self.decode is not DecodeRead.ALL
+
+    @property
+    def on_device(self) -> bool:
+        """Decode goes through ``select_decode`` (``SELECTED`` or ``OBSERVED``)."""
+        return self.decode in (DecodeRead.SELECTED, DecodeRead.OBSERVED)
+
+    def unit_slots(self, block_size: int) -> int:
+        """Slots per selection entry."""
+        return block_size if self.unit is Unit.PAGE else 1
+
+
+DENSE_LAYER = LayerPlan()
+"""The plan of a layer the method leaves alone (the default)."""
 
 
 class MethodConfig(BaseModel):
@@ -101,7 +207,7 @@ class ModelShape:
     head_dim: int
     windowed_layers: frozenset[int] = frozenset()
     """Layers whose attention slides over a window (Gemma 3's local layers, Mistral's): the engine
-    attends densely over their windows and a method that ``supports_sliding_window`` leaves them alone."""
+    attends densely over their windows and never hands them to a method (``Support.SLIDING_WINDOW``)."""
 
     def __post_init__(self) -> None:
         if min(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim) < 1:
@@ -211,7 +317,7 @@ class ReplayPass:
     ``parts``: text (tokenized by the engine, without special tokens) and token-id tuples, joined in
     order. The engine runs the tokens as one chunk at the positions after the request's processed
     tokens, attending to the request's KV and causally to themselves; their K/V are dropped after the
-    pass and nothing is sampled. The method observes the pass like any step (``attention_requests``,
+    pass and nothing is sampled. The method observes the pass like any step (``prepare_step``,
     ``on_attention_end`` with ``RequestStep.replay`` set) and may compact in ``finish_step``.
     """
 
@@ -261,7 +367,7 @@ class DecodeView:
     ``page_min`` / ``page_max``: ``[num_pages, num_kv_heads, head_dim]`` key summaries of the
     request's pages in table order, when the store keeps them (else None). ``keys``:
     ``[kv_len, num_kv_heads, head_dim]`` the layer's keys in slot order, when the method asked for
-    them (``needs_decode_keys``), else None.
+    them (``LayerPlan.decode_keys``), else None.
     """
 
     query: torch.Tensor
@@ -278,7 +384,7 @@ class PrefillView:
 
     ``queries``: ``[num_new_tokens, num_q_heads, head_dim]`` (after RoPE); ``history_len``: slots
     the request held before this chunk; ``keys``: ``[history_len, num_kv_heads, head_dim]`` the
-    layer's history keys in slot order when the method asked for them (``needs_prefill_keys``).
+    layer's history keys in slot order when the method asked for them (``LayerPlan.prefill_keys``).
     """
 
     queries: torch.Tensor
@@ -291,7 +397,7 @@ class Selection:
     """What one decode query reads: ``indices`` ``[num_kv_heads, n]`` ascending, in units of
     ``page_size`` slots of the request's table (``page_size=1``: single tokens). The newest slot's
     page must be the last entry of every row. Single-slot rows may lead with ``-1`` entries, which
-    read nothing (heads that read fewer slots than others, e.g. AdaKV's per-head budgets)."""
+    read nothing (heads that read fewer slots than others, e.g. RetroInfer's per-head clusters)."""
 
     indices: torch.Tensor
     page_size: int
@@ -311,11 +417,11 @@ class DecodeBatch:
     per-page or per-token outputs). ``page_min`` / ``page_max``: the pool's block summaries
     ``[num_blocks, num_kv_heads, head_dim]`` when the store keeps them. ``key_cache``: the layer's
     keys ``[num_blocks, block_size, num_kv_heads, head_dim]`` when the method asked for them
-    (``needs_decode_keys``). ``sm_scale``: the attention's softmax scale. ``page_counts``: int64
+    (``LayerPlan.decode_keys``). ``sm_scale``: the attention's softmax scale. ``page_counts``: int64
     ``[B]`` pages each row holds (``ceil(kv_lens / block_size)``) when the caller has them already
     (saves two launches per layer); ``num_pages`` computes them otherwise.
 
-    At a layer the method observes (``observes_decode_batch``) the engine may have computed the
+    At an ``OBSERVED`` layer (``DecodeRead``) the engine may have computed the
     layer's raw logits already, because it attends from them: ``logits`` float32 ``[B, num_q_heads,
     max_pages * block_size]``, ``sm_scale * q . k`` of every row's tokens in table order (``-inf``
     past a row), with ``logit_max`` / ``logit_sum`` float32 ``[B, num_q_heads]``, each row's max and
@@ -371,32 +477,23 @@ class SparseMethod(ABC):
 
     name: ClassVar[str]
     category: ClassVar[Category]
+    Config: ClassVar[type[MethodConfig]]
     prefill_policy: ClassVar[PrefillPolicy] = PrefillPolicy.ALL_CHUNKED
     prefix_cache_mode: ClassVar[PrefixCacheMode]
-    kv_store: ClassVar[StoreKind] = StoreKind.PAGED
-    kv_cache_dtype: ClassVar[str | None] = None
-    """Compressed-storage methods: the KV dtype they store in (``fp8``, ``kivi``, ``turboquant``);
-    None: the engine's ``kv_cache_dtype`` decides (the model dtype by default)."""
-    supports_mla: ClassVar[bool] = False
-    """Runs on multi-head latent attention models (DeepSeek-V2/V3, GLM-4.7-Flash): their cache is one
-    KV head of ``kv_lora_rank + rope`` channels (the latent store) seen through absorbed queries."""
-    supports_sliding_window: ClassVar[bool] = False
-    """Runs on models with sliding-window layers (Gemma 3, Mistral / Qwen2 with a window): the engine
-    attends densely over those layers' windows and the method acts on the full-attention layers only
-    (it must not select, observe or evict in a windowed layer)."""
-    supports_tensor_parallel: ClassVar[bool] = False
-    """Runs with the heads split over ranks: each rank's instance sees its KV heads and the query
-    heads of their groups (``ModelShape``; the engine gathers a replicated KV head's group), so what
-    it selects or evicts per KV head is the same on every rank that holds that head. A method whose
-    decision spans KV heads (a selection shared by all of them) needs a reduction over ranks first
-    (``head_reduction``)."""
+    storage: ClassVar[Storage] = Storage()
+    """The KV store the method needs (kind and KV dtype)."""
+    supports: ClassVar[frozenset[Support]] = frozenset()
+    """Model and engine shapes the method runs on besides plain full attention on one rank (``Support``)."""
     head_reduction: HeadReduction = HeadReduction()
     """Combines per-shard results over the tensor-parallel ranks (set by the engine; the identity on one
     rank): see ``HeadReduction`` and the module docstring."""
-    Config: ClassVar[type[MethodConfig]]
     prefill_attention: PrefillAttention | None = None
     """How prefill chunks attend when a prefill attention method is chosen (``build_method`` sets it);
     None: dense prefill attention."""
+    query_ring: QueryRing | None = None
+    """Set by the engine when ``query_ring_window`` is positive and its store keeps plain queries."""
+    decode_score_sums: DecodeScoreSums | None = None
+    """Set by the engine when ``decode_score_shape`` is given and the decode kernel can write scores."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         if not isinstance(config, self.Config):
@@ -410,32 +507,18 @@ class SparseMethod(ABC):
         """KV tokens per layer for a request of ``prompt_len`` + ``max_new_tokens`` tokens whose prompt
         is prefilled in chunks of at most ``chunk_size`` tokens."""
 
-    def fingerprint(self) -> dict:
-        """What this method's KV depends on besides tokens (goes into cache salts)."""
-        prefill = {} if self.prefill_attention is None else {"prefill": self.prefill_attention.fingerprint()}
-        return {"sparse_method": self.name, **self.config.model_dump(), **prefill}
-
-    # -- lifecycle hooks -----------------------------------------------------------------------
-    def prepare_step(self, step: StepContext) -> None:  # noqa: B027 - hooks are optional
-        """Called once per step before the forward."""
-
-    def attention_requests(self, layer: int) -> Collection[Hashable]:
-        """Requests whose attention inputs this layer must hand to ``on_attention_end`` this step."""
-        return ()
-
-    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:  # noqa: B027
-        """Observe one request's queries and keys after ``layer``'s attention."""
+    def layer_plan(self, layer: int) -> LayerPlan:
+        """How ``layer``'s attention involves the method this step (asked after ``prepare_step``; it may
+        change between steps, never within one)."""
+        return DENSE_LAYER
 
     @property
     def query_ring_window(self) -> int:
         """Latest decode queries per (request, layer) the method reads back at its compactions (0: none).
         When positive the engine may give the method a ``QueryRing`` of that window (``query_ring``) that
         every decode step writes on the device (full-attention layers, decode rows); the method then plans
-        it in ``prepare_step`` and asks for no attention inputs at the steps that only remember queries."""
+        it in ``prepare_step`` and observes no request at the steps that only remember queries."""
         return 0
-
-    query_ring: QueryRing | None = None
-    """Set by the engine when ``query_ring_window`` is positive and its store keeps plain queries."""
 
     @property
     def decode_score_shape(self) -> tuple[int, int] | None:
@@ -445,98 +528,69 @@ class SparseMethod(ABC):
         (``decode_score_sums``) that the decode kernel's score output feeds inside the step; None: no sums."""
         return None
 
-    decode_score_sums: DecodeScoreSums | None = None
-    """Set by the engine when ``decode_score_shape`` is given and the decode kernel can write scores."""
+    # -- one step ------------------------------------------------------------------------------
+    def prepare_step(self, step: StepContext) -> Collection[Hashable]:
+        """Called once per step before the forward; returns the requests whose attention inputs every
+        full-attention layer hands to ``on_attention_end`` this step (empty: the step observes nothing)."""
+        return frozenset()
 
-    @property
-    def summary_page_size(self) -> int | None:
-        """Tokens per summarized page, for ``StoreKind.PAGED_WITH_SUMMARIES`` (must equal the block size)."""
-        return None
-
-    def selects_decode(self, layer: int) -> bool:
-        """Whether this layer's decode queries select (``select_batched`` / ``observe_decode_batch`` with
-        ``batched_selection``, else ``decode_selection``)."""
-        return False
-
-    def needs_decode_keys(self, layer: int) -> bool:
-        """Whether ``decode_selection`` needs the layer's keys (``DecodeView.keys``)."""
-        return False
-
-    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        """What one decode query reads in ``layer``, or None to read every slot (the engine's host path:
-        never asked of a method with ``batched_selection``)."""
-        return None
-
-    def selects_prefill(self, layer: int) -> bool:
-        """Whether ``prefill_selection`` is asked which history this layer's prefill chunks read."""
-        return False
-
-    def needs_prefill_keys(self, layer: int) -> bool:
-        """Whether ``prefill_selection`` needs the layer's history keys (``PrefillView.keys``)."""
-        return False
-
-    def prefill_selection(self, layer: int, request: RequestStep, view: PrefillView) -> Selection | None:
-        """History slots (``page_size=1``, ``[num_kv_heads, n]`` ascending) a prefill chunk reads
-        besides its own tokens (causally), or None to read the whole history."""
-        return None
-
-    batched_selection: ClassVar[bool] = False
-    """Whether the method selects for a whole batch on the device (``select_batched``): then that is
-    its only decode selection, which the engine runs for every decode step on any device (the kernels'
-    reference backends on CPU), so that no layer waits for the host (and, when every row of a decode
-    step selects the same number of entries, the step replays as a CUDA graph)."""
-
-    def selection_page_size(self, block_size: int) -> int:
-        """Slots per entry of ``select_batched``'s answers: ``block_size`` (pages) or 1 (single slots)."""
-        return block_size
+    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:  # noqa: B027
+        """Observe one request's queries and keys after ``layer``'s attention."""
 
     def selection_size(self, kv_len: int, page_size: int) -> int | None:
-        """Entries of ``page_size`` slots that a selecting layer reads per KV head for a context of
-        ``kv_len``, or None when the query reads everything (what ``select_batched`` answers)."""
+        """Entries of ``page_size`` slots (``LayerPlan.unit``) that a selecting layer reads per KV head for
+        a context of ``kv_len``, or None when the query reads everything (the width of ``select_decode``'s
+        answers; for ``PER_REQUEST`` layers an estimate, for reports)."""
         return None
 
-    def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
-        """Tokens (per KV head) a decode query of a ``kv_len`` context reads in ``layer`` (reports)."""
-        if not self.selects_decode(layer):
-            return kv_len
-        size = self.selection_size(kv_len, self.selection_page_size(block_size))
-        return kv_len if size is None else size * self.selection_page_size(block_size)
+    def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | None:
+        """A ``SELECTED`` layer: ``[B, num_kv_heads, size]`` ascending entry indices (``LayerPlan.unit``, in
+        table order, the newest last) for a batch whose rows all select ``size`` (``selection_size``)
+        entries, made on the device without host sync; entries past a row's length (padding rows of a
+        CUDA graph) are allowed and read the row's last entry. An ``OBSERVED`` layer: look at the batch
+        and return None (every slot is read)."""
+        raise NotImplementedError(f"{self.name} has no device selection")
 
-    def observes_decode_batch(self, layer: int) -> bool:
-        """Batched path: ``layer`` (a selecting one) reads every slot and hands the batch to
-        ``observe_decode_batch`` instead of calling ``select_batched`` (e.g. a filter layer that picks
-        what the next layers read)."""
-        return False
+    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
+        """A ``PER_REQUEST`` layer: what one decode query reads, or None to read every slot."""
+        return None
 
-    def observe_decode_batch(self, layer: int, batch: DecodeBatch) -> None:  # noqa: B027
-        """Batched path: look at an ``observes_decode_batch`` layer's batch, on the device, no host sync."""
-
-    def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
-        """``[B, num_kv_heads, size]`` ascending entry indices (units of ``selection_page_size``, in
-        table order, the newest last) for a batch whose rows all select ``size`` entries, made on the
-        device without host sync. Entries past a row's length (padding rows of a CUDA graph) are
-        allowed and read the row's last entry."""
-        raise NotImplementedError(f"{self.name} has no batched selection")
-
-    def replay_passes(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> tuple[ReplayPass, ...]:
-        """Extra passes to run for a request once its prompt is processed, in order, before its first
-        decode (asked once per prefill; its first output token is sampled from the prompt as usual)."""
-        return ()
+    def prefill_selection(self, layer: int, request: RequestStep, view: PrefillView) -> Selection | None:
+        """A layer whose plan has ``prefill``: history slots (``page_size=1``, ``[num_kv_heads, n]``
+        ascending) a prefill chunk reads besides its own tokens (causally), or None to read the whole
+        history."""
+        return None
 
     def finish_step(self) -> Mapping[Hashable, Compaction]:
         """Evictions decided this step, by request id (applied before the next step)."""
         return {}
 
-    def release(self, request_id: Hashable) -> None:  # noqa: B027
-        """Forget a request's state (finished, aborted or preempted)."""
+    # -- request events --------------------------------------------------------------------------
+    def replay_passes(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> tuple[ReplayPass, ...]:
+        """Extra passes to run for a request once its prompt is processed, in order, before its first
+        decode (asked once per prefill; its first output token is sampled from the prompt as usual)."""
+        return ()
 
-    def save_state(self, request_id: Hashable) -> object | None:
-        """A snapshot of the request's state that the next turn of its chain needs (None: nothing).
-
-        The snapshot must not alias anything the method mutates later: it may be restored more than
-        once (forks of a chain), and the method keeps running other requests meanwhile.
-        """
+    def release(self, request_id: Hashable) -> object | None:
+        """Forget a request (finished, aborted or preempted); returns its state that the next turn of its
+        chain needs (None: nothing), which the engine keeps when a finished turn closes a chain."""
         return None
 
     def restore_state(self, request_id: Hashable, state: object) -> None:  # noqa: B027
-        """Give a new request a snapshot from ``save_state`` (its KV is the chain's retained KV)."""
+        """Give a new request a state from ``release`` (its KV is the chain's retained KV). The same state
+        may be restored more than once (forks of a chain): the method copies what it will mutate."""
+
+    # -- derived, not hooks ----------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        """What this method's KV depends on besides tokens (goes into cache salts)."""
+        prefill = {} if self.prefill_attention is None else {"prefill": self.prefill_attention.fingerprint()}
+        return {"sparse_method": self.name, **self.config.model_dump(), **prefill}
+
+    def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
+        """Tokens (per KV head) a decode query of a ``kv_len`` context reads in ``layer`` (reports)."""
+        plan = self.layer_plan(layer)
+        if plan.decode in (DecodeRead.ALL, DecodeRead.OBSERVED):
+            return kv_len
+        unit = plan.unit_slots(block_size)
+        size = self.selection_size(kv_len, unit)
+        return kv_len if size is None else min(kv_len, size * unit)

@@ -4,7 +4,7 @@ A subclass says how many tokens each layer keeps (``budgets``), which tokens are
 recent, ``protected``) and how the others rank (``score``: per-token, per-KV-head scores, higher =
 keep). Everything else lives here once:
 
-- which requests' attention inputs each step needs (``attention_requests``), derived from when the
+- which requests' attention inputs each step needs (what ``prepare_step`` returns), derived from when the
   method compacts and how many recent queries it observes (``observation_window``);
 - the observed queries of each (request, layer): a sliding window of the latest ones, or, for an
   accumulating scorer (``accumulates``, H2O), a running per-token score that follows its tokens;
@@ -15,9 +15,9 @@ keep). Everything else lives here once:
   score with one row), and the ``Compaction`` records ``finish_step`` hands the engine;
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
 - the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
-- chain state (``save_state`` / ``restore_state``) and ``release``;
-- sliding-window layers (``ModelShape.windowed_layers``): never observed nor compacted, their budget
-  unbounded, so a windowed model's local layers keep their window and the method acts on its global ones.
+- chain state (``release`` returns it, ``restore_state`` takes it back);
+- sliding-window layers (``ModelShape.windowed_layers``): never compacted (the engine observes none), their
+  budget unbounded, so a windowed model's local layers keep their window and the method acts on its global ones.
 
 A method that ranks nothing (``observation_window`` None, StreamingLLM) asks for no attention
 inputs at all, so its decode steps stay eligible for CUDA graphs.
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -44,6 +44,7 @@ from sparse_methods.base import (
     RequestStep,
     SparseMethod,
     StepContext,
+    Support,
 )
 from sparse_methods.eviction_device import DeviceObservation
 from sparse_methods.scoring import keep_indices
@@ -104,7 +105,7 @@ class EvictionMethod(DeviceObservation, SparseMethod):
 
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
-    supports_sliding_window = True  # compacts the full-attention layers only (see ``_layer_budgets``)
+    supports = frozenset({Support.SLIDING_WINDOW})  # compacts the full-attention layers only (``_layer_budgets``)
     accumulates: ClassVar[bool] = False
     """``score()`` is called for every step that observes queries and the results add up per token
     (H2O; ``score()`` then returns a new tensor, which the base adds the earlier sums into);
@@ -171,7 +172,7 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         return MemoryPlan(tuple(prefill_peak), tuple(resident), tuple(decode_peak))
 
     # -- derived: the step's schedule ----------------------------------------------------------------
-    def prepare_step(self, step: StepContext) -> None:
+    def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
         self._step, self._pending = {}, {}
         for r in step.requests:
             if r.request_id not in self._states:
@@ -187,6 +188,7 @@ class EvictionMethod(DeviceObservation, SparseMethod):
             if budgets is not None and self.observation_window is None:
                 self._compact_by_position(r, budgets)
         self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
+        return self._observing
 
     @property
     def query_ring_window(self) -> int:
@@ -241,9 +243,6 @@ class EvictionMethod(DeviceObservation, SparseMethod):
             return 0  # the prompt is not compacted or fits every layer: nothing will be ranked
         first = r.start if w == 0 else max(r.start, r.prompt_len - w)
         return max(0, r.end - first)
-
-    def attention_requests(self, layer: int) -> Collection[Hashable]:
-        return () if layer in self.shape.windowed_layers else self._observing
 
     # -- derived: observing and compacting ---------------------------------------------------------
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
@@ -332,21 +331,17 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         return out
 
     # -- request events and chains -----------------------------------------------------------------
-    def release(self, request_id: Hashable) -> None:
-        self._states.pop(request_id, None)
+    def release(self, request_id: Hashable) -> object | None:
+        state = self._states.pop(request_id, None)
+        if state is not None:  # what the next turn resumes: the ring's pending queries folded into the
+            state.window = self._folded_windows(request_id, state)  # windows, the scores copied out of the sums
+            state.scores = self._saved_scores(request_id, state)
         for device_state in (self.query_ring, self.decode_score_sums):
             if device_state is not None:
                 device_state.release(request_id)
-
-    def save_state(self, request_id: Hashable) -> object | None:
-        # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.
-        state = self._states.get(request_id)
-        if state is None:
-            return None
-        return _RequestState(
-            state.decoded, self._folded_windows(request_id, state), self._saved_scores(request_id, state)
-        )
+        return state
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
+        # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.
         if state is not None:
             self._states[request_id] = _RequestState(state.decoded, list(state.window), list(state.scores))

@@ -15,7 +15,7 @@ code is not touched, and the previous implementation comes back on exit). That a
 1. attends over the kept slots: every kept slot is older than every new token, so the mask is
    "all cached slots, then the new tokens causally" whatever was evicted;
 2. hands the method the step's post-RoPE queries and the layer's keys (``LayerAttention``) when the
-   method asked for them (``attention_requests``);
+   method asked for them (what ``prepare_step`` returned);
 3. after the last layer, applies the method's compactions (``finish_step``) to every layer.
 
 The method sees the same calls as inside ``sparse_serve``: ``prepare_step`` with one
@@ -30,7 +30,7 @@ sampled decoding work, beam search does not; every layer must be full attention 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from typing import Any
 
 import torch
@@ -114,12 +114,13 @@ class SparseKVCache(DynamicCache):
             raise ValueError(
                 f"sparse_methods.hf runs eviction methods; {sparse_method!r} is {self.method.category.value}"
             )
-        if self.method.kv_store is StoreKind.HEAD_MAJOR:  # a DynamicCache layer keeps one count for all heads
+        if self.method.storage.kind is StoreKind.HEAD_MAJOR:  # a DynamicCache layer keeps one count for all heads
             raise ValueError(f"{sparse_method!r} keeps ragged per-head counts: sparse_methods.hf cannot hold them")
         self.num_tokens = 0  # logical length: tokens processed, evicted ones included
         self.prompt_len = 0
         self._positions: list[torch.Tensor] = []  # per layer [B, Hkv, n] int64 logical positions of the slots
         self._requests: dict[Hashable, RequestStep] = {}
+        self._observed: Collection[Hashable] = frozenset()  # this step's, from ``prepare_step``
         self._num_new = 0
         self._saved_attention: str | None = None
 
@@ -177,7 +178,7 @@ class SparseKVCache(DynamicCache):
         steps = [RequestStep(b, self.num_tokens, n, self.prompt_len, kv_lens) for b in range(batch)]
         self._requests = {r.request_id: r for r in steps}
         self._num_new = n
-        self.method.prepare_step(StepContext(tuple(steps)))
+        self._observed = self.method.prepare_step(StepContext(tuple(steps)))
 
     def _attend(
         self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
@@ -206,7 +207,7 @@ class SparseKVCache(DynamicCache):
         self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, out: torch.Tensor
     ) -> torch.Tensor:
         """Hand the method what it asked for, finish the step after the last layer; ``out`` -> ``[B, n, Hq, D]``."""
-        for rid in self.method.attention_requests(layer):
+        for rid in self._observed:
             view = LayerAttention(queries=query[rid].transpose(0, 1), keys=key[rid].transpose(0, 1), scale=scaling)
             self.method.on_attention_end(layer, self._requests[rid], view)
         if layer == self.shape.num_layers - 1:

@@ -117,12 +117,13 @@ class EngineChains:
         if checkout.state is not None:
             self.method.restore_state(req.request_id, checkout.state)
 
-    def close(self, req: Request) -> None:
-        """Hand the request's computed history back to its chain (before its blocks would be freed)."""
+    def close(self, req: Request, state: object | None) -> None:
+        """Hand the request's computed history back to its chain (before its blocks would be freed), with
+        the method's state of the request (what ``release`` returned)."""
         if req.chain_id is None:
             return
         rid = req.request_id
-        state = self.method.save_state(rid) if self.kv.has_request(rid) else None
+        state = state if self.kv.has_request(rid) else None
         n = req.num_computed_tokens
         self.kv.save_chain(rid, req.chain_id, req.token_ids[:n], req.kv_lens, state, req.token_ids[n:])
 

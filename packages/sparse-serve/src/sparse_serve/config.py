@@ -111,7 +111,7 @@ class _EngineFields(BaseModel):
 
     def resolved_kv_cache_dtype(self) -> str:
         """``auto`` (model dtype), ``fp8``, ``kivi`` or ``turboquant``: the engine's KV store."""
-        implied = sparse_methods.get_method_class(self.sparse_method).kv_cache_dtype
+        implied = sparse_methods.get_method_class(self.sparse_method).storage.kv_cache_dtype
         if implied is not None and self.kv_cache_dtype not in ("auto", implied):
             raise ValueError(
                 f"sparse_method {self.sparse_method!r} stores KV as {implied!r}; "
@@ -157,7 +157,7 @@ _KV_DTYPE_FIELDS = {
 def _requested_kv_dtype(data: dict) -> str:
     method = data.get("sparse_method", "dense")
     try:
-        implied = sparse_methods.get_method_class(method).kv_cache_dtype
+        implied = sparse_methods.get_method_class(method).storage.kv_cache_dtype
     except ValueError:
         return "auto"  # an unknown method: the after-validator names it
     return implied or data.get("kv_cache_dtype", "auto")

@@ -15,7 +15,7 @@ import torch
 
 import sparse_methods
 from sparse_cache import ChainInfo, KVCacheManager, LayerLayout
-from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, StoreKind, build_method
+from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, StoreKind, Support, build_method
 from sparse_models import read_model_config
 from sparse_models.distributed import rank_attention_config, tp_world_size
 from sparse_serve.chains import EngineChains
@@ -99,7 +99,7 @@ class LLMEngine:
         self.method.head_reduction = head_reduction(model_cfg.num_key_value_heads)  # spans this rank's shard
         self.num_layers = model_cfg.num_hidden_layers
         layout = self._layer_layout(model_cfg.layer_sliding_windows, config.max_model_len or model_max_len)
-        if self.method.kv_store is StoreKind.HEAD_MAJOR and model_cfg.mla is None:  # a table per (layer, KV head)
+        if self.method.storage.kind is StoreKind.HEAD_MAJOR and model_cfg.mla is None:  # a table per (layer, KV head)
             layout = LayerLayout.head_major(self.num_layers, heads.num_key_value_heads)
         self.runner = ModelRunner(config, model_cfg, config.max_model_len or model_max_len, self.method, layout)
         self.max_model_len = self._resolve_max_model_len(model_max_len)
@@ -367,7 +367,7 @@ class LLMEngine:
             pending = self.runner.run(meta) if feed is None else self.runner.run(meta, feed)
         compactions = self.method.finish_step()
         self.num_steps += 1
-        observed = frozenset().union(*(self.method.attention_requests(layer) for layer in range(self.num_layers)))
+        observed = frozenset(self.runner.observed)  # what the step handed the method (prepare_step's answer)
         pipelined = self.async_scheduling and self._pipelinable(batch, meta)
         return _LaunchedStep(batch, meta, pending, compactions, pipelined, observed)
 
@@ -567,9 +567,9 @@ class LLMEngine:
         return out
 
     def _finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
-        self.chains.close(req)  # the chain takes the request's KV before the scheduler would free it
+        state = self.method.release(req.request_id)
+        self.chains.close(req, state)  # the chain takes the request's KV before the scheduler would free it
         self.scheduler.finish(req, reason)
-        self.method.release(req.request_id)
         self.runner.release(req.request_id)
         req.stop_reason = stop_reason
         self.runner.sampler.release(req.request_id)
@@ -689,7 +689,7 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
             "start tensor-parallel engines through LLM(...) or sparse_serve.tensor_parallel.launch_engine"
         )
     method = sparse_methods.get_method_class(config.sparse_method)
-    if config.tensor_parallel_size > 1 and not method.supports_tensor_parallel:
+    if config.tensor_parallel_size > 1 and Support.TENSOR_PARALLEL not in method.supports:
         raise ValueError(f"{config.sparse_method} does not support tensor_parallel_size > 1 yet")
 
 

@@ -20,7 +20,7 @@ import torch
 from sparse_cache import MODEL_DTYPE, StoreKind, head_major_paged, latent_paged, paged, quantized_paged
 from sparse_kernels.kv_quant import lloyd_max_codebook, turboquant_rotation
 from sparse_kernels.quantized_kv import QuantizedKV
-from sparse_methods import SparseMethod, get_method_class, method_names
+from sparse_methods import SparseMethod, Support, get_method_class, method_names
 from sparse_methods import StoreKind as MethodStore
 from sparse_models import ModelConfig
 
@@ -110,14 +110,14 @@ def store_kind(
 ) -> StoreKind:
     """The store kind for ``method`` over a ``kv_cache_dtype`` store (``auto``: the model dtype)."""
     h, d = cfg.num_key_value_heads, cfg.head_dim
-    summaries = method is not None and method.kv_store is MethodStore.PAGED_WITH_SUMMARIES
-    if method is not None and method.kv_store is MethodStore.HEAD_MAJOR and cfg.mla is None:
+    summaries = method is not None and method.storage.kind is MethodStore.PAGED_WITH_SUMMARIES
+    if method is not None and method.storage.kind is MethodStore.HEAD_MAJOR and cfg.mla is None:
         if kv_cache_dtype != "auto":
             raise ValueError(f"{method.name} keeps a head-major store in the model dtype, not {kv_cache_dtype!r}")
         return head_major_paged(block_size, h, d)
     if cfg.mla is not None:  # multi-head latent attention: one latent row per token
-        if method is not None and not method.supports_mla:
-            able = [name for name in method_names() if get_method_class(name).supports_mla]
+        if method is not None and Support.MLA not in method.supports:
+            able = [name for name in method_names() if Support.MLA in get_method_class(name).supports]
             raise ValueError(
                 f"method {method.name} does not support MLA models ({cfg.architecture}); those that do: {able}"
             )

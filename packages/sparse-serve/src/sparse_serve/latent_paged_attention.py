@@ -10,7 +10,7 @@ Page selection (Quest over the latent): with a ``latent paged + block summaries`
 keeps the elementwise min / max of its rows (latent and rope channels), refreshed for every block a
 step writes (on the device from the slot mapping in decode-only steps). In a layer where the method
 selects decode pages, the absorbed decode queries of the rows whose context outgrows the method's
-budget are handed to ``select_batched`` as one KV head whose group is every query head (``q . row``
+budget are handed to ``select_decode`` as one KV head whose group is every query head (``q . row``
 is the attention logit, so the bound of ``q`` against a page's min / max bounds it), and those rows'
 lists hold only the chosen pages (the newest always among them, so the single decode query still
 sees its own row last). Decode-only steps select through ``SelectiveDecode``'s batched path, the
@@ -33,9 +33,11 @@ import torch
 from sparse_kernels import block_summary, resolve_backend, update_block_summaries
 from sparse_kernels.latent_attention import LatentPlan, latent_attention, plan_latent, store_latent
 from sparse_kernels.latent_decode import BatchLatentDecode
-from sparse_methods.base import DecodeBatch, SparseMethod
+from sparse_methods.base import DecodeBatch, DecodeRead, LayerPlan, SparseMethod
 from sparse_serve.selective_decode import SelectiveDecode
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, to_device, to_device_buffer
+
+_SELECT_PAGES = LayerPlan(DecodeRead.SELECTED)  # the only selection a latent store reads: pages, on the device
 
 
 class LatentPagedAttention:
@@ -70,9 +72,10 @@ class LatentPagedAttention:
         self.summaries = summaries
         self.method = method
         self.group_queries = group_queries
-        if method is not None and any(method.selects_decode(layer) for layer in range(len(latent))):
-            if summaries is None or method.selection_page_size(block_size) != block_size:
-                raise ValueError(f"{method.name} selects latent pages: it needs block summaries of block_size pages")
+        plans = [] if method is None else [method.layer_plan(layer) for layer in range(len(latent))]
+        if any(plan.selects_decode for plan in plans):
+            if summaries is None or any(plan.selects_decode and plan != _SELECT_PAGES for plan in plans):
+                raise ValueError(f"{method.name} selects latent pages on the device: it needs block summaries")
         max_tokens, max_batch_size, max_num_pages = capacities
         self._slot_buffer = torch.empty(max_tokens, dtype=torch.int32, device=self.device) if max_tokens else None
         self._decode = BatchLatentDecode(
@@ -162,7 +165,7 @@ class LatentPagedAttention:
             else:
                 block_summary(cache, *self._written[group_idx], kmin, kmax)
         sel = self.selective
-        if sel.batched and self.method.selects_decode(layer_idx):  # picked on the device, no host sync
+        if sel.batched and self.method.layer_plan(layer_idx).selects_decode:  # picked on the device, no host sync
             select_q = q if self.group_queries is None else self.group_queries(q)
             out = q.new_empty(q.shape[0], q.shape[1], self.latent_dim)
             return sel.run_batched(self.method, layer_idx, q, cache, cache, kmin, kmax, out, select_q=select_q)
@@ -175,7 +178,7 @@ class LatentPagedAttention:
         no decode row of this layer selects."""
         meta, method = self._meta, self.method
         nd = meta.num_decode_tokens
-        if method is None or nd == 0 or not method.selects_decode(layer_idx):
+        if method is None or nd == 0 or not method.layer_plan(layer_idx).selects_decode:
             return None
         group, bs = meta.groups[group_idx], self.block_size
         indptr, indices, last = group.decode_kv_indptr, group.decode_kv_indices, group.decode_kv_last_len
@@ -197,7 +200,7 @@ class LatentPagedAttention:
             page_max=self.summaries[1][layer_idx],
             sm_scale=self._sm_scale,
         )
-        chosen = dict(zip(rows, method.select_batched(layer_idx, batch)[:, 0].cpu(), strict=True))  # one KV head
+        chosen = dict(zip(rows, method.select_decode(layer_idx, batch)[:, 0].cpu(), strict=True))  # one KV head
         lists = [
             indices[indptr[i] + chosen[i]] if i in chosen else indices[indptr[i] : indptr[i + 1]] for i in range(nd)
         ]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Hashable
+
 import torch
 
 from sparse_cache import LayerLayout, TailRows
 from sparse_kernels import block_summary
-from sparse_methods import DecodeScoreSums, PrefixCacheMode, QueryRing, SparseMethod, StepContext
+from sparse_methods import DecodeScoreSums, PrefixCacheMode, QueryRing, SparseMethod, StepContext, Support
 from sparse_models import ModelConfig, load_model
 from sparse_models.distributed import (
     gather_kv_group_heads,
@@ -76,11 +78,6 @@ class ModelRunner:
             turboquant_seed=config.turboquant_seed,
         )
         self.summaries = self.store.summaries
-        if self.summaries and method.summary_page_size != config.block_size:
-            raise ValueError(
-                f"{method.name} summarizes pages of {method.summary_page_size} tokens; set block_size to match "
-                f"(block_size={config.block_size})"
-            )
         _check_method_over_store(method, self.store, cfg.num_hidden_layers)
         _check_windows(method, self.store, cfg)
         # One tail row per running request (KIVI's incomplete page), taken on its first write.
@@ -128,6 +125,7 @@ class ModelRunner:
             score_sums=self.score_sums,
         )
         self.method = method
+        self.observed: Collection[Hashable] = frozenset()  # what the current step observes (``prepare_step``)
         self.graphs: DecodeGraphs | None = None
         # Under tensor parallelism every rank captures the same buckets, NCCL collectives inside.
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -223,9 +221,8 @@ class ModelRunner:
         ``prompt_rows``: prompt rows whose log-probabilities requests asked for (prefill steps only);
         computed at once (host sync) into the result's ``prompt_logprobs``.
         """
-        if self.method is not None:
-            self.method.prepare_step(StepContext(meta.steps))
-        if self.graphs is not None and self.graphs.eligible(meta, self.method):
+        self.observed = frozenset() if self.method is None else self.method.prepare_step(StepContext(meta.steps))
+        if self.graphs is not None and self.graphs.eligible(meta, self.method, self.observed):
             hidden = self.graphs.run(meta, feed)  # decode-only: every row is sampled, in order
             logits = self.model.compute_logits(hidden)
         else:
@@ -233,7 +230,7 @@ class ModelRunner:
             if feed is not None:
                 feed.apply_(input_ids)
             positions = to_device(meta.positions, self.device)
-            self.attention.plan(meta)
+            self.attention.plan(meta, self.observed)
             hidden = self.model(input_ids, positions, self.attention)
             computed = {
                 r.request_id: prompt_token_logprobs(
@@ -292,7 +289,7 @@ def _check_windows(method: SparseMethod | None, store, cfg: ModelConfig) -> None
         return
     if store.quantized:
         raise ValueError(f"sliding-window layers ({cfg.architecture}) do not run over a {store.scheme} KV store yet")
-    if method is not None and not method.supports_sliding_window:
+    if method is not None and Support.SLIDING_WINDOW not in method.supports:
         raise ValueError(
             f"{method.name} does not support models with sliding-window layers ({cfg.architecture}) yet; "
             "methods that do act on the full-attention layers only"
@@ -308,8 +305,8 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
             f"prefill_sparse_method {method.prefill_attention.name!r} reads a plain KV store; it does not run over "
             f"a {store.scheme} KV store yet"
         )
-    layers = range(num_layers)
-    if any(method.selects_decode(layer) or method.selects_prefill(layer) for layer in layers):
+    plans = [method.layer_plan(layer) for layer in range(num_layers)]
+    if any(plan.selects_decode or plan.prefill for plan in plans):
         raise ValueError(
             f"{method.name} selects what attention reads; it does not run over a {store.scheme} KV store yet "
             "(query-aware selection over quantized pages is future work)"

@@ -5,8 +5,9 @@ Plans both kernels once per step and layer group from the host metadata (the ker
 layers use: windowed or not); each layer's
 ``forward`` is then device-only unless the method asked to observe this layer's attention inputs
 (score-based eviction), which gathers the requested requests' keys. Single-token items go to the
-decode kernel, prefill chunks to the prefill kernel. No method is named here: the method says
-which requests it wants per layer (``attention_requests``).
+decode kernel, prefill chunks to the prefill kernel. No method is named here: the method says how
+each layer reads (``layer_plan``) and which requests the step observes (``prepare_step``'s answer,
+handed to ``plan``).
 
 A head-major store (one table per (layer, KV head) lane) runs the same kernels with a row per
 (request, KV head): one KV head, the head's query group as the query heads (``_forward_lanes``).
@@ -14,7 +15,7 @@ A head-major store (one table per (layer, KV head) lane) runs the same kernels w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 
 import torch
 
@@ -28,7 +29,7 @@ from sparse_kernels import (
 )
 from sparse_kernels.kv_quant import dequantize_blocks
 from sparse_kernels.quantized_store import store_kv_quantized
-from sparse_methods import DecodeScoreSums, LayerAttention, QueryRing, SparseMethod
+from sparse_methods import DENSE_LAYER, DecodeRead, DecodeScoreSums, LayerAttention, QueryRing, SparseMethod
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.latent_paged_attention import LatentPagedAttention
 from sparse_serve.selective_decode import SelectiveDecode
@@ -199,11 +200,14 @@ class PagedAttention:
         self.selective_prefill = SelectivePrefill(self.device, self.shape, self.sm_scale)
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] | None = []  # None: summaries from slot mappings
         self._observed_slots: dict[tuple, torch.Tensor] = {}  # (table, step row, kv_len) -> slots, this step
+        self._observed: Collection[Hashable] = frozenset()  # requests the method observes this step
 
-    def plan(self, meta: StepMetadata) -> None:
-        """Prepare one step: copy each layer group's slot mapping and plan its kernels."""
+    def plan(self, meta: StepMetadata, observed: Collection[Hashable] = frozenset()) -> None:
+        """Prepare one step: copy each layer group's slot mapping and plan its kernels. ``observed``: the
+        requests whose attention inputs every full-attention layer hands the method (``prepare_step``)."""
         self._meta = meta
         self._observed_slots = {}
+        self._observed = observed if self.method is not None else frozenset()
         if self.score_sums is not None and meta.num_decode_tokens:
             self._score_columns = int(meta.groups[0].decode_kv_indptr[-1]) * self.block_size
         if self.latent is not None:
@@ -305,8 +309,9 @@ class PagedAttention:
         nd = meta.num_decode_tokens
         has_prefill = meta.num_prefill_requests > 0
         method = self.method if window is None else None  # sparse methods act on full-attention layers only
-        select_decode = nd > 0 and method is not None and method.selects_decode(layer_idx)
-        select_prefill = has_prefill and method is not None and method.selects_prefill(layer_idx)
+        layer = DENSE_LAYER if method is None else method.layer_plan(layer_idx)
+        select_decode = nd > 0 and layer.selects_decode
+        select_prefill = has_prefill and layer.prefill
         scores = self._scores_out(nd, window)
         if not has_prefill and not select_decode:
             out = plan.decode.run(q, k_cache, v_cache, scores_out=scores)
@@ -324,12 +329,12 @@ class PagedAttention:
                 else:
                     # Tensor parallelism: the method sees the query heads of this rank's KV groups.
                     extra = {} if self.group_queries is None else {"select_q": self.group_queries(q[:nd])}
-                    if selective.batched:  # picked on the device, no host sync
-                        args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
-                        selective.run_batched(*args, dense=plan.decode, **extra)
-                    else:
+                    if layer.decode is DecodeRead.PER_REQUEST:  # answered per request on the host
                         args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
                         selective.run(*args, **extra)
+                    else:  # picked on the device, no host sync
+                        args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
+                        selective.run_batched(*args, dense=plan.decode, **extra)
             elif nd:
                 plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd], scores_out=scores)
             if select_prefill:
@@ -357,17 +362,14 @@ class PagedAttention:
         if self.query_ring is not None and nd:
             rows = q[:nd] if self.group_queries is None else self.group_queries(q[:nd])
             self.query_ring.record(layer_idx, rows)
-        if self.method is not None:
-            wanted = self.method.attention_requests(layer_idx)
-            if wanted:
-                self._observe(layer_idx, q, k_cache, group, wanted)
+        if self.method is not None and self._observed:
+            self._observe(layer_idx, q, k_cache, group, self._observed)
 
     def _forward_latent(self, layer_idx: int, group_idx: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """A latent store: ``rows [T, 1, D]`` are the cached rows (their values are a prefix of them)."""
         out = self.latent.forward(layer_idx, group_idx, q, rows)
-        wanted = self.method.attention_requests(layer_idx) if self.method is not None else None
-        if wanted:
-            self._observe(layer_idx, q, self.pool.latent[layer_idx], self._meta.groups[group_idx], wanted)
+        if self._observed:
+            self._observe(layer_idx, q, self.pool.latent[layer_idx], self._meta.groups[group_idx], self._observed)
         return out
 
     def _forward_quantized(self, layer_idx: int, plan: _GroupPlan, group, q, k, v) -> torch.Tensor:

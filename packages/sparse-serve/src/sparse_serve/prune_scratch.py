@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparse_cache import BlockTable
-from sparse_methods import Category, MemoryPlan, MethodConfig, ModelShape, PrefixCacheMode, SparseMethod
+from sparse_methods import Category, MemoryPlan, MethodConfig, ModelShape, PrefixCacheMode, SparseMethod, StepContext
 from sparse_serve.paged_attention import PagedAttention
 from sparse_serve.request import Request
 from sparse_serve.sampling_params import SamplingParams
@@ -41,8 +41,8 @@ class ScratchScorer(SparseMethod):
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         raise NotImplementedError("a scratch scorer is never scheduled")
 
-    def attention_requests(self, layer: int) -> tuple[str, ...]:
-        return (SCRATCH_ID,)
+    def prepare_step(self, step: StepContext) -> frozenset[str]:
+        return frozenset({SCRATCH_ID})
 
 
 def scratch_forward(
@@ -68,6 +68,6 @@ def scratch_forward(
         req = Request(SCRATCH_ID, token_ids, SamplingParams(), 0, kv_lens=[pos] * engine.num_layers)
         req.num_computed_tokens, req.prefill_len = pos, total
         meta = build_step_metadata(ScheduledBatch(((req, n),)), lambda _: table, bs)
-        attention.plan(meta)
+        attention.plan(meta, scorer.prepare_step(StepContext(meta.steps)))
         with torch.inference_mode():
             engine.runner.model(to_device(meta.input_ids, device), to_device(meta.positions, device), attention)

@@ -7,17 +7,18 @@ per KV head, or None (read everything). The answers become one head-sparse CSR (
 request and KV head, the newest page last) that the decode kernel reads, so the bytes a step reads
 scale with the budget rather than the context.
 
-A method selects through one of two paths, never both. Methods with ``batched_selection`` (the
-query-aware ones) go through the batched path for every decode step, on any device and kernel
-backend: the list structure is planned once per step (lengths are known from ``selection_size``)
-and, per layer, what the method picks on the device (``select_batched`` over a ``DecodeBatch`` that
-reads the step's block tables in place) is written straight into the Triton kernel's index buffer:
-no host sync inside the forward (the reference kernels, which copy their indices at ``plan``, are
-planned again with the picked entries). When every row selects the same number of entries
-(``uniform``) everything the forward reads lives in fixed buffers, so the step can be captured and
-replayed as a CUDA graph (``graph_key``); rows past the step's requests (a graph's padding) select
-too, on their one-token table, and their outputs are dropped. Other methods answer
-``decode_selection`` per query, and the host path builds their lists (one sync per layer).
+A layer selects through one of two paths (``LayerPlan.decode``), and a method uses one of them.
+Layers whose selection runs on the device (``SELECTED`` / ``OBSERVED``: the query-aware methods) go
+through the batched path for every decode step, on any device and kernel backend: the list structure
+is planned once per step (lengths are known from ``selection_size``) and, per layer, what the method
+picks on the device (``select_decode`` over a ``DecodeBatch`` that reads the step's block tables in
+place) is written straight into the Triton kernel's index buffer: no host sync inside the forward
+(the reference kernels, which copy their indices at ``plan``, are planned again with the picked
+entries). When every row selects the same number of entries (``uniform``) everything the forward
+reads lives in fixed buffers, so the step can be captured and replayed as a CUDA graph
+(``graph_key``); rows past the step's requests (a graph's padding) select too, on their one-token
+table, and their outputs are dropped. ``PER_REQUEST`` layers answer ``decode_selection`` per query,
+and the host path builds their lists (one sync per layer).
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ import torch
 from sparse_kernels import BatchDecodeWithPagedKVCache, paged_logits
 from sparse_kernels.logits_attention import logits_attention, softmax_stats
 from sparse_kernels.selection_entries import selection_entries
-from sparse_methods import DecodeView, Selection, SparseMethod
-from sparse_methods.base import DecodeBatch
+from sparse_methods import DecodeBatch, DecodeRead, DecodeView, Selection, SparseMethod
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots
 
 WIDTH_QUANTUM = 256  # static table width (pages) rounds up to this, so a graph serves many steps
@@ -89,16 +89,16 @@ class SelectiveDecode:
     def plan_step(
         self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata, table: torch.Tensor | None = None
     ) -> None:
-        """Plan the batched path for this step's decode rows (methods with ``batched_selection``).
+        """Plan the batched path for this step's decode rows (when the group's layers select on the device).
 
         ``table``: the group's ``decode_kv_indices`` already on the device (the dense decode plan's
         buffer, at a fixed address), read in place instead of copied again."""
         self.reset()
         nd = meta.num_decode_tokens
-        if not nd or not method.batched_selection:
+        unit = self.device_unit(method, group.layers)
+        if not nd or unit is None:
             return
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
-        unit = method.selection_page_size(bs)
         size, uniform = self.uniform_size(method, meta, group)
         if size is None:
             if not uniform:
@@ -192,12 +192,22 @@ class SelectiveDecode:
         """``(size, uniform)`` of a step's decode requests: the entries the selecting rows read (None
         when no row selects) and whether every request selects alike (all ``size``, or all None)."""
         nd = min(meta.num_decode_tokens, len(meta.steps))
-        unit = method.selection_page_size(self.shape["block_size"])
+        unit = self.device_unit(method, group.layers)
         sizes = {method.selection_size(group.kv_lens[i] + 1, unit) for i in range(nd)}
         chosen = {s for s in sizes if s is not None}
         if len(chosen) > 1:
             return None, False
         return (chosen.pop() if chosen else None), len(sizes) == 1
+
+    def device_unit(self, method: SparseMethod, layers) -> int | None:
+        """Slots per entry of what ``layers`` select on the device this step, None when none of them does."""
+        plans = [method.layer_plan(layer) for layer in layers]
+        units = {plan.unit_slots(self.shape["block_size"]) for plan in plans if plan.on_device}
+        if not units:
+            return None
+        if len(units) > 1 or any(plan.decode is DecodeRead.PER_REQUEST for plan in plans):
+            raise ValueError(f"{method.name}: the layers selecting on the device must share one unit and one path")
+        return units.pop()
 
     def reset(self) -> None:
         """No batched plan this step."""
@@ -221,13 +231,14 @@ class SelectiveDecode:
     ) -> torch.Tensor:
         """The batched path for one layer: pick on the device, write into the plan, attend.
 
-        A layer the method only observes (``observes_decode_batch``) reads everything through
-        ``dense`` (the step's dense decode plan) after handing the method the batch. ``select_q``: the
+        An ``OBSERVED`` layer reads everything through ``dense`` (the step's dense decode plan) after
+        handing the method the batch. ``select_q``: the
         queries the method sees, when not ``q`` (tensor parallelism: its KV groups' query heads)."""
         select_q = q if select_q is None else select_q
         st = self._batched
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
-        observed = method.observes_decode_batch(layer)
+        plan = method.layer_plan(layer)
+        observed = plan.decode is DecodeRead.OBSERVED
         logits = logit_max = logit_sum = None
         if observed and st.rows is None:  # every row observed: attend from the logits the method reads
             logits, logit_max, logit_sum = self._logits(q, k_cache, st)
@@ -240,21 +251,22 @@ class SelectiveDecode:
             block_size=bs,
             page_min=kmin,
             page_max=kmax,
-            key_cache=k_cache if method.needs_decode_keys(layer) else None,
+            key_cache=k_cache if plan.decode_keys else None,
             sm_scale=self.sm_scale,
             page_counts=st.num_pages,
             logits=logits,
             logit_max=logit_max,
             logit_sum=logit_sum,
         )
+        chosen = method.select_decode(layer, batch)  # [n, Hkv, size] entries in table order; None if observed
         if observed:
-            method.observe_decode_batch(layer, batch)
+            if chosen is not None:
+                raise RuntimeError(f"{method.name} selected at an observed layer {layer}")
             if logits is None:  # some rows are not in the batch: the dense plan serves every row
                 return dense.run(q, k_cache, v_cache, out=out)
             # K was read once, for the logits; the output reads V only.
             args = (v_cache, self._table, st.starts, st.kv_lens, out)
             return logits_attention(logits, logit_max, logit_sum, *args, backend=self.backend)
-        chosen = method.select_batched(layer, batch)  # [n, Hkv, size] entries in table order
         n = chosen.shape[0]
         wrapper = self._fast[st.unit][0]
         # Block ids (unit = block) or slot ids (unit = 1), through the tables, in one launch; entries
@@ -320,11 +332,11 @@ class SelectiveDecode:
             self.decode[page_size] = BatchDecodeWithPagedKVCache(self.device, backend=self.backend)
         return self.decode[page_size]
 
-    def _view(self, method, layer, q_row, kv_len, blocks, kmin, kmax, k_cache) -> DecodeView:
+    def _view(self, keys_needed, q_row, kv_len, blocks, kmin, kmax, k_cache) -> DecodeView:
         bs = self.shape["block_size"]
         ids = torch.tensor(blocks, dtype=torch.int64, device=self.device)
         keys = None
-        if method.needs_decode_keys(layer):
+        if keys_needed:
             flat = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
             keys = flat[table_slots(blocks, kv_len, bs).to(self.device)]
         summaries = (kmin[ids], kmax[ids]) if kmin is not None else (None, None)
@@ -345,9 +357,10 @@ class SelectiveDecode:
         select_q: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Host path: attention of the ``q.shape[0]`` leading (decode) items of the step, into ``out``,
-        for a method without ``batched_selection``; the method sees ``select_q`` (default ``q``)."""
-        if method.batched_selection:
-            raise RuntimeError(f"{method.name} selects on the batched path only (plan_step)")
+        for a ``PER_REQUEST`` layer; the method sees ``select_q`` (default ``q``)."""
+        plan = method.layer_plan(layer)
+        if plan.decode is not DecodeRead.PER_REQUEST:
+            raise RuntimeError(f"{method.name} selects layer {layer} on the batched path (plan_step)")
         select_q = q if select_q is None else select_q
         bs = self.shape["block_size"]
         num_kv_heads = self.shape["num_kv_heads"]
@@ -356,7 +369,7 @@ class SelectiveDecode:
             kv_len = group.kv_lens[i] + 1
             blocks = group.block_ids[i][: -(-kv_len // bs)].tolist()
             chosen = method.decode_selection(
-                layer, meta.steps[i], self._view(method, layer, select_q[i], kv_len, blocks, kmin, kmax, k_cache)
+                layer, meta.steps[i], self._view(plan.decode_keys, select_q[i], kv_len, blocks, kmin, kmax, k_cache)
             )
             lists.extend(self._lists(chosen, kv_len, blocks, num_kv_heads))
             self.num_selections += chosen is not None

@@ -40,6 +40,7 @@ class SelectivePrefill:
         bs = self.shape["block_size"]
         nd = meta.num_decode_tokens
         flat_k = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+        keys_needed = method.layer_plan(layer).prefill_keys
         qo_indptr, kv_indptr, indices = [0], [0], []
         for i in range(nd, len(meta.steps)):
             step = meta.steps[i]
@@ -48,7 +49,7 @@ class SelectivePrefill:
             start = meta.row_starts[i] - meta.row_starts[nd]
             chosen = None
             if history:
-                keys = flat_k[slots[:history].to(self.device)] if method.needs_prefill_keys(layer) else None
+                keys = flat_k[slots[:history].to(self.device)] if keys_needed else None
                 chosen = method.prefill_selection(layer, step, PrefillView(q[start : start + n], history, keys))
             if chosen is not None:
                 rows = chosen.indices

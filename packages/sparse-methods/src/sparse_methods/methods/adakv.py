@@ -21,7 +21,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from pydantic import Field
 
-from sparse_methods.base import Compaction, StoreKind
+from sparse_methods.base import Compaction, Storage, StoreKind
 from sparse_methods.methods.snapkv import SnapKV, SnapKVConfig
 from sparse_methods.ragged_heads import ragged_rows
 from sparse_methods.registry import register
@@ -77,10 +77,11 @@ def adaptive_keep(
 class AdaKV(SnapKV):
     name = "adakv"
     Config = AdaKVConfig
-    kv_store = StoreKind.HEAD_MAJOR  # ragged per-head budgets: memory is the sum of the heads' counts
-    supports_mla = False  # one latent KV head: nothing to share out
-    supports_sliding_window = False  # the head-major store has no windowed layers yet
-    supports_tensor_parallel = False  # ranks' heads would hold different block counts (one scheduler for all)
+    # Ragged per-head budgets: memory is the sum of the heads' counts. Not MLA (one latent KV head: nothing
+    # to share out), nor sliding windows (the head-major store has no windowed layers yet), nor tensor
+    # parallel (ranks' heads would hold different block counts, under one scheduler for all).
+    storage = Storage(StoreKind.HEAD_MAJOR)
+    supports = frozenset()
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)

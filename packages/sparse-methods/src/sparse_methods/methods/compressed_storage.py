@@ -10,9 +10,7 @@ fields of the KV-dtype axis, so any other method can run over the same stores
 
 from __future__ import annotations
 
-from typing import ClassVar
-
-from sparse_methods.base import Category, MemoryPlan, MethodConfig, PrefixCacheMode, SparseMethod
+from sparse_methods.base import Category, MemoryPlan, MethodConfig, PrefixCacheMode, SparseMethod, Storage, Support
 from sparse_methods.registry import register
 
 
@@ -24,8 +22,7 @@ class _CompressedStorage(SparseMethod):
     category = Category.COMPRESSED_STORAGE
     prefix_cache_mode = PrefixCacheMode.RADIX  # codes are a function of the tokens: radix sharing holds
     Config = CompressedStorageConfig
-    supports_tensor_parallel = True  # codes and scales per KV head (KIVI's per channel and head)
-    kv_cache_dtype: ClassVar[str]
+    supports = frozenset({Support.TENSOR_PARALLEL})  # codes and scales per KV head (KIVI's per channel and head)
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         return MemoryPlan.uniform(self.shape.num_layers, prompt_len, prompt_len, prompt_len + max_new_tokens)
@@ -36,7 +33,7 @@ class Fp8KV(_CompressedStorage):
     """e4m3 K/V with a scale per (token, KV head) (or static per-layer scales from a file)."""
 
     name = "fp8_kv"
-    kv_cache_dtype = "fp8"
+    storage = Storage(kv_cache_dtype="fp8")
 
 
 @register
@@ -45,7 +42,7 @@ class Kivi(_CompressedStorage):
     precision tail for the incomplete page."""
 
     name = "kivi"
-    kv_cache_dtype = "kivi"
+    storage = Storage(kv_cache_dtype="kivi")
 
 
 @register
@@ -54,4 +51,4 @@ class TurboQuant(_CompressedStorage):
     Gaussian, scaled per (token, KV head); attention runs in the rotated space."""
 
     name = "turboquant"
-    kv_cache_dtype = "turboquant"
+    storage = Storage(kv_cache_dtype="turboquant")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sparse_methods.base import Category, MemoryPlan, MethodConfig, PrefixCacheMode, SparseMethod
+from sparse_methods.base import Category, MemoryPlan, MethodConfig, PrefixCacheMode, SparseMethod, Support
 from sparse_methods.registry import register
 
 
@@ -15,9 +15,7 @@ class Dense(SparseMethod):
     name = "dense"
     category = Category.DENSE
     prefix_cache_mode = PrefixCacheMode.RADIX
-    supports_mla = True
-    supports_sliding_window = True
-    supports_tensor_parallel = True
+    supports = frozenset(Support)
     Config = DenseConfig
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:

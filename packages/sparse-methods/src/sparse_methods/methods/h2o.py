@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from sparse_methods.base import MethodConfig
+from sparse_methods.base import MethodConfig, Support
 from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
 from sparse_methods.registry import register, register_prefill_method
 from sparse_methods.scoring import attention_column_sums
@@ -50,9 +50,10 @@ register_prefill_method("h2o_prefill", for_methods=frozenset({"h2o"}))
 class H2O(EvictionMethod):
     name = "h2o"
     Config = H2OConfig
-    supports_mla = True  # scores through the absorbed queries: one KV head of latent + rope channels
+    # MLA: scores through the absorbed queries (one KV head of latent + rope channels); tensor parallel: per
+    # KV head, or a shared score summed over the shards' heads.
+    supports = frozenset(Support)
     accumulates = True
-    supports_tensor_parallel = True  # per KV head, or a shared score summed over the shards' heads
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
         c = self.config

@@ -28,7 +28,7 @@ already compacted) is not replayed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 import torch
 from pydantic import Field
@@ -44,6 +44,7 @@ from sparse_methods.base import (
     RequestStep,
     SparseMethod,
     StepContext,
+    Storage,
     StoreKind,
 )
 from sparse_methods.ragged_heads import ragged_rows
@@ -125,8 +126,8 @@ class KVzip(SparseMethod):
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
     Config = KVzipConfig
-    kv_store = StoreKind.HEAD_MAJOR  # ragged per-(layer, head) counts: memory is their sum
-    supports_tensor_parallel = False  # ranks' heads would hold different block counts (one scheduler for all)
+    storage = Storage(StoreKind.HEAD_MAJOR)  # ragged per-(layer, head) counts: memory is their sum
+    # Not tensor parallel: ranks' heads would hold different block counts (one scheduler for all).
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)
@@ -144,13 +145,14 @@ class KVzip(SparseMethod):
         return MemoryPlan.uniform(self.shape.num_layers, prompt_len + replay, kept, kept + max_new_tokens)
 
     # -- the replay passes ---------------------------------------------------------------------------
-    def prepare_step(self, step: StepContext) -> None:
+    def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
         self._step = {}
         for r in step.requests:
             if r.replay is not None:
                 self._step[r.request_id] = r.replay
             elif r.ends_prefill and r.kv_lens[0] == r.start and r.request_id not in self._compacted:
                 self._fresh.add(r.request_id)  # nothing compacted before: slots = positions
+        return frozenset(self._step)  # replay passes are observed
 
     def replay_passes(self, request_id: Hashable, prompt_token_ids: Sequence[int]) -> tuple[ReplayPass, ...]:
         c = self.config
@@ -167,9 +169,6 @@ class KVzip(SparseMethod):
             hint = None if i == 0 else max(chunks[i - 1][0], s - c.kvzip_prev_postfix_size)
             passes.append(ReplayPass(replay_parts(prompt_token_ids, s, e, hint)))
         return tuple(passes)
-
-    def attention_requests(self, layer: int) -> Collection[Hashable]:
-        return self._step.keys()
 
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
         state = self._replays[request.request_id]
@@ -217,13 +216,13 @@ class KVzip(SparseMethod):
         return Compaction(tuple(keep), tuple(counts))
 
     # -- request events and chains -------------------------------------------------------------------
-    def release(self, request_id: Hashable) -> None:
+    def release(self, request_id: Hashable) -> object | None:
         self._replays.pop(request_id, None)
         self._fresh.discard(request_id)
-        self._compacted.discard(request_id)
-
-    def save_state(self, request_id: Hashable) -> object | None:
-        return True if request_id in self._compacted else None  # a later turn's slots are not positions
+        if request_id in self._compacted:
+            self._compacted.discard(request_id)
+            return True  # a later turn's slots are not positions
+        return None
 
     def restore_state(self, request_id: Hashable, state: object) -> None:
         if state:

@@ -27,8 +27,11 @@ from pydantic import Field, field_validator
 
 from sparse_methods._kernels import kernels
 from sparse_methods.base import (
+    DENSE_LAYER,
     Category,
     DecodeBatch,
+    DecodeRead,
+    LayerPlan,
     MemoryPlan,
     MethodConfig,
     PrefillView,
@@ -36,6 +39,8 @@ from sparse_methods.base import (
     RequestStep,
     Selection,
     SparseMethod,
+    Support,
+    Unit,
 )
 from sparse_methods.registry import register, register_prefill_method
 from sparse_methods.scoring import keep_indices
@@ -85,7 +90,7 @@ class OmniKV(SparseMethod):
     category = Category.QUERY_AWARE_SELECTION
     prefix_cache_mode = PrefixCacheMode.RADIX
     Config = OmniKVConfig
-    supports_tensor_parallel = True  # the max over heads is the max over the shards' maxima
+    supports = frozenset({Support.TENSOR_PARALLEL})  # the max over heads is the max over the shards' maxima
 
     def __init__(self, config: OmniKVConfig, shape) -> None:
         super().__init__(config, shape)
@@ -95,6 +100,7 @@ class OmniKV(SparseMethod):
         )
         if self.filter_layers[-1] >= shape.num_layers:
             raise ValueError(f"full_attention_layers {self.filter_layers} beyond the model's {shape.num_layers} layers")
+        self._plans = tuple(self._plan(layer) for layer in range(shape.num_layers))
         self._history: dict[Hashable, torch.Tensor | None] = {}  # request -> history chosen for its chunk
         self._device_set: torch.Tensor | None = None  # [B, budget] tokens of this step's last filter layer
 
@@ -106,30 +112,33 @@ class OmniKV(SparseMethod):
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         return MemoryPlan.uniform(self.shape.num_layers, prompt_len, prompt_len, prompt_len + max_new_tokens)
 
-    def selects_decode(self, layer: int) -> bool:
-        return layer >= self.filter_layers[0]
+    def _plan(self, layer: int) -> LayerPlan:
+        """Layers before the first filter read everything; a filter layer reads everything and picks the set
+        (from its keys) that the next layers read, in decode and, with ``omnikv_prefill``, in prefill."""
+        if layer < self.filter_layers[0]:
+            return DENSE_LAYER
+        prefill = self.config.prefill_sparse_method == "omnikv_prefill"
+        if layer in self.filter_layers:
+            return LayerPlan(DecodeRead.OBSERVED, True, prefill, prefill, Unit.SLOT)
+        return LayerPlan(DecodeRead.SELECTED, prefill=prefill, unit=Unit.SLOT)
 
-    def needs_decode_keys(self, layer: int) -> bool:
-        return layer in self.filter_layers
+    def layer_plan(self, layer: int) -> LayerPlan:
+        return self._plans[layer]
 
     # -- decode (the only path, any device): the filter layer picks every row's set; the next layers read it --
-    batched_selection = True
-
-    def selection_page_size(self, block_size: int) -> int:
-        return 1
-
     def selection_size(self, kv_len: int, page_size: int) -> int | None:
         return self.budget if kv_len > self.budget else None
 
-    def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
-        if not self.selects_decode(layer) or layer in self.filter_layers or kv_len <= self.budget:
-            return kv_len
-        return self.budget
+    def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | None:
+        if layer in self.filter_layers:
+            self._observe(batch)
+            return None
+        chosen = self._device_set
+        if chosen is None or chosen.shape[0] != batch.query.shape[0]:
+            raise RuntimeError("omnikv: a selecting layer ran before its filter layer")
+        return chosen[:, None, :].expand(-1, self.shape.num_kv_heads, -1)
 
-    def observes_decode_batch(self, layer: int) -> bool:
-        return layer in self.filter_layers
-
-    def observe_decode_batch(self, layer: int, batch: DecodeBatch) -> None:
+    def _observe(self, batch: DecodeBatch) -> None:
         """Every row's token set at a filter layer: per query head the softmax of ``q.k * scale`` over
         the row's tokens (logits read through the tables by ``sparse_kernels.paged_logits``, or the
         batch's own when the engine computed them), the max over heads with sink and recent forced in
@@ -161,22 +170,10 @@ class OmniKV(SparseMethod):
         scores = self.head_reduction.max(scores)
         self._device_set = k.top_k_ascending(scores, min(self.budget, width))
 
-    def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
-        chosen = self._device_set
-        if chosen is None or chosen.shape[0] != batch.query.shape[0]:
-            raise RuntimeError("omnikv: a selecting layer ran before its filter layer")
-        return chosen[:, None, :].expand(-1, self.shape.num_kv_heads, -1)
-
     @property
     def prefill_budget(self) -> int:
         c = self.config
         return c.prefill_sink_tokens + c.prefill_keep_tokens + c.prefill_recent_tokens
-
-    def selects_prefill(self, layer: int) -> bool:
-        return self.config.prefill_sparse_method == "omnikv_prefill" and layer >= self.filter_layers[0]
-
-    def needs_prefill_keys(self, layer: int) -> bool:
-        return self.selects_prefill(layer) and layer in self.filter_layers
 
     def prefill_selection(self, layer: int, request: RequestStep, view: PrefillView) -> Selection | None:
         """A filter layer reads the whole history and stores the set for the layers after it (None when

@@ -1,6 +1,6 @@
 """Quest: query-aware page selection. Every token's KV stays resident (token-exact, radix prefix
 cache); at each decode step and layer, the query bounds each page's best possible ``q.k`` from the
-page's elementwise key min/max (``select_batched``) and attends only to the sink pages, the best
+page's elementwise key min/max (``select_decode``) and attends only to the sink pages, the best
 ``decode_keep_tokens / quest_chunk_size`` pages and the recent pages (the newest always among them).
 
 Summaries live in the engine's ``paged + block summaries`` store, updated whenever a block is
@@ -18,13 +18,18 @@ from pydantic import Field
 
 from sparse_methods._kernels import kernels
 from sparse_methods.base import (
+    DENSE_LAYER,
     Category,
     DecodeBatch,
+    DecodeRead,
+    LayerPlan,
     MemoryPlan,
     MethodConfig,
     PrefixCacheMode,
     SparseMethod,
+    Storage,
     StoreKind,
+    Support,
 )
 from sparse_methods.registry import register
 
@@ -37,15 +42,19 @@ class QuestConfig(MethodConfig):
     quest_skip_layers: int = Field(2, ge=0, description="First layers that always read every page.")
 
 
+_SELECT_PAGES = LayerPlan(DecodeRead.SELECTED)
+
+
 @register
 class Quest(SparseMethod):
     name = "quest"
     category = Category.QUERY_AWARE_SELECTION
     prefix_cache_mode = PrefixCacheMode.RADIX
-    kv_store = StoreKind.PAGED_WITH_SUMMARIES
-    supports_sliding_window = True  # selects pages in full-attention layers; windowed ones stay dense
-    supports_mla = True  # bounds the absorbed queries against the latent + rope rows' page min / max
-    supports_tensor_parallel = True  # per-KV-head page bounds over the whole query group
+    storage = Storage(StoreKind.PAGED_WITH_SUMMARIES)
+    # Sliding windows: selects pages in full-attention layers (windowed ones stay dense); MLA: bounds the
+    # absorbed queries against the latent + rope rows' page min / max; tensor parallel: per-KV-head page
+    # bounds over the whole query group.
+    supports = frozenset(Support)
     Config = QuestConfig
 
     @property
@@ -53,20 +62,17 @@ class Quest(SparseMethod):
         c = self.config
         return c.sink_keep_tokens + c.decode_keep_tokens + c.recent_keep_tokens
 
-    @property
-    def summary_page_size(self) -> int:
-        return self.config.quest_chunk_size
-
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         return MemoryPlan.uniform(self.shape.num_layers, prompt_len, prompt_len, prompt_len + max_new_tokens)
 
-    def selects_decode(self, layer: int) -> bool:
-        return layer >= self.config.quest_skip_layers
-
-    batched_selection = True
+    def layer_plan(self, layer: int) -> LayerPlan:
+        return _SELECT_PAGES if layer >= self.config.quest_skip_layers else DENSE_LAYER
 
     def _pages(self, page: int) -> tuple[int, int, int]:
+        """Sink, best and recent pages of ``page`` tokens (the engine's block, summarized by the store)."""
         c = self.config
+        if page != c.quest_chunk_size:
+            raise ValueError(f"quest summarizes pages of {c.quest_chunk_size} tokens; set block_size to match ({page})")
         return (
             math.ceil(c.sink_keep_tokens / page),
             c.decode_keep_tokens // page,
@@ -78,7 +84,7 @@ class Quest(SparseMethod):
             return None
         return sum(self._pages(page_size))
 
-    def select_batched(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
+    def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
         """Quest's only selection (any device; the kernels' reference backends run on CPU): each page's
         bound ``sum_d max(q_d * max_d, q_d * min_d)``, the max over the KV head's query group, read
         through each row's table (``sparse_kernels.page_bounds``: sink and recent pages forced to +inf,

@@ -16,7 +16,7 @@ clusters from centroid x size and value sums in the same softmax (``sparse_kerne
 has the reference); the engine's decode path reads a selection and has no hook for that term, so a
 positive estimation ratio (the default) is refused once a request's context is long enough to index.
 The index lives in this object per request and layer, built from the keys the engine hands each
-decode query (``needs_decode_keys``), not yet as a store kind in ``sparse-cache``; with prefix
+decode query (``LayerPlan.decode_keys``), not yet as a store kind in ``sparse-cache``; with prefix
 caching a hit simply indexes the cached keys. Ranking uses the usual ``head_dim ** -0.5`` scale.
 """
 
@@ -29,7 +29,9 @@ from pydantic import Field, model_validator
 
 from sparse_methods.base import (
     Category,
+    DecodeRead,
     DecodeView,
+    LayerPlan,
     MemoryPlan,
     MethodConfig,
     ModelShape,
@@ -37,6 +39,8 @@ from sparse_methods.base import (
     RequestStep,
     Selection,
     SparseMethod,
+    Support,
+    Unit,
 )
 from sparse_methods.registry import register
 
@@ -67,13 +71,16 @@ class RetroInferConfig(MethodConfig):
         return self
 
 
+_PER_REQUEST = LayerPlan(DecodeRead.PER_REQUEST, decode_keys=True, unit=Unit.SLOT)
+
+
 @register
 class RetroInfer(SparseMethod):
     name = "retroinfer"
     category = Category.QUERY_AWARE_SELECTION
     prefix_cache_mode = PrefixCacheMode.RADIX
     Config = RetroInferConfig
-    supports_tensor_parallel = True  # an index and a cluster ranking per KV head
+    supports = frozenset({Support.TENSOR_PARALLEL})  # an index and a cluster ranking per KV head
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         super().__init__(config, shape)
@@ -82,26 +89,23 @@ class RetroInfer(SparseMethod):
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         return MemoryPlan.uniform(self.shape.num_layers, prompt_len, prompt_len, prompt_len + max_new_tokens)
 
-    def selects_decode(self, layer: int) -> bool:
-        return True
+    def layer_plan(self, layer: int) -> LayerPlan:
+        return _PER_REQUEST
 
-    def needs_decode_keys(self, layer: int) -> bool:
-        return True
-
-    def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
-        """An estimate for reports (what is read depends on the clusters' sizes): the sink, the
-        recent tokens, the retrieved clusters at their average size and one slot-equivalent per
-        cluster for its centroid (ranking reads them all); ``kv_len`` before an index exists."""
+    def selection_size(self, kv_len: int, page_size: int) -> int | None:
+        """An estimate of the slots read, for reports (what is read depends on the clusters' sizes): the
+        sink, the recent tokens, the retrieved clusters at their average size and one slot-equivalent per
+        cluster for its centroid (ranking reads them all); None (everything) before an index exists."""
         from sparse_kernels.cluster_attention import cluster_counts
 
         c = self.config
         indexed = kv_len - 1 - c.retroinfer_recent_tokens - c.retroinfer_sink_tokens
         if indexed < c.retroinfer_min_index_tokens:
-            return kv_len
+            return None
         count = indexed // c.retroinfer_avg_cluster_size
         retrieved, _ = cluster_counts(count, c.retroinfer_retrieval_ratio, 0.0)
         unindexed = c.retroinfer_sink_tokens + c.retroinfer_recent_tokens + 1
-        return min(kv_len, unindexed + retrieved * c.retroinfer_avg_cluster_size + count)
+        return unindexed + retrieved * c.retroinfer_avg_cluster_size + count
 
     def release(self, request_id: Hashable) -> None:
         for key in [k for k in self._index if k[0] == request_id]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field, model_validator
 
-from sparse_methods.base import MethodConfig
+from sparse_methods.base import MethodConfig, Support
 from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
 from sparse_methods.registry import register
 from sparse_methods.scoring import pool_scores
@@ -107,7 +107,7 @@ class RKVConfig(MethodConfig):
 class RKV(EvictionMethod):
     name = "rkv"
     Config = RKVConfig
-    supports_tensor_parallel = True  # importance and redundancy per KV head
+    supports = EvictionMethod.supports | {Support.TENSOR_PARALLEL}  # importance and redundancy per KV head
 
     @property
     def _interval(self) -> int:

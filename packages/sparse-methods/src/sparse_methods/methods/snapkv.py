@@ -18,7 +18,7 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from sparse_methods.base import MethodConfig
+from sparse_methods.base import MethodConfig, Support
 from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
 from sparse_methods.registry import register
 from sparse_methods.scoring import window_scores
@@ -55,8 +55,9 @@ class SnapKVConfig(MethodConfig):
 class SnapKV(EvictionMethod):
     name = "snapkv"
     Config = SnapKVConfig
-    supports_mla = True  # scores through the absorbed queries: one KV head of latent + rope channels
-    supports_tensor_parallel = True  # per-KV-head scores over the whole query group
+    # MLA: scores through the absorbed queries (one KV head of latent + rope channels); tensor parallel:
+    # per-KV-head scores over the whole query group.
+    supports = frozenset(Support)
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
         c = self.config

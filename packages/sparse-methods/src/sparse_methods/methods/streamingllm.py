@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from sparse_methods.base import MethodConfig
+from sparse_methods.base import MethodConfig, Support
 from sparse_methods.eviction import EvictionMethod, Phase
 from sparse_methods.registry import register
 
@@ -30,8 +30,7 @@ class StreamingLLMConfig(MethodConfig):
 class StreamingLLM(EvictionMethod):
     name = "streamingllm"
     Config = StreamingLLMConfig
-    supports_mla = True  # scores through the absorbed queries: one KV head of latent + rope channels
-    supports_tensor_parallel = True  # the kept set depends on positions only
+    supports = frozenset(Support)  # the kept set depends on positions only (any KV head layout)
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...]:
         return (self.config.sink_keep_tokens + self.config.recent_keep_tokens,) * self.shape.num_layers

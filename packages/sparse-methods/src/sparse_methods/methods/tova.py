@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from sparse_methods.base import MethodConfig
+from sparse_methods.base import MethodConfig, Support
 from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
 from sparse_methods.registry import register
 from sparse_methods.scoring import attention_column_sums
@@ -37,7 +37,8 @@ class TOVAConfig(MethodConfig):
 class TOVA(EvictionMethod):
     name = "tova"
     Config = TOVAConfig
-    supports_tensor_parallel = True  # the mean over heads is the mean of the shards' means (equal shards)
+    # Tensor parallel: the mean over heads is the mean of the shards' means (equal shards).
+    supports = EvictionMethod.supports | {Support.TENSOR_PARALLEL}
 
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...]:
         c = self.config

@@ -18,7 +18,6 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
-from sparse_methods import SparseMethod
 from sparse_serve.bench.prefill import random_prompt, run_prefill, synchronize
 from sparse_serve.bench.probes import peak_memory, profile_device, reset_peak_memory
 from sparse_serve.engine import LLMEngine
@@ -101,8 +100,8 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
 
     A layer where the method selects what a decode query reads counts the selected pages (and,
     with block summaries, one slot-equivalent per page for its min/max keys) instead of every slot.
-    Layers that read everything (the base ``decode_read_tokens`` of a non-selecting layer) are summed
-    directly: this runs between timed steps, so it must stay cheap (``_step_kv_tokens_reference``).
+    Layers that read everything (``DecodeRead.ALL``) are summed directly: this runs between timed steps,
+    so it must stay cheap (``_step_kv_tokens_reference``).
     """
     running = engine.scheduler.running
     if not running:
@@ -110,9 +109,8 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
     heads = engine.kv.layout.heads  # head-major: the lengths are per lane, a slot one head's
     method, bs = engine.method, engine.config.block_size
     summaries = getattr(engine.runner.kv, "kmin", None) is not None
-    plain = type(method).decode_read_tokens is SparseMethod.decode_read_tokens
     layers = range(len(running[0].kv_lens))
-    special = [layer for layer in layers if not plain or method.selects_decode(layer)]
+    special = [layer for layer in layers if method.layer_plan(layer).selects_decode]
     total = 0
     for r in running:
         total += sum(r.kv_lens) + len(r.kv_lens)  # every layer reads kv_len + 1 slots ...
