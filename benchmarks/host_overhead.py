@@ -51,12 +51,14 @@ DEFAULT_CASES = ("1x32768", "23x32768", "5x131072", "76x10240")
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
 
 
-def tiny_config(num_layers: int, vocab: int, sliding_window: int | None = None) -> str:
+def tiny_config(num_layers: int, vocab: int, sliding_window: int | None = None, kv_heads: int = 2) -> str:
     """A Qwen3-8B-shaped config with a tiny hidden size, written to a temporary folder; with
     ``sliding_window``, five of every six layers slide over it (Gemma 3's pattern)."""
     src = Path(__file__).resolve().parents[1] / "packages/sparse-serve/src/sparse_serve/bench/configs/qwen3-8b"
     cfg = json.loads((src / "config.json").read_text())
-    cfg.update(TINY, num_hidden_layers=num_layers, max_window_layers=num_layers, vocab_size=vocab)
+    cfg.update(
+        TINY, num_key_value_heads=kv_heads, num_hidden_layers=num_layers, max_window_layers=num_layers, vocab_size=vocab
+    )
     cfg.update(torch_dtype="float32", bos_token_id=0, eos_token_id=1)
     if sliding_window is not None:
         kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(num_layers)]
@@ -166,12 +168,13 @@ def build(
     window=None,
     method: str = "dense",
     budget: int = 8192,
+    kv_heads: int = 2,
 ) -> LLMEngine:
     kept = prompt_len if method == "dense" else min(prompt_len, budget)
     # Per table (layer, lane); a per-layer method's layers differ around the average: twice for room.
     blocks_each = -(-(kept + output_len + 16) // 16) * (1 if method == "dense" else 2)
     config = EngineConfig(
-        model=tiny_config(num_layers, vocab, window),
+        model=tiny_config(num_layers, vocab, window, kv_heads),
         device=device,
         enforce_eager=True,  # no capture: the fake graphs below replay nothing
         load_format="dummy",
@@ -198,10 +201,11 @@ def run_case(
     window=None,
     method: str = "dense",
     budget: int = 8192,
+    kv_heads: int = 2,
 ) -> dict:
     batch, prompt_len = (int(x) for x in case.split("x"))
     output_len = warmup + steps + profile + 2
-    engine = build(batch, prompt_len, output_len, num_layers, vocab, device, window, method, budget)
+    engine = build(batch, prompt_len, output_len, num_layers, vocab, device, window, method, budget, kv_heads)
     timers = Timers()
     instrument(engine, timers)
     for _ in range(warmup):
@@ -265,6 +269,7 @@ def main() -> None:
     ap.add_argument("--sliding-window", type=int, help="5 of 6 layers slide over this window (a table per layer)")
     ap.add_argument("--sparse-method", default="dense", help="e.g. snapkv, pyramidkv, adakv")
     ap.add_argument("--budget", type=int, default=8192, help="tokens a method keeps per layer (average)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="KV heads (Qwen3-8B: 8; a head-major lane each)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -293,6 +298,7 @@ def main() -> None:
             args.sliding_window,
             args.sparse_method,
             args.budget,
+            args.kv_heads,
         )
         results.append(r)
         print(
