@@ -92,6 +92,7 @@ def test_device_observation_equals_the_host_path(method):
     traces, saved, ranked, observed = [], [], [], []
     for on_device in (True, False):
         llm = _llm(method, on_device)
+        llm.engine.method.batches_compactions = False  # each compaction's scores through _select (batched: elsewhere)
         releases, views, selects = (_spy(llm, name) for name in ("release", "on_attention_end", "_select"))
         traces.append(drive(llm, script, chains=("c",)))
         (state,) = [out for (rid,), out in releases if rid == "t"]  # what the chain keeps of request t

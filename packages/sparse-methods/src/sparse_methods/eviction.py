@@ -13,6 +13,9 @@ keep). Everything else lives here once:
   folds the ring into the window;
 - top-k under the budget with sink / recent protection, per KV head or shared by all heads (a
   score with one row), and the ``Compaction`` records ``finish_step`` hands the engine;
+  a layer's compacting requests are scored and ranked together once its last one was observed
+  (``DeferredSelections``: ``score_batch`` and one top-k per budget), so a decode-time eviction of
+  the whole batch costs a few device ops per layer rather than per (request, layer);
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
 - the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
 - chain state (``release`` returns it, ``restore_state`` takes it back);
@@ -46,8 +49,9 @@ from sparse_methods.base import (
     StepContext,
     Support,
 )
+from sparse_methods.deferred_selections import DeferredSelections, ScoreBatch
 from sparse_methods.eviction_device import DeviceObservation
-from sparse_methods.scoring import keep_indices
+from sparse_methods.scoring import MAX_SCORE_ELEMENTS, keep_indices, keep_indices_batch
 
 _UNBOUNDED = sys.maxsize  # the budget of a layer the method leaves alone (a sliding-window layer)
 
@@ -106,6 +110,9 @@ class EvictionMethod(DeviceObservation, SparseMethod):
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
     supports = frozenset({Support.SLIDING_WINDOW})  # compacts the full-attention layers only (``_layer_budgets``)
+    batches_compactions: ClassVar[bool] = True
+    """A window scorer's compactions of one layer are scored and selected together (``score_batch`` and one
+    top-k per budget, when the layer's last request was observed); False: each alone (``_select``)."""
     accumulates: ClassVar[bool] = False
     """``score()`` is called for every step that observes queries and the results add up per token
     (H2O; ``score()`` then returns a new tensor, which the base adds the earlier sums into);
@@ -117,6 +124,7 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         self._step: dict[Hashable, tuple[tuple[int, ...] | None, int]] = {}  # request -> (budgets, rows)
         self._observing: frozenset[Hashable] = frozenset()
         self._pending: dict[Hashable, list[torch.Tensor | None]] = {}
+        self._deferred = DeferredSelections()
 
     # -- what a method says ----------------------------------------------------------------------
     def budgets(self, prompt_len: int, phase: Phase) -> tuple[int, ...] | None:
@@ -246,6 +254,8 @@ class EvictionMethod(DeviceObservation, SparseMethod):
 
     # -- derived: observing and compacting ---------------------------------------------------------
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
+        if self._deferred.layer != layer:
+            self._flush()
         rid = request.request_id
         budgets, rows = self._step[rid]
         state = self._states[rid]
@@ -271,6 +281,9 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         if view.head_lens is not None:  # a head-major layer whose heads hold different counts
             keep = self._select_ragged(self._head_scores(layer, window, view), view.head_lens, budgets[layer])
             self._pending.setdefault(rid, self._layers())[layer] = keep
+            return
+        if self.batches_compactions and not self.accumulates:  # scored with the layer's other compactions
+            self._defer(layer, rid, ScoreInputs(window, view.keys, view.scale), budgets[layer])
             return
         if not self.accumulates:
             scores = self.score(layer, ScoreInputs(window, view.keys, view.scale))
@@ -322,7 +335,38 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         if any(k is not None for k in keeps):
             self._pending[r.request_id] = keeps
 
+    def _defer(self, layer: int, request_id: Hashable, inputs: ScoreInputs, budget: int) -> None:
+        deferred = self._deferred
+        deferred.layer = layer
+        deferred.add(request_id, inputs, budget)
+        if deferred.elements >= MAX_SCORE_ELEMENTS:  # bounds the keys the batch holds
+            self._flush()
+
+    def _flush(self) -> None:
+        """Score and select the deferred compactions of one layer, a batch per (budget, window length)."""
+        deferred, self._deferred = self._deferred, DeferredSelections()
+        for budget, batch in deferred.batches():
+            scores = self.score_batch(deferred.layer, batch)
+            sink, recent = self.protected(budget)
+            keeps = keep_indices_batch(
+                scores, batch.kv_lens, sink=sink, recent=recent, num_middle=budget - sink - recent
+            )
+            keeps = keeps.expand(-1, self.shape.num_kv_heads, -1).contiguous()
+            for rid, keep in zip(batch.request_ids, keeps, strict=True):
+                self._pending.setdefault(rid, self._layers())[deferred.layer] = keep
+
+    def score_batch(self, layer: int, batch: ScoreBatch) -> torch.Tensor:
+        """``[B, H, M]`` (``H``: ``score_heads`` rows) scores of a batch's requests, with ``M`` at least the
+        slots before each request's recent ones (columns past a request's are not read): by default
+        ``score()`` of each request alone."""
+        rows = [self.score(layer, inputs) for inputs in batch.inputs]
+        out = torch.zeros(len(rows), rows[0].shape[0], max(r.shape[1] for r in rows), device=rows[0].device)
+        for b, row in enumerate(rows):
+            out[b, :, : row.shape[1]] = row
+        return out
+
     def finish_step(self) -> Mapping[Hashable, Compaction]:
+        self._flush()
         out = {rid: Compaction(tuple(keep)) for rid, keep in self._pending.items()}
         self._pending = {}
         if self.query_ring is not None:

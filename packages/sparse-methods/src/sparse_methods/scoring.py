@@ -251,3 +251,69 @@ def pyramid_budgets(mean_kept: int, window: int, kv_len: int, num_layers: int, b
     step = (hi - lo) / (num_layers - 1)
     return [round(hi - layer * step) for layer in range(num_layers)]
 
+
+def window_scores_batch(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    *,
+    score_mode: Literal["probability", "logits"] = "probability",
+    kernel_size: int = 5,
+    pooling: Pooling = "avg",
+    group_reduce: GroupReduce = "mean",
+) -> torch.Tensor:
+    """``window_scores`` of ``B`` requests at once: ``[B, num_kv_heads, L - n]``.
+
+    ``queries``: ``[B, n, num_q_heads, D]``, each request's ``n`` window queries (its last ``n`` slots);
+    ``keys``: ``[B, L, num_kv_heads, D]``, each request's keys padded past its ``kv_lens[b]`` (int64
+    ``[B]`` on the keys' device). Row ``b``'s first ``kv_lens[b] - n`` columns equal ``window_scores``
+    of that request alone; the columns after them hold what pooling pads with (0, or ``-inf`` for a
+    max over logits), never a score.
+    """
+    if score_mode not in ("probability", "logits"):
+        raise ValueError(f"unknown score_mode {score_mode!r}")
+    b, n, num_q_heads, d = queries.shape
+    num_keys, num_kv_heads = keys.shape[1], keys.shape[2]
+    g = num_q_heads // num_kv_heads
+    cols = torch.arange(num_keys, device=keys.device)
+    first_query = (kv_lens - n).view(b, 1)  # slot of each request's first window query
+    q = queries.reshape(b, n, num_kv_heads, g, d).float().permute(0, 2, 3, 1, 4)  # [B, H, g, n, D]
+    k = keys.float().permute(0, 2, 3, 1)  # [B, H, D, L]
+    logits = torch.matmul(q.reshape(b, num_kv_heads, g * n, d), k).view(b, num_kv_heads, g, n, num_keys).mul_(scale)
+    scored = (cols.view(1, -1) < first_query).view(b, 1, 1, -1)[..., : num_keys - n]  # [B, 1, 1, L - n]
+    if score_mode == "probability":
+        slots = first_query + torch.arange(n, device=keys.device).view(1, n)  # [B, n]
+        future = cols.view(1, 1, -1) > slots.view(b, n, 1)  # [B, n, L]
+        logits.masked_fill_(future.view(b, 1, 1, n, num_keys), float("-inf"))
+        probs = torch.softmax(logits, dim=-1)[..., : num_keys - n].mean(3)  # [B, H, g, L - n]
+        pooled = pool_scores(probs.masked_fill(~scored, 0.0), kernel_size, pooling)
+        return _reduce(pooled, group_reduce, 2)
+    pad = 0.0 if pooling == "avg" else float("-inf")
+    best = logits[..., : num_keys - n].amax(dim=(2, 3))  # [B, H, L - n]
+    return pool_scores(best.masked_fill(~scored.view(b, 1, -1), pad), kernel_size, pooling)
+
+
+def keep_indices_batch(
+    scores: torch.Tensor, kv_lens: torch.Tensor, *, sink: int, recent: int, num_middle: int
+) -> torch.Tensor:
+    """``keep_indices`` of ``B`` requests that all keep ``sink + num_middle + recent`` of more slots:
+    ``[B, H, sink + num_middle + recent]``.
+
+    ``scores``: ``[B, H, M]`` with ``M >= max(kv_lens) - recent`` (columns past a request's middle are
+    not read); ``kv_lens``: int64 ``[B]`` on the scores' device, each above ``sink + num_middle + recent``.
+    Row ``b`` equals ``keep_indices(scores[b], kv_len=kv_lens[b], ...)`` (ties to the earlier slot).
+    """
+    b, num_heads, _ = scores.shape
+    device = scores.device
+    mid_hi = (kv_lens - recent).view(b, 1, 1)
+    parts = [torch.arange(sink, device=device).expand(b, num_heads, sink)]
+    if num_middle > 0:
+        width = scores.shape[2] - sink
+        middle = scores[:, :, sink:].float()
+        outside = torch.arange(sink, sink + width, device=device).view(1, 1, -1) >= mid_hi
+        middle = middle.masked_fill(outside, float("-inf"))
+        order = torch.sort(middle, dim=2, descending=True, stable=True).indices[:, :, :num_middle] + sink
+        parts.append(torch.sort(order, dim=2).values)
+    parts.append((mid_hi + torch.arange(recent, device=device).view(1, 1, -1)).expand(b, num_heads, recent))
+    return torch.cat(parts, dim=2)

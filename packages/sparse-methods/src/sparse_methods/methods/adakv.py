@@ -82,6 +82,7 @@ class AdaKV(SnapKV):
     # parallel (ranks' heads would hold different block counts, under one scheduler for all).
     storage = Storage(StoreKind.HEAD_MAJOR)
     supports = frozenset()
+    batches_compactions = False  # its adaptive selection shares each layer's places out per request
 
     def __init__(self, config, shape) -> None:
         super().__init__(config, shape)

@@ -19,9 +19,10 @@ import torch
 from pydantic import Field, model_validator
 
 from sparse_methods.base import MethodConfig, Support
+from sparse_methods.deferred_selections import ScoreBatch
 from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
 from sparse_methods.registry import register
-from sparse_methods.scoring import window_scores
+from sparse_methods.scoring import window_scores, window_scores_batch
 
 
 class SnapKVConfig(MethodConfig):
@@ -78,6 +79,20 @@ class SnapKV(EvictionMethod):
             inputs.scale,
             query_slots=inputs.query_slots,
             num_scored=inputs.keys.shape[0] - inputs.queries.shape[0],
+            score_mode=c.score_mode,
+            kernel_size=c.score_kernel_size,
+            pooling=c.score_pooling,
+            group_reduce=c.score_gqa_reduce,
+        )
+
+    def score_batch(self, layer: int, batch: ScoreBatch) -> torch.Tensor:
+        """Every request's window scores at once (``window_scores_batch``)."""
+        c = self.config
+        return window_scores_batch(
+            batch.queries,
+            batch.keys,
+            batch.kv_lens,
+            batch.scale,
             score_mode=c.score_mode,
             kernel_size=c.score_kernel_size,
             pooling=c.score_pooling,

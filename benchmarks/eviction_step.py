@@ -1,0 +1,96 @@
+"""Host time of a decode-time eviction step on the CPU: many requests evicting at the same step.
+
+Builds an engine on a Qwen3-shaped config with 36 layers but a tiny hidden size and dummy weights,
+adds synthetic requests that all start decoding together (so all of them evict at the same step,
+every ``--interval`` tokens, as in the GPU bench), and times steps with and without an eviction.
+The KV is tiny (a short budget), so the time is the per-(request, layer) host work of observing,
+scoring, top-k and compacting, which on a GPU the device waits for.
+
+    uv run python benchmarks/eviction_step.py                    # 91 requests, SnapKV
+    uv run python benchmarks/eviction_step.py --method pyramidkv --profile 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault(
+    "SPARSE_KERNELS_BACKEND", "auto"
+)  # the reference kernels on CPU (host_overhead picks Triton's plans)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_overhead import tiny_config  # noqa: E402
+
+from sparse_serve.config import EngineConfig  # noqa: E402
+from sparse_serve.engine import LLMEngine  # noqa: E402
+from sparse_serve.sampling_params import SamplingParams  # noqa: E402
+
+
+def build(method: str, batch: int, prompt_len: int, interval: int, rounds: int, num_layers: int) -> LLMEngine:
+    output_len = interval * rounds + 2
+    blocks_each = -(-(prompt_len + output_len + 16) // 16)
+    config = EngineConfig(
+        model=tiny_config(num_layers, 512),
+        device="cpu",
+        enforce_eager=True,
+        load_format="dummy",
+        num_kv_blocks=batch * blocks_each + 16,
+        max_num_seqs=max(batch, 8),
+        sparse_method=method,
+        sink_keep_tokens=4,
+        decode_keep_tokens=40,
+        recent_keep_tokens=16,
+        observation_window_size=8,
+        decode_eviction_interval=interval,
+    )
+    engine = LLMEngine(config)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_synthetic_request(prompt_len, params)
+    return engine
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", default="snapkv")
+    p.add_argument("--batch", type=int, default=91)
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--interval", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", type=int, default=0, help="cProfile this many eviction steps (top 30)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    engine = build(args.method, args.batch, args.prompt_len, args.interval, args.rounds + args.profile, args.layers)
+    compact_steps, plain_steps = [], []
+    for step in range(args.interval * args.rounds + 1):
+        evicting = step > 0 and step % args.interval == 0  # the first step decodes the last prompt token
+        t0 = time.perf_counter()
+        engine.step()
+        (compact_steps if evicting else plain_steps).append((time.perf_counter() - t0) * 1e3)
+    if args.profile:
+        for _ in range(args.interval - 1):
+            engine.step()
+        prof = cProfile.Profile()
+        prof.enable()
+        engine.step()
+        prof.disable()
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
+    plain = statistics.median(plain_steps[2:])
+    print(
+        f"{args.method}: {args.batch} requests x {args.layers} layers: step without eviction {plain:.1f} ms (median), "
+        f"eviction steps {', '.join(f'{t:.0f}' for t in compact_steps)} ms; "
+        f"eviction cost {statistics.median(compact_steps) - plain:.0f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
