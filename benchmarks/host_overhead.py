@@ -16,6 +16,11 @@ that the GPU waits for, serially, before each replay.
     uv run python benchmarks/host_overhead.py --case 23x32768 --profile 10   # plus a cProfile top list
     uv run python benchmarks/host_overhead.py --sliding-window 1024   # Gemma 3's 5 local : 1 global layers
                                                                        # (a block table per layer)
+    uv run python benchmarks/host_overhead.py --sparse-method pyramidkv --case 83x131072   # a table per layer
+    uv run python benchmarks/host_overhead.py --sparse-method adakv --case 76x131072   # a table per lane
+
+With ``--sparse-method``, requests hold what the method keeps after prefill (``--budget`` tokens per
+layer on average: 64 sink + the middle + 512 recent), and the pool is sized for it.
 """
 
 from __future__ import annotations
@@ -46,12 +51,14 @@ DEFAULT_CASES = ("1x32768", "23x32768", "5x131072", "76x10240")
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=2, head_dim=8)
 
 
-def tiny_config(num_layers: int, vocab: int, sliding_window: int | None = None) -> str:
+def tiny_config(num_layers: int, vocab: int, sliding_window: int | None = None, kv_heads: int = 2) -> str:
     """A Qwen3-8B-shaped config with a tiny hidden size, written to a temporary folder; with
     ``sliding_window``, five of every six layers slide over it (Gemma 3's pattern)."""
     src = Path(__file__).resolve().parents[1] / "packages/sparse-serve/src/sparse_serve/bench/configs/qwen3-8b"
     cfg = json.loads((src / "config.json").read_text())
-    cfg.update(TINY, num_hidden_layers=num_layers, max_window_layers=num_layers, vocab_size=vocab)
+    cfg.update(
+        TINY, num_key_value_heads=kv_heads, num_hidden_layers=num_layers, max_window_layers=num_layers, vocab_size=vocab
+    )
     cfg.update(torch_dtype="float32", bos_token_id=0, eos_token_id=1)
     if sliding_window is not None:
         kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(num_layers)]
@@ -87,8 +94,9 @@ def install_fake_graphs(engine: LLMEngine, max_batch: int) -> None:
     cfg = runner.model_config
     runner.model = StubModel(cfg.hidden_size, cfg.vocab_size, runner.device)
     layer_group = tuple(range(cfg.num_hidden_layers)) if engine.kv.per_layer else None  # a table per layer
+    heads = engine.kv.layout.heads  # a head-major store's rows per request
     graphs = cuda_graphs.DecodeGraphs(
-        runner.model, runner.attention, cfg.num_hidden_layers, max_batch, runner.device, layer_group
+        runner.model, runner.attention, cfg.num_hidden_layers, max_batch, runner.device, layer_group, heads
     )
     for bs in graphs.sizes:
         graphs.graphs[bs] = _NoopGraph()
@@ -133,17 +141,46 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
     runner.run = timers.wrap("runner.run", runner.run)
 
 
+SINK, RECENT = 64, 512  # the methods' default sink and recent tokens
+
+
+def method_fields(method: str, budget: int) -> dict:
+    """Engine fields of ``method`` keeping ``budget`` tokens per layer on average."""
+    if method == "dense":
+        return {}
+    if budget <= SINK + RECENT:
+        raise ValueError(f"budget must exceed {SINK + RECENT}")
+    return dict(
+        sparse_method=method,
+        sink_keep_tokens=SINK,
+        decode_keep_tokens=budget - SINK - RECENT,
+        recent_keep_tokens=RECENT,
+    )
+
+
 def build(
-    batch: int, prompt_len: int, output_len: int, num_layers: int, vocab: int, device: str = "cpu", window=None
+    batch: int,
+    prompt_len: int,
+    output_len: int,
+    num_layers: int,
+    vocab: int,
+    device: str = "cpu",
+    window=None,
+    method: str = "dense",
+    budget: int = 8192,
+    kv_heads: int = 2,
 ) -> LLMEngine:
-    blocks_each = -(-(prompt_len + output_len + 16) // 16)
+    kept = prompt_len if method == "dense" else min(prompt_len, budget)
+    # Per table (layer, lane); a per-layer method's layers differ around the average: twice for room.
+    blocks_each = -(-(kept + output_len + 16) // 16) * (1 if method == "dense" else 2)
     config = EngineConfig(
-        model=tiny_config(num_layers, vocab, window),
+        model=tiny_config(num_layers, vocab, window, kv_heads),
         device=device,
         enforce_eager=True,  # no capture: the fake graphs below replay nothing
         load_format="dummy",
         num_kv_blocks=batch * blocks_each + 16,
         max_num_seqs=256,  # as the GPU bench: sizes the decode buffers' capacities
+        **method_fields(method, budget),
     )
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -154,21 +191,33 @@ def build(
 
 
 def run_case(
-    case: str, steps: int, warmup: int, num_layers: int, vocab: int, profile: int, device: str, window=None
+    case: str,
+    steps: int,
+    warmup: int,
+    num_layers: int,
+    vocab: int,
+    profile: int,
+    device: str,
+    window=None,
+    method: str = "dense",
+    budget: int = 8192,
+    kv_heads: int = 2,
 ) -> dict:
     batch, prompt_len = (int(x) for x in case.split("x"))
-    engine = build(batch, prompt_len, warmup + steps + profile + 2, num_layers, vocab, device, window)
+    output_len = warmup + steps + profile + 2
+    engine = build(batch, prompt_len, output_len, num_layers, vocab, device, window, method, budget, kv_heads)
     timers = Timers()
     instrument(engine, timers)
     for _ in range(warmup):
         engine.step()
     timers.active = True
+    replays = engine.runner.graphs.num_replays  # a method's first decode step may observe (eager)
     for _ in range(steps):
         t0 = time.perf_counter()
         engine.step()
         timers.ms["step"].append((time.perf_counter() - t0) * 1e3)
     timers.active = False
-    if engine.runner.graphs.num_replays < warmup + steps:
+    if engine.runner.graphs.num_replays - replays < steps:
         raise RuntimeError("steps did not take the graph path")
     stats = {"median_ms": statistics.median, "min_ms": min}  # min: robust on a shared, loaded host
     result_stats = {}
@@ -181,9 +230,16 @@ def run_case(
         )
         med["postprocess (step - the rest)"] = med["step"] - sum(med[p] for p in parts)
         result_stats[stat] = med
-    tables = range(num_layers) if engine.kv.per_layer else (0,)
+    tables = range(engine.kv.layout.num_tables)
     blocks = sum(len(engine.kv.table(r.request_id, t).block_ids) for r in engine.scheduler.running for t in tables)
-    result = {"case": case, "batch": batch, "prompt_len": prompt_len, "blocks_listed": blocks, **result_stats}
+    result = {
+        "case": case,
+        "method": method,
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "blocks_listed": blocks,
+        **result_stats,
+    }
     if profile:
         profile_steps(engine, profile, top=25)
     return result
@@ -211,6 +267,9 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, help="also cProfile this many steps per case")
     ap.add_argument("--device", default="cpu", help="cuda: real pinned copies and syncs (the stub model still)")
     ap.add_argument("--sliding-window", type=int, help="5 of 6 layers slide over this window (a table per layer)")
+    ap.add_argument("--sparse-method", default="dense", help="e.g. snapkv, pyramidkv, adakv")
+    ap.add_argument("--budget", type=int, default=8192, help="tokens a method keeps per layer (average)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="KV heads (Qwen3-8B: 8; a head-major lane each)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -229,10 +288,23 @@ def main() -> None:
     )
     for case in args.case or DEFAULT_CASES:
         r = run_case(
-            case, args.steps, args.warmup, args.num_layers, args.vocab, args.profile, args.device, args.sliding_window
+            case,
+            args.steps,
+            args.warmup,
+            args.num_layers,
+            args.vocab,
+            args.profile,
+            args.device,
+            args.sliding_window,
+            args.sparse_method,
+            args.budget,
+            args.kv_heads,
         )
         results.append(r)
-        print(f"\n{case}: {r['blocks_listed']} blocks listed; ms per step: median, min over {args.steps} steps")
+        print(
+            f"\n{args.sparse_method} {case}: {r['blocks_listed']} blocks listed; "
+            f"ms per step: median, min over {args.steps} steps"
+        )
         for k in order:
             print(f"  {k:55s} {r['median_ms'][k]:8.3f} {r['min_ms'][k]:8.3f}")
     if args.out:

@@ -11,26 +11,28 @@ from sparse_cache import KVCacheManager, LayerLayout
 from sparse_serve.request import Request
 from sparse_serve.sampling_params import SamplingParams
 from sparse_serve.scheduler import ScheduledBatch
-from sparse_serve.step_metadata import LayerGroupMetadata, build_step_metadata
+from sparse_serve.step_metadata import LayerGroupMetadata, _group, build_step_metadata, head_major_group
 
 BS = 4
 
 
-def _batch(seed: int, num_layers: int = 3, per_layer: bool = False):
+def _batch(seed: int, num_layers: int = 3, per_layer: bool = False, decodes_only: bool = False, layout=None):
     rng = random.Random(seed)
-    layout = LayerLayout(num_layers, True, (None,) * num_layers) if per_layer else None
+    if layout is None and per_layer:
+        layout = LayerLayout(num_layers, True, (None,) * num_layers)
     kv = KVCacheManager(num_blocks=400 * num_layers, block_size=BS, layout=layout)
+    lens = layout.num_lens if layout is not None else num_layers
     items = []
     for i in range(rng.randint(1, 9)):
-        decode = i < 5 and rng.random() < 0.7
+        decode = decodes_only or (i < 5 and rng.random() < 0.7)
         n = 1 if decode else rng.randint(2, 11)
         done = rng.randint(1 if decode else 0, 40)
         req = Request(str(i), [rng.randrange(50) for _ in range(done + n)], SamplingParams(), arrival=0)
         req.num_computed_tokens = done
         evict = rng.random() < 0.3  # some layers hold fewer slots: several layer groups
-        req.kv_lens = [done - (rng.randint(0, done) if evict and layer % 2 else 0) for layer in range(num_layers)]
+        req.kv_lens = [done - (rng.randint(0, done) if evict and layer % 2 else 0) for layer in range(lens)]
         kv.allocate(req.request_id, rng.randint(0, 3))  # a table grown over several steps
-        grown = [k + n for k in req.kv_lens] if per_layer else req.kv_len + n
+        grown = [k + n for k in req.kv_lens] if per_layer else max(req.kv_lens) + n
         assert kv.allocate(req.request_id, grown) is not None
         items.append((req, n))
     items.sort(key=lambda item: item[1] > 1)
@@ -111,3 +113,37 @@ def test_a_position_outside_the_table_raises():
     for block_ids_of in (None, kv.block_id_array):
         with pytest.raises(IndexError):
             build_step_metadata(ScheduledBatch(((req, 1),)), kv.table, BS, block_ids_of)
+
+
+@pytest.mark.parametrize("kind", ["per_layer", "windowed", "head_major"])
+@pytest.mark.parametrize("seed", range(15))
+def test_decode_steps_build_every_layer_at_once_as_layer_by_layer(seed, kind):
+    """A decode-only step's groups (all layers' lists built together) equal the groups built one layer at a
+    time, with a table per layer, with windowed layers, and with a table per (layer, KV head) lane."""
+    layout = {
+        "per_layer": LayerLayout(3, True, (None,) * 3),
+        "windowed": LayerLayout(3, True, (None, 5, 2)),
+        "head_major": LayerLayout.head_major(3, 2),
+    }[kind]
+    batch, kv = _batch(seed, per_layer=True, decodes_only=True, layout=layout)
+    arrays_of = kv.block_id_arrays if seed % 2 else None  # every table at once, or table by table
+    meta = build_step_metadata(batch, kv.table, BS, kv.block_id_array, layout=layout, block_id_arrays_of=arrays_of)
+    assert meta.layer_group == (0, 1, 2) and meta.num_decode_tokens == len(batch.items)
+    for layer, group in enumerate(meta.groups):
+        if kind == "head_major":
+            ids = [[kv.block_id_array(r.request_id, t) for t in layout.lanes(layer)] for r, _ in batch.items]
+            lens = [[r.kv_lens[t] for t in layout.lanes(layer)] for r, _ in batch.items]
+            ref = head_major_group(layer, 2, batch.items, ids, lens, len(batch.items), BS)
+        else:
+            first_read = None
+            if layout.window(layer) is not None:
+                first_read = lambda n, t=layer: layout.first_read_block(t, n, BS)  # noqa: E731
+            kv_lens = tuple(r.kv_lens[layer] for r, _ in batch.items)
+            ids = [kv.block_id_array(r.request_id, layer) for r, _ in batch.items]
+            ref = _group((layer,), kv_lens, batch.items, ids, len(batch.items), BS, first_read)
+        for name in LayerGroupMetadata.__slots__:
+            x, y = getattr(group, name), getattr(ref, name)
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y), name
+            else:
+                assert x == y, name

@@ -48,6 +48,11 @@ class BlockPool:
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]
 
+    def any_shared(self, block_ids: Iterable[int], skip: int | None = None) -> bool:
+        """Whether some block of ``block_ids`` other than ``skip`` has more than one holder."""
+        refcount = self._refcount
+        return any(refcount[b] > 1 for b in block_ids if b != skip)
+
     # -- allocation -----------------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
         """Take ``n`` free blocks (refcount becomes 1); None, changing nothing, if fewer are free."""

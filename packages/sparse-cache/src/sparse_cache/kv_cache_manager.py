@@ -138,6 +138,10 @@ class KVCacheManager:
         read it, do not change it)."""
         return self._requests[request_id].ids[layer if self.per_layer else 0]
 
+    def block_id_arrays(self, request_id: Hashable) -> list[array]:
+        """``block_id_array`` of each of the request's tables, in table order (read them, do not change them)."""
+        return self._requests[request_id].ids
+
     def num_held_blocks(self, request_id: Hashable) -> int:
         """Pool blocks the request holds (all its tables; null blocks excluded)."""
         req = self._requests[request_id]
@@ -218,8 +222,9 @@ class KVCacheManager:
         """
         req = self._requests.get(request_id)
         if req is not None and (prefix is None or not prefix.block_ids):
-            if self._grows_in_place(req.tables, num_tokens, write_from):  # most decode steps
-                return []
+            grown = self._grows_in_place(req, num_tokens, write_from)  # most decode steps
+            if grown is not None:
+                return grown
         if prefix is not None and prefix.block_ids and req is not None:
             raise ValueError(f"request {request_id!r} already holds blocks; a prefix can only start a table")
         prefix = prefix or PrefixMatch()
@@ -272,29 +277,48 @@ class KVCacheManager:
         starts = tuple((self.null_block,) * first(t, kv_lens[t], bs) for t in range(self.layout.num_tables))
         return self.allocate(request_id, list(num_tokens), PrefixMatch(table_block_ids=starts))
 
-    def _grows_in_place(self, tables: list[BlockTable], num_tokens: int | Sequence[int], write_from) -> bool:
-        """The common case: every table has room and nothing from ``write_from`` on is shared; then the
-        tables take the tokens (and True), else nothing changes."""
-        bs = self.block_size
+    def _grows_in_place(self, req: _RequestBlocks, num_tokens: int | Sequence[int], write_from) -> list[int] | None:
+        """The common case: nothing from ``write_from`` on is shared and the free blocks cover the tables'
+        growth; then the tables take the tokens (and fresh blocks where short: returned), else None and
+        nothing changes."""
+        bs, tables = self.block_size, req.tables
         if not self.per_layer:  # the shared layout's hot path: one table
             table = tables[0]
             n = num_tokens if isinstance(num_tokens, int) else max(num_tokens)
             if -(-n // bs) > len(table.block_ids):
-                return False
+                return None
             if write_from is not None:
                 first = write_from if isinstance(write_from, int) else min(write_from)
                 if self._shared(table, first // bs):
-                    return False
+                    return None
             table.num_tokens = max(table.num_tokens, min(n, table.capacity))
-            return True
+            return []
+        # One pass over the tables (a request has one per layer, or per lane): a decode step adds a block
+        # to the few whose last block filled, and writes to the last one or two blocks of each.
         targets = [num_tokens] * len(tables) if isinstance(num_tokens, int) else num_tokens
         firsts = [write_from] * len(tables) if write_from is None or isinstance(write_from, int) else write_from
-        for table, n, first in zip(tables, targets, firsts, strict=True):
-            if -(-n // bs) > len(table.block_ids) or (first is not None and self._shared(table, first // bs)):
-                return False
+        short, wanted, written = [], 0, []
+        for i, (table, n, first) in enumerate(zip(tables, targets, firsts, strict=True)):
+            ids = table.block_ids
+            missing = -(-n // bs) - len(ids)
+            if missing > 0:
+                short.append((i, missing))
+                wanted += missing
+            if first is not None and first < len(ids) * bs:
+                written += ids[max(0, first // bs) :]
+        if self.pool.any_shared(written, self.null_block) or wanted > self.pool.num_free_blocks:
+            return None  # the general path copies shared blocks and reclaims idle chains
+        new_blocks = []
+        for i, missing in short:
+            fresh = self.pool.allocate(missing)
+            assert fresh is not None  # checked above
+            tables[i].block_ids.extend(fresh)
+            req.ids[i].extend(fresh)
+            new_blocks += fresh
         for table, n in zip(tables, targets, strict=True):
-            table.num_tokens = max(table.num_tokens, min(n, table.capacity))
-        return True
+            if n > table.num_tokens:
+                table.num_tokens = min(n, len(table.block_ids) * bs)
+        return new_blocks
 
     def _shared_from(self, tables: list[BlockTable], write_from: int | Sequence[int]) -> list[list[int]]:
         if isinstance(write_from, int) or not self.per_layer:

@@ -143,7 +143,8 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         self._layout, self._plan, self._list_tiles, self._quantized_reference = layout, None, None, None
         self._tail_index = None if tail_index is None else tail_index.clone()
         self._partial_pages = not head_sparse and bool((kv_last_len < layout.page_size).any())
-        self._csr = (kv_indptr.clone(), kv_indices.clone(), kv_last_len.clone())
+        # The reference paths read the host CSR at run; the Triton backend's buffers hold their own copy.
+        self._csr = None if self.backend == "triton" else (kv_indptr.clone(), kv_indices.clone(), kv_last_len.clone())
         if self.backend == "triton":
             block_d = max(16, 1 << (head_dim - 1).bit_length())
             self._buffers.reserve_scratch(layout.batch, num_qo_heads, num_kv_heads, block_d)

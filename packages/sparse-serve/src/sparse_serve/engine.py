@@ -355,6 +355,7 @@ class LLMEngine:
             self.config.block_size,
             self.kv.block_id_array,
             layout=self.kv.layout,
+            block_id_arrays_of=self.kv.block_id_arrays,
         )
         feed = None if previous is None else _token_feed(batch, meta, previous)
         prompt_rows = _prompt_rows(batch, meta)

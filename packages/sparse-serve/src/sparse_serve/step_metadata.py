@@ -16,10 +16,12 @@ only with layers of the same table: every layer is its own group. In the head-ma
 from __future__ import annotations
 
 import functools
+import itertools
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sparse_cache import BlockTable, LayerLayout
@@ -208,6 +210,72 @@ def head_major_group(
     )
 
 
+def decode_groups(
+    request_ids: list, kv_lens: np.ndarray, arrays_of: Callable[..., Sequence[array]], bs: int, layout: LayerLayout
+) -> list[LayerGroupMetadata]:
+    """A decode-only step's groups in a layout with a table per layer (or per lane): one per layer, built
+    for all layers at once. ``kv_lens`` int64 ``[B, L, H]``: each request's lanes' slots before the step
+    (``H`` 1 without lanes); ``arrays_of(request_id)``: the block ids of each of its tables. Equal to
+    ``_group`` / ``head_major_group`` per layer (rows of a layer: item-major, then head)."""
+    num_items, num_layers, heads = kv_lens.shape
+    rows = num_items * heads
+    # Row r of layer l (r = item * heads + head) is table l * heads + head of its item: layer-major order.
+    tables = [arrays_of(rid) for rid in request_ids]
+    if heads == 1:
+        arrays = list(itertools.chain.from_iterable(zip(*tables, strict=True)))
+    else:
+        lanes = (t[lyr * heads : (lyr + 1) * heads] for lyr in range(num_layers) for t in tables)
+        arrays = list(itertools.chain.from_iterable(lanes))
+    before = kv_lens.transpose(1, 0, 2).reshape(-1)  # [L * rows]
+    num_blocks = before // bs + 1  # blocks listed: through the one the step's token goes to
+    have = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+    if (num_blocks > have).any():
+        r = int(np.argmax(num_blocks > have))
+        raise IndexError(f"positions [{before[r]}, {before[r] + 1}) outside the table's {have[r] * bs} slots")
+    skips = np.zeros_like(before)
+    if layout.windowed:  # a windowed layer's lists start at the first block its query reads
+        windows = np.array([-1 if w is None else w for w in layout.window_left], dtype=np.int64).repeat(rows)
+        slid = windows >= 0
+        skips[slid] = np.maximum(0, before[slid] - windows[slid]) // bs
+    listed = arrays
+    cut = np.flatnonzero((skips > 0) | (num_blocks < have))
+    if cut.size:  # a list that leaves blocks off takes a slice (whole tables join as they are)
+        listed = list(arrays)
+        for r, skip, end in zip(cut.tolist(), skips[cut].tolist(), num_blocks[cut].tolist(), strict=True):
+            listed[r] = arrays[r][skip:end]
+    indices = np.frombuffer(bytearray().join(listed), dtype=np.int32) if listed else np.zeros(0, np.int32)
+    counts = num_blocks - skips
+    indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=indptr[1:])
+    last_len = (before + 1 - (num_blocks - 1) * bs).astype(np.int32)
+    slots = (indices[indptr[1:] - 1].astype(np.int64) * bs + before % bs).astype(np.int32)
+    starts = indptr[:-1:rows] if rows else np.zeros(num_layers, np.int64)
+    local = (indptr[np.arange(num_layers)[:, None] * rows + np.arange(rows + 1)] - starts[:, None]).astype(np.int32)
+    t_indices, t_indptr = torch.from_numpy(indices), torch.from_numpy(local)
+    t_last, t_slots = torch.from_numpy(last_len).view(num_layers, rows), torch.from_numpy(slots).view(num_layers, rows)
+    zero, empty = torch.zeros(1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    ends = indptr[rows::rows].tolist() if rows else [0] * num_layers
+    lens_of = before.reshape(num_layers, rows).tolist()
+    return [
+        LayerGroupMetadata(
+            layers=(lyr,),
+            kv_lens=tuple(lens_of[lyr]),
+            block_ids=tuple(arrays[lyr * rows : (lyr + 1) * rows]),
+            slot_mapping=t_slots[lyr],
+            decode_kv_indptr=t_indptr[lyr],
+            decode_kv_indices=t_indices[int(starts[lyr]) : ends[lyr]],
+            decode_kv_last_len=t_last[lyr],
+            prefill_qo_indptr=zero,
+            prefill_kv_indptr=zero,
+            prefill_kv_indices=empty,
+            prefill_kv_last_len=empty,
+            heads=heads,
+            prefill_rows=None,
+        )
+        for lyr in range(num_layers)
+    ]
+
+
 def build_step_metadata(
     batch: ScheduledBatch,
     table_of: Callable[..., BlockTable],
@@ -215,6 +283,7 @@ def build_step_metadata(
     block_ids_of: Callable[..., array] | None = None,
     *,
     layout: LayerLayout | None = None,
+    block_id_arrays_of: Callable[..., Sequence[array]] | None = None,
 ) -> StepMetadata:
     """Lay out a scheduled batch (decodes first, as the scheduler orders it) as step tensors.
 
@@ -226,6 +295,8 @@ def build_step_metadata(
     ``block_ids_of``: the same signature, its block ids as an ``array('i')`` equal to the table's
     ``block_ids`` (``KVCacheManager.block_id_array``), which saves converting every listed block id each
     step; without it they are converted from the tables (same result).
+    ``block_id_arrays_of(request_id)``: optional, every table's ``block_ids_of`` at once, in table order
+    (``KVCacheManager.block_id_arrays``; one call per request for a table per layer or lane).
     """
     per_layer = layout is not None and layout.per_layer
     heads = layout.heads if per_layer else 1
@@ -236,13 +307,17 @@ def build_step_metadata(
     steps: list[RequestStep] = []
     row_starts: list[int] = []
     num_decode = 0
-    for req, n in batch.items:
+    lanes = None  # head-major: every request's lane lengths [B, L, H], and each layer's longest lane
+    if heads > 1 and batch.items:
+        lanes = np.array([req.kv_lens for req, _ in batch.items], dtype=np.int64).reshape(len(batch.items), -1, heads)
+        layer_lens = [tuple(x) for x in lanes.max(axis=2).tolist()]
+    for i, (req, n) in enumerate(batch.items):
         start = req.num_computed_tokens
         row_starts.append(len(input_ids))
         replay = req.num_replays_done if req.replaying else None  # a replay pass: its tokens, nothing sampled
         input_ids += req.token_ids[start : start + n] if replay is None else req.next_replay
         positions += range(start, start + n)
-        kv_lens = tuple(req.kv_lens) if heads == 1 else layout.layer_lens(req.kv_lens)  # a layer's longest lane
+        kv_lens = tuple(req.kv_lens) if heads == 1 else layer_lens[i]  # a layer's longest lane
         steps.append(RequestStep(req.request_id, start, n, req.prefill_len, kv_lens, replay))
         if n == 1:
             if num_decode != len(steps) - 1:
@@ -252,6 +327,23 @@ def build_step_metadata(
             logits_indices.append(len(input_ids) - 1)
             sampled.append(req)
     num_layers = len(steps[0].kv_lens) if steps else 1
+    if per_layer and steps and num_decode == len(steps):  # decodes only: every layer's lists at once
+        if block_id_arrays_of is None:
+            ids_of = block_ids_of or (lambda *key: array("i", table_of(*key).block_ids))
+            block_id_arrays_of = lambda rid: [ids_of(rid, t) for t in range(layout.num_tables)]  # noqa: E731
+        lens = lanes if lanes is not None else np.array([s.kv_lens for s in steps], dtype=np.int64)[:, :, None]
+        groups = decode_groups([s.request_id for s in steps], lens, block_id_arrays_of, block_size, layout)
+        return _metadata(
+            input_ids,
+            positions,
+            num_decode,
+            groups,
+            tuple(range(num_layers)),
+            steps,
+            row_starts,
+            logits_indices,
+            sampled,
+        )
     if heads > 1:
         ids_of = block_ids_of or (lambda *key: array("i", table_of(*key).block_ids))
         groups = []
