@@ -120,6 +120,7 @@ def test_every_variant_equals_a_stable_sort(variant, n, k, triton_device, monkey
     monkeypatch.setitem(variant.CONFIG, "single", 64)
     monkeypatch.setitem(variant.CONFIG, "merge", 64)
     monkeypatch.setitem(variant.CONFIG, "tile", 32)
+    monkeypatch.setitem(variant.CONFIG, "tile_per_k", 2)
     assert len(variant.stages(n, k)) == (2 if n == 200 else 0)
     scores = _rows(n, seed=3 * n + k)[:2, 0]
     got = top_k_ascending(scores.to(triton_device), k, backend="triton")
@@ -173,10 +174,10 @@ def test_variants_property(name, values, tile, data):
 @pytest.mark.parametrize("merge", [64, 32768])
 def test_stage_plans_shrink_to_one_program(n, k, tile, single, merge, monkeypatch):
     """Each candidate stage keeps at most half its input plus one short tile, and the last candidates
-    fit one program; the default plan is one program up to 32768 columns, else 16384-column tiles."""
+    fit one program; the default plan is one program up to its ``single`` width, else candidate tiles."""
     from sparse_kernels._triton import top_k_ascending as kernel
 
-    default = kernel.stages(n, k)
+    default, default_single = kernel.stages(n, k), kernel.CONFIG["single"]
     monkeypatch.setitem(kernel.CONFIG, "single", single)
     monkeypatch.setitem(kernel.CONFIG, "merge", merge)
     monkeypatch.setitem(kernel.CONFIG, "tile", tile)
@@ -188,7 +189,7 @@ def test_stage_plans_shrink_to_one_program(n, k, tile, single, merge, monkeypatc
         width = shrunk
     assert width <= kernel.MAX_COLUMNS
     assert n > single and width <= max(merge, plan[0]) if plan else n <= max(single, kernel.MAX_COLUMNS)
-    assert bool(default) == (n > 32768) and set(default) <= {16384 if k <= 8192 else 32768}
+    assert bool(default) == (n > default_single)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -35,15 +35,18 @@ MAX_COLUMNS = 32768  # one program holds its row (or its candidates) in register
 # stage; tile, tile_per_k: columns per program of a candidate stage, at least tile_per_k * k (and
 # 2 k), a power of two; columns_per_warp, min_warps: a program's warps, its width / columns_per_warp
 # in [min_warps, 32].
+# The default is the fastest variant measured on the H200 (session 8, results/bench/h200/session8/topk/:
+# Quest's [40, 8448] k=128 rows 16.0 us against the serial kernel's 31.5; OmniKV's [5, 135168] k=2048
+# 74.8 us against 114.9): packed 2-bit passes, rows over 2048 columns split into 4096-column tiles.
 CONFIG = {
-    "select": "serial",
-    "bits": 4,
+    "select": "packed",
+    "bits": 2,
     "fused": True,
-    "single": MAX_COLUMNS,
+    "single": 2048,
     "merge": MAX_COLUMNS,
-    "tile": 16384,
-    "tile_per_k": 2,
-    "columns_per_warp": 1024,
+    "tile": 4096,
+    "tile_per_k": 4,
+    "columns_per_warp": 512,
     "min_warps": 4,
 }
 
@@ -259,12 +262,14 @@ def _launch(x, idx, out, values, n: int, k: int, tile: int, stride_out: int, til
 def stages(n: int, k: int) -> list[int] | None:
     """Tile widths of the candidate stages a row of ``n`` goes through before its last program (``[]``:
     one program; ``None``: the kernel does not take it). A stage's tile is ``CONFIG["tile"]``, raised
-    to a power of two of at least ``tile_per_k * k`` and ``2 k``, so that a stage leaves at most half
-    its input (plus one short tile). Rows wider than ``single`` take a stage, candidates wider than
-    ``merge`` and the tile another."""
+    to a power of two of at least ``tile_per_k * k`` (only ``2 k`` where that would not fit one
+    program) and ``2 k``, so that a stage leaves at most half its input (plus one short tile). Rows
+    wider than ``single`` take a stage, candidates wider than ``merge`` and the tile another."""
     if n <= min(CONFIG["single"], MAX_COLUMNS):
         return []
     tile = max(CONFIG["tile"], triton.next_power_of_2(max(2, CONFIG["tile_per_k"]) * k))
+    if tile > MAX_COLUMNS:  # a wide k: the smallest tile that still halves its input
+        tile = max(CONFIG["tile"], triton.next_power_of_2(2 * k))
     if tile > MAX_COLUMNS or n <= tile:  # a stage would keep most (all) of its input
         return [] if n <= MAX_COLUMNS else None
     tiles, width = [tile], triton.cdiv(n, tile) * k
