@@ -333,18 +333,7 @@ def build_step_metadata(
             block_id_arrays_of = lambda rid: [ids_of(rid, t) for t in range(layout.num_tables)]  # noqa: E731
         lens = lanes if lanes is not None else np.array([s.kv_lens for s in steps], dtype=np.int64)[:, :, None]
         groups = decode_groups([s.request_id for s in steps], lens, block_id_arrays_of, block_size, layout)
-        return _metadata(
-            input_ids,
-            positions,
-            num_decode,
-            groups,
-            tuple(range(num_layers)),
-            steps,
-            row_starts,
-            logits_indices,
-            sampled,
-        )
-    if heads > 1:
+    elif heads > 1:
         ids_of = block_ids_of or (lambda *key: array("i", table_of(*key).block_ids))
         groups = []
         for layer in range(num_layers):
@@ -352,17 +341,11 @@ def build_step_metadata(
             lane_ids = [[ids_of(req.request_id, t) for t in lanes] for req, _ in batch.items]
             lane_lens = [[req.kv_lens[t] for t in lanes] for req, _ in batch.items]
             groups.append(head_major_group(layer, heads, batch.items, lane_ids, lane_lens, num_decode, block_size))
-        return _metadata(
-            input_ids,
-            positions,
-            num_decode,
-            groups,
-            tuple(range(num_layers)),
-            steps,
-            row_starts,
-            logits_indices,
-            sampled,
-        )
+    else:
+        groups = None
+    if groups is not None:
+        layers = tuple(range(num_layers))
+        return _metadata(input_ids, positions, num_decode, groups, layers, steps, row_starts, logits_indices, sampled)
     # Column ``layer`` of the requests' KV lengths; layers with equal columns (and tables) share a group.
     columns = zip(*(s.kv_lens for s in steps), strict=True) if steps else [()] * num_layers
     by_lens: dict[tuple, list[int]] = {}
