@@ -21,7 +21,7 @@ from sparse_models.distributed import rank_attention_config, tp_world_size
 from sparse_serve.chains import EngineChains
 from sparse_serve.config import EngineConfig
 from sparse_serve.detokenizer import IncrementalDetokenizer
-from sparse_serve.kv_compaction import apply_compaction, apply_lane_compaction
+from sparse_serve.kv_compaction import apply_compaction, apply_compactions, apply_lane_compaction
 from sparse_serve.model_runner import ModelRunner
 from sparse_serve.outputs import RequestOutput
 from sparse_serve.prune import PruneResult, prune_history
@@ -138,6 +138,9 @@ class LLMEngine:
         self._inflight: _LaunchedStep | None = None  # launched, tokens not yet taken (pipelined only)
         self._stashed: list[RequestOutput] = []  # outputs of a step drained outside ``step()``
         self.num_pipelined_steps = 0  # steps launched before the previous step's tokens were known
+        # A step's compactions in one launch per layer (``_advance_many``); False: request by request
+        # (``_advance``, the reference the batched path is tested against).
+        self.batched_compaction = True
 
     def _layer_layout(self, windows, max_len: int) -> LayerLayout:
         """One table per layer when layers hold different amounts: some layer slides over a window (its
@@ -393,6 +396,9 @@ class LLMEngine:
         if compactions:
             # A compaction may need blocks that an earlier request's finish frees: keep that order.
             sampled = self._sampled(launched)
+            if self.batched_compaction:
+                self._advance_many(batch.items, compactions, lambda req: self._emit(req, sampled, outputs))
+                return outputs
             for req, n in batch.items:
                 self._advance(req, n, compactions)
                 self._emit(req, sampled, outputs)
@@ -401,9 +407,43 @@ class LLMEngine:
         return self._resolve(launched)
 
     def _advance_all(self, launched: _LaunchedStep) -> None:
-        for req, n in launched.batch.items:
-            if not req.is_finished:  # finished meanwhile (stopped at the step before, or aborted)
-                self._advance(req, n, launched.compactions)
+        # skipping those finished meanwhile (stopped at the step before, or aborted)
+        items = [(req, n) for req, n in launched.batch.items if not req.is_finished]
+        if launched.compactions and self.batched_compaction:
+            self._advance_many(items, launched.compactions)
+            return
+        for req, n in items:
+            self._advance(req, n, launched.compactions)
+
+    def _advance_many(self, items, compactions: dict, after=None) -> None:
+        """``_advance`` of each ``(req, n)`` in order (then ``after(req)``: the emit, which may finish it and
+        free its blocks), the compactions applied together: one launch per layer (``_compact_many``),
+        then each request's remaining bookkeeping in order. Until that launch no block may change
+        hands, so the group is applied first whenever a resumed chain's compaction may copy a fork's
+        blocks into fresh ones (it may need those the earlier requests free, as request by request)."""
+        group: list[tuple[Request, bool | None, object]] = []
+
+        def apply_group() -> None:
+            new_lens = self._compact_many([(req, c) for req, _, c in group if c is not None])
+            for req, ends_prompt, _ in group:
+                if req in new_lens:  # blocks go back in the order request by request gives them back
+                    req.kv_lens = new_lens[req]
+                    self.kv.shrink(req.request_id, req.kv_lens)
+                self._advance_rest(req, ends_prompt)
+                if after is not None:
+                    after(req)
+            group.clear()
+
+        for req, n in items:
+            compaction = compactions.get(req.request_id)
+            if compaction is not None and req.resumed:
+                apply_group()
+            ends_prompt = self._advance_lengths(req, n)
+            if compaction is not None and not self.chains.make_writable(req, compaction):
+                self._preempt_compacting(req)
+                compaction = None
+            group.append((req, ends_prompt, compaction))
+        apply_group()
 
     def _hold_places(self, launched: _LaunchedStep) -> set[Request]:
         """Give the step's sampled requests a placeholder token (their next decode is scheduled on it);
@@ -462,29 +502,40 @@ class LLMEngine:
 
     def _advance(self, req: Request, n: int, compactions: dict) -> None:
         """Account for the step's ``n`` computed tokens: KV lengths, compaction, prefix-cache blocks."""
-        if req.replaying:  # a replay pass: its KV is dropped, the request's own tokens are unchanged
+        ends_prompt = self._advance_lengths(req, n)
+        compaction = compactions.get(req.request_id)
+        if compaction is not None and not self._compact(req, compaction):
+            self._preempt_compacting(req)
+        self._advance_rest(req, ends_prompt)
+
+    def _advance_lengths(self, req: Request, n: int) -> bool | None:
+        """The step's ``n`` tokens in the request's counts, before its compaction; returns whether they
+        end its prompt (None: a replay pass, whose KV is dropped and whose request's tokens are unchanged)."""
+        if req.replaying:
             req.num_replays_done += 1
-            self._apply_compaction(req, compactions)
-            if self.kv.has_request(req.request_id):
-                self.kv.shrink(req.request_id, req.kv_lens)
-            return
+            return None
         ends_prompt = req.num_computed_tokens < req.prefill_len <= req.num_computed_tokens + n
         req.num_computed_tokens += n
         req.kv_lens = [kv_len + n for kv_len in req.kv_lens]
-        self._apply_compaction(req, compactions)
-        if self.kv.has_request(req.request_id):
-            self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
-            self.kv.slide(req.request_id, req.kv_lens)  # windowed layers give back what they no longer read
-            if ends_prompt:
-                self._plan_replays(req)
+        return ends_prompt
 
-    def _apply_compaction(self, req: Request, compactions: dict) -> None:
-        compaction = compactions.get(req.request_id)
-        if compaction is not None and not self._compact(req, compaction):
-            # No blocks to copy a fork's shared blocks into: recompute this one later instead.
-            self.scheduler.preempt(req)
-            self.method.release(req.request_id)
-            self.runner.release(req.request_id)
+    def _advance_rest(self, req: Request, ends_prompt: bool | None) -> None:
+        """After the request's compaction: its table's length, prefix-cache blocks, replay passes."""
+        if not self.kv.has_request(req.request_id):
+            return
+        if ends_prompt is None:
+            self.kv.shrink(req.request_id, req.kv_lens)
+            return
+        self.kv.cache_blocks(req.request_id, req.token_ids, req.num_computed_tokens)
+        self.kv.slide(req.request_id, req.kv_lens)  # windowed layers give back what they no longer read
+        if ends_prompt:
+            self._plan_replays(req)
+
+    def _preempt_compacting(self, req: Request) -> None:
+        """No blocks to copy a fork's shared blocks into: recompute this one later instead."""
+        self.scheduler.preempt(req)
+        self.method.release(req.request_id)
+        self.runner.release(req.request_id)
 
     def _plan_replays(self, req: Request) -> None:
         """Ask the method for its replay passes of the prompt just processed, as token ids."""
@@ -531,13 +582,28 @@ class LLMEngine:
             return False
         rid, bs = req.request_id, self.config.block_size
         if self.kv.layout.heads > 1:  # ragged per-head counts, each (layer, KV head) lane compacted alone
-            lanes = [self.kv.table(rid, t).block_ids for t in range(self.kv.layout.num_tables)]
-            req.kv_lens = apply_lane_compaction(self.runner.kv, lanes, req.kv_lens, compaction, bs)
+            req.kv_lens = apply_lane_compaction(self.runner.kv, self._tables(req), req.kv_lens, compaction, bs)
         else:
-            tables = [self.kv.table(rid, layer).block_ids for layer in range(self.num_layers)]
-            req.kv_lens = apply_compaction(self.runner.kv, tables, req.kv_lens, compaction, bs)
+            req.kv_lens = apply_compaction(self.runner.kv, self._tables(req), req.kv_lens, compaction, bs)
         self.kv.shrink(rid, req.kv_lens)
         return True
+
+    def _compact_many(self, staged: list[tuple[Request, object]]) -> dict[Request, list[int]]:
+        """The KV moves of ``_compact`` for requests made writable already, in one ``compact_kv`` launch
+        per layer; returns their new KV lengths (the caller shrinks their tables)."""
+        if self.kv.layout.heads > 1:  # head-major lanes: request by request
+            new_lens = [
+                apply_lane_compaction(self.runner.kv, self._tables(r), r.kv_lens, c, self.config.block_size)
+                for r, c in staged
+            ]
+        else:
+            requests = [(self._tables(r), r.kv_lens, c) for r, c in staged]
+            new_lens = apply_compactions(self.runner.kv, requests, self.config.block_size)
+        return {req: lens for (req, _), lens in zip(staged, new_lens, strict=True)}
+
+    def _tables(self, req: Request) -> list:
+        """The request's block ids per KV length it keeps (per layer, or per (layer, KV head) lane)."""
+        return [self.kv.table(req.request_id, t).block_ids for t in range(len(req.kv_lens))]
 
     def _append_token(
         self, req: Request, token: int, fill: bool = False, logprobs: TokenLogprobs | None = None

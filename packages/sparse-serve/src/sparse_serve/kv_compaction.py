@@ -12,6 +12,10 @@ the bounds check of every layer's kept indices is one reduction that asserts on 
 raises at once). Each layer is then one ``compact_kv`` launch, so a pipelined engine compacts in
 stream order while the host builds the next step.
 
+``apply_compactions`` does the same for every request compacting at one step: one host copy for
+all of them and one ``compact_kv`` launch per layer over all their slot lists (the kernel's CSR over
+requests), instead of a launch per (request, layer). ``apply_compaction`` stays the reference.
+
 A head-major store (a table per (layer, KV head) lane) compacts each lane to its own count
 (``Compaction.head_counts``, host ints): ``apply_lane_compaction``, one launch per layer whose lanes
 are the kernel's requests of one KV head, without waiting for the device either.
@@ -46,14 +50,10 @@ def apply_compaction(
     if len(compaction.keep) != len(kv_lens):
         raise ValueError(f"compaction covers {len(compaction.keep)} layers, the model has {len(kv_lens)}")
     device = pool.device
-    layers = [(layer, keep.to(device)) for layer, keep in enumerate(compaction.keep) if keep is not None]
+    layers = _checked_layers(compaction, kv_lens, device)
     new_lens = list(kv_lens)
     if not layers:
         return new_lens
-    for layer, keep in layers:
-        if keep.dim() != 2 or keep.shape[1] > kv_lens[layer]:
-            raise ValueError(f"layer {layer}: keeps {tuple(keep.shape)} of the layer's {kv_lens[layer]} slots")
-    _check_bounds(layers, kv_lens)
     shared = not block_ids or isinstance(block_ids[0], int)
     tables = [block_ids if shared else block_ids[layer] for layer in range(len(kv_lens))]
     sizes = [(tables[layer], kv_lens[layer], keep.shape[1]) for layer, keep in layers]
@@ -72,6 +72,66 @@ def apply_compaction(
             compact_kv(pool.k[layer], pool.v[layer], slots, keep, slot_indptr=slot_indptr, keep_indptr=keep_indptr)
         new_lens[layer] = keep.shape[1]
     return new_lens
+
+
+def apply_compactions(
+    pool: KVPool,
+    requests: Sequence[tuple[Sequence[Sequence[int]], list[int], Compaction]],
+    block_size: int,
+) -> list[list[int]]:
+    """``apply_compaction`` for several requests at once (``requests``: each one's per-layer tables, KV
+    lengths and compaction); returns each one's new per-layer lengths. Every layer is one ``compact_kv``
+    launch over the requests compacting it, from one host copy of all slot lists and offsets. The
+    requests hold distinct blocks. Latent and quantized stores go request by request."""
+    if len(requests) < 2 or pool.store.latent or pool.quantized is not None:
+        return [apply_compaction(pool, tables, lens, c, block_size) for tables, lens, c in requests]
+    device = pool.device
+    per_layer: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests[0][1]]
+    host: list[torch.Tensor] = []
+    out = []
+    for tables, kv_lens, compaction in requests:
+        if len(compaction.keep) != len(kv_lens) or len(kv_lens) != len(per_layer):
+            raise ValueError(f"compaction covers {len(compaction.keep)} layers, the model has {len(per_layer)}")
+        layers = _checked_layers(compaction, kv_lens, device)
+        new_lens, spans = list(kv_lens), {}
+        for layer, keep in layers:
+            key = (id(tables[layer]), kv_lens[layer])
+            if key not in spans:  # one table shared by all layers: its slots once
+                spans[key] = table_slots(tables[layer], kv_lens[layer], block_size)
+            per_layer[layer].append((spans[key], keep))
+            new_lens[layer] = keep.shape[1]
+        out.append(new_lens)
+    launches = []
+    offset = 0
+    for layer, entries in enumerate(per_layer):
+        if not entries:
+            continue
+        slots = [s for s, _ in entries]
+        ptrs = [
+            0,
+            *itertools.accumulate(s.numel() for s in slots),
+            0,
+            *itertools.accumulate(k.shape[1] for _, k in entries),
+        ]
+        host += [*slots, torch.tensor(ptrs, dtype=torch.int64)]
+        launches.append((layer, offset, ptrs[len(entries)], len(entries) + 1))
+        offset += ptrs[len(entries)] + len(ptrs)
+    packed = to_device(torch.cat(host).to(torch.int32), device)
+    for layer, start, num_slots, num_ptrs in launches:
+        slots, ptr = packed[start : start + num_slots], packed[start + num_slots : start + num_slots + 2 * num_ptrs]
+        keep = torch.cat([k for _, k in per_layer[layer]], dim=1)
+        compact_kv(pool.k[layer], pool.v[layer], slots, keep, slot_indptr=ptr[:num_ptrs], keep_indptr=ptr[num_ptrs:])
+    return out
+
+
+def _checked_layers(compaction: Compaction, kv_lens: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
+    """The compacted layers' ``(layer, keep on device)``, shapes and bounds checked (``_check_bounds``)."""
+    layers = [(layer, keep.to(device)) for layer, keep in enumerate(compaction.keep) if keep is not None]
+    for layer, keep in layers:
+        if keep.dim() != 2 or keep.shape[1] > kv_lens[layer]:
+            raise ValueError(f"layer {layer}: keeps {tuple(keep.shape)} of the layer's {kv_lens[layer]} slots")
+    _check_bounds(layers, kv_lens)
+    return layers
 
 
 def _check_bounds(layers: list[tuple[int, torch.Tensor]], kv_lens: list[int]) -> None:
