@@ -34,21 +34,23 @@ from sparse_serve.engine import LLMEngine  # noqa: E402
 from sparse_serve.sampling_params import SamplingParams  # noqa: E402
 
 
-def build(method: str, batch: int, prompt_len: int, interval: int, rounds: int, num_layers: int) -> LLMEngine:
+def build(method: str, batch: int, prompt_len: int, interval: int, rounds: int, num_layers: int, args) -> LLMEngine:
     output_len = interval * rounds + 2
-    blocks_each = -(-(prompt_len + output_len + 16) // 16)
+    sink, middle, recent = args.budget
+    held = min(prompt_len, sink + middle + recent) if args.model else prompt_len
+    blocks_each = -(-(held + output_len + 16) // 16)
     config = EngineConfig(
-        model=tiny_config(num_layers, 512),
-        device="cpu",
-        enforce_eager=True,
+        model=args.model or tiny_config(num_layers, 512),
+        device=args.device,
+        enforce_eager=args.device == "cpu",
         load_format="dummy",
         num_kv_blocks=batch * blocks_each + 16,
         max_num_seqs=max(batch, 8),
         sparse_method=method,
-        sink_keep_tokens=4,
-        decode_keep_tokens=40,
-        recent_keep_tokens=16,
-        observation_window_size=8,
+        sink_keep_tokens=sink,
+        decode_keep_tokens=middle,
+        recent_keep_tokens=recent,
+        observation_window_size=args.window,
         decode_eviction_interval=interval,
     )
     engine = LLMEngine(config)
@@ -67,14 +69,29 @@ def main() -> None:
     p.add_argument("--interval", type=int, default=8)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", type=int, default=0, help="cProfile this many eviction steps (top 30)")
+    p.add_argument("--model", default=None, help="a model folder (default: the tiny 36-layer config)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--budget", default="4,40,16", help="sink,middle,recent tokens kept")
+    p.add_argument("--window", type=int, default=8, help="observation_window_size")
+    p.add_argument("--torch-profile", action="store_true", help="torch.profiler on one eviction step (CUDA)")
     args = p.parse_args()
+    args.budget = tuple(int(x) for x in args.budget.split(","))
     torch.set_num_threads(1)
-    engine = build(args.method, args.batch, args.prompt_len, args.interval, args.rounds + args.profile, args.layers)
+    rounds = args.rounds + args.profile + args.torch_profile
+    engine = build(args.method, args.batch, args.prompt_len, args.interval, rounds, args.layers, args)
+    cuda = args.device == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     compact_steps, plain_steps = [], []
     for step in range(args.interval * args.rounds + 1):
         evicting = step > 0 and step % args.interval == 0  # the first step decodes the last prompt token
+        sync()
         t0 = time.perf_counter()
         engine.step()
+        sync()
         (compact_steps if evicting else plain_steps).append((time.perf_counter() - t0) * 1e3)
     if args.profile:
         for _ in range(args.interval - 1):
@@ -84,6 +101,19 @@ def main() -> None:
         engine.step()
         prof.disable()
         pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for _ in range(args.interval - 1):
+            engine.step()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
+            engine.step()
+            sync()
+        table = tprof.key_averages().table
+        if cuda:
+            print(table(sort_by="device_time_total", row_limit=25, max_name_column_width=60))
+        print(table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     plain = statistics.median(plain_steps[2:])
     print(
         f"{args.method}: {args.batch} requests x {args.layers} layers: step without eviction {plain:.1f} ms (median), "
