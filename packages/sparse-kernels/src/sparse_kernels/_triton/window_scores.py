@@ -9,7 +9,8 @@ through the table with one tensor-core dot (Qwen3, g = 4 and n = 32: a 128-row t
    chunk that row sees (causal), written per chunk (split-K over tokens, so few rows still fill the GPU).
 2. ``_window_probs_kernel``: merges the chunks' partials into each row's log-sum-exp, recomputes the
    logits of the tokens before the window, ``exp2(logit - lse)``, sums the ``N_TILE`` rows of each
-   head (a reshape) and stores ``[G_TILE, BLOCK_T]`` means; tiles past the window's start store 0.
+   head (a reshape) and stores ``[G_TILE, BLOCK_T]`` means; the chunk's tiles past the window's
+   start store 0 in a second loop.
 Grids depend only on static sizes (batch, heads, table width), so both passes can run in a CUDA graph.
 """
 
@@ -31,20 +32,23 @@ CONFIG = {"BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "max_tiles": 32}
 
 @triton.jit
 def _window_rows(
-    q_ptr, b, h, head_tile, n, stride_qb, stride_qn, stride_qh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, G_TILE: tl.constexpr, N_TILE: tl.constexpr,
-    BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    q_ptr, n, stride_qb, stride_qn, stride_qh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_TILES: tl.constexpr, G_TILE: tl.constexpr,
+    N_TILE: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):  # fmt: skip
-    """The tile's query rows: ``(q [G_TILE * N_TILE, BLOCK_D], head [R], query [R], valid [R])``."""
+    """The program's row ``b``, KV head ``h`` and query rows: ``(b, h, q [G_TILE * N_TILE, BLOCK_D],
+    head [R], query [R], valid [R])`` (axis 1 of the grid enumerates (KV head, tile of its heads))."""
+    b = tl.program_id(0)
+    h = tl.program_id(1) // HEAD_TILES
     offs_r = tl.arange(0, G_TILE * N_TILE)
     offs_d = tl.arange(0, BLOCK_D)
-    gi = head_tile * G_TILE + offs_r // N_TILE
+    gi = (tl.program_id(1) % HEAD_TILES) * G_TILE + offs_r // N_TILE
     j = offs_r % N_TILE
     valid = (gi < GROUP) & (j < n)
     head = h * GROUP + gi
     ptrs = q_ptr + b.to(tl.int64) * stride_qb + j * stride_qn + head * stride_qh
     q = tl.load(ptrs[:, None] + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    return q.to(DOT_DTYPE), head, j, valid
+    return b, h, q.to(DOT_DTYPE), head, j, valid
 
 
 @triton.jit
@@ -68,15 +72,12 @@ def _window_lse_kernel(
     HEAD_TILES: tl.constexpr, G_TILE: tl.constexpr, N_TILE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1) // HEAD_TILES
-    head_tile = tl.program_id(1) % HEAD_TILES
-    split = tl.program_id(2)
     pdl_enter(USE_GDC)  # the queries come from the step's earlier kernels
-    kv_len = tl.load(lens_ptr + b).to(tl.int32)
-    q, head, j, valid = _window_rows(
-        q_ptr, b, h, head_tile, n, stride_qb, stride_qn, stride_qh, GROUP, HEAD_DIM, G_TILE, N_TILE, BLOCK_D, DOT_DTYPE
+    b, h, q, head, j, valid = _window_rows(
+        q_ptr, n, stride_qb, stride_qn, stride_qh, GROUP, HEAD_DIM, HEAD_TILES, G_TILE, N_TILE, BLOCK_D, DOT_DTYPE
     )
+    kv_len = tl.load(lens_ptr + b).to(tl.int32)
+    split = tl.program_id(2)
     last_seen = kv_len - n + j  # [R]: the last slot each window query sees
     table_row = table_ptr + b.to(tl.int64) * stride_tb
     m = tl.full([G_TILE * N_TILE], float("-inf"), tl.float32)
@@ -104,16 +105,13 @@ def _window_probs_kernel(
     HEAD_TILES: tl.constexpr, G_TILE: tl.constexpr, N_TILE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(1) // HEAD_TILES
-    head_tile = tl.program_id(1) % HEAD_TILES
+    pdl_enter(USE_GDC)  # the partials come from the log-sum-exp pass
+    b, h, q, head, j, valid = _window_rows(
+        q_ptr, n, stride_qb, stride_qn, stride_qh, GROUP, HEAD_DIM, HEAD_TILES, G_TILE, N_TILE, BLOCK_D, DOT_DTYPE
+    )
+    kv_len = tl.load(lens_ptr + b).to(tl.int32)
     lo = tl.program_id(2) * chunk
     hi = tl.minimum(lo + chunk, width)
-    pdl_enter(USE_GDC)  # the partials come from the log-sum-exp pass
-    kv_len = tl.load(lens_ptr + b).to(tl.int32)
-    q, head, j, valid = _window_rows(
-        q_ptr, b, h, head_tile, n, stride_qb, stride_qn, stride_qh, GROUP, HEAD_DIM, G_TILE, N_TILE, BLOCK_D, DOT_DTYPE
-    )
     # Merge the chunks' (max, sum) into each row's log2-sum-exp2.
     row = (b.to(tl.int64) * NUM_KV_HEADS * GROUP + head) * n + j
     stride_split = tl.num_programs(0).to(tl.int64) * NUM_KV_HEADS * GROUP * n
@@ -129,19 +127,22 @@ def _window_probs_kernel(
 
     scored = kv_len - n  # tokens before the window: every window query sees them
     table_row = table_ptr + b.to(tl.int64) * stride_tb
-    gi = head_tile * G_TILE + tl.arange(0, G_TILE)
+    gi = (tl.program_id(1) % HEAD_TILES) * G_TILE + tl.arange(0, G_TILE)  # the tile's heads in the group
     out_rows = out_ptr + (b.to(tl.int64) * NUM_KV_HEADS * GROUP + h * GROUP + gi) * width  # [G_TILE]
-    for t0 in range(lo, hi, BLOCK_T):
+    store_mask = gi[:, None] < GROUP
+    computed_hi = tl.minimum(hi, scored)
+    for t0 in range(lo, computed_hi, BLOCK_T):  # tiles with scored tokens (no branch: the loop pipelines)
         tok = t0 + tl.arange(0, BLOCK_T)
         in_row = tok < scored
-        if t0 < scored:
-            k = _key_tile(k_ptr, table_row, h, tok, in_row, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, DOT_DTYPE)
-            x = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [R, BLOCK_T]
-            p = tl.where(valid[:, None] & in_row[None, :], tl.exp2(x - lse[:, None]), 0.0)
-            probs = tl.sum(tl.reshape(p, [G_TILE, N_TILE, BLOCK_T]), 1) / n  # mean over the window
-        else:
-            probs = tl.zeros([G_TILE, BLOCK_T], tl.float32)
-        tl.store(out_rows[:, None] + tok[None, :], probs, mask=(gi[:, None] < GROUP) & (tok[None, :] < hi))
+        k = _key_tile(k_ptr, table_row, h, tok, in_row, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, DOT_DTYPE)
+        x = tl.dot(q, k, input_precision=PRECISION) * scale_log2  # [R, BLOCK_T]
+        p = tl.where(valid[:, None] & in_row[None, :], tl.exp2(x - lse[:, None]), 0.0)
+        probs = tl.sum(tl.reshape(p, [G_TILE, N_TILE, BLOCK_T]), 1) / n  # mean over the window
+        tl.store(out_rows[:, None] + tok[None, :], probs, mask=store_mask & (tok[None, :] < hi))
+    zeros = tl.zeros([G_TILE, BLOCK_T], tl.float32)
+    for t0 in range(lo + tl.cdiv(tl.maximum(computed_hi - lo, 0), BLOCK_T) * BLOCK_T, hi, BLOCK_T):
+        tok = t0 + tl.arange(0, BLOCK_T)
+        tl.store(out_rows[:, None] + tok[None, :], zeros, mask=store_mask & (tok[None, :] < hi))
     pdl_exit(USE_GDC)
 
 
