@@ -8,8 +8,9 @@ window, B = 5 and 91 rows. Per batch size:
 - ``torch``: what the method runs now, the gather of every row's keys into a padded copy plus
   ``sparse_methods.scoring.window_scores_batch(probability, pooling none, group mean)``;
 - ``kernel``: ``window_probs`` plus the same group mean (a view and a mean);
+- the device time of each of the kernel's two passes (torch profiler);
 - ``cfg ...``: the kernel under other ``CONFIG`` settings (tile, warps, stages, loop steps per
-  program, which sets the split of the log-sum-exp pass), each checked against the default's output.
+  program, which set the split of each row's tokens), each checked against the default's output.
 
 GB/s counts the keys read twice (both passes) plus the float32 output written. Checks first: the
 kernel's group means against the torch path's, and its probabilities against ``window_probs``'
@@ -39,8 +40,16 @@ from sparse_methods.scoring import window_scores_batch  # noqa: E402
 HQ, HKV, D, BS, N = 32, 8, 128, 16, 32
 MAX_LEN = 8448
 SCALE = D**-0.5
-# (BLOCK_T, num_warps, num_stages, max_tiles)
-SWEEP = [(64, 4, 2, 32), (64, 8, 3, 32), (128, 8, 2, 32), (32, 4, 2, 32), (64, 8, 2, 8), (64, 8, 2, 128)]
+# CONFIG overrides of the Triton module (the rest at its defaults)
+SWEEP = [
+    {"num_warps": 4},
+    {"num_stages": 3},
+    {"BLOCK_T": 128},
+    {"BLOCK_T": 32, "num_warps": 4},
+    {"min_tiles": 1},
+    {"min_tiles": 16, "max_tiles": 64},
+    {"max_tiles": 132},
+]
 
 
 class Inputs:
@@ -88,6 +97,21 @@ def row(name: str, ms: float, nbytes: int | None, bw: float) -> dict:
     return entry
 
 
+def pass_times_us(x: Inputs, calls: int = 5) -> dict[str, float]:
+    """Device time per call of each of the kernel's passes (the torch profiler's CUDA kernel times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            window_probs(x.queries, x.k_cache, x.table, x.kv_lens, SCALE, backend="triton")
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.key.startswith("_window_"):
+            times[event.key] = event.device_time_total / calls
+    return times
+
+
 def check(x: Inputs) -> dict:
     ours = kernel_path(x)
     theirs = torch_path(x)
@@ -112,13 +136,16 @@ def probe(batch: int, bw: float, sweep: bool, gen: torch.Generator) -> dict:
     rows = [row("torch (gather + window_scores_batch)", torch_ms, None, bw)]
     rows.append(row("kernel (window_probs + group mean)", median_ms(lambda: kernel_path(x), iters=iters), nbytes, bw))
     default = kernel_path(x)
-    for block_t, warps, stages, max_tiles in SWEEP if sweep else []:
+    for name, us in pass_times_us(x).items():
+        print(f"    {name:<34} {us:8.1f} us", flush=True)
+        result[name] = round(us, 1)
+    for change in SWEEP if sweep else []:
         saved = dict(kernel.CONFIG)
-        kernel.CONFIG.update(BLOCK_T=block_t, num_warps=warps, num_stages=stages, max_tiles=max_tiles)
+        kernel.CONFIG.update(change)
         try:
             torch.testing.assert_close(kernel_path(x), default, rtol=1e-3, atol=1e-6)
             ms = median_ms(lambda: kernel_path(x), iters=iters)
-            rows.append(row(f"  cfg T{block_t} w{warps} s{stages} tiles{max_tiles}", ms, nbytes, bw))
+            rows.append(row("  cfg " + " ".join(f"{k}={v}" for k, v in change.items()), ms, nbytes, bw))
         finally:
             kernel.CONFIG.update(saved)
     result["rows"] = rows

@@ -94,8 +94,11 @@ def test_many_chunks_and_explicit_width(max_len, paged_batch, triton_device, mon
     """Chunks of one tile each (the log-sum-exp merged from many partials), an output narrower or
     wider than the table; rows longer than ``max_len`` still normalize over all their keys."""
     from sparse_kernels._triton import stream_split
+    from sparse_kernels._triton import window_scores as kernel
 
     monkeypatch.setattr(stream_split, "TARGET_PROGRAMS", 4096)
+    monkeypatch.setitem(kernel.CONFIG, "BLOCK_T", 16)
+    monkeypatch.setitem(kernel.CONFIG, "min_tiles", 1)
     kv_lens = [150, 9, 64, 65]
     queries, batch = _inputs(paged_batch, kv_lens, 2, 5, torch.float32, seed=3)
     table = block_table(batch)

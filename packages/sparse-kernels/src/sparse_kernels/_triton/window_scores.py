@@ -25,9 +25,11 @@ from sparse_kernels._triton.stream_split import items_per_program
 
 LOG2_E = 1.4426950408889634
 MAX_WINDOW = 128  # window queries one tile holds (larger windows take the reference path)
-# Tokens per loop step, launch shape, and the most loop steps a program's chunk spans
-# (benchmarks/window_scores_probe.py sweeps these).
-CONFIG = {"BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "max_tiles": 32}
+# Tokens per loop step, launch shape, and the fewest / most loop steps a program's chunk spans: the
+# split of each row's tokens over programs, for about ``stream_split.TARGET_PROGRAMS`` of them (a few
+# rows still fill the GPU; each program loads its query tile once, so not too short a chunk).
+# Untuned defaults: benchmarks/window_scores_probe.py sweeps these on a GPU.
+CONFIG = {"BLOCK_T": 64, "num_warps": 8, "num_stages": 2, "min_tiles": 4, "max_tiles": 32}
 
 
 @triton.jit
@@ -158,6 +160,12 @@ def tile_shape(group: int, n: int) -> tuple[int, int, int]:
     return g_tile, n_tile, triton.cdiv(group, g_tile)
 
 
+def _chunk(rows: int, width: int, block: int) -> int:
+    """Tokens per program (a multiple of ``block``), evened out so the last chunk is not a sliver."""
+    chunk = items_per_program(rows, width, block, min_blocks=CONFIG["min_tiles"], max_blocks=CONFIG["max_tiles"])
+    return triton.cdiv(triton.cdiv(width, triton.cdiv(width, chunk)), block) * block
+
+
 def window_probs_triton(queries, k_cache, block_table, kv_lens, scale: float, out: torch.Tensor) -> torch.Tensor:
     """Inputs validated by ``sparse_kernels.window_probs``; ``n <= MAX_WINDOW``, ``out`` contiguous."""
     batch, n, num_qo_heads, head_dim = queries.shape
@@ -172,9 +180,9 @@ def window_probs_triton(queries, k_cache, block_table, kv_lens, scale: float, ou
     block_t = CONFIG["BLOCK_T"]
     rows = batch * num_kv_heads * head_tiles
     num_keys = block_table.shape[1] * block_size
-    lse_chunk = items_per_program(rows, num_keys, block_t, max_blocks=CONFIG["max_tiles"])
+    lse_chunk = _chunk(rows, num_keys, block_t)
     num_splits = triton.cdiv(num_keys, lse_chunk)
-    out_chunk = items_per_program(rows, width, block_t, max_blocks=CONFIG["max_tiles"])
+    out_chunk = _chunk(rows, width, block_t)
     m_part = torch.empty(num_splits, batch, num_qo_heads, n, dtype=torch.float32, device=queries.device)
     s_part = torch.empty_like(m_part)
     # 16-bit dots when the queries and the keys share a 16-bit dtype, fp32 otherwise.
