@@ -41,7 +41,8 @@ class _BatchedStep:
     """One step's batched plan (device tensors are views of fixed buffers when ``rows`` is None)."""
 
     rows: torch.Tensor | None  # int64 [n] decode rows that select, None: all of them (uniform)
-    positions: torch.Tensor | None  # int64 [n * Hkv * size] index-buffer slots to fill, None: the first ones
+    positions: torch.Tensor | None  # int64 index-buffer slots to fill, None: the first n * Hkv * size
+    take: torch.Tensor | None  # int64: which picked entries fill ``positions`` (rows narrower than size), None: all
     starts: torch.Tensor  # int64 [n]: each selecting row's first entry in the table buffer
     kv_lens: torch.Tensor  # int64 [n]
     num_pages: torch.Tensor  # int64 [n]: ceil(kv_lens / block_size)
@@ -83,6 +84,7 @@ class SelectiveDecode:
         self._rows = torch.zeros(3 * (max_batch_size or 0), dtype=torch.int64, device=device)
         self._batched: _BatchedStep | None = None  # this step's batched plan, or None (host path)
         self._planned: tuple | None = None  # the last uniform plan: (wrapper, kv_indptr, kv_last_len)
+        self._state_version = None  # the method's device state version at plan time (graph keys)
         self._host_plan: tuple | None = None  # this step's (kv_indptr, kv_indices, kv_last_len) on the host
         self.reads_all = False  # this step's decode rows all read everything: selecting layers run dense
 
@@ -114,29 +116,37 @@ class SelectiveDecode:
         last_entry = indices_h[indptr_h[1:] - 1].to(torch.int64)  # each row's newest block
         tails = torch.tensor(kv_lens, dtype=torch.int64) - (indptr_h[1:] - starts_h - 1) * bs
         rows = [i for i in range(nd) if sizes[i] is not None]
+        row_of = {i: r for r, i in enumerate(rows)}
         if uniform:
             kv_indices = None  # placeholders (written per layer on the device), built if the plan changes
             kv_indptr = torch.arange(nd * num_kv_heads + 1, dtype=torch.int32) * size
             last = tails if unit == bs else torch.ones(nd, dtype=torch.int64)
             kv_last_len = last.repeat_interleave(num_kv_heads).to(torch.int32)
-            positions = None
+            positions = take = None
         else:  # some rows read everything (all their blocks, or slots), the others their selected entries
-            indptr, indices, last_len, pos = [0], [], [], []
+            indptr, indices, last_len, pos, take = [0], [], [], [], []
             for i in range(nd):
                 blocks = indices_h[int(starts_h[i]) : int(indptr_h[i + 1])].tolist()
                 every = blocks if unit == bs else [b * bs + o for b in blocks for o in range(bs)][: kv_lens[i]]
-                for _ in range(num_kv_heads):
+                for h in range(num_kv_heads):
                     if sizes[i] is None:
                         indices.extend(every)
-                    else:
-                        pos.extend(range(len(indices), len(indices) + size))
-                        indices.extend([every[-1]] * size)  # placeholders, written per layer on the device
+                    else:  # the row's own width: the method's entries past it are not read
+                        pos.extend(range(len(indices), len(indices) + sizes[i]))
+                        first = (row_of[i] * num_kv_heads + h) * size
+                        take.extend(range(first, first + sizes[i]))
+                        indices.extend([every[-1]] * sizes[i])  # placeholders, written per layer on the device
                     indptr.append(len(indices))
                     last_len.append(int(tails[i]) if unit == bs else 1)
             kv_indptr = torch.tensor(indptr, dtype=torch.int32)
             kv_indices = torch.tensor(indices, dtype=torch.int32)
             kv_last_len = torch.tensor(last_len, dtype=torch.int32)
             positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
+            take = (
+                torch.tensor(take, dtype=torch.int64, device=self.device)
+                if len(take) < len(rows) * num_kv_heads * size
+                else None
+            )
         lists = (self.max_batch_size or nd) * num_kv_heads
         entries = int(kv_indptr[-1])
         wrapper = self._fast_wrapper(unit, entries, lists * size if uniform else entries)
@@ -177,6 +187,7 @@ class SelectiveDecode:
         self._batched = _BatchedStep(
             rows=None if uniform else idx.to(self.device),
             positions=positions,
+            take=take,
             starts=self._rows[:n],
             kv_lens=self._rows[n : 2 * n],
             num_pages=self._rows[2 * n : 3 * n],
@@ -185,6 +196,8 @@ class SelectiveDecode:
             max_pages=-(-max_pages // WIDTH_QUANTUM) * WIDTH_QUANTUM,
         )
         self.max_list_pages = max(self.max_list_pages, size)
+        # A method whose device state moves when it grows (RetroInfer's cluster arena) says so by a version.
+        self._state_version = getattr(getattr(method, "arena", None), "version", None)
 
     def uniform_size(
         self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata
@@ -195,9 +208,7 @@ class SelectiveDecode:
         unit = self.device_unit(method, group.layers)
         sizes = {method.selection_size(group.kv_lens[i] + 1, unit) for i in range(nd)}
         chosen = {s for s in sizes if s is not None}
-        if len(chosen) > 1:
-            return None, False
-        return (chosen.pop() if chosen else None), len(sizes) == 1
+        return (max(chosen) if chosen else None), len(sizes) == 1
 
     def device_unit(self, method: SparseMethod, layers) -> int | None:
         """Slots per entry of what ``layers`` select on the device this step, None when none of them does."""
@@ -224,7 +235,8 @@ class SelectiveDecode:
         if st is None or st.rows is not None:
             return None
         wrapper = self._fast[st.unit][0]
-        return (st.size, st.unit, st.max_pages, id(wrapper), self._table.data_ptr(), self._rows.data_ptr())
+        buffers = (id(wrapper), self._table.data_ptr(), self._rows.data_ptr(), self._state_version)
+        return (st.size, st.unit, st.max_pages, *buffers)
 
     def run_batched(
         self, method, layer, q, k_cache, v_cache, kmin, kmax, out, dense=None, select_q=None
@@ -282,7 +294,7 @@ class SelectiveDecode:
         if not in_place:
             self._replan(wrapper, ids, st)
         elif st.positions is not None:
-            wrapper.planned_kv_indices()[st.positions] = ids.view(-1)
+            wrapper.planned_kv_indices()[st.positions] = ids.view(-1) if st.take is None else ids.view(-1)[st.take]
         self.num_selections += n
         return wrapper.run(q, k_cache, v_cache, out=out)
 
@@ -290,7 +302,7 @@ class SelectiveDecode:
         """Reference kernels (no index buffer to write on the device): plan the step's lists again
         with the picked entries in place of the placeholders."""
         kv_indptr, kv_indices, kv_last_len = self._host_plan
-        picked = ids.view(-1).to("cpu", torch.int32)
+        picked = (ids.view(-1) if st.take is None else ids.view(-1)[st.take]).to("cpu", torch.int32)
         if st.positions is None:
             kv_indices = picked
         else:
