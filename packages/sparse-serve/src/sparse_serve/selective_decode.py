@@ -1,24 +1,17 @@
-"""Decode that reads only what a query-aware method selects, per (request, KV head).
+"""Decode that reads only what a query-aware method selects, per (request, KV head), picked on the device.
 
-For each decode query of a layer, the method sees a ``DecodeView`` (the query, the request's page
-summaries when the store keeps them, its keys when it asked for them) and answers a ``Selection``:
-pages (``page_size`` = block size: block lists) or single slots (``page_size`` = 1: slot lists),
-per KV head, or None (read everything). The answers become one head-sparse CSR (one list per
-request and KV head, the newest page last) that the decode kernel reads, so the bytes a step reads
-scale with the budget rather than the context.
-
-A layer selects through one of two paths (``LayerPlan.decode``), and a method uses one of them.
-Layers whose selection runs on the device (``SELECTED`` / ``OBSERVED``: the query-aware methods) go
-through the batched path for every decode step, on any device and kernel backend: the list structure
-is planned once per step (lengths are known from ``selection_size``) and, per layer, what the method
-picks on the device (``select_decode`` over a ``DecodeBatch`` that reads the step's block tables in
-place) is written straight into the Triton kernel's index buffer: no host sync inside the forward
-(the reference kernels, which copy their indices at ``plan``, are planned again with the picked
-entries). When every row selects the same number of entries (``uniform``) everything the forward
-reads lives in fixed buffers, so the step can be captured and replayed as a CUDA graph
-(``graph_key``); rows past the step's requests (a graph's padding) select too, on their one-token
-table, and their outputs are dropped. ``PER_REQUEST`` layers answer ``decode_selection`` per query,
-and the host path builds their lists (one sync per layer).
+Layers that select (``LayerPlan.decode``: ``SELECTED`` / ``OBSERVED``) go through one batched path for
+every decode step, on any device and kernel backend: the list structure is planned once per step
+(lengths are known from ``selection_size``) and, per layer, what the method picks on the device
+(``select_decode`` over a ``DecodeBatch`` that reads the step's block tables in place: pages, or single
+slots) is written straight into the Triton kernel's index buffer: no host sync inside the forward (the
+reference kernels, which copy their indices at ``plan``, are planned again with the picked entries). The
+answers become one head-sparse CSR (one list per request and KV head, the newest entry last), so the bytes
+a step reads scale with the budget rather than the context. When every row selects the same number of
+entries (``uniform``) everything the forward reads lives in fixed buffers, so the step can be captured
+and replayed as a CUDA graph (``graph_key``); rows past the step's requests (a graph's padding) select
+too, on their one-token table, and their outputs are dropped. Rows that read different numbers of
+entries (or everything) in one step are planned row by row and run eagerly.
 """
 
 from __future__ import annotations
@@ -30,8 +23,8 @@ import torch
 from sparse_kernels import BatchDecodeWithPagedKVCache, paged_logits
 from sparse_kernels.logits_attention import logits_attention, softmax_stats
 from sparse_kernels.selection_entries import selection_entries
-from sparse_methods import DecodeBatch, DecodeRead, DecodeView, Selection, SparseMethod
-from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots
+from sparse_methods import DecodeBatch, DecodeRead, SparseMethod
+from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata
 
 WIDTH_QUANTUM = 256  # static table width (pages) rounds up to this, so a graph serves many steps
 
@@ -68,23 +61,19 @@ class SelectiveDecode:
         ``plan`` / ``run`` / ``planned_kv_indices`` / ``backend`` follow the same interface)."""
         self.backend = backend
         self._list_decode = list_decode or self._paged_lists
-        self.decode = {}  # host path: page size -> wrapper (a plan's page size is fixed per wrapper)
         self.device = device
         self.shape = shape
         self.sm_scale = sm_scale
         self.max_batch_size = max_batch_size
         self.max_num_pages = max_num_pages  # of the step's dense tables (the table buffer's capacity)
-        self.pages_read = 0  # list entries read by selective decodes so far, for reports
-        self.tokens_read = 0  # KV tokens (per KV head) read by selective decodes so far
         self.max_list_pages = 0  # longest (request, KV head) list so far, in its page size
         self.num_selections = 0  # decode queries whose method chose a subset (not None)
 
         self._fast: dict[int, tuple[BatchDecodeWithPagedKVCache, int]] = {}  # unit -> (wrapper, entry capacity)
         self._table = torch.zeros(max_num_pages or 0, dtype=torch.int32, device=device)
         self._rows = torch.zeros(3 * (max_batch_size or 0), dtype=torch.int64, device=device)
-        self._batched: _BatchedStep | None = None  # this step's batched plan, or None (host path)
+        self._batched: _BatchedStep | None = None  # this step's batched plan, or None (no row selects)
         self._planned: tuple | None = None  # the last uniform plan: (wrapper, kv_indptr, kv_last_len)
-        self._state_version = None  # the method's device state version at plan time (graph keys)
         self._host_plan: tuple | None = None  # this step's (kv_indptr, kv_indices, kv_last_len) on the host
         self.reads_all = False  # this step's decode rows all read everything: selecting layers run dense
 
@@ -103,8 +92,6 @@ class SelectiveDecode:
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
         size, uniform = self.uniform_size(method, meta, group)
         if size is None:
-            if not uniform:
-                raise ValueError(f"{method.name}: a step's selecting rows must all read the same number of entries")
             self.reads_all = True  # every row reads everything: the dense plan serves them
             return
         real = min(nd, len(meta.steps))  # rows past the requests are a CUDA graph's padding
@@ -196,8 +183,6 @@ class SelectiveDecode:
             max_pages=-(-max_pages // WIDTH_QUANTUM) * WIDTH_QUANTUM,
         )
         self.max_list_pages = max(self.max_list_pages, size)
-        # A method whose device state moves when it grows (RetroInfer's cluster arena) says so by a version.
-        self._state_version = getattr(getattr(method, "arena", None), "version", None)
 
     def uniform_size(
         self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata
@@ -213,11 +198,11 @@ class SelectiveDecode:
     def device_unit(self, method: SparseMethod, layers) -> int | None:
         """Slots per entry of what ``layers`` select on the device this step, None when none of them does."""
         plans = [method.layer_plan(layer) for layer in layers]
-        units = {plan.unit_slots(self.shape["block_size"]) for plan in plans if plan.on_device}
+        units = {plan.unit_slots(self.shape["block_size"]) for plan in plans if plan.selects_decode}
         if not units:
             return None
-        if len(units) > 1 or any(plan.decode is DecodeRead.PER_REQUEST for plan in plans):
-            raise ValueError(f"{method.name}: the layers selecting on the device must share one unit and one path")
+        if len(units) > 1:
+            raise ValueError(f"{method.name}: the layers selecting on the device must share one unit")
         return units.pop()
 
     def reset(self) -> None:
@@ -235,7 +220,7 @@ class SelectiveDecode:
         if st is None or st.rows is not None:
             return None
         wrapper = self._fast[st.unit][0]
-        buffers = (id(wrapper), self._table.data_ptr(), self._rows.data_ptr(), self._state_version)
+        buffers = (id(wrapper), self._table.data_ptr(), self._rows.data_ptr())
         return (st.size, st.unit, st.max_pages, *buffers)
 
     def run_batched(
@@ -339,88 +324,6 @@ class SelectiveDecode:
         self._table = _fit(self._table, indices.numel(), self.max_num_pages)
         _copy_in(self._table, indices.to(torch.int32))
 
-    def _wrapper(self, page_size: int) -> BatchDecodeWithPagedKVCache:
-        if page_size not in self.decode:
-            self.decode[page_size] = BatchDecodeWithPagedKVCache(self.device, backend=self.backend)
-        return self.decode[page_size]
-
-    def _view(self, keys_needed, q_row, kv_len, blocks, kmin, kmax, k_cache) -> DecodeView:
-        bs = self.shape["block_size"]
-        ids = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        keys = None
-        if keys_needed:
-            flat = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-            keys = flat[table_slots(blocks, kv_len, bs).to(self.device)]
-        summaries = (kmin[ids], kmax[ids]) if kmin is not None else (None, None)
-        return DecodeView(q_row, kv_len, bs, *summaries, keys)
-
-    def run(
-        self,
-        method: SparseMethod,
-        layer: int,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        kmin: torch.Tensor | None,
-        kmax: torch.Tensor | None,
-        meta: StepMetadata,
-        group: LayerGroupMetadata,
-        out: torch.Tensor,
-        select_q: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Host path: attention of the ``q.shape[0]`` leading (decode) items of the step, into ``out``,
-        for a ``PER_REQUEST`` layer; the method sees ``select_q`` (default ``q``)."""
-        plan = method.layer_plan(layer)
-        if plan.decode is not DecodeRead.PER_REQUEST:
-            raise RuntimeError(f"{method.name} selects layer {layer} on the batched path (plan_step)")
-        select_q = q if select_q is None else select_q
-        bs = self.shape["block_size"]
-        num_kv_heads = self.shape["num_kv_heads"]
-        lists: list[tuple[list[int], int, int]] = []  # (pool entries, tokens in the last entry, page size)
-        for i in range(q.shape[0]):
-            kv_len = group.kv_lens[i] + 1
-            blocks = group.block_ids[i][: -(-kv_len // bs)].tolist()
-            chosen = method.decode_selection(
-                layer, meta.steps[i], self._view(plan.decode_keys, select_q[i], kv_len, blocks, kmin, kmax, k_cache)
-            )
-            lists.extend(self._lists(chosen, kv_len, blocks, num_kv_heads))
-            self.num_selections += chosen is not None
-        if len({size for _, _, size in lists}) > 1:  # mixed answers in one step: all as single slots
-            lists = [(_as_slots(entries, last, size), 1, 1) for entries, last, size in lists]
-        page_size = lists[0][2]
-        indptr, indices, last_len = [0], [], []
-        for entries, last, _ in lists:
-            indices.extend(entries)
-            indptr.append(len(indices))
-            last_len.append(last)
-            self.tokens_read += (len(entries) - 1) * page_size + last
-            self.max_list_pages = max(self.max_list_pages, len(entries))
-        self.pages_read += len(indices)
-        wrapper = self._wrapper(page_size)
-        wrapper.plan(
-            torch.tensor(indptr, dtype=torch.int32),
-            torch.tensor(indices, dtype=torch.int32),
-            torch.tensor(last_len, dtype=torch.int32),
-            head_sparse=True,
-            page_size=page_size,
-            sm_scale=self.sm_scale,
-            **self.shape,
-        )
-        return wrapper.run(q, k_cache, v_cache, out=out)
-
-    def _lists(self, chosen: Selection | None, kv_len: int, blocks: list[int], num_kv_heads: int):
-        """One (entries, last-entry tokens, page size) per KV head; entries are block ids or slot ids."""
-        bs = self.shape["block_size"]
-        if chosen is None or chosen.page_size == bs:
-            num_pages = len(blocks)
-            tail = kv_len - (num_pages - 1) * bs
-            rows = [range(num_pages)] * num_kv_heads if chosen is None else chosen.indices.tolist()
-            return [([blocks[p] for p in row], tail if row[-1] == num_pages - 1 else bs, bs) for row in rows]
-        if chosen.page_size != 1:
-            raise ValueError(f"a selection's page_size must be the block size ({bs}) or 1, got {chosen.page_size}")
-        # Slot rows may lead with -1 (a head that reads fewer slots than others: ragged lists).
-        return [([blocks[t // bs] * bs + t % bs for t in row if t >= 0], 1, 1) for row in chosen.indices.tolist()]
-
 
 def _fit(buf: torch.Tensor, needed: int, capacity: int | None) -> torch.Tensor:
     """``buf`` if it holds ``needed`` entries, else a larger buffer (which moves: graphs re-capture)."""
@@ -436,10 +339,3 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst[: src.numel()].copy_(src.pin_memory(), non_blocking=True)
     else:
         dst[: src.numel()].copy_(src)
-
-
-def _as_slots(entries: list[int], last: int, size: int) -> list[int]:
-    """A list of ``size``-token pages (the last one holding ``last`` tokens) as single slots."""
-    if size == 1:
-        return entries
-    return [b * size + o for b in entries[:-1] for o in range(size)] + [entries[-1] * size + o for o in range(last)]

@@ -19,27 +19,30 @@ positive estimation ratio (the default) is refused once a request's context is l
 On the engine, one selection path (``select_decode``, slot entries, no host sync, CUDA-graph safe): the
 index is built or extended outside graphs, from the keys ``on_attention_end`` hands over at the steps
 that bring a request's processed tokens to a new index block (``prepare_step`` observes exactly those),
-and packed per layer into device tensors (``ClusterArena``) that the decode rows read through a per-step
-plan. A decode row then reads a fixed number of slots, ``selection_size(kv_len)`` =
-``min(kv_len, sink + recent + update + k * avg)`` with ``k = clamp(round(C' * ratio), 1, C')`` and
-``C' = (kv_len - 1 - recent - sink) // avg`` (the clusters a fresh index would have): the sink, every
-unindexed token (at most ``recent + update``) and, filling the rest, the tokens of the clusters in rank
-order (the last one truncated; ties in rank to the lower cluster). So a row reads at least the published
-``round(C * ratio)`` clusters' worth of tokens, more right after an index update, and with ``ratio = 1``
-everything (dense). With prefix caching a hit simply indexes the cached keys. Ranking uses the usual
-``head_dim ** -0.5`` scale.
+and written in place into the request's row of the engine's fixed device buffers (``StoreKind.CLUSTER_INDEX``:
+a ``ClusterArena`` sized at build from ``memory_plan``'s ``index_clusters``, so graphs never see it move),
+which the decode rows read through a per-step plan. A decode row then reads a fixed number of slots,
+``selection_size(kv_len)`` = ``min(kv_len, sink + recent + update + k * avg)`` with
+``k = clamp(round(C' * ratio), 1, C')`` and ``C' = (kv_len - 1 - recent - sink) // avg`` (the clusters a
+fresh index would have): the sink, every unindexed token (at most ``recent + update``) and, filling the
+rest, the tokens of the clusters in rank order (the last one truncated; ties in rank to the lower
+cluster). So a row reads at least the published ``round(C * ratio)`` clusters' worth of tokens, more right
+after an index update, and with ``ratio = 1`` everything (dense). With prefix caching a hit simply indexes
+the cached keys. Ranking uses the usual ``head_dim ** -0.5`` scale. A request whose context arrives
+without a step observing it (a prefix hit of all but its last token, a benchmark's synthetic prefill) past
+the index threshold has no index at its first selecting query: that one query reads the sink and its
+newest tokens (``selection_size`` of them), and the step builds the index.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Hashable
 
 import torch
 from pydantic import Field, model_validator
 
 from sparse_methods.base import (
     Category,
-    Compaction,
     DecodeBatch,
     DecodeRead,
     LayerAttention,
@@ -51,6 +54,8 @@ from sparse_methods.base import (
     RequestStep,
     SparseMethod,
     StepContext,
+    Storage,
+    StoreKind,
     Support,
     Unit,
 )
@@ -93,17 +98,28 @@ class RetroInfer(SparseMethod):
     category = Category.QUERY_AWARE_SELECTION
     prefix_cache_mode = PrefixCacheMode.RADIX
     Config = RetroInferConfig
+    storage = Storage(StoreKind.CLUSTER_INDEX)
     supports = frozenset({Support.TENSOR_PARALLEL})  # an index and a cluster ranking per KV head
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         super().__init__(config, shape)
         self._index: dict = {}  # (request id, layer) -> sparse_kernels.cluster_index.ClusterIndex
         self._observing: dict[Hashable, int] = {}  # this step: request -> tokens processed after it
-        self.arena = ClusterArena(shape.num_layers)
         self._width = 0  # this step's widest selection (slots)
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
-        return MemoryPlan.uniform(self.shape.num_layers, prompt_len, prompt_len, prompt_len + max_new_tokens)
+        """Every token stays; the index holds at most one cluster per ``avg`` indexed tokens (a first index
+        and each appended block make ``tokens // avg`` clusters at most)."""
+        c, total = self.config, prompt_len + max_new_tokens
+        indexed = max(0, total - c.retroinfer_recent_tokens - c.retroinfer_sink_tokens)
+        clusters = indexed // c.retroinfer_avg_cluster_size
+        return MemoryPlan.uniform(self.shape.num_layers, prompt_len, prompt_len, total, index_clusters=clusters)
+
+    @property
+    def arena(self) -> ClusterArena:
+        if self.cluster_arena is None:
+            raise RuntimeError("retroinfer reads its indexes from the engine's cluster arena (StoreKind.CLUSTER_INDEX)")
+        return self.cluster_arena
 
     def layer_plan(self, layer: int) -> LayerPlan:
         return _SELECTED
@@ -146,35 +162,36 @@ class RetroInfer(SparseMethod):
             size = self.selection_size(kv_len, 1)
             if size is None:
                 continue
-            index = self._index.get((r.request_id, 0))
-            if index is None:
-                raise RuntimeError(f"retroinfer: request {r.request_id!r} selects before its index exists")
-            tokens, clusters = self.arena.bases[r.request_id]
-            sink = min(self.config.retroinfer_sink_tokens, index.start)
-            rows.append((tokens, clusters, index.num_clusters, index.end, size - sink - (kv_len - index.end)))
+            index, sink = self._index.get((r.request_id, 0)), self.config.retroinfer_sink_tokens
+            if index is None:  # its context arrived unobserved (a prefix hit, a synthetic prefill): no index
+                rows.append((0, 0, 0, kv_len - (size - sink), 0))  # until this step's end: sink + newest tokens
+            else:
+                tokens, clusters = self.arena.bases(r.request_id)
+                rows.append((tokens, clusters, index.num_clusters, index.end, size - sink - (kv_len - index.end)))
             width = max(width, size)
         self._width = width
         if rows:
-            self.arena.plan_rows(rows, self.arena.layers[0][0].device)
+            self.arena.plan_rows(rows)
         return frozenset(self._observing)
 
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
+        """Build or extend the request's index of ``layer`` and write what changed into its arena row (this
+        step's selection in ``layer`` read the row already; the step's plan reads no new cluster)."""
         processed = self._observing.get(request.request_id)
         if processed is None:
             return
-        self._update((request.request_id, layer), view.keys, processed)
-
-    def finish_step(self) -> Mapping[Hashable, Compaction]:
-        """Pack the indexes this step built or extended (after every layer's selection read the old ones)."""
-        if self._observing:
-            self.arena.pack(self._index)
-        return {}
+        key = (request.request_id, layer)
+        previous = self._index.get(key)
+        index = self._update(key, view.keys, processed)
+        if index is not None and index is not previous:
+            self.arena.write(request.request_id, layer, index, previous)
 
     def release(self, request_id: Hashable) -> None:
         dropped = [k for k in self._index if k[0] == request_id]
         for key in dropped:
             del self._index[key]
-        self.arena.bases.pop(request_id, None)
+        if self.cluster_arena is not None:
+            self.cluster_arena.release(request_id)
 
     def index(self, request_id: Hashable, layer: int):
         """The request's ``ClusterIndex`` in ``layer`` (None before it has one)."""
@@ -237,7 +254,7 @@ class RetroInfer(SparseMethod):
         offsets = offsets_all[:, cid].permute(1, 0, 2).gather(-1, cluster)
         slot = (tok_base[:, None, None] + offsets + within).clamp_(0, positions.shape[1] - 1)
         head = torch.arange(heads, device=device)[None, :, None]
-        picked = positions[head, slot]
+        picked = positions[head, slot].long()
         take = (j < budget[:, None, None]) & (j < cum[..., -1:])
         mask = torch.zeros(n, heads, tokens_w + 1, dtype=torch.bool, device=device)
         mask.scatter_(-1, torch.where(take, picked, tokens_w), True)
