@@ -104,6 +104,8 @@ class OrderMachine(RuleBasedStateMachine):
         assert self.pool.num_free_blocks == len(self.model.free)
         assert [self.pool.refcount(b) for b in range(10)] == self.model.refcount
         assert self.pool.num_cached_blocks == len(self.model.cached)
+        assert self.pool.num_shared_blocks == sum(c > 1 for c in self.model.refcount)
+        assert self.pool.any_shared(range(10)) == any(c > 1 for c in self.model.refcount)
 
 
 def test_free_order_after_mixed_releases():

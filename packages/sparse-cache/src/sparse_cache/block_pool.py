@@ -49,6 +49,7 @@ class BlockPool:
         self._cached_free: OrderedDict[int, None] = OrderedDict()  # after the stack, first = reused first
         self._cached = np.zeros(num_blocks, dtype=bool)  # whether a block has a hash
         self._last = np.zeros(num_blocks, dtype=np.int64)  # scratch of ``release``: a block's last position + 1
+        self._num_shared = 0  # blocks with more than one holder
         self._hash_of: dict[int, BlockHash] = {}
         self._block_of: dict[BlockHash, int] = {}
         self.num_evictions = 0
@@ -67,11 +68,18 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._block_of)
 
+    @property
+    def num_shared_blocks(self) -> int:
+        """Blocks with more than one holder (0 lets callers skip looking for shared blocks)."""
+        return self._num_shared
+
     def refcount(self, block_id: int) -> int:
         return int(self._refcount[block_id])
 
     def any_shared(self, block_ids: Iterable[int], skip: int | None = None) -> bool:
         """Whether some block of ``block_ids`` other than ``skip`` has more than one holder."""
+        if not self._num_shared:
+            return False
         ids = as_block_ids(block_ids)
         if skip is not None:
             ids = ids[ids != skip]
@@ -107,7 +115,10 @@ class BlockPool:
                 raise ValueError(f"block {int(uncached[0])} is free and holds no cached KV; allocate it instead")
             for block_id in dict.fromkeys(revived.tolist()):
                 del self._cached_free[block_id]
+        touched = np.unique(ids)
+        shared_before = int((self._refcount[touched] > 1).sum())
         np.add.at(self._refcount, ids, 1)
+        self._num_shared += int((self._refcount[touched] > 1).sum()) - shared_before
 
     def release(self, block_ids: Iterable[int]) -> None:
         """Drop one holder of each block, in the order given; blocks reaching 0 become free. Raises
@@ -120,11 +131,14 @@ class BlockPool:
         if not ids.size:
             return
         refcount = self._refcount
+        touched = np.unique(ids[refcount[ids] > 1])  # only these can stop being shared
+        shared_before = int((refcount[touched] > 1).sum())
         np.subtract.at(refcount, ids, 1)
         over = refcount[ids] < 0
         if over.any():
             np.add.at(refcount, ids, 1)
             raise ValueError(f"block {int(ids[over][0])} released more often than held")
+        self._num_shared += int((refcount[touched] > 1).sum()) - shared_before
         freed = ids[refcount[ids] == 0]
         if freed.size > 1:  # a block listed twice becomes free at its last listing
             order = np.arange(1, freed.size + 1)
