@@ -304,13 +304,14 @@ class KVCacheManager:
         wanted = int(missing[short].sum()) if short else 0
         if wanted > self.pool.num_free_blocks or self._writes_shared(req, write_from):
             return None  # the general path copies shared blocks and reclaims idle chains
-        new_blocks = []
+        new_blocks = self.pool.allocate(wanted)  # one call for every short table, dealt out in table order
+        assert new_blocks is not None  # checked above
+        at = 0
         for i in short:
-            fresh = self.pool.allocate(int(missing[i]))
-            assert fresh is not None  # checked above
+            fresh = new_blocks[at : at + int(missing[i])]
+            at += len(fresh)
             tables[i].block_ids.extend(fresh)
             req.ids[i].extend(fresh)
-            new_blocks += fresh
         for table, n in zip(tables, targets, strict=True):
             if n > table.num_tokens:
                 table.num_tokens = min(n, len(table.block_ids) * bs)
