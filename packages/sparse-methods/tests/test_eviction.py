@@ -138,6 +138,33 @@ def test_chain_state_resumes_like_one_session(name):
     assert one.release("r") is None
 
 
+@pytest.mark.parametrize(
+    ("name", "params", "expected"),
+    [
+        ("snapkv", dict(observation_window_size=4, decode_eviction_interval=3), sm.DeviceState(query_window=4)),
+        ("snapkv", dict(observation_window_size=4, decode_eviction_interval=0), sm.DeviceState()),
+        ("streamingllm", dict(decode_eviction_interval=3), sm.DeviceState()),  # ranks nothing: no queries
+        ("h2o", dict(h2o_prefill_budget=12, h2o_decode_budget=10, decode_eviction_interval=3), (16, 1)),
+        (
+            "h2o",
+            dict(h2o_prefill_budget=12, h2o_decode_budget=20, decode_eviction_interval=3, h2o_per_head=True),
+            (24, 2),
+        ),
+        ("h2o", dict(h2o_prefill_budget=12, h2o_decode_budget=10, decode_eviction_interval=0), sm.DeviceState()),
+    ],
+)
+def test_device_state_is_asked_of_decode_time_eviction_only(name, params, expected):
+    """One declaration of the device buffers: a window scorer that evicts while decoding wants a query ring
+    of its window, an accumulating one running sums of its largest budget plus an interval and one token
+    (one row summed over the heads, or one per KV head); nothing without decode-time eviction."""
+    expected = sm.DeviceState(score_sums=expected) if isinstance(expected, tuple) else expected
+    assert sm.build_method(name, SHAPE, **params).device_state() == expected
+    with pytest.raises(ValueError, match="query_window"):
+        sm.DeviceState(query_window=-1)
+    with pytest.raises(ValueError, match="positive"):
+        sm.DeviceState(score_sums=(0, 1))
+
+
 @pytest.mark.parametrize("name", ["streamingllm", "snapkv", "pyramidkv", "h2o"])
 def test_budget_above_context_is_the_identity(name):
     method = sm.build_method(name, SHAPE, decode_eviction_interval=4)

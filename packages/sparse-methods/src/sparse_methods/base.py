@@ -17,10 +17,10 @@ classes. Per step:
    RetroInfer's cluster retrieval only), whether prefill chunks read what ``prefill_selection`` picks,
    and which keys those need.
    ``selection_size`` gives the width of the device selections before the forward (static shapes).
-   A method that reads recent decode queries back at its compactions declares ``query_ring_window``;
-   the engine then records them on the device (``query_ring``) instead of handing them over each step;
-   one that sums decode attention scores declares ``decode_score_shape`` and gets running sums that the
-   decode kernel's score output feeds (``decode_score_sums``).
+   A method that reads recent decode queries back at its compactions, or sums decode attention scores,
+   says so in ``device_state()`` (``DeviceState``, asked once when the engine is built); the engine then
+   records the queries on the device (``query_ring``) instead of handing them over each step, or keeps
+   running sums that the decode kernel's score output feeds (``decode_score_sums``).
 3. after each full-attention layer's attention: for each observed request, ``on_attention_end(layer,
    request, view)`` with the request's new queries and its keys.
 4. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per layer and
@@ -97,6 +97,37 @@ class StoreKind(enum.StrEnum):
     """A block table per (layer, KV head): a layer's heads may keep different numbers of tokens
     (``Compaction.head_counts``), and the memory in use is the sum of what each head keeps. The method's
     memory plan counts per-head averages. Decode reads every slot each head holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceState:
+    """Device buffers a method asks the engine to keep for it, beside the KV store (``SparseMethod.device_state``,
+    asked once when the engine is built). The engine may decline either (a store whose kernels cannot feed
+    it: quantized or latent); the method then observes through ``on_attention_end`` as usual.
+
+    ``query_window``: the latest decode queries per (request, layer) the method reads back at its
+    compactions (0: none). The engine may give it a ``QueryRing`` of that window (``SparseMethod.query_ring``)
+    that every decode step writes on the device (full-attention layers, decode rows); the method then plans
+    it in ``prepare_step`` and observes no request at the steps that only remember queries.
+
+    ``score_sums``: ``(capacity, heads)`` of the running attention sums an accumulating method adds every
+    decode query's probabilities to: the most slots a decoding request holds in a layer, and 1 (summed
+    over the KV heads) or ``num_kv_heads`` (None: no sums). The engine may give it ``DecodeScoreSums``
+    (``SparseMethod.decode_score_sums``) that the decode kernel's score output feeds inside the step.
+    """
+
+    query_window: int = 0
+    score_sums: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.query_window < 0:
+            raise ValueError(f"query_window must be >= 0, got {self.query_window}")
+        if self.score_sums is not None and min(self.score_sums) < 1:
+            raise ValueError(f"score_sums (capacity, heads) must be positive, got {self.score_sums}")
+
+
+NO_DEVICE_STATE = DeviceState()
+"""A method that keeps nothing on the device (the default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,9 +522,9 @@ class SparseMethod(ABC):
     """How prefill chunks attend when a prefill attention method is chosen (``build_method`` sets it);
     None: dense prefill attention."""
     query_ring: QueryRing | None = None
-    """Set by the engine when ``query_ring_window`` is positive and its store keeps plain queries."""
+    """Set by the engine when ``device_state().query_window`` is positive and its store keeps plain queries."""
     decode_score_sums: DecodeScoreSums | None = None
-    """Set by the engine when ``decode_score_shape`` is given and the decode kernel can write scores."""
+    """Set by the engine when ``device_state().score_sums`` is given and the decode kernel can write scores."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         if not isinstance(config, self.Config):
@@ -512,21 +543,11 @@ class SparseMethod(ABC):
         change between steps, never within one)."""
         return DENSE_LAYER
 
-    @property
-    def query_ring_window(self) -> int:
-        """Latest decode queries per (request, layer) the method reads back at its compactions (0: none).
-        When positive the engine may give the method a ``QueryRing`` of that window (``query_ring``) that
-        every decode step writes on the device (full-attention layers, decode rows); the method then plans
-        it in ``prepare_step`` and observes no request at the steps that only remember queries."""
-        return 0
-
-    @property
-    def decode_score_shape(self) -> tuple[int, int] | None:
-        """``(capacity, heads)`` of the running attention sums an accumulating method adds every decode
-        query's probabilities to: the most tokens a decoding request holds in a layer, and 1 (summed over
-        the KV heads) or ``num_kv_heads``. The engine may then give the method ``DecodeScoreSums``
-        (``decode_score_sums``) that the decode kernel's score output feeds inside the step; None: no sums."""
-        return None
+    def device_state(self) -> DeviceState:
+        """The device buffers the method wants the engine to keep for it (``DeviceState``: a ring of recent
+        decode queries, running decode-score sums), asked once when the engine is built, after it set
+        ``head_reduction``."""
+        return NO_DEVICE_STATE
 
     # -- one step ------------------------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> Collection[Hashable]:

@@ -37,8 +37,10 @@ from typing import ClassVar
 import torch
 
 from sparse_methods.base import (
+    NO_DEVICE_STATE,
     Category,
     Compaction,
+    DeviceState,
     LayerAttention,
     MemoryPlan,
     MethodConfig,
@@ -198,19 +200,20 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
         return self._observing
 
-    @property
-    def query_ring_window(self) -> int:
-        """A window scorer with decode-time eviction remembers its decode queries in the ring."""
-        window = self.observation_window
-        return window if self._interval is not None and not self.accumulates and window else 0
+    def device_state(self) -> DeviceState:
+        """With decode-time eviction, a window scorer remembers its decode queries in the ring and an
+        accumulating scorer adds the decode kernel's scores on the device."""
+        if self._interval is None:
+            return NO_DEVICE_STATE
+        if not self.accumulates:
+            return DeviceState(query_window=self.observation_window or 0)
+        return DeviceState(score_sums=self._score_sums_shape())
 
-    @property
-    def decode_score_shape(self) -> tuple[int, int] | None:
-        """An accumulating scorer with decode-time eviction adds the decode kernel's scores on the device:
-        a request holds at most its largest budget plus an interval while decoding (and one more token:
-        a resumed turn's first)."""
+    def _score_sums_shape(self) -> tuple[int, int] | None:
+        """``(capacity, heads)`` of the running sums: a request holds at most its largest budget plus an
+        interval while decoding (and one more token: a resumed turn's first)."""
         heads = self.score_heads
-        if not self.accumulates or self._interval is None or (heads == 1 and self.head_reduction.num_shards > 1):
+        if heads == 1 and self.head_reduction.num_shards > 1:
             return None  # (a sum over every shard's heads would need a collective per step and layer)
         budgets = [self._layer_budgets(1, phase) for phase in (Phase.PROMPT, Phase.DECODE)]
         bounded = [b for layers in budgets if layers is not None for b in layers if b != _UNBOUNDED]
