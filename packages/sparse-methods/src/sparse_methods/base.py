@@ -31,8 +31,10 @@ Per request: ``replay_passes`` once its prompt is processed (extra forward passe
 KVzip's context reconstruction: the engine runs them as ordinary steps whose ``RequestStep.replay`` is
 set, keeps none of their KV and samples nothing); ``release(request_id)`` when it finishes, is aborted
 or is preempted, which returns the state the next turn of its chain needs (an opaque snapshot the engine
-stores with the chain's retained KV); ``restore_state(request_id, state)`` hands that state to the
-request of the next turn (or to each fork of the chain) before its first step.
+stores with the chain's retained KV). The request of the next turn (or each fork of the chain) brings that
+state back on the first step it is scheduled in (``RequestStep.resumed_state``), which ``prepare_step``
+takes over: the state reaches the method with the step that first needs it, through the hook that
+already sees every request before its first forward.
 
 Tensor parallelism (``Support.TENSOR_PARALLEL``): each rank runs its own instance over its shard of the
 KV heads (``ModelShape``: the shard's KV heads and their whole query groups). Per-KV-head decisions
@@ -326,6 +328,11 @@ class RequestStep:
     replay: int | None = None
     """Index of the method's replay pass (``replay_passes``) this step runs for the request, or None:
     the step processes the request's own tokens."""
+    resumed_state: object | None = None
+    """Set on the first step of a request that resumed a chain: the state ``release`` returned when the
+    chain's last turn ended (its KV is the chain's retained KV; ``kv_lens`` count it), for ``prepare_step``
+    to take over. The same state may come back more than once (forks of a chain): the method copies what
+    it will mutate. None on every other step."""
 
     @property
     def end(self) -> int:
@@ -552,7 +559,8 @@ class SparseMethod(ABC):
     # -- one step ------------------------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> Collection[Hashable]:
         """Called once per step before the forward; returns the requests whose attention inputs every
-        full-attention layer hands to ``on_attention_end`` this step (empty: the step observes nothing)."""
+        full-attention layer hands to ``on_attention_end`` this step (empty: the step observes nothing).
+        A request that resumed a chain brings its state on its first step (``RequestStep.resumed_state``)."""
         return frozenset()
 
     def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:  # noqa: B027
@@ -594,12 +602,9 @@ class SparseMethod(ABC):
 
     def release(self, request_id: Hashable) -> object | None:
         """Forget a request (finished, aborted or preempted); returns its state that the next turn of its
-        chain needs (None: nothing), which the engine keeps when a finished turn closes a chain."""
+        chain needs (None: nothing), which the engine keeps when a finished turn closes a chain and hands
+        back on that turn's first step (``RequestStep.resumed_state``)."""
         return None
-
-    def restore_state(self, request_id: Hashable, state: object) -> None:  # noqa: B027
-        """Give a new request a state from ``release`` (its KV is the chain's retained KV). The same state
-        may be restored more than once (forks of a chain): the method copies what it will mutate."""
 
     # -- derived, not hooks ----------------------------------------------------------------------
     def fingerprint(self) -> dict:

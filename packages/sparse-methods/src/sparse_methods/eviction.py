@@ -18,7 +18,7 @@ keep). Everything else lives here once:
   the whole batch costs a few device ops per layer rather than per (request, layer);
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
 - the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
-- chain state (``release`` returns it, ``restore_state`` takes it back);
+- chain state (``release`` returns it, a resumed request's first step brings it back: ``RequestStep.resumed_state``);
 - sliding-window layers (``ModelShape.windowed_layers``): never compacted (the engine observes none), their
   budget unbounded, so a windowed model's local layers keep their window and the method acts on its global ones.
 
@@ -186,7 +186,7 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         self._step, self._pending = {}, {}
         for r in step.requests:
             if r.request_id not in self._states:
-                self._states[r.request_id] = _RequestState(window=self._layers(), scores=self._layers())
+                self._states[r.request_id] = self._resumed(r.resumed_state)
         recorded = self._plan_device(step.requests)
         for r in step.requests:
             state = self._states[r.request_id]
@@ -388,7 +388,9 @@ class EvictionMethod(DeviceObservation, SparseMethod):
                 device_state.release(request_id)
         return state
 
-    def restore_state(self, request_id: Hashable, state: object) -> None:
-        # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.
-        if state is not None:
-            self._states[request_id] = _RequestState(state.decoded, list(state.window), list(state.scores))
+    def _resumed(self, state: _RequestState | None) -> _RequestState:
+        """A new request's state: fresh, or a copy of the chain's state it resumed (``RequestStep.resumed_state``).
+        Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot."""
+        if state is None:
+            return _RequestState(window=self._layers(), scores=self._layers())
+        return _RequestState(state.decoded, list(state.window), list(state.scores))
