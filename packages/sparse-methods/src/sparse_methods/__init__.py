@@ -38,6 +38,7 @@ from sparse_methods.prefill_attention import PrefillAttention
 from sparse_methods.query_ring import QueryRing
 from sparse_methods.registry import (
     build_method,
+    canonical_method_name,
     check_prefill_method,
     get_method_class,
     make_config,
@@ -79,6 +80,7 @@ __all__ = [
     "Support",
     "Unit",
     "build_method",
+    "canonical_method_name",
     "check_prefill_method",
     "get_method_class",
     "make_config",

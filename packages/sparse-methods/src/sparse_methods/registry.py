@@ -20,16 +20,25 @@ from sparse_methods.prefill_attention import PrefillAttention
 
 ANY_METHOD = "any"
 _METHODS: dict[str, type[SparseMethod]] = {}
+_ALIASES: dict[str, str] = {}  # another spelling -> the registered name
 _PREFILL_METHODS: dict[str, frozenset[str] | str] = {}
 _PREFILL_ATTENTION: dict[str, type[PrefillAttention]] = {}
 
 
 def register(cls: type[SparseMethod]) -> type[SparseMethod]:
-    """Class decorator adding a method under ``cls.name``."""
-    if cls.name in _METHODS:
-        raise ValueError(f"sparse method {cls.name!r} is already registered")
+    """Class decorator adding a method under ``cls.name`` (and its ``aliases``, other spellings, if it has any)."""
+    aliases = getattr(cls, "aliases", ())
+    for name in (cls.name, *aliases):
+        if name in _METHODS or name in _ALIASES:
+            raise ValueError(f"sparse method {name!r} is already registered")
     _METHODS[cls.name] = cls
+    _ALIASES.update(dict.fromkeys(aliases, cls.name))
     return cls
+
+
+def canonical_method_name(name: str) -> str:
+    """The registered name of ``name`` (itself, or what the alias stands for: ``skip-kv`` -> ``skipkv``)."""
+    return _ALIASES.get(name, name)
 
 
 def register_prefill_method(name: str, *, for_methods: frozenset[str] | str) -> None:
@@ -62,7 +71,7 @@ def prefill_method_names() -> list[str]:
 
 def get_method_class(name: str) -> type[SparseMethod]:
     try:
-        return _METHODS[name]
+        return _METHODS[canonical_method_name(name)]
     except KeyError:
         raise ValueError(f"unknown sparse_method {name!r}; registered: {', '.join(method_names())}") from None
 
@@ -102,6 +111,7 @@ def parameter_fields() -> dict[str, Any]:
 def make_config(name: str, prefill_sparse_method: str | None = None, **params: Any) -> MethodConfig:
     """Validate ``params`` against method ``name``'s config (and the prefill attention method's, if one is
     chosen); a parameter neither has is an error."""
+    name = canonical_method_name(name)
     cls = get_method_class(name)
     check_prefill_method(name, prefill_sparse_method)
     own, prefill = _split_prefill_params(prefill_sparse_method, params)

@@ -151,7 +151,11 @@ def _methods(args: argparse.Namespace) -> int:
 
     for name in sparse_methods.method_names():
         cls = sparse_methods.get_method_class(name)
-        print(f"{name}: {cls.category} | prefill_policy={cls.prefill_policy} | prefix_cache={cls.prefix_cache_mode}")
+        aliases = getattr(cls, "aliases", ())
+        also = f" (also: {', '.join(aliases)})" if aliases else ""
+        print(
+            f"{name}{also}: {cls.category} | prefill_policy={cls.prefill_policy} | prefix_cache={cls.prefix_cache_mode}"
+        )
         for field, info in cls.Config.model_fields.items():
             print(f"    {field}={info.default!r}  {info.description or ''}")
     print("prefill_sparse_method: " + ", ".join(sparse_methods.prefill_method_names()))

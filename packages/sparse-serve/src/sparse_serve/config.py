@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 import sparse_methods
 
@@ -90,6 +90,12 @@ class _EngineFields(BaseModel):
         description="fp8 only: a JSON file of static per-layer scales ({'k': [...], 'v': [...]}, dequant "
         "multipliers); default: dynamic scales per (token, KV head), no calibration needed.",
     )
+
+    @field_validator("sparse_method", mode="before")
+    @classmethod
+    def _canonical_method(cls, name: Any) -> Any:
+        """An alias (``skip-kv``) becomes the registered name, which the engine and reports then see."""
+        return sparse_methods.canonical_method_name(name) if isinstance(name, str) else name
 
     @model_validator(mode="before")
     @classmethod
