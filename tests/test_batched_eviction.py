@@ -22,7 +22,7 @@ _rng = random.Random(8)
 # All prefilled in the first step, so they compact together at the prompt's end and at every decode
 # interval; the shortest holds less than the budget (40) at first, so lengths differ at the evictions.
 PROMPTS = [[_rng.randrange(3, 4000) for _ in range(n)] for n in (30, 45, 60, 70)]
-BATCHED = ("snapkv", "pyramidkv", "rkv", "tova")
+BATCHED = ("snapkv", "pyramidkv", "rkv", "tova", "skipkv")
 
 
 @pytest.mark.parametrize("method", BATCHED)

@@ -58,6 +58,15 @@ METHODS = {
         rkv_compression_interval=3,
         rkv_observation_tokens=3,
     ),
+    "skipkv": dict(
+        sparse_method="skipkv",
+        sink_keep_tokens=4,
+        decode_keep_tokens=28,
+        recent_keep_tokens=8,
+        skipkv_compression_interval=3,
+        skipkv_redundancy_window=8,
+        skipkv_segment_size=4,
+    ),
 }
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -70,3 +70,13 @@ def test_quantized_kv_flags_parse_their_integer_choices():
     assert r.returncode == 0, r.stderr
     r = _run("generate", "--prompt", "x", "--device", "cpu", "--kv-cache-dtype", "turboquant", "--turboquant-bits", "5")
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def test_method_aliases_resolve_and_are_listed(capsys):
+    """SE's spellings of a method (``skip-kv``, ``skip_kv``) name the registered one everywhere."""
+    from sparse_serve.cli import build_parser, engine_config_from_args, main
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--sparse-method", "skip-kv"])
+    assert engine_config_from_args(args).sparse_method == "skipkv"
+    assert main(["methods"]) == 0
+    assert "skipkv (also: skip-kv, skip_kv): physical eviction" in capsys.readouterr().out

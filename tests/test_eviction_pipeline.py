@@ -31,6 +31,8 @@ DECODE_EVICTING = {
     | dict(observation_window_size=8, decode_eviction_interval=7),
     "rkv": dict(sparse_method="rkv", sink_keep_tokens=4, decode_keep_tokens=20, recent_keep_tokens=8)
     | dict(rkv_compression_interval=6, rkv_observation_tokens=3),
+    "skipkv": dict(sparse_method="skipkv", sink_keep_tokens=4, decode_keep_tokens=20, recent_keep_tokens=8)
+    | dict(skipkv_compression_interval=6, skipkv_redundancy_window=8, skipkv_segment_size=4),
     "tova": dict(sparse_method="tova", decode_keep_tokens=30, decode_eviction_interval=3),
     "h2o": dict(sparse_method="h2o", h2o_prefill_budget=30, h2o_decode_budget=24, h2o_prefill_score_window=8)
     | dict(decode_eviction_interval=5),
@@ -39,7 +41,7 @@ DECODE_EVICTING = {
     "streamingllm": dict(sparse_method="streamingllm", sink_keep_tokens=4, recent_keep_tokens=20)
     | dict(decode_eviction_interval=5),
 }
-RING_METHODS = ("snapkv", "pyramidkv", "rkv", "tova")
+RING_METHODS = ("snapkv", "pyramidkv", "rkv", "tova", "skipkv")
 SUMS_METHODS = ("h2o", "h2o_per_head")
 CONFIG = dict(device="cpu", max_model_len=256, block_size=8, max_num_batched_tokens=32)
 

@@ -52,6 +52,15 @@ SMALL_BUDGETS = {
         rkv_compression_interval=6,
         rkv_observation_tokens=4,
     ),
+    "skipkv": dict(  # the prompt stays whole; a layer at 40 + 6 goes back to 40
+        sparse_method="skipkv",
+        sink_keep_tokens=4,
+        decode_keep_tokens=28,
+        recent_keep_tokens=8,
+        skipkv_compression_interval=6,
+        skipkv_redundancy_window=8,
+        skipkv_segment_size=4,
+    ),
 }
 LARGE_BUDGETS = {
     "streamingllm": dict(sparse_method="streamingllm", sink_keep_tokens=4, recent_keep_tokens=1000),
@@ -61,6 +70,7 @@ LARGE_BUDGETS = {
     "h2o_prefill": dict(sparse_method="h2o", prefill_sparse_method="h2o_prefill", h2o_prefill_budget=1000),
     "tova": dict(sparse_method="tova", decode_keep_tokens=1000),
     "rkv": dict(sparse_method="rkv", decode_keep_tokens=1000, rkv_compression_interval=4, rkv_observation_tokens=4),
+    "skipkv": dict(sparse_method="skipkv", decode_keep_tokens=1000, skipkv_compression_interval=4),
 }
 
 

@@ -22,6 +22,7 @@ BIG = {
     "streamingllm": dict(sink_keep_tokens=4, recent_keep_tokens=1000, **INTERVAL),
     "tova": dict(decode_keep_tokens=1000, **INTERVAL),
     "rkv": dict(decode_keep_tokens=1000),
+    "skipkv": dict(decode_keep_tokens=1000),
 }
 SMALL = {
     "snapkv": dict(sink_keep_tokens=2, decode_keep_tokens=4, observation_window_size=4, recent_keep_tokens=4),
@@ -30,6 +31,7 @@ SMALL = {
     "streamingllm": dict(sink_keep_tokens=2, recent_keep_tokens=6),
     "tova": dict(decode_keep_tokens=6),
     "rkv": dict(decode_keep_tokens=4, sink_keep_tokens=2, recent_keep_tokens=4),
+    "skipkv": dict(decode_keep_tokens=4, sink_keep_tokens=2, recent_keep_tokens=4, skipkv_redundancy_window=4),
 }
 
 

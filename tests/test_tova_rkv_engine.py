@@ -25,6 +25,14 @@ DECODE_EVICTING = {
         rkv_compression_interval=6,
         rkv_observation_tokens=4,
     ),
+    "skipkv": dict(
+        sink_keep_tokens=4,
+        decode_keep_tokens=28,
+        recent_keep_tokens=8,
+        skipkv_compression_interval=6,
+        skipkv_redundancy_window=8,
+        skipkv_segment_size=4,
+    ),
 }
 
 
