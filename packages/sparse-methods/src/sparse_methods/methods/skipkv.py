@@ -21,8 +21,10 @@ hands a method neither hidden states nor token ids. So no sentence penalty ever 
 segment penalty, SE's own fallback, always applies; the sentence parameters are kept (SE's names and
 defaults) and validated. Activation steering (``skipkv_enable_activation_steering``) is not supported.
 
-Differences from SE: scores stay float32 (SE casts importance to the model dtype first); a layer
-compacts when its own length triggers, as SE's, and every layer of this family holds the same length.
+Read where SE's description leaves room: the redundancy window is the newest ``w`` middle slots (those
+that can be evicted), and a token's "future" similar tokens are the later slots of that window.
+Differences from SE: scores stay float32 (SE casts importance to the model dtype first), top-k ties go
+to the earlier slot, and one GPU only (SE also runs it tensor-parallel).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ def segment_penalty(keys: torch.Tensor, *, segment_size: int, threshold: float) 
     a segment's largest cosine with any later segment if at least ``threshold`` (else 0), given to its slots."""
     w = keys.shape[0]
     segment = torch.arange(w, device=keys.device) // segment_size
-    count = int(segment[-1]) + 1
+    count = -(-w // segment_size)  # (from the shape: no device sync)
     flat = keys.reshape(w, -1).float()
     means = torch.zeros(count, flat.shape[1], device=keys.device).index_add_(0, segment, flat)
     means /= torch.bincount(segment, minlength=count).unsqueeze(1).float()
@@ -179,11 +181,11 @@ class SkipKV(EvictionMethod):
         keys, kv_len = inputs.keys, inputs.keys.shape[0]
         sink = min(c.sink_keep_tokens, kv_len)
         end = max(sink, kv_len - c.recent_keep_tokens)  # the middle is [sink, end)
-        g = self.shape.group_size
-        k = keys[sink:].float().repeat_interleave(g, dim=1)  # [L - sink, Hq, D]
-        logits = torch.einsum("hd,lhd->hl", inputs.queries[-1].float(), k) * inputs.scale
+        num_kv_heads = keys.shape[1]
+        q = inputs.queries[-1].float().view(num_kv_heads, -1, keys.shape[2])  # [Hkv, g, D]: GQA groups
+        logits = torch.einsum("hgd,lhd->hgl", q, keys[sink:].float()) * inputs.scale
         scores = torch.zeros(1, end, device=keys.device)
-        scores[0, sink:] = torch.softmax(logits, dim=-1).amax(0)[: end - sink]
+        scores[0, sink:] = torch.softmax(logits, dim=-1).amax((0, 1))[: end - sink]
         lo = max(sink, end - c.skipkv_redundancy_window)
         if end > lo:
             window = keys[lo:end]
