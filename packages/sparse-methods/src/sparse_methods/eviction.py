@@ -36,6 +36,7 @@ from typing import ClassVar
 
 import torch
 
+from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import (
     Category,
     Compaction,
@@ -110,6 +111,9 @@ class EvictionMethod(DeviceObservation, SparseMethod):
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
     supports = frozenset({Support.SLIDING_WINDOW})  # compacts the full-attention layers only (``_layer_budgets``)
+    observes_batched: ClassVar[bool] = True
+    """Compact a batched layer's decode rows together (``_observe_batched``); False: each alone through its
+    own view (the reference the batched path is tested against)."""
     batches_compactions: ClassVar[bool] = True
     """A window scorer's compactions of one layer are scored and selected together (``score_batch`` and one
     top-k per budget, when the layer's last request was observed); False: each alone (``_select``)."""
@@ -253,9 +257,62 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         return max(0, r.end - first)
 
     # -- derived: observing and compacting ---------------------------------------------------------
-    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
-        if self._deferred.layer != layer:
-            self._flush()
+    def on_attention_end(self, layer: int, batch: LayerAttentionBatch) -> None:
+        rest = self._observe_batched(layer, batch) if self._batches_ring(batch) else range(len(batch))
+        for i in rest:
+            self._observe_request(layer, batch.requests[i], batch.request(i))
+        self._flush()
+
+    def _batches_ring(self, batch: LayerAttentionBatch) -> bool:
+        """The layer's compacting decode rows are scored as one batch from the ring and the paged keys."""
+        return (
+            batch.batched
+            and self.observes_batched
+            and self.query_ring is not None
+            and self.batches_compactions
+            and not self.accumulates
+        )
+
+    def _observe_batched(self, layer: int, batch: LayerAttentionBatch) -> list[int]:
+        """Compact the batch's decode rows whose window is all in the ring (a full window pending) together:
+        per budget, the windows in one gather from the ring, the keys in one gather from the pages, one
+        ``score_batch`` and one ``keep_indices_batch`` (in chunks that bound the logits). Returns the
+        indices of the other requests (observed one by one)."""
+        w, ring, lens = self.observation_window, self.query_ring, batch.keys.kv_lens_cpu
+        by_budget: dict[int, list[int]] = {}
+        rest = []
+        for i, r in enumerate(batch.requests):
+            budgets = self._step[r.request_id][0]
+            if (
+                budgets is None
+                or lens[i] <= budgets[layer]
+                or r.request_id not in self._recorded
+                or ring.num_pending(r.request_id) < w
+            ):
+                rest.append(i)
+            else:
+                by_budget.setdefault(budgets[layer], []).append(i)
+        per_request = w * self.shape.num_q_heads  # logits per key of a request's window
+        for budget, rows in by_budget.items():
+            for chunk in _chunks(rows, [per_request * lens[i] for i in rows], MAX_SCORE_ELEMENTS):
+                self._compact_batch(layer, batch, chunk, budget)
+        return rest
+
+    def _compact_batch(self, layer: int, batch: LayerAttentionBatch, rows: list[int], budget: int) -> None:
+        rids = [batch.requests[i].request_id for i in rows]
+        windows = self.query_ring.latest_batch(rids, layer)  # [B, w, Hq, D]
+        keys = batch.keys.take(rows)
+        scores = self.score_batch(layer, ScoreBatch.of_tensors(rids, windows, keys, batch.scale))
+        sink, recent = self.protected(budget)
+        keeps = keep_indices_batch(scores, keys.kv_lens, sink=sink, recent=recent, num_middle=budget - sink - recent)
+        keeps = keeps.expand(-1, self.shape.num_kv_heads, -1).contiguous()
+        for rid, window, keep in zip(rids, windows.unbind(0), keeps.unbind(0), strict=True):
+            self._states[rid].window[layer] = window
+            self._pending.setdefault(rid, self._layers())[layer] = keep
+
+    def _observe_request(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
+        """One request's observation (the reference of the batched path): fold its queries into its
+        window (or add its scores), and select now or defer to the layer's ``_flush``."""
         rid = request.request_id
         budgets, rows = self._step[rid]
         state = self._states[rid]
@@ -359,7 +416,7 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         """``[B, H, M]`` (``H``: ``score_heads`` rows) scores of a batch's requests, with ``M`` at least the
         slots before each request's recent ones (columns past a request's are not read): by default
         ``score()`` of each request alone."""
-        rows = [self.score(layer, inputs) for inputs in batch.inputs]
+        rows = [self.score(layer, inputs) for inputs in _inputs(batch)]
         out = torch.zeros(len(rows), rows[0].shape[0], max(r.shape[1] for r in rows), device=rows[0].device)
         for b, row in enumerate(rows):
             out[b, :, : row.shape[1]] = row
@@ -389,3 +446,26 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.
         if state is not None:
             self._states[request_id] = _RequestState(state.decoded, list(state.window), list(state.scores))
+
+
+def _inputs(batch: ScoreBatch) -> list[ScoreInputs]:
+    """Each request's ``ScoreInputs`` of a batch (slices of a tensor batch's gathered keys)."""
+    if batch.paged is None:
+        return batch.inputs
+    lens = batch.kv_lens_cpu
+    return [ScoreInputs(q, k[:n], batch.scale) for q, k, n in zip(batch.queries, batch.keys, lens, strict=True)]
+
+
+def _chunks(rows: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """``rows`` in order, cut so that each piece's padded size (its count times its largest ``sizes``) stays
+    within ``limit`` (a row alone may exceed it)."""
+    out: list[list[int]] = [[]]
+    widest = 0
+    for row, size in zip(rows, sizes, strict=True):
+        widest_then = max(widest, size)
+        if out[-1] and widest_then * (len(out[-1]) + 1) > limit:
+            out.append([])
+            widest_then = size
+        out[-1].append(row)
+        widest = widest_then
+    return out
