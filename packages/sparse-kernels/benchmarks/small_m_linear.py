@@ -1,7 +1,8 @@
 """Small-M linear (decode projections) against cuBLAS, side by side (GPU only).
 
 Shapes: Qwen3-8B's projections (qkv 6144x4096, o 4096x4096, gate/up 24576x4096, down 4096x12288,
-lm head 151936x4096), bf16, M = 1, 2, 4, 8, 16 token rows. Each timing replays a CUDA graph of the
+lm head 151936x4096), bf16, M = 1, 2, 4, 8, 16 token rows (``--rows``; above 16 rows, as at a large decode
+batch, the sweep uses shorter K tiles). Each timing replays a CUDA graph of the
 projection over ``LAYERS`` distinct weights (as a decode step runs the layers; more bytes than the
 60 MB L2), so time per call = graph time / calls. Achieved bandwidth = weight bytes / time per call,
 against the device copy bandwidth (read + write) measured in the same run. Every Triton variant's
@@ -40,6 +41,8 @@ def graph_ms_per_call(fn, calls: int) -> float:
 
 FMA_TILES = [(4, 512), (4, 1024), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)]
 DOT_TILES = [(16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128)]
+# Above 16 rows the x tile is [BLOCK_M = next power of two, BLOCK_K] (128 x K at batch 65-128): shorter K tiles
+MID_TILES = [(16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128), (128, 64)]
 
 
 def variants(quick: bool, m: int, n: int, k: int):
@@ -49,6 +52,10 @@ def variants(quick: bool, m: int, n: int, k: int):
     if m == 1:
         for (bn, bk), w, st in itertools.product(FMA_TILES, [4, 8], [2, 3, 4]):
             yield "fma", {"USE_DOT": False, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+    if m > 16:
+        for (bn, bk), w, st in itertools.product(MID_TILES, [4, 8], [3, 4]):
+            yield "dot", {"USE_DOT": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+        return
     for (bn, bk), w, st in itertools.product(DOT_TILES, [4, 8], [3, 4]):
         yield "dot", {"USE_DOT": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
 
@@ -124,7 +131,7 @@ def main() -> None:
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02 for _ in range(LAYERS[name])
         ]
         for m in (int(r) for r in args.rows.split(",")):
-            if name != "lm_head" or m == 1:
+            if name != "lm_head" or m == 1 or m > 16:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
                 rows += bench_case(name, weights, x, copy_bw, args.quick)
         weights.clear()

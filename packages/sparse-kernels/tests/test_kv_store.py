@@ -114,3 +114,54 @@ def test_store_rejects_bad_inputs():
         store_kv(key[..., :4], value[..., :4], k_cache, v_cache, slots)
     with pytest.raises(ValueError, match="contiguous"):
         store_kv(key, value, k_cache.transpose(0, 1), v_cache.transpose(0, 1), slots)
+
+
+@pytest.mark.parametrize(
+    ("slots", "n_copy"),
+    [
+        ([0, 5, 23, 7, 12], 3),  # the first rows copied, the rest only stored
+        ([4, 5, -1, -1], 4),  # padded rows copy too (into rows the caller reserved for them)
+        ([-1, -1, -1], 2),  # no pool write at all: the copy still happens
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_store_copies_query_rows(slots, n_copy, dtype, backend, triton_device):
+    """``copy_into[copy_index[i]] = copy_rows[i]`` for the first rows, pool writes unchanged, other rows of
+    ``copy_into`` untouched; ``copy_rows`` may be a strided view (a merged projection's q heads)."""
+    device = triton_device if backend == "triton" else "cpu"
+    k_cache, v_cache = _pool(dtype)
+    key, value = _rows(len(slots), dtype)
+    k_exp, v_exp = _expected(k_cache, v_cache, key, value, slots)
+    gen = torch.Generator().manual_seed(7)
+    merged = torch.randn(len(slots), 3, 4, 8, generator=gen).to(dtype)  # [T, 3 parts, 4 heads, D]
+    queries = merged[:n_copy, 1]  # [n, 4, 8], row stride 96
+    into = torch.randn(9, 4, 8, generator=gen).to(dtype)
+    index = torch.tensor([6, 0, 8, 3, 1][:n_copy] + [2, 2], dtype=torch.int64)  # longer than the rows copied
+    into_exp = into.clone()
+    into_exp[index[:n_copy]] = queries
+    k_cache, v_cache, into = k_cache.to(device), v_cache.to(device), into.to(device)
+    slot_mapping = torch.tensor(slots, dtype=torch.int32, device=device)
+    store_kv(
+        key.to(device), value.to(device), k_cache, v_cache, slot_mapping,
+        copy_rows=merged.to(device)[:n_copy, 1],
+        copy_into=into, copy_index=index.to(device), backend=backend,
+    )  # fmt: skip
+    torch.testing.assert_close(k_cache.cpu(), k_exp, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache.cpu(), v_exp, atol=0, rtol=0)
+    torch.testing.assert_close(into.cpu(), into_exp, atol=0, rtol=0)
+
+
+def test_store_copy_arguments_checked():
+    k_cache, v_cache = _pool()
+    key, value = _rows(2)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    rows, into, index = torch.zeros(2, 4, 8), torch.zeros(5, 4, 8), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="go together"):
+        store_kv(key, value, k_cache, v_cache, slots, copy_rows=rows, copy_into=into)
+    with pytest.raises(ValueError, match="shaped like"):
+        store_kv(key, value, k_cache, v_cache, slots, copy_rows=rows, copy_into=torch.zeros(5, 2, 8), copy_index=index)
+    with pytest.raises(ValueError, match="int64"):
+        store_kv(key, value, k_cache, v_cache, slots, copy_rows=rows, copy_into=into, copy_index=index.int())
+    with pytest.raises(ValueError, match="at most"):
+        store_kv(key, value, k_cache, v_cache, slots, copy_rows=torch.zeros(3, 4, 8), copy_into=into, copy_index=index)

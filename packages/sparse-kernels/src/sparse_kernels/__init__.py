@@ -44,6 +44,7 @@ from sparse_kernels.settings import launch_settings
 from sparse_kernels.silu_mul import silu_and_mul
 from sparse_kernels.summary_update import update_block_summaries
 from sparse_kernels.top_k_ascending import top_k_ascending
+from sparse_kernels.window_scores import window_probs
 
 __all__ = [
     "BACKEND_ENV",
@@ -70,6 +71,7 @@ __all__ = [
     "store_kv",
     "top_k_ascending",
     "update_block_summaries",
+    "window_probs",
     "allocate_quantized_kv",
     "decode_kivi_pages",
     "decode_rows",

@@ -1,4 +1,9 @@
-"""Write new K/V rows into the paged per-layer pool (device-only, graph-safe): Triton kernel + reference."""
+"""Write new K/V rows into the paged per-layer pool (device-only, graph-safe): Triton kernel + reference.
+
+The same launch can also copy the step's first query rows into a caller's buffer at given rows
+(``copy_rows`` / ``copy_into`` / ``copy_index``): the engine's ring of recent decode queries is written
+there at every decode step, which would otherwise cost a launch of its own per layer.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +19,12 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    copy_rows: torch.Tensor | None = None,
+    copy_into: torch.Tensor | None = None,
+    copy_index: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
-    """Scatter ``key``/``value`` rows into their pool slots, in place.
+    """Scatter ``key``/``value`` rows into their pool slots, in place; optionally copy rows elsewhere too.
 
     Parameters
     ----------
@@ -27,6 +35,10 @@ def store_kv(
     slot_mapping : torch.Tensor
         ``[N]`` int32 on the caches' device; ``slot = block_id * block_size + offset``. ``-1`` marks
         a padded row (CUDA-graph batch buckets) that must leave the pool untouched.
+    copy_rows, copy_into, copy_index : torch.Tensor, optional
+        All three or none: ``copy_into[copy_index[i]] = copy_rows[i]`` for every ``i < len(copy_rows)``
+        (at most ``N`` rows, unit stride over the last dim; ``copy_into`` ``[R, *copy_rows.shape[1:]]``,
+        contiguous, same dtype; ``copy_index`` int64 on the device, distinct rows).
     backend : str
         ``"auto"`` (Triton on CUDA, reference on CPU; ``SPARSE_KERNELS_BACKEND`` overrides),
         ``"triton"`` or ``"reference"``.
@@ -40,14 +52,18 @@ def store_kv(
     contents. Two *real* rows with the same slot are a caller error (which one lands is undefined).
     """
     _check(key, value, k_cache, v_cache, slot_mapping)
+    copy = _check_copy(copy_rows, copy_into, copy_index, key.shape[0])
     if key.shape[0] == 0:
         return
     if resolve_backend(backend, k_cache.device) == "triton":
         from sparse_kernels._triton.store import store_kv_triton
 
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping, copy)
+        return
+    store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    if copy is not None:
+        rows, into, index = copy
+        into.index_copy_(0, index[: rows.shape[0]], rows)
 
 
 def store_kv_reference(
@@ -70,6 +86,26 @@ def store_kv_reference(
         flat = cache.view(-1, cache.shape[2], cache.shape[3])  # [num_slots, Hkv, D], aliases the pool
         new = torch.where(keep_old, flat[safe_slots], src[rows].to(cache.dtype))
         flat.index_copy_(0, safe_slots, new)
+
+
+def _check_copy(rows, into, index, num_rows: int) -> tuple | None:
+    given = [t is not None for t in (rows, into, index)]
+    if not any(given):
+        return None
+    if not all(given):
+        raise ValueError("copy_rows, copy_into and copy_index go together")
+    if rows.shape[0] > num_rows or rows.shape[1:] != into.shape[1:] or rows.dtype != into.dtype:
+        raise ValueError(
+            f"copy_rows {rows.dtype} {tuple(rows.shape)} must be at most {num_rows} rows shaped like copy_into's "
+            f"{into.dtype} {tuple(into.shape)}"
+        )
+    if not into.is_contiguous() or rows.stride(-1) != 1:
+        raise ValueError("copy_into must be contiguous and copy_rows have unit stride over its last dim")
+    if index.dtype != torch.int64 or index.dim() != 1 or index.shape[0] < rows.shape[0]:
+        raise ValueError(f"copy_index must be int64 [>= {rows.shape[0]}]; got {index.dtype} {tuple(index.shape)}")
+    if not (rows.device == into.device == index.device):
+        raise ValueError("copy_rows, copy_into and copy_index must share a device")
+    return rows, into, index
 
 
 def _check(

@@ -7,7 +7,8 @@ path (``on_attention_end``), which gathers keys and cannot run inside a CUDA gra
 last ``window`` queries of each (request, layer) in fixed device buffers instead: the method plans
 which decode rows record where (``plan``, on the host, before the forward), and every layer writes
 its decode rows with one ``index_copy_`` from a fixed index buffer (``record``: device-only,
-graph-safe; rows that record nothing, a CUDA graph's padding included, write a scratch row). At a
+graph-safe; rows that record nothing, a CUDA graph's padding included, write a scratch row; the
+engine may write them in its KV-store launch instead, from ``queries[layer]`` and ``dest``). At a
 compaction the method reads a request's queries back in order (``latest``).
 
 Rows belong to requests (taken on a request's first recorded step, given back by ``release``), not

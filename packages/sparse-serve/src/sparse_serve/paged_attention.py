@@ -309,7 +309,8 @@ class PagedAttention:
         if self.lanes > 1:
             return self._forward_lanes(layer_idx, plan, meta.groups[group_idx], q, k, v)
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
-        store_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        ring_copy = self._ring_copy(layer_idx, q, window)
+        store_kv(k, v, k_cache, v_cache, plan.slot_mapping, **ring_copy)
         group = meta.groups[group_idx]
         if self.pool.kmin is not None:
             kmin, kmax = self.pool.kmin[layer_idx], self.pool.kmax[layer_idx]
@@ -356,8 +357,19 @@ class PagedAttention:
         if scores is not None:
             self.score_sums.add_decode(layer_idx)
         if window is None:  # sparse methods act on full-attention layers only
-            self._hand_over(layer_idx, q, k_cache, group)
+            self._hand_over(layer_idx, q, k_cache, group, recorded=bool(ring_copy))
         return out
+
+    def _ring_copy(self, layer_idx: int, q: torch.Tensor, window: int | None) -> dict:
+        """``store_kv``'s copy arguments that write a full-attention layer's decode queries into the ring
+        in the store's launch (one launch per layer fewer); empty when the ring takes them otherwise
+        (``_hand_over``: grouped query heads under tensor parallelism) or not at all."""
+        ring, nd = self.query_ring, self._meta.num_decode_tokens
+        if ring is None or not nd or window is not None or self.group_queries is not None:
+            return {}
+        if ring.queries[layer_idx].dtype != q.dtype:
+            return {}
+        return {"copy_rows": q[:nd], "copy_into": ring.queries[layer_idx], "copy_index": ring.dest}
 
     def _scores_out(self, nd: int, window: int | None) -> torch.Tensor | None:
         """Where a full-attention layer's decode kernel writes its scores for the method's running sums."""
@@ -367,11 +379,14 @@ class PagedAttention:
             return None  # the method observes this step's decode rows through the host path instead
         return self.score_sums.scores[:, : self._score_columns]
 
-    def _hand_over(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group) -> None:
-        """After a layer's attention: record the decode rows' queries in the ring (device only, also while
-        a CUDA graph is captured), then hand the method the attention inputs it asked for."""
+    def _hand_over(
+        self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group, recorded: bool = False
+    ) -> None:
+        """After a layer's attention: record the decode rows' queries in the ring unless the store did
+        (``recorded``; device only, also while a CUDA graph is captured), then hand the method the
+        attention inputs it asked for."""
         nd = self._meta.num_decode_tokens
-        if self.query_ring is not None and nd:
+        if self.query_ring is not None and nd and not recorded:
             rows = q[:nd] if self.group_queries is None else self.group_queries(q[:nd])
             self.query_ring.record(layer_idx, rows)
         if self.method is not None and self._observed:
