@@ -18,11 +18,12 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from sparse_methods._kernels import kernels
 from sparse_methods.base import MethodConfig, Support
 from sparse_methods.deferred_selections import ScoreBatch
 from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
 from sparse_methods.registry import register
-from sparse_methods.scoring import window_scores, window_scores_batch
+from sparse_methods.scoring import reduce_window_probs, window_scores, window_scores_batch
 
 
 class SnapKVConfig(MethodConfig):
@@ -86,8 +87,17 @@ class SnapKV(EvictionMethod):
         )
 
     def score_batch(self, layer: int, batch: ScoreBatch) -> torch.Tensor:
-        """Every request's window scores at once (``window_scores_batch``)."""
+        """Every request's window scores at once: on a GPU, the probabilities straight from the pages
+        (``sparse_kernels.window_probs``: no gathered keys, no logits); else ``window_scores_batch``."""
         c = self.config
+        paged = batch.paged
+        if paged is not None and paged.k_cache.is_cuda and c.score_mode == "probability":
+            n, heads = batch.queries.shape[1], paged.k_cache.shape[2]
+            probs = kernels().window_probs(
+                batch.queries, paged.k_cache, paged.block_table, paged.kv_lens, batch.scale, max_len=paged.max_len
+            )  # [B, Hq, L]
+            grouped = probs.view(probs.shape[0], heads, -1, paged.max_len)[..., : paged.max_len - n]
+            return reduce_window_probs(grouped, c.score_kernel_size, c.score_pooling, c.score_gqa_reduce)
         return window_scores_batch(
             batch.queries,
             batch.keys,
