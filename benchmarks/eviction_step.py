@@ -120,6 +120,8 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tprof:
             engine.step()
             sync()
+        top = [e for e in tprof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+        print(f"torch ops launched by the host in the profiled eviction step: {len(top)}")
         table = tprof.key_averages().table
         if cuda:
             print(table(sort_by="device_time_total", row_limit=25, max_name_column_width=60))

@@ -17,6 +17,8 @@ import torch
 from test_async_scheduling import drive, greedy
 from test_eviction_pipeline import _llm, _spy
 
+from sparse_methods import eviction
+
 _rng = random.Random(9)
 PROMPTS = [[_rng.randrange(3, 4000) for _ in range(n)] for n in (30, 45, 60, 70)]
 # Windows no longer than the interval: at a decode eviction every window is all in the ring.
@@ -57,3 +59,13 @@ def test_a_batched_round_pipelines_like_the_synchronous_loop(method):
     sync, *_ = _run(method, batched=True, async_scheduling=False)
     pipelined, _, _, rounds = _run(method, batched=True, async_scheduling=True)
     assert pipelined.tokens == sync.tokens and pipelined.final == sync.final and rounds
+
+
+def test_a_round_cut_into_chunks_keeps_the_same(monkeypatch):
+    """The batch is cut to bound the scores it holds (``MAX_SCORE_ELEMENTS``): here one request a chunk."""
+    monkeypatch.setattr(eviction, "MAX_SCORE_ELEMENTS", 1)
+    trace, keeps, _, rounds = _run("snapkv", batched=True)
+    ref_trace, ref_keeps, _, _ = _run("snapkv", batched=False)
+    assert trace.tokens == ref_trace.tokens and rounds and set(rounds) == {1}
+    for (_, a), (_, b) in zip(keeps, ref_keeps, strict=True):
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))

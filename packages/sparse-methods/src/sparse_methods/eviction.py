@@ -36,7 +36,7 @@ from typing import ClassVar
 
 import torch
 
-from sparse_methods.attention_batch import LayerAttentionBatch
+from sparse_methods.attention_batch import LayerAttentionBatch, PagedKeys
 from sparse_methods.base import (
     Category,
     Compaction,
@@ -292,11 +292,16 @@ class EvictionMethod(DeviceObservation, SparseMethod):
                 rest.append(i)
             else:
                 by_budget.setdefault(budgets[layer], []).append(i)
-        per_request = w * self.shape.num_q_heads  # logits per key of a request's window
+        per_request = self.batch_elements_per_key(batch.keys)
         for budget, rows in by_budget.items():
             for chunk in _chunks(rows, [per_request * lens[i] for i in rows], MAX_SCORE_ELEMENTS):
                 self._compact_batch(layer, batch, chunk, budget)
         return rest
+
+    def batch_elements_per_key(self, keys: PagedKeys) -> int:
+        """Float32 elements ``score_batch`` holds per key of a request over ``keys`` (the batch is cut to keep
+        them within ``MAX_SCORE_ELEMENTS``): by default the window's logits."""
+        return self.observation_window * self.shape.num_q_heads
 
     def _compact_batch(self, layer: int, batch: LayerAttentionBatch, rows: list[int], budget: int) -> None:
         rids = [batch.requests[i].request_id for i in rows]
