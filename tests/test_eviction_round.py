@@ -17,7 +17,7 @@ import torch
 from test_async_scheduling import drive, greedy
 from test_eviction_pipeline import _llm, _spy
 
-from sparse_methods import eviction
+from sparse_methods import eviction_round
 
 _rng = random.Random(9)
 PROMPTS = [[_rng.randrange(3, 4000) for _ in range(n)] for n in (30, 45, 60, 70)]
@@ -63,7 +63,7 @@ def test_a_batched_round_pipelines_like_the_synchronous_loop(method):
 
 def test_a_round_cut_into_chunks_keeps_the_same(monkeypatch):
     """The batch is cut to bound the scores it holds (``MAX_SCORE_ELEMENTS``): here one request a chunk."""
-    monkeypatch.setattr(eviction, "MAX_SCORE_ELEMENTS", 1)
+    monkeypatch.setattr(eviction_round, "MAX_SCORE_ELEMENTS", 1)
     trace, keeps, _, rounds = _run("snapkv", batched=True)
     ref_trace, ref_keeps, _, _ = _run("snapkv", batched=False)
     assert trace.tokens == ref_trace.tokens and rounds and set(rounds) == {1}

@@ -15,7 +15,9 @@ keep). Everything else lives here once:
   score with one row), and the ``Compaction`` records ``finish_step`` hands the engine;
   a layer's compacting requests are scored and ranked together once its last one was observed
   (``DeferredSelections``: ``score_batch`` and one top-k per budget), so a decode-time eviction of
-  the whole batch costs a few device ops per layer rather than per (request, layer);
+  the whole batch costs a few device ops per layer rather than per (request, layer); decode rows that the
+  engine hands over as tensors, with their windows in the query ring, take ``BatchedRound`` (no
+  per-request views at all);
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
 - the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
 - chain state (``release`` returns it, ``restore_state`` takes it back);
@@ -36,7 +38,7 @@ from typing import ClassVar
 
 import torch
 
-from sparse_methods.attention_batch import LayerAttentionBatch, PagedKeys
+from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import (
     Category,
     Compaction,
@@ -52,6 +54,7 @@ from sparse_methods.base import (
 )
 from sparse_methods.deferred_selections import DeferredSelections, ScoreBatch
 from sparse_methods.eviction_device import DeviceObservation
+from sparse_methods.eviction_round import BatchedRound
 from sparse_methods.scoring import MAX_SCORE_ELEMENTS, keep_indices, keep_indices_batch
 
 _UNBOUNDED = sys.maxsize  # the budget of a layer the method leaves alone (a sliding-window layer)
@@ -101,7 +104,7 @@ class _RequestState:
     scores: list[torch.Tensor | None] = field(default_factory=list)
 
 
-class EvictionMethod(DeviceObservation, SparseMethod):
+class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
     """Base of the physical-eviction family (KV of dropped tokens is freed, positions unchanged).
 
     Subclasses set ``name`` and ``Config`` (with a ``decode_eviction_interval`` field, 0: never) and implement
@@ -111,9 +114,6 @@ class EvictionMethod(DeviceObservation, SparseMethod):
     category = Category.PHYSICAL_EVICTION
     prefix_cache_mode = PrefixCacheMode.CHAIN
     supports = frozenset({Support.SLIDING_WINDOW})  # compacts the full-attention layers only (``_layer_budgets``)
-    observes_batched: ClassVar[bool] = True
-    """Compact a batched layer's decode rows together (``_observe_batched``); False: each alone through its
-    own view (the reference the batched path is tested against)."""
     batches_compactions: ClassVar[bool] = True
     """A window scorer's compactions of one layer are scored and selected together (``score_batch`` and one
     top-k per budget, when the layer's last request was observed); False: each alone (``_select``)."""
@@ -263,58 +263,6 @@ class EvictionMethod(DeviceObservation, SparseMethod):
             self._observe_request(layer, batch.requests[i], batch.request(i))
         self._flush()
 
-    def _batches_ring(self, batch: LayerAttentionBatch) -> bool:
-        """The layer's compacting decode rows are scored as one batch from the ring and the paged keys."""
-        return (
-            batch.batched
-            and self.observes_batched
-            and self.query_ring is not None
-            and self.batches_compactions
-            and not self.accumulates
-        )
-
-    def _observe_batched(self, layer: int, batch: LayerAttentionBatch) -> list[int]:
-        """Compact the batch's decode rows whose window is all in the ring (a full window pending) together:
-        per budget, the windows in one gather from the ring, the keys in one gather from the pages, one
-        ``score_batch`` and one ``keep_indices_batch`` (in chunks that bound the logits). Returns the
-        indices of the other requests (observed one by one)."""
-        w, ring, lens = self.observation_window, self.query_ring, batch.keys.kv_lens_cpu
-        by_budget: dict[int, list[int]] = {}
-        rest = []
-        for i, r in enumerate(batch.requests):
-            budgets = self._step[r.request_id][0]
-            if (
-                budgets is None
-                or lens[i] <= budgets[layer]
-                or r.request_id not in self._recorded
-                or ring.num_pending(r.request_id) < w
-            ):
-                rest.append(i)
-            else:
-                by_budget.setdefault(budgets[layer], []).append(i)
-        per_request = self.batch_elements_per_key(batch.keys)
-        for budget, rows in by_budget.items():
-            for chunk in _chunks(rows, [per_request * lens[i] for i in rows], MAX_SCORE_ELEMENTS):
-                self._compact_batch(layer, batch, chunk, budget)
-        return rest
-
-    def batch_elements_per_key(self, keys: PagedKeys) -> int:
-        """Float32 elements ``score_batch`` holds per key of a request over ``keys`` (the batch is cut to keep
-        them within ``MAX_SCORE_ELEMENTS``): by default the window's logits."""
-        return self.observation_window * self.shape.num_q_heads
-
-    def _compact_batch(self, layer: int, batch: LayerAttentionBatch, rows: list[int], budget: int) -> None:
-        rids = [batch.requests[i].request_id for i in rows]
-        windows = self.query_ring.latest_batch(rids, layer)  # [B, w, Hq, D]
-        keys = batch.keys.take(rows)
-        scores = self.score_batch(layer, ScoreBatch.of_tensors(rids, windows, keys, batch.scale))
-        sink, recent = self.protected(budget)
-        keeps = keep_indices_batch(scores, keys.kv_lens, sink=sink, recent=recent, num_middle=budget - sink - recent)
-        keeps = keeps.expand(-1, self.shape.num_kv_heads, -1).contiguous()
-        for rid, window, keep in zip(rids, windows.unbind(0), keeps.unbind(0), strict=True):
-            self._states[rid].window[layer] = window
-            self._pending.setdefault(rid, self._layers())[layer] = keep
-
     def _observe_request(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
         """One request's observation (the reference of the batched path): fold its queries into its
         window (or add its scores), and select now or defer to the layer's ``_flush``."""
@@ -459,18 +407,3 @@ def _inputs(batch: ScoreBatch) -> list[ScoreInputs]:
         return batch.inputs
     lens = batch.kv_lens_cpu
     return [ScoreInputs(q, k[:n], batch.scale) for q, k, n in zip(batch.queries, batch.keys, lens, strict=True)]
-
-
-def _chunks(rows: list[int], sizes: list[int], limit: int) -> list[list[int]]:
-    """``rows`` in order, cut so that each piece's padded size (its count times its largest ``sizes``) stays
-    within ``limit`` (a row alone may exceed it)."""
-    out: list[list[int]] = [[]]
-    widest = 0
-    for row, size in zip(rows, sizes, strict=True):
-        widest_then = max(widest, size)
-        if out[-1] and widest_then * (len(out[-1]) + 1) > limit:
-            out.append([])
-            widest_then = size
-        out[-1].append(row)
-        widest = widest_then
-    return out
