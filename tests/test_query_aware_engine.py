@@ -4,7 +4,6 @@ prefix caching and continuous batching on, and each list holds no more than the 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_models import DEFAULT_MODEL
 
-from sparse_methods import DecodeRead, LayerPlan, Selection
+from sparse_methods import DecodeRead, LayerPlan, Selection, Unit
 from sparse_serve import LLM, SamplingParams
 
 PROMPTS = ["def parse(text):" * 40, "Return the number of" * 30, "class Queue:" * 12, "x = 1\n" * 50]
@@ -40,8 +39,8 @@ def _top_ascending(scores: torch.Tensor, sink: int, recent: int, k: int) -> torc
 
 
 def quest_reference(method):
-    """Quest written from the paper, through the host path: per KV head, page scores = the max over its
-    query heads of sum over channels of max(q*min, q*max); sink, recent and the top pages."""
+    """Quest written from the paper, one query at a time (``_reference_attention``): per KV head, page scores
+    = the max over its query heads of sum over channels of max(q*min, q*max); sink, recent and the top pages."""
     c = method.config
 
     def select(layer, request, view):
@@ -56,15 +55,13 @@ def quest_reference(method):
         k = sink + c.decode_keep_tokens // page + recent
         return Selection(_top_ascending(scores, sink, recent, k), page)
 
-    return SimpleNamespace(
-        name="quest_reference", layer_plan=lambda layer: LayerPlan(DecodeRead.PER_REQUEST), decode_selection=select
-    )
+    return SimpleNamespace(select=select)
 
 
 def omnikv_reference(method):
-    """OmniKV written from the paper, through the host path: at a filter layer, per query head the
-    softmax of q.k * scale over all tokens, the max over heads; sink, recent and the top tokens, which the
-    next layers read (``sets``: request -> the last filter layer's set)."""
+    """OmniKV written from the paper, one query at a time (``_reference_attention``): at a filter layer, per
+    query head the softmax of q.k * scale over all tokens, the max over heads; sink, recent and the top
+    tokens, which the next layers read (``sets``: request -> the last filter layer's set)."""
     c, sets = method.config, {}
 
     def select(layer, request, view):
@@ -82,25 +79,55 @@ def omnikv_reference(method):
         chosen = sets.get(request.request_id)
         return None if chosen is None else Selection(chosen.expand(method.shape.num_kv_heads, -1), 1)
 
-    return SimpleNamespace(
-        name="omnikv_reference",
-        sets=sets,
-        layer_plan=lambda layer: LayerPlan(DecodeRead.PER_REQUEST, decode_keys=layer in method.filter_layers),
-        decode_selection=select,
-    )
+    return SimpleNamespace(select=select, sets=sets)
 
 
-def _on_host(monkeypatch, method, decode_selection) -> None:
-    """Route ``method``'s selecting layers through the host path (``PER_REQUEST``: retroinfer's plumbing),
-    answered by ``decode_selection``."""
+def _reference_attention(reference, layer, q, k_cache, v_cache, kmin, kmax, meta, group, scale):
+    """``(out, selected)``: the decode rows' attention written plainly, one query at a time: the reference
+    sees the query, its pages' key summaries and its keys (``view``) and answers a ``Selection`` (or None:
+    every token), and each query head attends over the tokens its KV head selected; ``selected``: the rows
+    that did not read everything."""
+    bs, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    group_size, out, selected = q.shape[1] // hkv, torch.empty_like(q), 0
+    for i in range(q.shape[0]):
+        kv_len = group.kv_lens[i] + 1
+        blocks = torch.tensor(group.block_ids[i][: -(-kv_len // bs)], dtype=torch.int64)
+        slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:kv_len]  # token -> pool slot
+        keys, values = k_cache.reshape(-1, hkv, d)[slots], v_cache.reshape(-1, hkv, d)[slots]
+        summaries = (kmin[blocks], kmax[blocks]) if kmin is not None else (None, None)
+        view = SimpleNamespace(query=q[i], kv_len=kv_len, page_size=bs, page_min=summaries[0], page_max=summaries[1])
+        chosen = reference.select(layer, meta.steps[i], SimpleNamespace(**vars(view), keys=keys))
+        selected += chosen is not None
+        for h in range(hkv):
+            if chosen is None:
+                tokens = torch.arange(kv_len)
+            elif chosen.page_size == 1:
+                tokens = chosen.indices[h]
+            else:
+                tokens = (chosen.indices[h][:, None] * bs + torch.arange(bs)).flatten()
+                tokens = tokens[tokens < kv_len]
+            heads = slice(h * group_size, (h + 1) * group_size)
+            probs = torch.softmax(q[i, heads].float() @ keys[tokens, h].float().T * scale, dim=-1)
+            out[i, heads] = (probs @ values[tokens, h].float()).to(q.dtype)
+    return out, selected
+
+
+def _read_everything(monkeypatch, method, unit: Unit) -> None:
+    """Make ``method``'s selecting layers select every entry (pages or slots) each row holds, on the device."""
     plan = method.layer_plan
 
-    def host_plan(layer: int) -> LayerPlan:
+    def every_plan(layer: int) -> LayerPlan:
         p = plan(layer)
-        return replace(p, decode=DecodeRead.PER_REQUEST) if p.selects_decode else p
+        return LayerPlan(DecodeRead.SELECTED, unit=unit) if p.selects_decode else p
 
-    monkeypatch.setattr(method, "layer_plan", host_plan)
-    monkeypatch.setattr(method, "decode_selection", decode_selection)
+    def every_entry(layer, batch):
+        per_row = batch.num_pages if unit is Unit.PAGE else batch.kv_lens
+        size = int(per_row.max())  # the step's widest row; narrower rows read their own number
+        return torch.arange(size).expand(batch.query.shape[0], method.shape.num_kv_heads, size)
+
+    monkeypatch.setattr(method, "layer_plan", every_plan)
+    monkeypatch.setattr(method, "selection_size", lambda kv_len, page_size: -(-kv_len // page_size))
+    monkeypatch.setattr(method, "select_decode", every_entry)
 
 
 def _check_summaries(llm: LLM) -> int:
@@ -127,17 +154,12 @@ def test_budget_at_least_context_is_dense(method):
 
 
 def test_reading_every_page_through_the_sparse_path_equals_dense(monkeypatch):
-    """The head-sparse plumbing (per-head page lists, partial newest page last) is exact when it reads all."""
+    """The head-sparse plumbing (per-head page lists, partial newest page last, rows of different widths in
+    one step) is exact when it reads all."""
     llm = _llm(**SMALL)
-    method = llm.engine.method
-
-    def every_page(layer, request, view):
-        pages = -(-view.kv_len // view.page_size)
-        return Selection(torch.arange(pages).expand(view.page_min.shape[1], pages), view.page_size)
-
-    _on_host(monkeypatch, method, every_page)
+    _read_everything(monkeypatch, llm.engine.method, Unit.PAGE)
     assert _tokens(llm) == _tokens(_llm())
-    assert llm.engine.runner.attention.selective.pages_read > 0
+    assert llm.engine.runner.attention.selective.num_selections > 0
 
 
 def test_small_budget_reads_only_its_pages_with_prefix_caching_and_batching():
@@ -195,14 +217,9 @@ def test_summaries_after_append_equal_recomputation(block_size, chunk, lengths):
 
 def test_omnikv_reading_every_slot_through_slot_lists_equals_dense(monkeypatch):
     llm = _llm(**OMNI)
-    method = llm.engine.method
-
-    def every_slot(layer, request, view):
-        return Selection(torch.arange(view.kv_len).expand(2, view.kv_len), 1)
-
-    _on_host(monkeypatch, method, every_slot)
+    _read_everything(monkeypatch, llm.engine.method, Unit.SLOT)
     assert _tokens(llm) == _tokens(_llm())
-    assert llm.engine.runner.attention.selective.tokens_read > 0
+    assert llm.engine.runner.attention.selective.num_selections > 0
 
 
 def test_omnikv_reads_its_budget_after_filter_layers_with_prefix_caching():
@@ -219,10 +236,10 @@ def test_omnikv_reads_its_budget_after_filter_layers_with_prefix_caching():
     assert engine.kv.pool.num_used_blocks == 0
 
 
-def test_batched_device_selection_equals_the_host_path():
+def test_batched_device_selection_equals_the_paper():
     """The GPU path (pages picked on the device and written into the Triton kernel's index buffer; run
     here under Triton's interpreter) reads the same pages and gives the same attention as Quest written
-    from the paper through the host path."""
+    from the paper, one query at a time."""
     from sparse_serve.selective_decode import SelectiveDecode
     from sparse_serve.step_metadata import build_step_metadata
 
@@ -239,39 +256,33 @@ def test_batched_device_selection_equals_the_host_path():
     q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
     layer = 3
     args = (pool.k[layer], pool.v[layer], pool.kmin[layer], pool.kmax[layer])
-    host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
-    expected = host.run(quest_reference(engine.method), layer, q, *args, meta, meta.groups[0], torch.empty_like(q))
+    reference = quest_reference(engine.method)
+    expected, selected = _reference_attention(reference, layer, q, *args, meta, meta.groups[0], attention.sm_scale)
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
     fast.plan_step(engine.method, meta, meta.groups[0])
     assert fast.batched
     got = fast.run_batched(engine.method, layer, q, *args, torch.empty_like(q))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    # A prompt within its page budget: the host path 'selects' all its pages, the batched path reads it whole.
-    assert 1 <= fast.num_selections <= host.num_selections
+    assert 1 <= fast.num_selections == selected
 
 
 @pytest.mark.parametrize("config", [SMALL, OMNI], ids=["quest", "omnikv"])
 def test_engine_takes_the_batched_path_when_the_kernels_can(config, monkeypatch):
     """Wiring: on CPU too (the kernels' reference backends), every selecting layer goes through
-    ``run_batched`` and none through the host path, batches of one included."""
+    ``run_batched``, batches of one included."""
     llm = _llm(**config)
     selective = llm.engine.runner.attention.selective
-    calls = {"batched": 0, "host": 0}
-    real_batched, real_run = selective.run_batched, selective.run
+    calls = {"batched": 0}
+    real_batched = selective.run_batched
 
     def run_batched(*args, **kw):
         calls["batched"] += 1
         return real_batched(*args, **kw)
 
-    def run(*args, **kw):
-        calls["host"] += 1
-        return real_run(*args, **kw)
-
     monkeypatch.setattr(selective, "run_batched", run_batched)
-    monkeypatch.setattr(selective, "run", run)
     llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
-    assert calls["batched"] > 0 and calls["host"] == 0
+    assert calls["batched"] > 0
 
 
 OMNI_PREFILL = dict(
@@ -341,10 +352,10 @@ def _dense_plan(attention, group, backend):
     ("pad", "kernels", "backend"),
     [(0, "auto", "reference"), (0, "auto", "triton"), (2, "auto", "triton"), (2, "triton", "triton")],
 )
-def test_omnikv_device_set_equals_the_host_path(pad, kernels, backend, monkeypatch):
+def test_omnikv_device_set_equals_the_paper(pad, kernels, backend, monkeypatch):
     """OmniKV's batched path (the filter layer's logits through the tables, attention from them, the
     set scored and picked on the device; the next layer reads it through slot lists; Triton under the
-    interpreter, or the reference kernels) equals OmniKV written from the paper through the host path,
+    interpreter, or the reference kernels) equals OmniKV written from the paper one query at a time,
     with a CUDA graph's padding rows beside the requests; with ``triton`` kernels the method's own
     kernels (head max probabilities, ascending top-k) are Triton too."""
     from sparse_serve.cuda_graphs import pad_decode_metadata
@@ -357,13 +368,12 @@ def test_omnikv_device_set_equals_the_host_path(pad, kernels, backend, monkeypat
     filt = method.filter_layers[0]
     gen = torch.Generator().manual_seed(1)
     q_filter, q_next = (torch.randn(3, 8, 64, generator=gen) for _ in range(2))
-    host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
     group = meta.groups[0]
     reference = omnikv_reference(method)
     expected = []  # the filter layer's output (all tokens), then the next layer's (the set)
     for layer, q in ((filt, q_filter), (filt + 1, q_next)):
         args = (pool.k[layer], pool.v[layer], None, None)
-        expected.append(host.run(reference, layer, q, *args, meta, group, torch.empty_like(q)))
+        expected.append(_reference_attention(reference, layer, q, *args, meta, group, attention.sm_scale)[0])
     padded = pad_decode_metadata(meta, 3 + pad) if pad else meta
     monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend=backend)
@@ -386,9 +396,9 @@ def test_omnikv_device_set_equals_the_host_path(pad, kernels, backend, monkeypat
 
 
 @pytest.mark.parametrize("kernels", ["auto", "triton"])
-def test_quest_uniform_step_with_padding_rows_equals_the_host_path(kernels, monkeypatch):
+def test_quest_uniform_step_with_padding_rows_equals_the_paper(kernels, monkeypatch):
     """Quest's batched path on a step where every request selects (the CUDA-graph case), plus padding
-    rows, equals Quest written from the paper through the host path; with ``triton`` the method's
+    rows, equals Quest written from the paper one query at a time; with ``triton`` the method's
     kernels (page bounds, ascending top-k) run under the interpreter."""
     from sparse_serve.cuda_graphs import pad_decode_metadata
     from sparse_serve.selective_decode import SelectiveDecode
@@ -399,9 +409,9 @@ def test_quest_uniform_step_with_padding_rows_equals_the_host_path(kernels, monk
     q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
     layer = 3
     args = (pool.k[layer], pool.v[layer], pool.kmin[layer], pool.kmax[layer])
-    host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
-    expected = host.run(quest_reference(engine.method), layer, q, *args, meta, meta.groups[0], torch.empty_like(q))
-    assert host.num_selections == 3
+    reference = quest_reference(engine.method)
+    expected, selected = _reference_attention(reference, layer, q, *args, meta, meta.groups[0], attention.sm_scale)
+    assert selected == 3
     padded = pad_decode_metadata(meta, 5)
     monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
@@ -440,15 +450,14 @@ def test_synthetic_kv_noise_keeps_block_summaries_true():
 def test_mixed_step_on_cpu_kernels_equals_the_paper(config, reference):
     """A step where one request fits its budget (reads everything: block lists, or slot lists for
     OmniKV) beside one that selects, on the reference kernels (the CPU engine's path): equal to the
-    method written from the paper through the host path, layer after layer."""
+    method written from the paper one query at a time, layer after layer."""
     from sparse_serve.selective_decode import SelectiveDecode
 
     llm = _llm(**config)
     meta = _decode_step(llm, [PROMPTS[0], PROMPTS[2]])  # 200 and 60 prompt tokens
     attention, pool, method = llm.engine.runner.attention, llm.engine.runner.kv, llm.engine.method
     group = meta.groups[0]
-    ref = reference(method)
-    host = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
+    ref, selected = reference(method), 0
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="reference")
     fast.plan_step(method, meta, group)
     assert fast.batched and fast.graph_key() is None  # rows read different sizes: not graph-eligible
@@ -458,7 +467,8 @@ def test_mixed_step_on_cpu_kernels_equals_the_paper(config, reference):
         q = torch.randn(2, 8, 64, generator=gen)
         summaries = (pool.kmin[layer], pool.kmax[layer]) if pool.kmin is not None else (None, None)
         args = (pool.k[layer], pool.v[layer], *summaries)
-        want = host.run(ref, layer, q, *args, meta, group, torch.empty_like(q))
+        want, chosen = _reference_attention(ref, layer, q, *args, meta, group, attention.sm_scale)
         got = fast.run_batched(method, layer, q, *args, torch.empty_like(q), dense=dense)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert host.num_selections > 0 and fast.num_selections > 0
+        selected += chosen
+    assert selected > 0 and fast.num_selections > 0

@@ -1,6 +1,8 @@
-"""RetroInfer through the engine on CPU: every cluster retrieved equals dense greedy tokens, a small
-ratio reads sink + recent + its clusters only, the index grows in update blocks during decode, and
-the config's checks and the missing estimation term are clear errors."""
+"""RetroInfer through the engine on CPU: every cluster retrieved equals dense greedy tokens, the device
+selection equals a plain per-request reference under continuous batching (chunked prefill, prefix hits)
+while the index grows in update blocks, in place in fixed buffers (the cluster arena never moves), async
+equals sync, and the config's checks, the missing estimation term and an arena that cannot be sized are
+clear errors. On CUDA: decode steps replay selecting graphs and equal eager."""
 
 from __future__ import annotations
 
@@ -26,7 +28,13 @@ SMALL = dict(
 
 
 def _llm(**kw) -> LLM:
-    return LLM(str(DEFAULT_MODEL), **{"device": "cpu", "max_model_len": 1024, "max_num_batched_tokens": 128, **kw})
+    defaults = {"device": "cpu", "max_model_len": 1024, "max_num_batched_tokens": 128, "max_num_seqs": 8}
+    return LLM(str(DEFAULT_MODEL), **{**defaults, **kw})
+
+
+def _arena_pointers(llm: LLM) -> list[int]:
+    arena = llm.engine.method.cluster_arena
+    return [t.data_ptr() for layer in arena.layers for t in layer] + [arena.plan.data_ptr()]
 
 
 def _tokens(llm: LLM):
@@ -55,45 +63,96 @@ def test_every_cluster_retrieved_equals_dense():
     assert seen and llm.engine.runner.attention.selective.num_selections > 0
 
 
-def test_small_ratio_reads_sink_recent_and_its_clusters_and_index_grows():
-    llm = _llm(**SMALL, retroinfer_retrieval_ratio=0.1)
-    method, c = llm.engine.method, llm.engine.method.config
+def _reference(method, index, query, kv_len):
+    """RetroInfer's decode read written plainly, per KV head: the sink, the unindexed tail, then the
+    clusters' tokens best first (softmax over clusters of q . centroid / sqrt(D), summed over the group;
+    ties to the lower cluster) until ``selection_size`` slots are read (the last cluster truncated). No index
+    yet (a context that arrived unobserved): the sink and the newest tokens."""
+    c, shape = method.config, method.shape
+    width = method.selection_size(kv_len, 1)
+    if index is None:
+        sink = c.retroinfer_sink_tokens
+        return [list(range(sink)) + list(range(kv_len - (width - sink), kv_len))] * shape.num_kv_heads
+    q = query.float().view(shape.num_kv_heads, -1, shape.head_dim)
+    rows = []
+    for h in range(shape.num_kv_heads):
+        logits = q[h] @ index.centroids[h].float().T * shape.head_dim**-0.5
+        logits[:, index.sizes[h] == 0] = float("-inf")
+        scores = torch.softmax(logits, dim=-1).sum(0)
+        exact = list(range(min(c.retroinfer_sink_tokens, index.start))) + list(range(index.end, kv_len))
+        budget, picked = width - len(exact), []
+        for cl in sorted(range(index.num_clusters), key=lambda i: (-float(scores[i]), i)):
+            o, n = int(index.offsets[h, cl]), int(index.sizes[h, cl])
+            picked += index.sorted_positions[h, o : o + n].tolist()
+        rows.append(sorted(exact + picked[:budget]))
+    return rows
+
+
+def test_device_selection_equals_a_plain_reference_under_continuous_batching():
+    """Rows of different lengths, some indexed, some not yet, requests arriving while others decode (chunked
+    prefill, a shared prefix from the radix cache, a prompt cached whole but its last token): every selecting
+    row reads exactly what the plain reference says, and the index grows in whole update blocks."""
+    llm = _llm(**SMALL, retroinfer_retrieval_ratio=0.1, max_num_batched_tokens=48)
+    engine, method, c = llm.engine, llm.engine.method, llm.engine.method.config
     seen = _record_indexes(llm)
-    answers = []
-    select = method.decode_selection
+    selecting, checked, unindexed = [], [], []
+    prepare, select = method.prepare_step, method.select_decode
 
-    def recording(layer, request, view):
-        chosen = select(layer, request, view)
-        if chosen is not None:
-            answers.append((view.kv_len, method.index(request.request_id, layer), chosen))
-        return chosen
+    def recording_prepare(step):
+        selecting.clear()
+        for r in step.requests:
+            if r.num_new_tokens != 1:
+                break
+            if method.selection_size(r.kv_lens[0] + 1, 1) is not None:
+                selecting.append((r.request_id, r.kv_lens[0] + 1))
+        return prepare(step)
 
-    method.decode_selection = recording
-    assert all(len(t) == GREEDY.max_tokens for t in _tokens(llm))
-    assert answers
-    for kv_len, index, chosen in answers:
-        retrieved = max(1, round(index.num_clusters * 0.1))
-        for h, row in enumerate(chosen.indices.tolist()):
-            row = [t for t in row if t >= 0]
-            middle = [t for t in row if index.start <= t < index.end]
-            assert row == sorted(row) and row[-1] == kv_len - 1
-            assert [t for t in row if t < index.start] == list(range(c.retroinfer_sink_tokens))
-            assert [t for t in row if t >= index.end] == list(range(index.end, kv_len))
-            clusters = {
-                int(torch.searchsorted(index.offsets[h], index.sorted_positions[h].tolist().index(t), right=True)) - 1
-                for t in middle
-            }
-            assert len(clusters) <= retrieved
-            assert len(middle) == int(index.sizes[h, sorted(clusters)].sum()) < index.end - index.start
+    def recording_select(layer, batch):
+        out = select(layer, batch)
+        for row, (rid, kv_len) in enumerate(selecting):
+            index = method.index(rid, layer)
+            want = _reference(method, index, batch.query[row], kv_len)
+            assert out[row, :, : len(want[0])].tolist() == want
+            checked.append(kv_len)
+            if index is None:
+                unindexed.append(rid)
+        return out
+
+    method.prepare_step, method.select_decode = recording_prepare, recording_select
+    pointers = _arena_pointers(llm)
+    shared = "import os\n" * 12
+    whole = list(range(5, 5 + 10 * 16 + 1))  # ten blocks and a token: again, only its last token is computed
+    prompts = [whole] + [shared + p for p in PROMPTS] + [PROMPTS[1][:40], whole]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished_requests():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(p, params, request_id=str(i))
+        engine.step()
+    assert len(set(checked)) > 3 and engine.prefix_hit_tokens > 0 and unindexed == ["5"] * method.shape.num_layers
     for _, processed, index in seen:
         assert index.start == c.retroinfer_sink_tokens
-        held_back = processed - c.retroinfer_recent_tokens - index.end
-        assert 0 <= held_back < c.retroinfer_update_tokens  # appended in whole update blocks
+        assert 0 <= processed - c.retroinfer_recent_tokens - index.end < c.retroinfer_update_tokens
         assert sorted(index.sorted_positions[0].tolist()) == list(range(index.start, index.end))
     first = {}
     for key, _, index in seen:
         first.setdefault(key, index.end)
     assert any(index.end > first[key] for key, _, index in seen)  # blocks appended during decode
+    assert engine.kv.pool.num_used_blocks == 0 and not method._index
+    assert _arena_pointers(llm) == pointers  # grown in place: a captured graph's pointers stay valid
+    assert not any(str(i) in method.cluster_arena.rows for i in range(len(prompts)))  # rows given back
+
+
+def test_an_arena_that_cannot_be_sized_is_refused_at_build():
+    """The memory plan bounds no cluster for the longest context (it never indexes): a clear error."""
+    with pytest.raises(ValueError, match="cannot be sized"):
+        _llm(**SMALL, max_model_len=12)
+
+
+def test_async_scheduling_equals_sync():
+    cfg = dict(**SMALL, retroinfer_retrieval_ratio=0.1)
+    assert _tokens(_llm(**cfg, async_scheduling=True)) == _tokens(_llm(**cfg))
 
 
 def test_config_checks_and_missing_estimation_are_clear_errors():
@@ -105,7 +164,7 @@ def test_config_checks_and_missing_estimation_are_clear_errors():
     assert (method.config.retroinfer_retrieval_ratio, method.config.retroinfer_estimation_ratio) == (0.018, 0.232)
     assert method.decode_read_tokens(0, 16000, 16) == 16000  # no index yet: reads everything
     clusters = (131072 - 1 - 68) // 16
-    assert method.decode_read_tokens(0, 131072, 16) == 69 + round(clusters * 0.018) * 16 + clusters
+    assert method.decode_read_tokens(0, 131072, 16) == 4 + 64 + 1024 + round(clusters * 0.018) * 16
     for bad in (
         dict(retroinfer_retrieval_ratio=0.0),
         dict(retroinfer_retrieval_ratio=0.8, retroinfer_estimation_ratio=0.3),
@@ -117,3 +176,20 @@ def test_config_checks_and_missing_estimation_are_clear_errors():
     llm = _llm(**{**SMALL, "retroinfer_estimation_ratio": 0.2})
     with pytest.raises(NotImplementedError, match="retroinfer_estimation_ratio=0"):
         _tokens(llm)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_replays_cuda_graphs_and_equals_eager():
+    """Prompts of one length select alike: their decode steps between index updates replay selecting graphs
+    over the arena (captured once per selection width), equal to eager, and the arena never moves."""
+    cfg = dict(**SMALL, retroinfer_retrieval_ratio=0.1, device="cuda", max_model_len=2048)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 400, (300,), generator=gen).tolist() for _ in range(3)]  # token ids, one length
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    graphs, eager = _llm(**cfg), _llm(**cfg, enforce_eager=True)
+    pointers = _arena_pointers(graphs)
+    tokens = [[o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for llm in (graphs, eager)]
+    assert tokens[0] == tokens[1]
+    runner = graphs.engine.runner
+    assert runner.graphs.selecting_graphs and runner.graphs.num_replays > 0
+    assert runner.attention.selective.num_selections > 0 and _arena_pointers(graphs) == pointers

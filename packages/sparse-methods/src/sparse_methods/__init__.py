@@ -13,7 +13,6 @@ from sparse_methods.base import (
     Compaction,
     DecodeBatch,
     DecodeRead,
-    DecodeView,
     HeadReduction,
     LayerAttention,
     LayerPlan,
@@ -33,6 +32,7 @@ from sparse_methods.base import (
     Support,
     Unit,
 )
+from sparse_methods.cluster_arena import ClusterArena
 from sparse_methods.decode_score_sums import DecodeScoreSums
 from sparse_methods.prefill_attention import PrefillAttention
 from sparse_methods.query_ring import QueryRing
@@ -52,11 +52,11 @@ from sparse_methods.registry import (
 __all__ = [
     "DENSE_LAYER",
     "Category",
+    "ClusterArena",
     "Compaction",
     "DecodeBatch",
     "DecodeRead",
     "DecodeScoreSums",
-    "DecodeView",
     "HeadReduction",
     "LayerAttention",
     "LayerAttentionBatch",

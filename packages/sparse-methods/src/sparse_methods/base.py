@@ -5,7 +5,9 @@ A method is a class with a pydantic config (``Config``) and declarations: ``cate
 ``supports`` (MLA, sliding-window models, tensor parallelism) and a ``memory_plan``. Methods whose KV
 heads keep different numbers of tokens (AdaKV, KVzip) declare the head-major store
 (``StoreKind.HEAD_MAJOR``: a table per layer and KV head, ``Compaction.head_counts``), whose decode reads
-every slot each head holds: they need no decode selection. The engine drives it through a dozen hooks
+every slot each head holds: they need no decode selection. RetroInfer declares the cluster-index store
+(``StoreKind.CLUSTER_INDEX``): the engine sizes a ``ClusterArena`` from its memory plan's
+``index_clusters`` and hands it over (``cluster_arena``). The engine drives it through a dozen hooks
 with plain tensors and small frozen records, never engine objects, so another engine can host the same
 classes. Per step:
 
@@ -13,8 +15,7 @@ classes. Per step:
    returns the requests whose attention inputs the step observes (the engine keeps that for the step).
 2. per layer, ``layer_plan(layer)`` says how the layer involves the method (``LayerPlan``): how decode
    reads (everything; what ``select_decode`` picks for the whole batch on the device; everything after
-   ``select_decode`` looked at the batch; what ``decode_selection`` answers per request on the host,
-   RetroInfer's cluster retrieval only), whether prefill chunks read what ``prefill_selection`` picks,
+   ``select_decode`` looked at the batch), whether prefill chunks read what ``prefill_selection`` picks,
    and which keys those need.
    ``selection_size`` gives the width of the device selections before the forward (static shapes).
    A method that reads recent decode queries back at its compactions declares ``query_ring_window``;
@@ -61,6 +62,7 @@ from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from sparse_methods.attention_batch import LayerAttentionBatch
+    from sparse_methods.cluster_arena import ClusterArena
     from sparse_methods.decode_score_sums import DecodeScoreSums
     from sparse_methods.prefill_attention import PrefillAttention
     from sparse_methods.query_ring import QueryRing
@@ -99,6 +101,10 @@ class StoreKind(enum.StrEnum):
     """A block table per (layer, KV head): a layer's heads may keep different numbers of tokens
     (``Compaction.head_counts``), and the memory in use is the sum of what each head keeps. The method's
     memory plan counts per-head averages. Decode reads every slot each head holds."""
+    CLUSTER_INDEX = "paged + cluster index"
+    """Per request and layer, a cluster index of the keys in fixed device buffers (``ClusterArena``: centroids,
+    cluster sizes, token positions grouped by cluster), sized at build for the most running requests of the
+    longest context (``MemoryPlan.index_clusters``) and handed to the method (``cluster_arena``), which fills it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,9 +144,6 @@ class DecodeRead(enum.StrEnum):
     OBSERVED = "observed"
     """Every slot, after ``select_decode`` looked at the batch on the device (it returns None; e.g. a
     filter layer that picks what the next layers read)."""
-    PER_REQUEST = "per request"
-    """What ``decode_selection`` answers per request on the host (one sync per layer; never mixed with
-    the device modes in one method)."""
 
 
 class Unit(enum.StrEnum):
@@ -157,9 +160,9 @@ class LayerPlan:
     """How one layer involves the method in a step (``SparseMethod.layer_plan``).
 
     ``decode``: how decode queries read (``DecodeRead``). ``decode_keys``: decode selection needs the
-    layer's keys (``DecodeBatch.key_cache`` / ``DecodeView.keys``). ``prefill``: prefill chunks read the
-    history ``prefill_selection`` picks (else all of it); ``prefill_keys``: it needs the history's keys
-    (``PrefillView.keys``). ``unit``: the entries of the device modes' selections (pages or slots).
+    layer's keys (``DecodeBatch.key_cache``). ``prefill``: prefill chunks read the history
+    ``prefill_selection`` picks (else all of it); ``prefill_keys``: it needs the history's keys
+    (``PrefillView.keys``). ``unit``: the entries of decode selections (pages or slots).
     """
 
     decode: DecodeRead = DecodeRead.ALL
@@ -176,13 +179,8 @@ class LayerPlan:
 
     @property
     def selects_decode(self) -> bool:
-        """Decode involves the method (any mode but ``ALL``)."""
-        return self.decode is not DecodeRead.ALL
-
-    @property
-    def on_device(self) -> bool:
         """Decode goes through ``select_decode`` (``SELECTED`` or ``OBSERVED``)."""
-        return self.decode in (DecodeRead.SELECTED, DecodeRead.OBSERVED)
+        return self.decode is not DecodeRead.ALL
 
     def unit_slots(self, block_size: int) -> int:
         """Slots per selection entry."""
@@ -264,20 +262,24 @@ class MemoryPlan:
     ``prefill_peak_tokens[l]``: the most layer ``l`` holds while the prompt is processed.
     ``resident_tokens[l]``: what it holds once the prompt is processed (after any compression).
     ``decode_peak_tokens[l]``: the most it holds while generating (the steady state that decides
-    how many requests fit).
+    how many requests fit). ``index_clusters``: a ``StoreKind.CLUSTER_INDEX`` method's bound on the
+    clusters its index of a layer holds for the request (its tokens are bounded by ``peak_tokens``).
     """
 
     prefill_peak_tokens: tuple[int, ...]
     resident_tokens: tuple[int, ...]
     decode_peak_tokens: tuple[int, ...]
+    index_clusters: int = 0
 
     @property
     def peak_tokens(self) -> tuple[int, ...]:
         return tuple(max(a, b) for a, b in zip(self.prefill_peak_tokens, self.decode_peak_tokens, strict=True))
 
     @classmethod
-    def uniform(cls, num_layers: int, prefill_peak: int, resident: int, decode_peak: int) -> MemoryPlan:
-        return cls((prefill_peak,) * num_layers, (resident,) * num_layers, (decode_peak,) * num_layers)
+    def uniform(
+        cls, num_layers: int, prefill_peak: int, resident: int, decode_peak: int, index_clusters: int = 0
+    ) -> MemoryPlan:
+        return cls((prefill_peak,) * num_layers, (resident,) * num_layers, (decode_peak,) * num_layers, index_clusters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,26 +363,6 @@ class LayerAttention:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeView:
-    """What a query-aware method sees to choose what one decode query reads, in one layer.
-
-    ``query``: ``[num_q_heads, head_dim]`` (after RoPE); ``kv_len``: slots the request holds in
-    this layer (the newest one included); ``page_size``: tokens per summarized page (the block).
-    ``page_min`` / ``page_max``: ``[num_pages, num_kv_heads, head_dim]`` key summaries of the
-    request's pages in table order, when the store keeps them (else None). ``keys``:
-    ``[kv_len, num_kv_heads, head_dim]`` the layer's keys in slot order, when the method asked for
-    them (``LayerPlan.decode_keys``), else None.
-    """
-
-    query: torch.Tensor
-    kv_len: int
-    page_size: int
-    page_min: torch.Tensor | None = None
-    page_max: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class PrefillView:
     """What a method sees to choose which history a prefill chunk reads, in one layer.
 
@@ -396,10 +378,8 @@ class PrefillView:
 
 @dataclass(frozen=True, slots=True)
 class Selection:
-    """What one decode query reads: ``indices`` ``[num_kv_heads, n]`` ascending, in units of
-    ``page_size`` slots of the request's table (``page_size=1``: single tokens). The newest slot's
-    page must be the last entry of every row. Single-slot rows may lead with ``-1`` entries, which
-    read nothing (heads that read fewer slots than others, e.g. RetroInfer's per-head clusters)."""
+    """What one prefill chunk reads of its history: ``indices`` ``[num_kv_heads, n]`` ascending, in units of
+    ``page_size`` slots of the request's table (``page_size=1``: single tokens)."""
 
     indices: torch.Tensor
     page_size: int
@@ -496,6 +476,8 @@ class SparseMethod(ABC):
     """Set by the engine when ``query_ring_window`` is positive and its store keeps plain queries."""
     decode_score_sums: DecodeScoreSums | None = None
     """Set by the engine when ``decode_score_shape`` is given and the decode kernel can write scores."""
+    cluster_arena: ClusterArena | None = None
+    """Set by the engine for a ``StoreKind.CLUSTER_INDEX`` store (see there)."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         if not isinstance(config, self.Config):
@@ -543,20 +525,17 @@ class SparseMethod(ABC):
     def selection_size(self, kv_len: int, page_size: int) -> int | None:
         """Entries of ``page_size`` slots (``LayerPlan.unit``) that a selecting layer reads per KV head for
         a context of ``kv_len``, or None when the query reads everything (the width of ``select_decode``'s
-        answers; for ``PER_REQUEST`` layers an estimate, for reports)."""
+        answer for that row)."""
         return None
 
     def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | None:
         """A ``SELECTED`` layer: ``[B, num_kv_heads, size]`` ascending entry indices (``LayerPlan.unit``, in
-        table order, the newest last) for a batch whose rows all select ``size`` (``selection_size``)
-        entries, made on the device without host sync; entries past a row's length (padding rows of a
-        CUDA graph) are allowed and read the row's last entry. An ``OBSERVED`` layer: look at the batch
-        and return None (every slot is read)."""
+        table order, the newest last) for a batch whose rows select ``size`` (the largest of their
+        ``selection_size``) entries, made on the device without host sync; a row that selects fewer has
+        its own number read (the rest is ignored); entries past a row's length (padding rows of a CUDA
+        graph) are allowed and read the row's last entry. An ``OBSERVED`` layer: look at the batch and
+        return None (every slot is read)."""
         raise NotImplementedError(f"{self.name} has no device selection")
-
-    def decode_selection(self, layer: int, request: RequestStep, view: DecodeView) -> Selection | None:
-        """A ``PER_REQUEST`` layer: what one decode query reads, or None to read every slot."""
-        return None
 
     def prefill_selection(self, layer: int, request: RequestStep, view: PrefillView) -> Selection | None:
         """A layer whose plan has ``prefill``: history slots (``page_size=1``, ``[num_kv_heads, n]``

@@ -23,8 +23,8 @@ buffers, and Quest on the latent selects through the same ``SelectiveDecode`` ba
 (``attention.selective`` is the latent backend's).
 
 Block summaries (query-aware stores) are updated inside the graph from the static slot mapping.
-Steps of a method that selects what decode reads are eligible when its layers select on the device
-(``LayerPlan.on_device``) and every request of the step selects alike: all read everything (the plain
+Steps of a method that selects what decode reads (on the device, ``select_decode``) are eligible when
+every request of the step selects alike: all read everything (the plain
 bucket graph, captured without the method, serves them), or all read the same number of entries.
 The latter are captured lazily, per (bucket, the selective plan's ``graph_key``), from the first
 such step: one eager warm-up forward of that step (a real run: replaying it rewrites the same KV and
@@ -187,7 +187,7 @@ class DecodeGraphs:
 
     def eligible(self, meta: StepMetadata, method, observed: Collection[Hashable] = frozenset()) -> bool:
         """Whether the step replays a graph: decode only, within a bucket, observing nothing (``observed``:
-        what the method's ``prepare_step`` returned), its selecting layers (if any) all on the device."""
+        what the method's ``prepare_step`` returned), every request selecting alike."""
         if meta.num_prefill_requests or meta.layer_group != self.layer_group or self.bucket(meta.num_tokens) is None:
             return False
         if len(meta.sampled) != meta.num_tokens:  # a one-token prefill chunk that samples nothing
@@ -198,8 +198,8 @@ class DecodeGraphs:
             return False
         plans = [method.layer_plan(layer) for layer in range(self.num_layers)]
         if any(plan.selects_decode for plan in plans):
-            if not all(plan.on_device for plan in plans if plan.selects_decode) or len(meta.groups) > 1:
-                return False  # host selections sync; selecting graphs: one group only, for now
+            if len(meta.groups) > 1:
+                return False  # selecting graphs: one group only, for now
             _, uniform = self.attention.selective.uniform_size(method, meta, meta.groups[0])
             return uniform
         return True

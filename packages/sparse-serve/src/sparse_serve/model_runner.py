@@ -8,7 +8,16 @@ import torch
 
 from sparse_cache import LayerLayout, TailRows
 from sparse_kernels import block_summary
-from sparse_methods import DecodeScoreSums, PrefixCacheMode, QueryRing, SparseMethod, StepContext, Support
+from sparse_methods import (
+    ClusterArena,
+    DecodeScoreSums,
+    PrefixCacheMode,
+    QueryRing,
+    SparseMethod,
+    StepContext,
+    StoreKind,
+    Support,
+)
 from sparse_models import ModelConfig, load_model
 from sparse_models.distributed import (
     gather_kv_group_heads,
@@ -85,11 +94,13 @@ class ModelRunner:
         self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
         # A head-major store's block is one (layer, KV head) lane's: ``lanes`` of them hold a token in a layer.
         self.lanes = layout.heads if layout is not None else 1
-        # Before the pool takes the free memory: the method's ring of recent decode queries or its running
-        # decode scores, if it keeps them.
+        # Before the pool takes the free memory: the method's ring of recent decode queries, its running
+        # decode scores or its cluster indexes, if it keeps them.
         self.query_ring = _query_ring(method, self.store, config, self.dtype, self.device)
         per_layer = layout is not None and layout.per_layer
         self.score_sums = None if per_layer else _decode_score_sums(method, self.store, config, self.device)
+        graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
+        _cluster_arena(method, config, max_model_len_hint, graph_batch, self.dtype, self.device)
         self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
         self.num_pool_blocks = self.num_blocks * (layout.num_tables if per_layer else 1)
         self.kv = allocate_kv_pool(
@@ -103,7 +114,6 @@ class ModelRunner:
             tables_per_layer=self.lanes,
         )
         static_scales = _static_fp8_scales(config.fp8_kv_scale_path, cfg.num_hidden_layers)
-        graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
         lanes = self.lanes  # a head-major decode has a row per (request, KV head)
         self.attention = PagedAttention(
             self.kv,
@@ -281,6 +291,35 @@ def _decode_score_sums(method: SparseMethod | None, store, config: EngineConfig,
     sums = DecodeScoreSums(m.num_layers, rows, capacity, heads, m.num_kv_heads, config.block_size, rows, device)
     method.decode_score_sums = sums
     return sums
+
+
+def _cluster_arena(
+    method: SparseMethod | None, config: EngineConfig, max_model_len: int, graph_batch: int, dtype, device
+) -> ClusterArena | None:
+    """The fixed device buffers of a ``StoreKind.CLUSTER_INDEX`` method's indexes, handed to the method: a row
+    per running request, each sized by the method's memory plan for the longest context (never reallocated:
+    CUDA graphs read them). A ValueError when they cannot be planned or do not fit."""
+    if method is None or method.storage.kind is not StoreKind.CLUSTER_INDEX:
+        return None
+    plan = method.memory_plan(max_model_len, 0, config.max_num_batched_tokens)
+    tokens, clusters = max(plan.peak_tokens), plan.index_clusters
+    if clusters < 1:
+        raise ValueError(
+            f"{method.name}: its memory plan bounds no cluster index for a context of max_model_len={max_model_len} "
+            "tokens, so the index buffers cannot be sized"
+        )
+    m, rows = method.shape, config.max_num_seqs
+    sizes = (m.num_layers, rows, tokens, clusters, m.num_kv_heads, m.head_dim)
+    if device.type == "cuda":
+        need, (free, _) = ClusterArena.num_bytes(*sizes, dtype), torch.cuda.mem_get_info(device)
+        if need > free:
+            raise ValueError(
+                f"{method.name}: the cluster index buffers for {rows} requests of {tokens} tokens need "
+                f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free; lower max_num_seqs or max_model_len"
+            )
+    arena = ClusterArena(*sizes, dtype, device, plan_rows=max(rows, graph_batch))
+    method.cluster_arena = arena
+    return arena
 
 
 def _check_windows(method: SparseMethod | None, store, cfg: ModelConfig) -> None:

@@ -31,7 +31,6 @@ from sparse_kernels.kv_quant import dequantize_blocks
 from sparse_kernels.quantized_store import store_kv_quantized
 from sparse_methods import (
     DENSE_LAYER,
-    DecodeRead,
     DecodeScoreSums,
     LayerAttention,
     LayerAttentionBatch,
@@ -342,12 +341,8 @@ class PagedAttention:
                 else:
                     # Tensor parallelism: the method sees the query heads of this rank's KV groups.
                     extra = {} if self.group_queries is None else {"select_q": self.group_queries(q[:nd])}
-                    if layer.decode is DecodeRead.PER_REQUEST:  # answered per request on the host
-                        args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, meta, group, out[:nd])
-                        selective.run(*args, **extra)
-                    else:  # picked on the device, no host sync
-                        args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
-                        selective.run_batched(*args, dense=plan.decode, **extra)
+                    args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
+                    selective.run_batched(*args, dense=plan.decode, **extra)  # picked on the device, no host sync
             elif nd:
                 plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd], scores_out=scores)
             if select_prefill:

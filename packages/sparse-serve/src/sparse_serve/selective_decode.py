@@ -1,24 +1,17 @@
-"""Decode that reads only what a query-aware method selects, per (request, KV head).
+"""Decode that reads only what a query-aware method selects, per (request, KV head), picked on the device.
 
-For each decode query of a layer, the method sees a ``DecodeView`` (the query, the request's page
-summaries when the store keeps them, its keys when it asked for them) and answers a ``Selection``:
-pages (``page_size`` = block size: block lists) or single slots (``page_size`` = 1: slot lists),
-per KV head, or None (read everything). The answers become one head-sparse CSR (one list per
-request and KV head, the newest page last) that the decode kernel reads, so the bytes a step reads
-scale with the budget rather than the context.
-
-A layer selects through one of two paths (``LayerPlan.decode``), and a method uses one of them.
-Layers whose selection runs on the device (``SELECTED`` / ``OBSERVED``: the query-aware methods) go
-through the batched path for every decode step, on any device and kernel backend: the list structure
-is planned once per step (lengths are known from ``selection_size``) and, per layer, what the method
-picks on the device (``select_decode`` over a ``DecodeBatch`` that reads the step's block tables in
-place) is written straight into the Triton kernel's index buffer: no host sync inside the forward
-(the reference kernels, which copy their indices at ``plan``, are planned again with the picked
-entries). When every row selects the same number of entries (``uniform``) everything the forward
-reads lives in fixed buffers, so the step can be captured and replayed as a CUDA graph
-(``graph_key``); rows past the step's requests (a graph's padding) select too, on their one-token
-table, and their outputs are dropped. ``PER_REQUEST`` layers answer ``decode_selection`` per query,
-and the host path builds their lists (one sync per layer).
+Layers that select (``LayerPlan.decode``: ``SELECTED`` / ``OBSERVED``) go through one batched path for
+every decode step, on any device and kernel backend: the list structure is planned once per step
+(lengths are known from ``selection_size``) and, per layer, what the method picks on the device
+(``select_decode`` over a ``DecodeBatch`` that reads the step's block tables in place: pages, or single
+slots) is written straight into the Triton kernel's index buffer: no host sync inside the forward (the
+reference kernels, which copy their indices at ``plan``, are planned again with the picked entries). The
+answers become one head-sparse CSR (one list per request and KV head, the newest entry last), so the bytes
+a step reads scale with the budget rather than the context. When every row selects the same number of
+entries (``uniform``) everything the forward reads lives in fixed buffers, so the step can be captured
+and replayed as a CUDA graph (``graph_key``); rows past the step's requests (a graph's padding) select
+too, on their one-token table, and their outputs are dropped. Rows that read different numbers of
+entries (or everything) in one step are planned row by row and run eagerly.
 """
 
 from __future__ import annotations
@@ -30,8 +23,8 @@ import torch
 from sparse_kernels import BatchDecodeWithPagedKVCache, paged_logits
 from sparse_kernels.logits_attention import logits_attention, softmax_stats
 from sparse_kernels.selection_entries import selection_entries
-from sparse_methods import DecodeBatch, DecodeRead, DecodeView, Selection, SparseMethod
-from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots
+from sparse_methods import DecodeBatch, DecodeRead, SparseMethod
+from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata
 
 WIDTH_QUANTUM = 256  # static table width (pages) rounds up to this, so a graph serves many steps
 
@@ -41,7 +34,8 @@ class _BatchedStep:
     """One step's batched plan (device tensors are views of fixed buffers when ``rows`` is None)."""
 
     rows: torch.Tensor | None  # int64 [n] decode rows that select, None: all of them (uniform)
-    positions: torch.Tensor | None  # int64 [n * Hkv * size] index-buffer slots to fill, None: the first ones
+    positions: torch.Tensor | None  # int64 index-buffer slots to fill, None: the first n * Hkv * size
+    take: torch.Tensor | None  # int64: which picked entries fill ``positions`` (rows narrower than size), None: all
     starts: torch.Tensor  # int64 [n]: each selecting row's first entry in the table buffer
     kv_lens: torch.Tensor  # int64 [n]
     num_pages: torch.Tensor  # int64 [n]: ceil(kv_lens / block_size)
@@ -67,21 +61,18 @@ class SelectiveDecode:
         ``plan`` / ``run`` / ``planned_kv_indices`` / ``backend`` follow the same interface)."""
         self.backend = backend
         self._list_decode = list_decode or self._paged_lists
-        self.decode = {}  # host path: page size -> wrapper (a plan's page size is fixed per wrapper)
         self.device = device
         self.shape = shape
         self.sm_scale = sm_scale
         self.max_batch_size = max_batch_size
         self.max_num_pages = max_num_pages  # of the step's dense tables (the table buffer's capacity)
-        self.pages_read = 0  # list entries read by selective decodes so far, for reports
-        self.tokens_read = 0  # KV tokens (per KV head) read by selective decodes so far
         self.max_list_pages = 0  # longest (request, KV head) list so far, in its page size
         self.num_selections = 0  # decode queries whose method chose a subset (not None)
 
         self._fast: dict[int, tuple[BatchDecodeWithPagedKVCache, int]] = {}  # unit -> (wrapper, entry capacity)
         self._table = torch.zeros(max_num_pages or 0, dtype=torch.int32, device=device)
         self._rows = torch.zeros(3 * (max_batch_size or 0), dtype=torch.int64, device=device)
-        self._batched: _BatchedStep | None = None  # this step's batched plan, or None (host path)
+        self._batched: _BatchedStep | None = None  # this step's batched plan, or None (no row selects)
         self._planned: tuple | None = None  # the last uniform plan: (wrapper, kv_indptr, kv_last_len)
         self._host_plan: tuple | None = None  # this step's (kv_indptr, kv_indices, kv_last_len) on the host
         self.reads_all = False  # this step's decode rows all read everything: selecting layers run dense
@@ -101,8 +92,6 @@ class SelectiveDecode:
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
         size, uniform = self.uniform_size(method, meta, group)
         if size is None:
-            if not uniform:
-                raise ValueError(f"{method.name}: a step's selecting rows must all read the same number of entries")
             self.reads_all = True  # every row reads everything: the dense plan serves them
             return
         real = min(nd, len(meta.steps))  # rows past the requests are a CUDA graph's padding
@@ -114,29 +103,37 @@ class SelectiveDecode:
         last_entry = indices_h[indptr_h[1:] - 1].to(torch.int64)  # each row's newest block
         tails = torch.tensor(kv_lens, dtype=torch.int64) - (indptr_h[1:] - starts_h - 1) * bs
         rows = [i for i in range(nd) if sizes[i] is not None]
+        row_of = {i: r for r, i in enumerate(rows)}
         if uniform:
             kv_indices = None  # placeholders (written per layer on the device), built if the plan changes
             kv_indptr = torch.arange(nd * num_kv_heads + 1, dtype=torch.int32) * size
             last = tails if unit == bs else torch.ones(nd, dtype=torch.int64)
             kv_last_len = last.repeat_interleave(num_kv_heads).to(torch.int32)
-            positions = None
+            positions = take = None
         else:  # some rows read everything (all their blocks, or slots), the others their selected entries
-            indptr, indices, last_len, pos = [0], [], [], []
+            indptr, indices, last_len, pos, take = [0], [], [], [], []
             for i in range(nd):
                 blocks = indices_h[int(starts_h[i]) : int(indptr_h[i + 1])].tolist()
                 every = blocks if unit == bs else [b * bs + o for b in blocks for o in range(bs)][: kv_lens[i]]
-                for _ in range(num_kv_heads):
+                for h in range(num_kv_heads):
                     if sizes[i] is None:
                         indices.extend(every)
-                    else:
-                        pos.extend(range(len(indices), len(indices) + size))
-                        indices.extend([every[-1]] * size)  # placeholders, written per layer on the device
+                    else:  # the row's own width: the method's entries past it are not read
+                        pos.extend(range(len(indices), len(indices) + sizes[i]))
+                        first = (row_of[i] * num_kv_heads + h) * size
+                        take.extend(range(first, first + sizes[i]))
+                        indices.extend([every[-1]] * sizes[i])  # placeholders, written per layer on the device
                     indptr.append(len(indices))
                     last_len.append(int(tails[i]) if unit == bs else 1)
             kv_indptr = torch.tensor(indptr, dtype=torch.int32)
             kv_indices = torch.tensor(indices, dtype=torch.int32)
             kv_last_len = torch.tensor(last_len, dtype=torch.int32)
             positions = torch.tensor(pos, dtype=torch.int64, device=self.device)
+            take = (
+                torch.tensor(take, dtype=torch.int64, device=self.device)
+                if len(take) < len(rows) * num_kv_heads * size
+                else None
+            )
         lists = (self.max_batch_size or nd) * num_kv_heads
         entries = int(kv_indptr[-1])
         wrapper = self._fast_wrapper(unit, entries, lists * size if uniform else entries)
@@ -177,6 +174,7 @@ class SelectiveDecode:
         self._batched = _BatchedStep(
             rows=None if uniform else idx.to(self.device),
             positions=positions,
+            take=take,
             starts=self._rows[:n],
             kv_lens=self._rows[n : 2 * n],
             num_pages=self._rows[2 * n : 3 * n],
@@ -195,18 +193,16 @@ class SelectiveDecode:
         unit = self.device_unit(method, group.layers)
         sizes = {method.selection_size(group.kv_lens[i] + 1, unit) for i in range(nd)}
         chosen = {s for s in sizes if s is not None}
-        if len(chosen) > 1:
-            return None, False
-        return (chosen.pop() if chosen else None), len(sizes) == 1
+        return (max(chosen) if chosen else None), len(sizes) == 1
 
     def device_unit(self, method: SparseMethod, layers) -> int | None:
         """Slots per entry of what ``layers`` select on the device this step, None when none of them does."""
         plans = [method.layer_plan(layer) for layer in layers]
-        units = {plan.unit_slots(self.shape["block_size"]) for plan in plans if plan.on_device}
+        units = {plan.unit_slots(self.shape["block_size"]) for plan in plans if plan.selects_decode}
         if not units:
             return None
-        if len(units) > 1 or any(plan.decode is DecodeRead.PER_REQUEST for plan in plans):
-            raise ValueError(f"{method.name}: the layers selecting on the device must share one unit and one path")
+        if len(units) > 1:
+            raise ValueError(f"{method.name}: the layers selecting on the device must share one unit")
         return units.pop()
 
     def reset(self) -> None:
@@ -224,7 +220,8 @@ class SelectiveDecode:
         if st is None or st.rows is not None:
             return None
         wrapper = self._fast[st.unit][0]
-        return (st.size, st.unit, st.max_pages, id(wrapper), self._table.data_ptr(), self._rows.data_ptr())
+        buffers = (id(wrapper), self._table.data_ptr(), self._rows.data_ptr())
+        return (st.size, st.unit, st.max_pages, *buffers)
 
     def run_batched(
         self, method, layer, q, k_cache, v_cache, kmin, kmax, out, dense=None, select_q=None
@@ -282,7 +279,7 @@ class SelectiveDecode:
         if not in_place:
             self._replan(wrapper, ids, st)
         elif st.positions is not None:
-            wrapper.planned_kv_indices()[st.positions] = ids.view(-1)
+            wrapper.planned_kv_indices()[st.positions] = ids.view(-1) if st.take is None else ids.view(-1)[st.take]
         self.num_selections += n
         return wrapper.run(q, k_cache, v_cache, out=out)
 
@@ -290,7 +287,7 @@ class SelectiveDecode:
         """Reference kernels (no index buffer to write on the device): plan the step's lists again
         with the picked entries in place of the placeholders."""
         kv_indptr, kv_indices, kv_last_len = self._host_plan
-        picked = ids.view(-1).to("cpu", torch.int32)
+        picked = (ids.view(-1) if st.take is None else ids.view(-1)[st.take]).to("cpu", torch.int32)
         if st.positions is None:
             kv_indices = picked
         else:
@@ -327,88 +324,6 @@ class SelectiveDecode:
         self._table = _fit(self._table, indices.numel(), self.max_num_pages)
         _copy_in(self._table, indices.to(torch.int32))
 
-    def _wrapper(self, page_size: int) -> BatchDecodeWithPagedKVCache:
-        if page_size not in self.decode:
-            self.decode[page_size] = BatchDecodeWithPagedKVCache(self.device, backend=self.backend)
-        return self.decode[page_size]
-
-    def _view(self, keys_needed, q_row, kv_len, blocks, kmin, kmax, k_cache) -> DecodeView:
-        bs = self.shape["block_size"]
-        ids = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        keys = None
-        if keys_needed:
-            flat = k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-            keys = flat[table_slots(blocks, kv_len, bs).to(self.device)]
-        summaries = (kmin[ids], kmax[ids]) if kmin is not None else (None, None)
-        return DecodeView(q_row, kv_len, bs, *summaries, keys)
-
-    def run(
-        self,
-        method: SparseMethod,
-        layer: int,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        kmin: torch.Tensor | None,
-        kmax: torch.Tensor | None,
-        meta: StepMetadata,
-        group: LayerGroupMetadata,
-        out: torch.Tensor,
-        select_q: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Host path: attention of the ``q.shape[0]`` leading (decode) items of the step, into ``out``,
-        for a ``PER_REQUEST`` layer; the method sees ``select_q`` (default ``q``)."""
-        plan = method.layer_plan(layer)
-        if plan.decode is not DecodeRead.PER_REQUEST:
-            raise RuntimeError(f"{method.name} selects layer {layer} on the batched path (plan_step)")
-        select_q = q if select_q is None else select_q
-        bs = self.shape["block_size"]
-        num_kv_heads = self.shape["num_kv_heads"]
-        lists: list[tuple[list[int], int, int]] = []  # (pool entries, tokens in the last entry, page size)
-        for i in range(q.shape[0]):
-            kv_len = group.kv_lens[i] + 1
-            blocks = group.block_ids[i][: -(-kv_len // bs)].tolist()
-            chosen = method.decode_selection(
-                layer, meta.steps[i], self._view(plan.decode_keys, select_q[i], kv_len, blocks, kmin, kmax, k_cache)
-            )
-            lists.extend(self._lists(chosen, kv_len, blocks, num_kv_heads))
-            self.num_selections += chosen is not None
-        if len({size for _, _, size in lists}) > 1:  # mixed answers in one step: all as single slots
-            lists = [(_as_slots(entries, last, size), 1, 1) for entries, last, size in lists]
-        page_size = lists[0][2]
-        indptr, indices, last_len = [0], [], []
-        for entries, last, _ in lists:
-            indices.extend(entries)
-            indptr.append(len(indices))
-            last_len.append(last)
-            self.tokens_read += (len(entries) - 1) * page_size + last
-            self.max_list_pages = max(self.max_list_pages, len(entries))
-        self.pages_read += len(indices)
-        wrapper = self._wrapper(page_size)
-        wrapper.plan(
-            torch.tensor(indptr, dtype=torch.int32),
-            torch.tensor(indices, dtype=torch.int32),
-            torch.tensor(last_len, dtype=torch.int32),
-            head_sparse=True,
-            page_size=page_size,
-            sm_scale=self.sm_scale,
-            **self.shape,
-        )
-        return wrapper.run(q, k_cache, v_cache, out=out)
-
-    def _lists(self, chosen: Selection | None, kv_len: int, blocks: list[int], num_kv_heads: int):
-        """One (entries, last-entry tokens, page size) per KV head; entries are block ids or slot ids."""
-        bs = self.shape["block_size"]
-        if chosen is None or chosen.page_size == bs:
-            num_pages = len(blocks)
-            tail = kv_len - (num_pages - 1) * bs
-            rows = [range(num_pages)] * num_kv_heads if chosen is None else chosen.indices.tolist()
-            return [([blocks[p] for p in row], tail if row[-1] == num_pages - 1 else bs, bs) for row in rows]
-        if chosen.page_size != 1:
-            raise ValueError(f"a selection's page_size must be the block size ({bs}) or 1, got {chosen.page_size}")
-        # Slot rows may lead with -1 (a head that reads fewer slots than others: ragged lists).
-        return [([blocks[t // bs] * bs + t % bs for t in row if t >= 0], 1, 1) for row in chosen.indices.tolist()]
-
 
 def _fit(buf: torch.Tensor, needed: int, capacity: int | None) -> torch.Tensor:
     """``buf`` if it holds ``needed`` entries, else a larger buffer (which moves: graphs re-capture)."""
@@ -424,10 +339,3 @@ def _copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst[: src.numel()].copy_(src.pin_memory(), non_blocking=True)
     else:
         dst[: src.numel()].copy_(src)
-
-
-def _as_slots(entries: list[int], last: int, size: int) -> list[int]:
-    """A list of ``size``-token pages (the last one holding ``last`` tokens) as single slots."""
-    if size == 1:
-        return entries
-    return [b * size + o for b in entries[:-1] for o in range(size)] + [entries[-1] * size + o for o in range(last)]

@@ -1,0 +1,100 @@
+"""Cluster indexes (RetroInfer's) of every running request in fixed device buffers, per layer, that a CUDA
+graph can read, with a per-step plan saying which request's index each decode row reads.
+
+The engine builds one for a method whose store is ``StoreKind.CLUSTER_INDEX`` before the KV pool takes the
+free memory (``SparseMethod.cluster_arena``), sized once: ``num_rows`` requests (the most that run at
+once), each holding at most ``tokens`` indexed tokens in ``clusters`` clusters per layer (its memory plan's
+``index_clusters``). Nothing moves afterwards, so a captured graph's pointers stay valid; a request takes
+a row on its first index and gives it back on release, and growing an index writes its new clusters in
+place in its row (``write``).
+
+Per layer: ``centroids`` ``[H, rows * clusters, D]``, ``sizes`` and ``offsets`` int32 ``[H, rows *
+clusters]`` (a cluster's first entry in its request's ``positions``), ``positions`` int32 ``[H, rows *
+tokens]`` (token positions grouped by cluster). Row ``r``'s index occupies the columns from ``r *
+clusters`` and ``r * tokens``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from sparse_methods.request_rows import RequestRows, fill
+
+PLAN_FIELDS = 5
+"""Per decode row: token base, cluster base, clusters, index end, cluster-token budget."""
+
+
+class ClusterArena:
+    def __init__(
+        self,
+        num_layers: int,
+        num_rows: int,
+        tokens: int,
+        clusters: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        plan_rows: int,
+    ):
+        """``plan_rows``: decode rows one step plans at most (a CUDA graph's padded batch included)."""
+        if min(num_rows, tokens, clusters, plan_rows) < 1:
+            sizes = (num_rows, tokens, clusters, plan_rows)
+            raise ValueError(f"a cluster arena needs rows, tokens, clusters and plan rows, got {sizes}")
+        self.tokens, self.clusters = tokens, clusters
+        h, c, t = num_kv_heads, num_rows * clusters, num_rows * tokens
+
+        def zeros(*shape, dtype=torch.int32):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.layers = [
+            (zeros(h, c, head_dim, dtype=dtype), zeros(h, c), zeros(h, c), zeros(h, t)) for _ in range(num_layers)
+        ]
+        self.rows = RequestRows(num_rows, "cluster index")
+        self.plan = zeros(PLAN_FIELDS, plan_rows, dtype=torch.int64)
+
+    @staticmethod
+    def num_bytes(num_layers, num_rows, tokens, clusters, num_kv_heads, head_dim, dtype: torch.dtype) -> int:
+        """Device bytes of an arena of these sizes."""
+        per_cluster = head_dim * dtype.itemsize + 2 * 4
+        return num_layers * num_kv_heads * num_rows * (clusters * per_cluster + tokens * 4)
+
+    def bases(self, request_id: Hashable) -> tuple[int, int]:
+        """The request's first token and first cluster column (it holds a row)."""
+        row = self.rows[request_id]
+        return row * self.tokens, row * self.clusters
+
+    def write(self, request_id: Hashable, layer: int, index, previous=None) -> None:
+        """Write ``index`` (a ``sparse_kernels.cluster_index.ClusterIndex``) into the request's row of
+        ``layer``: all of it, or what it appended to ``previous`` (already in place: an index grows by
+        appending clusters and their tokens). The request takes a row on its first write."""
+        clusters, tokens = index.num_clusters, index.sorted_positions.shape[1]
+        if clusters > self.clusters or tokens > self.tokens:
+            raise ValueError(
+                f"a cluster index of {clusters} clusters over {tokens} tokens outgrows its arena row "
+                f"({self.clusters} clusters, {self.tokens} tokens): the memory plan's bound is wrong"
+            )
+        self.rows.take(request_id)
+        t0, c0 = self.bases(request_id)
+        first_cluster = 0 if previous is None else previous.num_clusters
+        first_token = 0 if previous is None else previous.sorted_positions.shape[1]
+        centroids, sizes, offsets, positions = self.layers[layer]
+        centroids[:, c0 + first_cluster : c0 + clusters] = index.centroids[:, first_cluster:]
+        sizes[:, c0 + first_cluster : c0 + clusters] = index.sizes[:, first_cluster:]
+        offsets[:, c0 + first_cluster : c0 + clusters] = index.offsets[:, first_cluster:]
+        positions[:, t0 + first_token : t0 + tokens] = index.sorted_positions[:, first_token:]
+
+    def release(self, request_id: Hashable) -> None:
+        self.rows.release(request_id)
+
+    def plan_rows(self, rows: Sequence[tuple[int, int, int, int, int]]) -> None:
+        """The next step's decode rows in batch order (``PLAN_FIELDS`` each); rows past them (a graph's
+        padding) read no cluster and everything from position 0 (never more than their width). One copy."""
+        if len(rows) > self.plan.shape[1]:
+            raise ValueError(f"{len(rows)} decode rows exceed the cluster arena's plan of {self.plan.shape[1]}")
+        host = torch.zeros(self.plan.shape, dtype=torch.int64)
+        if rows:
+            host[:, : len(rows)] = torch.tensor(rows, dtype=torch.int64).T
+        fill(self.plan, host)

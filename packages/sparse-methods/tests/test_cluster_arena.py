@@ -1,0 +1,69 @@
+"""The cluster arena: a request's index lands in its own row, an appended block is written in place beside
+what is there (equal to writing the grown index whole), rows are given back and reused, and nothing past
+the planned capacity is accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_kernels.cluster_index import build_cluster_index, concat_indexes
+from sparse_methods import ClusterArena
+
+HEADS, DIM = 2, 8
+
+
+def _arena(rows: int = 3, tokens: int = 64, clusters: int = 16) -> ClusterArena:
+    return ClusterArena(2, rows, tokens, clusters, HEADS, DIM, torch.float32, "cpu", plan_rows=4)
+
+
+def _row(arena: ClusterArena, rid, layer: int, index) -> tuple[torch.Tensor, ...]:
+    t0, c0 = arena.bases(rid)
+    c1, t1 = c0 + index.num_clusters, t0 + index.sorted_positions.shape[1]
+    centroids, sizes, offsets, positions = arena.layers[layer]
+    return centroids[:, c0:c1], sizes[:, c0:c1], offsets[:, c0:c1], positions[:, t0:t1]
+
+
+def _expected(index) -> tuple[torch.Tensor, ...]:
+    return index.centroids, index.sizes, index.offsets.to(torch.int32), index.sorted_positions
+
+
+def test_appended_block_written_in_place_equals_the_whole_index():
+    keys = torch.randn(40, HEADS, DIM, generator=torch.Generator().manual_seed(0))
+    first = build_cluster_index(keys[2:26], None, start=2, avg_cluster_size=4)
+    grown = concat_indexes(first, build_cluster_index(keys[26:34], None, start=26, avg_cluster_size=4, segments=1))
+    arena, whole = _arena(), _arena()
+    pointers = [t.data_ptr() for layer in arena.layers for t in layer]
+    arena.write("a", 0, first)
+    arena.write("b", 1, first)  # another request: the next row
+    arena.write("b", 1, grown, first)
+    whole.write("x", 0, first)
+    whole.write("b", 1, grown)
+    assert arena.bases("b") == (64, 16) and whole.bases("b") == (64, 16)
+    for got, want in zip(_row(arena, "b", 1, grown), _expected(grown), strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(_row(arena, "a", 0, first), _expected(first), strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(arena.layers[1], whole.layers[1], strict=True):
+        assert torch.equal(got, want)
+    assert [t.data_ptr() for layer in arena.layers for t in layer] == pointers
+    arena.release("a")
+    arena.write("c", 0, first)
+    assert arena.bases("c") == (0, 0)  # the lowest free row again
+
+
+def test_capacity_is_refused_past_its_plan():
+    keys = torch.randn(40, HEADS, DIM, generator=torch.Generator().manual_seed(1))
+    index = build_cluster_index(keys, None, start=0, avg_cluster_size=4)  # 10 clusters over 40 tokens
+    with pytest.raises(ValueError, match="outgrows its arena row"):
+        _arena(tokens=32).write("a", 0, index)
+    with pytest.raises(ValueError, match="outgrows its arena row"):
+        _arena(clusters=8).write("a", 0, index)
+    arena = _arena(rows=1)
+    arena.write("a", 0, index)
+    with pytest.raises(RuntimeError, match="no free cluster index row"):
+        arena.write("b", 0, index)
+    with pytest.raises(ValueError, match="exceed the cluster arena's plan"):
+        arena.plan_rows([(0, 0, 1, 1, 1)] * 5)
+    with pytest.raises(ValueError):
+        _arena(clusters=0)
