@@ -11,7 +11,13 @@ from sparse_cache import KVCacheManager, LayerLayout
 from sparse_serve.request import Request
 from sparse_serve.sampling_params import SamplingParams
 from sparse_serve.scheduler import ScheduledBatch
-from sparse_serve.step_metadata import LayerGroupMetadata, _group, build_step_metadata, head_major_group
+from sparse_serve.step_metadata import (
+    LayerGroupMetadata,
+    _group,
+    build_step_metadata,
+    head_major_group,
+    head_major_group_reference,
+)
 
 BS = 4
 
@@ -147,3 +153,52 @@ def test_decode_steps_build_every_layer_at_once_as_layer_by_layer(seed, kind):
                 assert x.dtype == y.dtype == torch.int32 and torch.equal(x, y), name
             else:
                 assert x == y, name
+
+
+# -- head-major groups: all lanes at once == the per-position definition ----------------------------------
+def _lanes(batch, kv, layout, layer):
+    ids = [[kv.block_id_array(r.request_id, t) for t in layout.lanes(layer)] for r, _ in batch.items]
+    lens = [[r.kv_lens[t] for t in layout.lanes(layer)] for r, _ in batch.items]
+    return ids, lens
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3])
+@pytest.mark.parametrize("seed", range(25))
+def test_head_major_group_equals_reference(seed, heads):
+    layout = LayerLayout.head_major(3, heads)
+    batch, kv = _batch(seed, per_layer=True, layout=layout)
+    num_decode = sum(n == 1 for _, n in batch.items)
+    for layer in range(3):
+        ids, lens = _lanes(batch, kv, layout, layer)
+        got = head_major_group(layer, heads, batch.items, ids, lens, num_decode, BS)
+        ref = head_major_group_reference(layer, heads, batch.items, ids, lens, num_decode, BS)
+        for name in LayerGroupMetadata.__slots__:
+            x, y = getattr(got, name), getattr(ref, name)
+            if isinstance(x, torch.Tensor):
+                assert x.dtype == y.dtype and torch.equal(x, y), name
+            else:
+                assert x == y, name
+
+
+def test_mixed_step_uses_the_head_major_group():
+    layout = LayerLayout.head_major(3, 2)
+    batch, kv = _batch(3, per_layer=True, layout=layout)
+    meta = build_step_metadata(batch, kv.table, BS, kv.block_id_array, layout=layout)
+    num_decode = meta.num_decode_tokens
+    for layer, group in enumerate(meta.groups):
+        ids, lens = _lanes(batch, kv, layout, layer)
+        ref = head_major_group_reference(layer, 2, batch.items, ids, lens, num_decode, BS)
+        assert torch.equal(group.slot_mapping, ref.slot_mapping)
+        assert torch.equal(group.prefill_kv_indices, ref.prefill_kv_indices)
+
+
+def test_a_lane_without_room_is_an_index_error():
+    layout = LayerLayout.head_major(1, 2)
+    kv = KVCacheManager(num_blocks=16, block_size=BS, layout=layout)
+    kv.allocate("r", [BS, 2 * BS])
+    req = Request("r", list(range(BS + 1)), SamplingParams(), arrival=0, kv_lens=[BS, BS])
+    req.num_computed_tokens = BS
+    ids, lens = _lanes(ScheduledBatch(((req, 1),)), kv, layout, 0)
+    for build in (head_major_group, head_major_group_reference):
+        with pytest.raises(IndexError, match="outside the table"):
+            build(0, 2, [(req, 1)], ids, lens, 1, BS)

@@ -30,8 +30,10 @@ from array import array
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from sparse_cache.block_hash import BlockHash, hash_full_blocks
-from sparse_cache.block_pool import BlockPool
+from sparse_cache.block_pool import BlockPool, as_block_ids
 from sparse_cache.block_table import BlockTable, LayerTables, RequestTables
 from sparse_cache.chain_cache import ChainCache, ChainCheckout
 from sparse_cache.layer_layout import LayerLayout
@@ -293,32 +295,37 @@ class KVCacheManager:
                     return None
             table.num_tokens = max(table.num_tokens, min(n, table.capacity))
             return []
-        # One pass over the tables (a request has one per layer, or per lane): a decode step adds a block
-        # to the few whose last block filled, and writes to the last one or two blocks of each.
+        # All tables at once (a request has one per layer, or per lane): a decode step adds a block to the
+        # few whose last block filled, and writes to the last one or two blocks of each.
         targets = [num_tokens] * len(tables) if isinstance(num_tokens, int) else num_tokens
-        firsts = [write_from] * len(tables) if write_from is None or isinstance(write_from, int) else write_from
-        short, wanted, written = [], 0, []
-        for i, (table, n, first) in enumerate(zip(tables, targets, firsts, strict=True)):
-            ids = table.block_ids
-            missing = -(-n // bs) - len(ids)
-            if missing > 0:
-                short.append((i, missing))
-                wanted += missing
-            if first is not None and first < len(ids) * bs:
-                written += ids[max(0, first // bs) :]
-        if self.pool.any_shared(written, self.null_block) or wanted > self.pool.num_free_blocks:
+        have = np.fromiter(map(len, req.ids), dtype=np.int64, count=len(req.ids))
+        missing = -(-np.asarray(targets, dtype=np.int64) // bs) - have
+        short = np.flatnonzero(missing > 0).tolist()
+        wanted = int(missing[short].sum()) if short else 0
+        if wanted > self.pool.num_free_blocks or self._writes_shared(req, write_from):
             return None  # the general path copies shared blocks and reclaims idle chains
-        new_blocks = []
-        for i, missing in short:
-            fresh = self.pool.allocate(missing)
-            assert fresh is not None  # checked above
+        new_blocks = self.pool.allocate(wanted)  # one call for every short table, dealt out in table order
+        assert new_blocks is not None  # checked above
+        at = 0
+        for i in short:
+            fresh = new_blocks[at : at + int(missing[i])]
+            at += len(fresh)
             tables[i].block_ids.extend(fresh)
             req.ids[i].extend(fresh)
-            new_blocks += fresh
         for table, n in zip(tables, targets, strict=True):
             if n > table.num_tokens:
                 table.num_tokens = min(n, len(table.block_ids) * bs)
         return new_blocks
+
+    def _writes_shared(self, req: _RequestBlocks, write_from) -> bool:
+        """Whether a block some table writes from ``write_from`` on (per table, or one for all) is shared."""
+        if write_from is None or not self.pool.num_shared_blocks:  # nothing shared anywhere: nothing to find
+            return False
+        bs, ids_of = self.block_size, req.ids
+        firsts = [write_from] * len(ids_of) if isinstance(write_from, int) else write_from
+        pairs = zip(ids_of, firsts, strict=True)
+        written = [as_block_ids(ids[max(0, first // bs) :]) for ids, first in pairs if first < len(ids) * bs]
+        return bool(written) and self.pool.any_shared(np.concatenate(written), self.null_block)
 
     def _shared_from(self, tables: list[BlockTable], write_from: int | Sequence[int]) -> list[list[int]]:
         if isinstance(write_from, int) or not self.per_layer:
@@ -444,15 +451,18 @@ class KVCacheManager:
     def free(self, request_id: Hashable) -> None:
         """Give back all of a request's blocks, tail first."""
         req = self._requests.pop(request_id)
-        self._release([b for t in req.tables for b in t.block_ids])
+        held = [as_block_ids(ids) for ids in req.ids if ids]  # the packed twins: no per-block conversion
+        self._release(np.concatenate(held) if held else [])
 
-    def _release(self, block_ids: list[int]) -> None:
+    def _release(self, block_ids: list[int] | np.ndarray) -> None:
+        """Give ``block_ids`` back in reverse order (tail first); null blocks are skipped."""
+        block_ids = as_block_ids(block_ids)
         if self.null_block is not None:
-            block_ids = [b for b in block_ids if b != self.null_block]
+            block_ids = block_ids[block_ids != self.null_block]
         if self._copies:  # a copy into a block given back (preempted in the same schedule) is moot
-            gone = set(block_ids)
+            gone = set(block_ids.tolist())
             self._copies = [(s, d) for s, d in self._copies if d not in gone]
-        self.pool.release(reversed(block_ids))
+        self.pool.release(block_ids[::-1])
 
     # -- chains ---------------------------------------------------------------------------------
     def _handle(self, req: _RequestBlocks) -> RequestTables:

@@ -99,7 +99,10 @@ class StepMetadata:
 
 def _i32(x) -> torch.Tensor:
     """int32 tensor of a list (converted in C by ``array``, several times faster than torch.tensor for
-    long lists) or of an ``array('i')`` (shared, not copied: the caller never changes it again)."""
+    long lists), of an ``array('i')`` or of a numpy array (shared, not copied: the caller never changes
+    it again)."""
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int32))
     if not isinstance(x, array):
         x = array("i", x)
     return torch.frombuffer(x, dtype=torch.int32) if x else torch.zeros(0, dtype=torch.int32)
@@ -178,7 +181,66 @@ def head_major_group(
     layer: int, heads: int, items, lane_ids: list[list[array]], lane_lens: list[list[int]], num_decode: int, bs: int
 ) -> LayerGroupMetadata:
     """One head-major layer's group: ``lane_ids[i][h]`` / ``lane_lens[i][h]`` are item ``i``'s lane ``h``'s
-    block ids and slots before the step. Every lane of an item takes the item's tokens at its own end."""
+    block ids and slots before the step. Every lane of an item takes the item's tokens at its own end.
+    Built for all lanes at once (``head_major_group_reference`` is the per-position definition)."""
+    block_ids = [ids for lanes in lane_ids for ids in lanes]  # row r = item * heads + head
+    kv_lens = [k for lens in lane_lens for k in lens]
+    counts = np.array([n for _, n in items], dtype=np.int64)
+    before = np.array(kv_lens, dtype=np.int64)
+    row_n = counts.repeat(heads)
+    have = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))
+    over = before + row_n > have * bs
+    if over.any():
+        r = int(np.argmax(over))
+        raise IndexError(f"positions [{before[r]}, {before[r] + row_n[r]}) outside the table's {have[r] * bs} slots")
+    # Entry e of row r is the row's token t: position before[r] + t, stored token-major (t * heads + h).
+    offsets = np.zeros(len(block_ids), dtype=np.int64)
+    np.cumsum(have[:-1], out=offsets[1:])
+    flat = np.frombuffer(bytearray().join(block_ids), dtype=np.int32) if block_ids else np.zeros(0, np.int32)
+    row = np.arange(len(block_ids)).repeat(row_n)
+    row_first = np.zeros(len(block_ids), dtype=np.int64)
+    np.cumsum(row_n[:-1], out=row_first[1:])
+    t = np.arange(row.size) - row_first[row]
+    pos = before[row] + t
+    item_first = row_first[::heads] if heads else row_first
+    dest = item_first.repeat(row_n[::heads] * heads) + t * heads + row % heads
+    slots = np.empty(row.size, dtype=np.int32)
+    slots[dest] = flat[offsets[row] + pos // bs] * bs + pos % bs
+    qo_indptr, prefill_rows = _prefill_lanes(counts[num_decode:], heads)
+    return _lists(
+        (layer,),
+        kv_lens,
+        block_ids,
+        slots,
+        (before + row_n).tolist(),
+        [0] * len(kv_lens),
+        num_decode * heads,
+        qo_indptr,
+        bs,
+        heads=heads,
+        prefill_rows=prefill_rows,
+    )
+
+
+def _prefill_lanes(counts: np.ndarray, heads: int) -> tuple[np.ndarray, torch.Tensor | None]:
+    """The prefill lanes' ``qo_indptr`` (each item's token count once per head) and ``prefill_rows``: in lane
+    order (item, head, token), each query's row ``token * heads + head`` of the token-major query view."""
+    qo_indptr = np.zeros(counts.size * heads + 1, dtype=np.int32)
+    np.cumsum(counts.repeat(heads), out=qo_indptr[1:])
+    if not counts.size:
+        return qo_indptr, None
+    tokens = np.arange(int(counts.sum())).reshape(1, -1)
+    firsts = np.zeros(counts.size, dtype=np.int64)
+    np.cumsum(counts[:-1], out=firsts[1:])
+    lanes = np.arange(heads)[:, None]
+    rows = [(tokens[:, f : f + n] * heads + lanes).reshape(-1) for f, n in zip(firsts, counts, strict=True)]
+    return qo_indptr, torch.from_numpy(np.concatenate(rows))
+
+
+def head_major_group_reference(
+    layer: int, heads: int, items, lane_ids: list[list[array]], lane_lens: list[list[int]], num_decode: int, bs: int
+) -> LayerGroupMetadata:
+    """``head_major_group`` position by position, in plain Python (the definition tests hold it to)."""
     slots: list[int] = []
     ends, block_ids, kv_lens = [], [], []
     for (_, n), ids, lens in zip(items, lane_ids, lane_lens, strict=True):
@@ -194,20 +256,9 @@ def head_major_group(
             prefill_rows += range(first * heads + h, (first + n) * heads, heads)
         first += n
     rows = torch.tensor(prefill_rows, dtype=torch.int64) if prefill_rows else None
-    skips = [0] * len(ends)
-    return _lists(
-        (layer,),
-        kv_lens,
-        block_ids,
-        slots,
-        ends,
-        skips,
-        num_decode * heads,
-        qo_indptr,
-        bs,
-        heads=heads,
-        prefill_rows=rows,
-    )
+    skips, decode_rows = [0] * len(ends), num_decode * heads
+    extra = dict(heads=heads, prefill_rows=rows)
+    return _lists((layer,), kv_lens, block_ids, slots, ends, skips, decode_rows, qo_indptr, bs, **extra)
 
 
 def decode_groups(
@@ -405,5 +456,8 @@ def to_device_buffer(t: torch.Tensor, buffer: torch.Tensor | None, device: torch
 def table_slots(block_ids: Sequence[int], num_tokens: int, block_size: int) -> torch.Tensor:
     """Pool slots of a table's first ``num_tokens`` positions, int64 on the host."""
     num_blocks = -(-num_tokens // block_size)
-    blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.int64)
+    if isinstance(block_ids, array) and block_ids:  # the manager's packed ids: no per-element conversion
+        blocks = torch.from_numpy(np.frombuffer(block_ids, dtype=np.int32)[:num_blocks].astype(np.int64))
+    else:
+        blocks = torch.tensor(block_ids[:num_blocks], dtype=torch.int64)
     return (blocks.view(-1, 1) * block_size + torch.arange(block_size)).view(-1)[:num_tokens]

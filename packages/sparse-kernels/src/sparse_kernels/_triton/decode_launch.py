@@ -14,6 +14,17 @@ LOG2_E = 1.4426950408889634
 # Tokens per inner step and launch shape of the split / scores passes: the best of a sweep over
 # BLOCK_N {32, 64, 128} x warps {4, 8} x stages {2, 3} on an H200, bf16, D=128 (benchmarks/NOTES.md).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# The split kernel merges its partials itself (no reduce launch) up to this many splits; 0: always two
+# launches. MERGE_SPLITS: partials the in-kernel merge loads at once (more in flight, more registers).
+# Session 4 measured an earlier fused merge (serial over 64 splits) 16 us slower per layer at batch 1,
+# 32K, so until benchmarks/decode_bandwidth.py --reduce-compare says otherwise, 64 splits keep two launches.
+FUSED_REDUCE_MAX_SPLITS = 32
+MERGE_SPLITS = 8
+
+
+def fused_reduce(num_splits: int) -> bool:
+    """Whether a launch of ``num_splits`` splits merges in the split kernel (fixed per batch size)."""
+    return num_splits <= FUSED_REDUCE_MAX_SPLITS
 
 
 def run_decode_triton(
@@ -47,6 +58,7 @@ def run_decode_triton(
     scale_log2 = layout.sm_scale * LOG2_E
     window_left = max(layout.window_left, 0)
     grid = (layout.batch, layout.num_kv_heads, num_splits)
+    fused = fused_reduce(num_splits)
     decode_split_kernel[grid](
         q,
         k_cache,
@@ -56,33 +68,42 @@ def run_decode_triton(
         bufs.last_len,
         bufs.o_part,
         bufs.lse_part,
+        out,
+        bufs.lse,
+        bufs.arrivals,
         q.stride(0),
         q.stride(1),
+        out.stride(0),
+        out.stride(1),
         scale_log2,
         num_splits,
         window_left,
+        FUSED=fused,
         BLOCK_G=block_g,
+        BLOCK_H=triton.next_power_of_2(layout.group),
+        MERGE_UNROLL=MERGE_SPLITS,  # not tied to num_splits: one compile serves every batch size
         **shape,
         **dots,
         **launch,
         **pdl_args(q.device),
     )
-    decode_reduce_kernel[(layout.batch, layout.num_qo_heads)](
-        bufs.o_part,
-        bufs.lse_part,
-        bufs.indptr,
-        bufs.last_len,
-        out,
-        bufs.lse,
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        window_left,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        **shape,
-        num_warps=4,
-        **pdl_args(q.device),
-    )
+    if not fused:
+        decode_reduce_kernel[(layout.batch, layout.num_qo_heads)](
+            bufs.o_part,
+            bufs.lse_part,
+            bufs.indptr,
+            bufs.last_len,
+            out,
+            bufs.lse,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            window_left,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            **shape,
+            num_warps=4,
+            **pdl_args(q.device),
+        )
     if scores_out is not None:
         decode_scores_kernel[grid](
             q,
