@@ -293,6 +293,25 @@ def test_abort_mid_turn_leaves_a_consistent_chain(llama):
     _check_blocks(llm)
 
 
+@pytest.mark.parametrize("case", ["h2o", "snapkv"])
+def test_a_turn_ended_before_its_first_step_gives_the_chain_its_state_back(llama, case):
+    """The chain's method state reaches the method with the resumed request's first step; a turn aborted
+    before that step hands the chain back the state it took, so the next turn equals a fork's turn."""
+    llm = _llm(llama, **METHODS[case])
+    engine = llm.engine
+    first = llm.generate(_tokens(50, 14), GREEDY, chain_id="a")[0]
+    llm.fork_chain("a", "twin")  # shares the chain's blocks and state
+    prompt = list(first.prompt_token_ids) + list(first.token_ids) + _tokens(9, 15)
+    rid = engine.add_request(prompt, GREEDY, chain_id="a")
+    assert engine._requests[rid].state_to_resume is not None  # not handed to the method yet
+    engine.abort_request(rid)
+    steps = _count_prefill(llm)
+    again, twin = (llm.generate(prompt, GREEDY, chain_id=c)[0] for c in ("a", "twin"))
+    assert again.chain_status == twin.chain_status == "resumed"
+    assert again.token_ids == twin.token_ids
+    assert steps[again.request_id] == steps[twin.request_id] == 10  # the suffix and the last sampled token
+
+
 def test_no_room_to_copy_before_compaction_recomputes_instead(llama, monkeypatch):
     """If the pool cannot supply copies of shared blocks when a compaction needs them, the request is
     preempted (it recomputes) rather than writing into a fork's blocks."""

@@ -43,18 +43,20 @@ class KeyNorm(EvictionMethod):
         return scores.sum(0, keepdim=True) if self.config.shared else scores
 
 
-def _drive(method, keys, prompt_len, chunk, num_decode, rid="r", on_step=None, held=None, tagged=False):
+def _drive(method, keys, prompt_len, chunk, num_decode, rid="r", on_step=None, held=None, tagged=False, resumed=None):
     """Run one request (its keys per layer ``[n, Hkv, D]`` in arrival order) through chunked prefill and
     decode, from ``held`` (per layer ``[Hkv, n]`` arrival indices of the slots it holds, None: nothing);
     returns what each layer holds at the end. Tokens before ``held``'s newest one are processed.
-    ``tagged``: each query's last channel is its token's arrival index."""
+    ``tagged``: each query's last channel is its token's arrival index. ``resumed``: the chain state its
+    first step brings (``RequestStep.resumed_state``)."""
     total = prompt_len + num_decode
     if held is None:
         held = [torch.empty(SHAPE.num_kv_heads, 0, dtype=torch.long) for _ in range(SHAPE.num_layers)]
     done = int(held[0].max()) + 1 if held[0].numel() else 0
     while done < total:
         n = min(chunk, prompt_len - done) if done < prompt_len else 1
-        step = RequestStep(rid, done, n, prompt_len, tuple(h.shape[1] for h in held))
+        step = RequestStep(rid, done, n, prompt_len, tuple(h.shape[1] for h in held), resumed_state=resumed)
+        resumed = None  # the first step only
         observed = method.prepare_step(StepContext((step,)))
         new = torch.arange(done, done + n).expand(SHAPE.num_kv_heads, -1)
         held = [torch.cat([h, new], dim=1) for h in held]
@@ -113,8 +115,8 @@ def test_memory_follows_the_plan_and_decode_evicts_every_interval():
 
 @pytest.mark.parametrize("name", ["keynorm", "snapkv", "h2o"])
 def test_chain_state_resumes_like_one_session(name):
-    """A turn's snapshot restored into the next turn's request (another instance) continues exactly
-    as one request that never ended, twice (a snapshot may be restored more than once)."""
+    """A turn's snapshot brought by the next turn's first step (another instance) continues exactly as
+    one request that never ended, twice (a snapshot may be resumed more than once)."""
     params = dict(sink_keep_tokens=2, decode_keep_tokens=6, recent_keep_tokens=4, decode_eviction_interval=3)
     if name == "snapkv":
         params["observation_window_size"] = 4
@@ -133,12 +135,37 @@ def test_chain_state_resumes_like_one_session(name):
     torch.manual_seed(1)
     expected = _drive(session, keys, 38, chunk=8, num_decode=7, held=held)  # turn 2 of the same request
     for _ in range(2):
-        other = build()
-        other.restore_state("s", state)
         torch.manual_seed(1)
-        resumed = _drive(other, keys, 38, chunk=8, num_decode=7, rid="s", held=held)
+        resumed = _drive(build(), keys, 38, chunk=8, num_decode=7, rid="s", held=held, resumed=state)
         assert all(torch.equal(a, b) for a, b in zip(resumed, expected, strict=True))
     assert one.release("r") is None
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "expected"),
+    [
+        ("snapkv", dict(observation_window_size=4, decode_eviction_interval=3), sm.DeviceState(query_window=4)),
+        ("snapkv", dict(observation_window_size=4, decode_eviction_interval=0), sm.DeviceState()),
+        ("streamingllm", dict(decode_eviction_interval=3), sm.DeviceState()),  # ranks nothing: no queries
+        ("h2o", dict(h2o_prefill_budget=12, h2o_decode_budget=10, decode_eviction_interval=3), (16, 1)),
+        (
+            "h2o",
+            dict(h2o_prefill_budget=12, h2o_decode_budget=20, decode_eviction_interval=3, h2o_per_head=True),
+            (24, 2),
+        ),
+        ("h2o", dict(h2o_prefill_budget=12, h2o_decode_budget=10, decode_eviction_interval=0), sm.DeviceState()),
+    ],
+)
+def test_device_state_is_asked_of_decode_time_eviction_only(name, params, expected):
+    """One declaration of the device buffers: a window scorer that evicts while decoding wants a query ring
+    of its window, an accumulating one running sums of its largest budget plus an interval and one token
+    (one row summed over the heads, or one per KV head); nothing without decode-time eviction."""
+    expected = sm.DeviceState(score_sums=expected) if isinstance(expected, tuple) else expected
+    assert sm.build_method(name, SHAPE, **params).device_state() == expected
+    with pytest.raises(ValueError, match="query_window"):
+        sm.DeviceState(query_window=-1)
+    with pytest.raises(ValueError, match="positive"):
+        sm.DeviceState(score_sums=(0, 1))
 
 
 @pytest.mark.parametrize("name", ["streamingllm", "snapkv", "pyramidkv", "h2o"])
@@ -211,11 +238,10 @@ def test_resumed_window_names_only_this_chains_latest_slots():
 
     one = build()
     held = _drive(one, keys, 10, chunk=8, num_decode=8, tagged=True)  # turn 1: evicts at 5 generated
-    other = build()
-    other.restore_state("s", one.release("r"))
+    state = one.release("r")
     seen.clear()
     # turn 2: 3 new prompt tokens (18-20), then generated 21, 22: the chain's 10th token evicts
-    _drive(other, keys, 21, chunk=8, num_decode=2, rid="s", held=held, tagged=True)
+    _drive(build(), keys, 21, chunk=8, num_decode=2, rid="s", held=held, tagged=True, resumed=state)
     assert len(seen) == SHAPE.num_layers
     for queries, slots in seen:
         assert queries == slots

@@ -30,10 +30,13 @@ def _keys(n: int, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def _drive(method, keys, prompt_len, num_decode, *, chunk=64, rid="r", held=None, on_compaction=None, seed=0):
+def _drive(
+    method, keys, prompt_len, num_decode, *, chunk=64, rid="r", held=None, on_compaction=None, seed=0, resumed=None
+):
     """One request through chunked prefill and one-token decode steps, from ``held`` (per layer ``[Hkv, n]``
     token indices of its slots). ``on_compaction(layer, queries, keys, keep)`` sees every compaction with
-    the layer's queries so far (``[t, Hq, D]``, one per token) and its keys ``[kv_len, Hkv, D]`` before it."""
+    the layer's queries so far (``[t, Hq, D]``, one per token) and its keys ``[kv_len, Hkv, D]`` before it.
+    ``resumed``: the chain state its first step brings (``RequestStep.resumed_state``)."""
     g = torch.Generator().manual_seed(seed)
     if held is None:
         held = [torch.empty(SHAPE.num_kv_heads, 0, dtype=torch.long) for _ in range(SHAPE.num_layers)]
@@ -41,7 +44,8 @@ def _drive(method, keys, prompt_len, num_decode, *, chunk=64, rid="r", held=None
     queries = [torch.randn(done, SHAPE.num_q_heads, SHAPE.head_dim, generator=g) for _ in range(SHAPE.num_layers)]
     while done < prompt_len + num_decode:
         n = min(chunk, prompt_len - done) if done < prompt_len else 1
-        step = RequestStep(rid, done, n, prompt_len, tuple(h.shape[1] for h in held))
+        step = RequestStep(rid, done, n, prompt_len, tuple(h.shape[1] for h in held), resumed_state=resumed)
+        resumed = None  # the first step only
         observed = method.prepare_step(StepContext((step,)))
         new = torch.arange(done, done + n).expand(SHAPE.num_kv_heads, -1)
         held = [torch.cat([h, new], dim=1) for h in held]
@@ -209,8 +213,7 @@ def test_chain_state_resumes_like_one_session(name):
     expected = _drive(session, keys, 45, 8, chunk=8, held=held, seed=1)
     for _ in range(2):
         other = sm.build_method(name, SHAPE, **params)
-        other.restore_state("s", state)
-        resumed = _drive(other, keys, 45, 8, chunk=8, rid="s", held=held, seed=1)
+        resumed = _drive(other, keys, 45, 8, chunk=8, rid="s", held=held, seed=1, resumed=state)
         assert all(torch.equal(a, b) for a, b in zip(resumed, expected, strict=True))
 
 

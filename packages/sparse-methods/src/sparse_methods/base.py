@@ -7,7 +7,7 @@ heads keep different numbers of tokens (AdaKV, KVzip) declare the head-major sto
 (``StoreKind.HEAD_MAJOR``: a table per layer and KV head, ``Compaction.head_counts``), whose decode reads
 every slot each head holds: they need no decode selection. RetroInfer declares the cluster-index store
 (``StoreKind.CLUSTER_INDEX``): the engine sizes a ``ClusterArena`` from its memory plan's
-``index_clusters`` and hands it over (``cluster_arena``). The engine drives it through a dozen hooks
+``index_clusters`` and hands it over (``cluster_arena``). The engine drives it through eleven hooks
 with plain tensors and small frozen records, never engine objects, so another engine can host the same
 classes. Per step:
 
@@ -18,10 +18,10 @@ classes. Per step:
    ``select_decode`` looked at the batch), whether prefill chunks read what ``prefill_selection`` picks,
    and which keys those need.
    ``selection_size`` gives the width of the device selections before the forward (static shapes).
-   A method that reads recent decode queries back at its compactions declares ``query_ring_window``;
-   the engine then records them on the device (``query_ring``) instead of handing them over each step;
-   one that sums decode attention scores declares ``decode_score_shape`` and gets running sums that the
-   decode kernel's score output feeds (``decode_score_sums``).
+   A method that reads recent decode queries back at its compactions, or sums decode attention scores,
+   says so in ``device_state()`` (``DeviceState``, asked once when the engine is built); the engine then
+   records the queries on the device (``query_ring``) instead of handing them over each step, or keeps
+   running sums that the decode kernel's score output feeds (``decode_score_sums``).
 3. after each full-attention layer's attention, once: ``on_attention_end(layer, batch)`` with every observed
    request (``LayerAttentionBatch``: each one's new queries and keys as a ``LayerAttention``, and, for
    decode rows over a plain paged store, the whole batch as tensors with its keys left in their pages).
@@ -33,8 +33,10 @@ Per request: ``replay_passes`` once its prompt is processed (extra forward passe
 KVzip's context reconstruction: the engine runs them as ordinary steps whose ``RequestStep.replay`` is
 set, keeps none of their KV and samples nothing); ``release(request_id)`` when it finishes, is aborted
 or is preempted, which returns the state the next turn of its chain needs (an opaque snapshot the engine
-stores with the chain's retained KV); ``restore_state(request_id, state)`` hands that state to the
-request of the next turn (or to each fork of the chain) before its first step.
+stores with the chain's retained KV). The request of the next turn (or each fork of the chain) brings that
+state back on the first step it is scheduled in (``RequestStep.resumed_state``), which ``prepare_step``
+takes over: the state reaches the method with the step that first needs it, through the hook that
+already sees every request before its first forward.
 
 Tensor parallelism (``Support.TENSOR_PARALLEL``): each rank runs its own instance over its shard of the
 KV heads (``ModelShape``: the shard's KV heads and their whole query groups). Per-KV-head decisions
@@ -105,6 +107,37 @@ class StoreKind(enum.StrEnum):
     """Per request and layer, a cluster index of the keys in fixed device buffers (``ClusterArena``: centroids,
     cluster sizes, token positions grouped by cluster), sized at build for the most running requests of the
     longest context (``MemoryPlan.index_clusters``) and handed to the method (``cluster_arena``), which fills it."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceState:
+    """Device buffers a method asks the engine to keep for it, beside the KV store (``SparseMethod.device_state``,
+    asked once when the engine is built). The engine may decline either (a store whose kernels cannot feed
+    it: quantized or latent); the method then observes through ``on_attention_end`` as usual.
+
+    ``query_window``: the latest decode queries per (request, layer) the method reads back at its
+    compactions (0: none). The engine may give it a ``QueryRing`` of that window (``SparseMethod.query_ring``)
+    that every decode step writes on the device (full-attention layers, decode rows); the method then plans
+    it in ``prepare_step`` and observes no request at the steps that only remember queries.
+
+    ``score_sums``: ``(capacity, heads)`` of the running attention sums an accumulating method adds every
+    decode query's probabilities to: the most slots a decoding request holds in a layer, and 1 (summed
+    over the KV heads) or ``num_kv_heads`` (None: no sums). The engine may give it ``DecodeScoreSums``
+    (``SparseMethod.decode_score_sums``) that the decode kernel's score output feeds inside the step.
+    """
+
+    query_window: int = 0
+    score_sums: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.query_window < 0:
+            raise ValueError(f"query_window must be >= 0, got {self.query_window}")
+        if self.score_sums is not None and min(self.score_sums) < 1:
+            raise ValueError(f"score_sums (capacity, heads) must be positive, got {self.score_sums}")
+
+
+NO_DEVICE_STATE = DeviceState()
+"""A method that keeps nothing on the device (the default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +332,11 @@ class RequestStep:
     replay: int | None = None
     """Index of the method's replay pass (``replay_passes``) this step runs for the request, or None:
     the step processes the request's own tokens."""
+    resumed_state: object | None = None
+    """Set on the first step of a request that resumed a chain: the state ``release`` returned when the
+    chain's last turn ended (its KV is the chain's retained KV; ``kv_lens`` count it), for ``prepare_step``
+    to take over. The same state may come back more than once (forks of a chain): the method copies what
+    it will mutate. None on every other step."""
 
     @property
     def end(self) -> int:
@@ -473,9 +511,9 @@ class SparseMethod(ABC):
     """How prefill chunks attend when a prefill attention method is chosen (``build_method`` sets it);
     None: dense prefill attention."""
     query_ring: QueryRing | None = None
-    """Set by the engine when ``query_ring_window`` is positive and its store keeps plain queries."""
+    """Set by the engine when ``device_state().query_window`` is positive and its store keeps plain queries."""
     decode_score_sums: DecodeScoreSums | None = None
-    """Set by the engine when ``decode_score_shape`` is given and the decode kernel can write scores."""
+    """Set by the engine when ``device_state().score_sums`` is given and the decode kernel can write scores."""
     cluster_arena: ClusterArena | None = None
     """Set by the engine for a ``StoreKind.CLUSTER_INDEX`` store (see there)."""
 
@@ -496,26 +534,17 @@ class SparseMethod(ABC):
         change between steps, never within one)."""
         return DENSE_LAYER
 
-    @property
-    def query_ring_window(self) -> int:
-        """Latest decode queries per (request, layer) the method reads back at its compactions (0: none).
-        When positive the engine may give the method a ``QueryRing`` of that window (``query_ring``) that
-        every decode step writes on the device (full-attention layers, decode rows); the method then plans
-        it in ``prepare_step`` and observes no request at the steps that only remember queries."""
-        return 0
-
-    @property
-    def decode_score_shape(self) -> tuple[int, int] | None:
-        """``(capacity, heads)`` of the running attention sums an accumulating method adds every decode
-        query's probabilities to: the most tokens a decoding request holds in a layer, and 1 (summed over
-        the KV heads) or ``num_kv_heads``. The engine may then give the method ``DecodeScoreSums``
-        (``decode_score_sums``) that the decode kernel's score output feeds inside the step; None: no sums."""
-        return None
+    def device_state(self) -> DeviceState:
+        """The device buffers the method wants the engine to keep for it (``DeviceState``: a ring of recent
+        decode queries, running decode-score sums), asked once when the engine is built, after it set
+        ``head_reduction``."""
+        return NO_DEVICE_STATE
 
     # -- one step ------------------------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> Collection[Hashable]:
         """Called once per step before the forward; returns the requests whose attention inputs every
-        full-attention layer hands to ``on_attention_end`` this step (empty: the step observes nothing)."""
+        full-attention layer hands to ``on_attention_end`` this step (empty: the step observes nothing).
+        A request that resumed a chain brings its state on its first step (``RequestStep.resumed_state``)."""
         return frozenset()
 
     def on_attention_end(self, layer: int, batch: LayerAttentionBatch) -> None:  # noqa: B027
@@ -555,12 +584,9 @@ class SparseMethod(ABC):
 
     def release(self, request_id: Hashable) -> object | None:
         """Forget a request (finished, aborted or preempted); returns its state that the next turn of its
-        chain needs (None: nothing), which the engine keeps when a finished turn closes a chain."""
+        chain needs (None: nothing), which the engine keeps when a finished turn closes a chain and hands
+        back on that turn's first step (``RequestStep.resumed_state``)."""
         return None
-
-    def restore_state(self, request_id: Hashable, state: object) -> None:  # noqa: B027
-        """Give a new request a state from ``release`` (its KV is the chain's retained KV). The same state
-        may be restored more than once (forks of a chain): the method copies what it will mutate."""
 
     # -- derived, not hooks ----------------------------------------------------------------------
     def fingerprint(self) -> dict:

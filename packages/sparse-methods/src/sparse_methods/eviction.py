@@ -20,7 +20,7 @@ keep). Everything else lives here once:
   per-request views at all);
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
 - the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
-- chain state (``release`` returns it, ``restore_state`` takes it back);
+- chain state (``release`` returns it, a resumed request's first step brings it back: ``RequestStep.resumed_state``);
 - sliding-window layers (``ModelShape.windowed_layers``): never compacted (the engine observes none), their
   budget unbounded, so a windowed model's local layers keep their window and the method acts on its global ones.
 
@@ -40,8 +40,10 @@ import torch
 
 from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import (
+    NO_DEVICE_STATE,
     Category,
     Compaction,
+    DeviceState,
     LayerAttention,
     MemoryPlan,
     MethodConfig,
@@ -188,7 +190,7 @@ class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
         self._step, self._pending = {}, {}
         for r in step.requests:
             if r.request_id not in self._states:
-                self._states[r.request_id] = _RequestState(window=self._layers(), scores=self._layers())
+                self._states[r.request_id] = self._resumed(r.resumed_state)
         recorded = self._plan_device(step.requests)
         for r in step.requests:
             state = self._states[r.request_id]
@@ -202,19 +204,20 @@ class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
         self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
         return self._observing
 
-    @property
-    def query_ring_window(self) -> int:
-        """A window scorer with decode-time eviction remembers its decode queries in the ring."""
-        window = self.observation_window
-        return window if self._interval is not None and not self.accumulates and window else 0
+    def device_state(self) -> DeviceState:
+        """With decode-time eviction, a window scorer remembers its decode queries in the ring and an
+        accumulating scorer adds the decode kernel's scores on the device."""
+        if self._interval is None:
+            return NO_DEVICE_STATE
+        if not self.accumulates:
+            return DeviceState(query_window=self.observation_window or 0)
+        return DeviceState(score_sums=self._score_sums_shape())
 
-    @property
-    def decode_score_shape(self) -> tuple[int, int] | None:
-        """An accumulating scorer with decode-time eviction adds the decode kernel's scores on the device:
-        a request holds at most its largest budget plus an interval while decoding (and one more token:
-        a resumed turn's first)."""
+    def _score_sums_shape(self) -> tuple[int, int] | None:
+        """``(capacity, heads)`` of the running sums: a request holds at most its largest budget plus an
+        interval while decoding (and one more token: a resumed turn's first)."""
         heads = self.score_heads
-        if not self.accumulates or self._interval is None or (heads == 1 and self.head_reduction.num_shards > 1):
+        if heads == 1 and self.head_reduction.num_shards > 1:
             return None  # (a sum over every shard's heads would need a collective per step and layer)
         budgets = [self._layer_budgets(1, phase) for phase in (Phase.PROMPT, Phase.DECODE)]
         bounded = [b for layers in budgets if layers is not None for b in layers if b != _UNBOUNDED]
@@ -395,10 +398,12 @@ class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
                 device_state.release(request_id)
         return state
 
-    def restore_state(self, request_id: Hashable, state: object) -> None:
-        # Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot.
-        if state is not None:
-            self._states[request_id] = _RequestState(state.decoded, list(state.window), list(state.scores))
+    def _resumed(self, state: _RequestState | None) -> _RequestState:
+        """A new request's state: fresh, or a copy of the chain's state it resumed (``RequestStep.resumed_state``).
+        Stored tensors are replaced, never written in place, so copies of the lists are a safe snapshot."""
+        if state is None:
+            return _RequestState(window=self._layers(), scores=self._layers())
+        return _RequestState(state.decoded, list(state.window), list(state.scores))
 
 
 def _inputs(batch: ScoreBatch) -> list[ScoreInputs]:

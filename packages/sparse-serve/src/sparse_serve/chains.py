@@ -2,11 +2,12 @@
 
 A request that names a ``chain_id`` checks the chain out when it is added (the chain cache checks
 busy, fingerprint and prefix, see ``sparse_cache.chain_cache``): when the chain retains KV, the
-request takes over its block table, each layer's KV length and the method's saved state, so its
-logical positions continue after the chain's processed tokens while its slots continue after the
-retained ones, and only the suffix is computed. When the request ends (finished, stopped or
-aborted) the chain takes back the request's table and state for the tokens whose KV was computed
-(the last sampled token has none yet: the next turn's prompt carries it).
+request takes over its block table, each layer's KV length and the method's saved state (which the
+request's first step hands the method: ``RequestStep.resumed_state``), so its logical positions continue
+after the chain's processed tokens while its slots continue after the retained ones, and only the suffix
+is computed. When the request ends (finished, stopped or aborted) the chain takes back the request's
+table and state for the tokens whose KV was computed (the last sampled token has none yet: the next
+turn's prompt carries it); a request that ends before its first step gives back the state it took.
 
 Blocks shared with a fork are copied before anything writes to them: the KV manager swaps them for
 fresh blocks and this module copies their contents, for appends when a step is scheduled and for
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from sparse_cache import ChainStatus, KVCacheManager, UnknownChainError
-from sparse_methods import Compaction, SparseMethod
+from sparse_methods import Compaction
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.request import Request
 
@@ -81,9 +82,8 @@ def rewritten_slots_reference(compaction: Compaction) -> tuple[int, int] | None:
 class EngineChains:
     """The engine's side of the chain cache (``kv.chains``): opening and closing requests on chains."""
 
-    def __init__(self, kv: KVCacheManager, method: SparseMethod, pool: KVPool):
+    def __init__(self, kv: KVCacheManager, pool: KVPool):
         self.kv = kv
-        self.method = method
         self.pool = pool
 
     @property
@@ -114,8 +114,7 @@ class EngineChains:
         req.resumed = True
         req.num_computed_tokens = req.num_reused_tokens = checkout.num_reused_tokens
         req.kv_lens = list(checkout.kv_lens)
-        if checkout.state is not None:
-            self.method.restore_state(req.request_id, checkout.state)
+        req.resumed_state = checkout.state
 
     def close(self, req: Request, state: object | None) -> None:
         """Hand the request's computed history back to its chain (before its blocks would be freed), with
@@ -123,7 +122,8 @@ class EngineChains:
         if req.chain_id is None:
             return
         rid = req.request_id
-        state = state if self.kv.has_request(rid) else None
+        pending = req.state_to_resume  # ended before its first step: the method never had the chain's state
+        state = pending if pending is not None else state if self.kv.has_request(rid) else None
         n = req.num_computed_tokens
         self.kv.save_chain(rid, req.chain_id, req.token_ids[:n], req.kv_lens, state, req.token_ids[n:])
 

@@ -119,7 +119,7 @@ class LLMEngine:
         )
         if self.kv.null_block is not None:
             self.runner.clear_block(self.kv.null_block)
-        self.chains = EngineChains(self.kv, self.method, self.runner.kv)
+        self.chains = EngineChains(self.kv, self.runner.kv)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,

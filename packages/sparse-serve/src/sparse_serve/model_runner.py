@@ -11,6 +11,7 @@ from sparse_kernels import block_summary
 from sparse_methods import (
     ClusterArena,
     DecodeScoreSums,
+    DeviceState,
     PrefixCacheMode,
     QueryRing,
     SparseMethod,
@@ -94,11 +95,13 @@ class ModelRunner:
         self.tail_rows = TailRows(self.num_tail_rows) if self.store.has_tail else None
         # A head-major store's block is one (layer, KV head) lane's: ``lanes`` of them hold a token in a layer.
         self.lanes = layout.heads if layout is not None else 1
-        # Before the pool takes the free memory: the method's ring of recent decode queries, its running
-        # decode scores or its cluster indexes, if it keeps them.
-        self.query_ring = _query_ring(method, self.store, config, self.dtype, self.device)
+        # Before the pool takes the free memory: the method's ring of recent decode queries or its running
+        # decode scores (``device_state``, asked once), or its cluster indexes, if it keeps them.
+        wants = DeviceState() if method is None else method.device_state()
+        self.query_ring = _query_ring(method, wants.query_window, self.store, config, self.dtype, self.device)
         per_layer = layout is not None and layout.per_layer
-        self.score_sums = None if per_layer else _decode_score_sums(method, self.store, config, self.device)
+        sums = None if per_layer else wants.score_sums
+        self.score_sums = _decode_score_sums(method, sums, self.store, config, self.device)
         graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
         _cluster_arena(method, config, max_model_len_hint, graph_batch, self.dtype, self.device)
         self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
@@ -266,12 +269,13 @@ def _group_queries(num_kv_heads: int):
     return lambda q: gather_kv_group_heads(q, num_kv_heads)
 
 
-def _query_ring(method: SparseMethod | None, store, config: EngineConfig, dtype, device) -> QueryRing | None:
-    """The ring of ``method.query_ring_window`` recent decode queries per (running request, layer) that decode
-    steps write on the device, handed to the method; None when it keeps none or reads a latent store (whose
-    absorbed queries it observes through the host path)."""
-    window = 0 if method is None else method.query_ring_window
-    if window == 0 or store.latent:
+def _query_ring(
+    method: SparseMethod | None, window: int, store, config: EngineConfig, dtype, device
+) -> QueryRing | None:
+    """The ring of ``window`` recent decode queries per (running request, layer) that decode steps write on the
+    device (``DeviceState.query_window``), handed to the method; None when it keeps none or reads a latent
+    store (whose absorbed queries it observes through the host path)."""
+    if method is None or window == 0 or store.latent:
         return None
     shape, rows = method.shape, config.max_num_seqs
     ring = QueryRing(shape.num_layers, rows, window, shape.num_q_heads, shape.head_dim, rows, dtype, device)
@@ -279,12 +283,13 @@ def _query_ring(method: SparseMethod | None, store, config: EngineConfig, dtype,
     return ring
 
 
-def _decode_score_sums(method: SparseMethod | None, store, config: EngineConfig, device) -> DecodeScoreSums | None:
-    """The running attention sums an accumulating method keeps per (decoding request, layer), fed by the decode
-    kernel's score output, handed to the method; None when it keeps none or the store's kernels write no
-    scores (quantized, latent: the method observes through the host path)."""
-    shape = None if method is None else method.decode_score_shape
-    if shape is None or store.quantized or store.latent:
+def _decode_score_sums(
+    method: SparseMethod | None, shape, store, config: EngineConfig, device
+) -> DecodeScoreSums | None:
+    """The running attention sums of ``shape`` (``DeviceState.score_sums``) an accumulating method keeps per
+    (decoding request, layer), fed by the decode kernel's score output, handed to the method; None when it
+    keeps none or the store's kernels write no scores (quantized, latent: the host path observes)."""
+    if method is None or shape is None or store.quantized or store.latent:
         return None
     capacity, heads = shape
     m, rows = method.shape, config.max_num_seqs

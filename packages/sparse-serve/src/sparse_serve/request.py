@@ -47,8 +47,10 @@ class Request:
     chain_id: str | None = None
     chain_status: str | None = None
     num_reused_tokens: int = 0
-    # Holds a chain's retained KV from before its admission (cleared when preempted: it recomputes).
+    # Holds a chain's retained KV from before its admission (cleared when preempted: it recomputes), and the
+    # method's state of that chain (what ``release`` returned), which its first step hands the method.
     resumed: bool = False
+    resumed_state: object | None = None
     # Log-probabilities of the sampled tokens (when asked for), and of the prompt tokens by position
     # (None: not asked for; entry 0 is always None, nothing precedes the first token).
     logprobs: list = field(default_factory=list)
@@ -78,6 +80,14 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+    @property
+    def state_to_resume(self) -> object | None:
+        """The resumed chain's method state while the method has not had it yet: until the request's first
+        step (``RequestStep.resumed_state``), which starts after the chain's reused tokens; else None."""
+        if self.resumed and self.num_computed_tokens == self.num_reused_tokens:
+            return self.resumed_state
+        return None
 
     @property
     def replaying(self) -> bool:

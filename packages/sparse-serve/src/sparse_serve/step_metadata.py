@@ -369,7 +369,7 @@ def build_step_metadata(
         input_ids += req.token_ids[start : start + n] if replay is None else req.next_replay
         positions += range(start, start + n)
         kv_lens = tuple(req.kv_lens) if heads == 1 else layer_lens[i]  # a layer's longest lane
-        steps.append(RequestStep(req.request_id, start, n, req.prefill_len, kv_lens, replay))
+        steps.append(RequestStep(req.request_id, start, n, req.prefill_len, kv_lens, replay, req.state_to_resume))
         if n == 1:
             if num_decode != len(steps) - 1:
                 raise ValueError("single-token items must come before prefill chunks")

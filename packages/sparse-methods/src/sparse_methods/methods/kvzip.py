@@ -149,6 +149,8 @@ class KVzip(SparseMethod):
     def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
         self._step = {}
         for r in step.requests:
+            if r.resumed_state:  # the chain's slots were compacted (what ``release`` returned)
+                self._compacted.add(r.request_id)
             if r.replay is not None:
                 self._step[r.request_id] = r.replay
             elif r.ends_prefill and r.kv_lens[0] == r.start and r.request_id not in self._compacted:
@@ -228,7 +230,3 @@ class KVzip(SparseMethod):
             self._compacted.discard(request_id)
             return True  # a later turn's slots are not positions
         return None
-
-    def restore_state(self, request_id: Hashable, state: object) -> None:
-        if state:
-            self._compacted.add(request_id)
