@@ -100,7 +100,7 @@ def test_device_observation_equals_the_host_path(method):
         (state,) = [out for (rid,), out in releases if rid == "t"]  # what the chain keeps of request t
         saved.append(state.scores if method in SUMS_METHODS else state.window)
         ranked.append([args[0] for args, _ in selects])
-        observed.append(len(views))
+        observed.append(sum(len(batch) for (_, batch), _ in views))  # (request, layer) observations
     assert traces[0].tokens == traces[1].tokens and traces[0].final == traces[1].final
     assert len(ranked[0]) == len(ranked[1]) > 0
     for a, b in zip(*ranked, strict=True):

@@ -9,6 +9,7 @@ import torch
 from pydantic import Field
 
 import sparse_methods as sm
+from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import LayerAttention, MethodConfig, RequestStep, StepContext
 from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
 
@@ -65,7 +66,9 @@ def _drive(method, keys, prompt_len, chunk, num_decode, rid="r", on_step=None, h
                 queries = torch.randn(n, SHAPE.num_q_heads, SHAPE.head_dim)
                 if tagged:
                     queries[..., -1] = torch.arange(done, done + n, dtype=queries.dtype)[:, None]
-                method.on_attention_end(layer, step, LayerAttention(queries, layer_keys, 0.3))
+                method.on_attention_end(
+                    layer, LayerAttentionBatch.of_views((step,), [LayerAttention(queries, layer_keys, 0.3)])
+                )
         for layer, keep in enumerate(method.finish_step().get(rid, sm.Compaction((None,) * 2)).keep):
             if keep is not None:
                 held[layer] = held[layer].gather(1, keep)
@@ -211,7 +214,10 @@ def test_resumed_window_names_only_this_chains_latest_slots():
     """R-KV (prompt never observed) resumed in a chain with a decode eviction inside its observation
     window: ``score()`` sees only queries of the latest slots, and ``query_slots`` names those slots."""
     params = dict(
-        sink_keep_tokens=0, decode_keep_tokens=6, recent_keep_tokens=4, rkv_compression_interval=5,
+        sink_keep_tokens=0,
+        decode_keep_tokens=6,
+        recent_keep_tokens=4,
+        rkv_compression_interval=5,
         rkv_observation_tokens=4,
     )
     keys = _keys(40, seed=2)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import sparse_methods as sm
+from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import HeadReduction, LayerAttention, PrefillView, RequestStep, StepContext
 
 FULL = sm.ModelShape(num_layers=2, num_q_heads=8, num_kv_heads=4, head_dim=8)
@@ -86,7 +87,8 @@ def _drive(method, shard: int | None, data) -> list[torch.Tensor]:
         for layer in range(FULL.num_layers):
             if r.request_id in observed:
                 k = keys[layer][:, kvh][ahead[layer].T, torch.arange(heads)]  # [kv_len, heads, D]
-                method.on_attention_end(layer, r, LayerAttention(queries[layer][tokens][:, qh], k, SCALE))
+                view = LayerAttention(queries[layer][tokens][:, qh], k, SCALE)
+                method.on_attention_end(layer, LayerAttentionBatch.of_views((r,), [view]))
         if r.replay is None:
             held = ahead
         compaction = method.finish_step().get(r.request_id)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import sparse_methods as sm
+from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import LayerAttention, RequestStep, StepContext
 from sparse_methods.methods.rkv import rkv_redundancy
 
@@ -54,7 +55,8 @@ def _drive(
             layer_keys = keys[layer][held[layer].T, torch.arange(SHAPE.num_kv_heads)]  # [kv_len, Hkv, D]
             views.append(layer_keys)
             if rid in observed:
-                method.on_attention_end(layer, step, LayerAttention(queries[layer][-n:], layer_keys, SCALE))
+                view = LayerAttention(queries[layer][-n:], layer_keys, SCALE)
+                method.on_attention_end(layer, LayerAttentionBatch.of_views((step,), [view]))
         for layer, keep in enumerate(method.finish_step().get(rid, sm.Compaction((None,) * SHAPE.num_layers)).keep):
             if keep is not None:
                 if on_compaction is not None:

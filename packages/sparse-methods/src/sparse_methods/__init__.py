@@ -6,6 +6,7 @@ functions are pure and exported from ``scoring``. See ``../shared/DESIGN.md``.
 """
 
 from sparse_methods import methods  # noqa: F401 - registers the methods
+from sparse_methods.attention_batch import LayerAttentionBatch, PagedKeys
 from sparse_methods.base import (
     DENSE_LAYER,
     Category,
@@ -61,10 +62,12 @@ __all__ = [
     "DeviceState",
     "HeadReduction",
     "LayerAttention",
+    "LayerAttentionBatch",
     "LayerPlan",
     "MemoryPlan",
     "MethodConfig",
     "ModelShape",
+    "PagedKeys",
     "PrefillAttention",
     "PrefillPolicy",
     "PrefillView",

@@ -22,8 +22,9 @@ classes. Per step:
    says so in ``device_state()`` (``DeviceState``, asked once when the engine is built); the engine then
    records the queries on the device (``query_ring``) instead of handing them over each step, or keeps
    running sums that the decode kernel's score output feeds (``decode_score_sums``).
-3. after each full-attention layer's attention: for each observed request, ``on_attention_end(layer,
-   request, view)`` with the request's new queries and its keys.
+3. after each full-attention layer's attention, once: ``on_attention_end(layer, batch)`` with every observed
+   request (``LayerAttentionBatch``: each one's new queries and keys as a ``LayerAttention``, and, for
+   decode rows over a plain paged store, the whole batch as tensors with its keys left in their pages).
 4. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per layer and
    KV head); the engine gathers the kept slots to the front of each layer and frees whole blocks that no
    layer uses any more.
@@ -62,6 +63,7 @@ import torch
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
+    from sparse_methods.attention_batch import LayerAttentionBatch
     from sparse_methods.cluster_arena import ClusterArena
     from sparse_methods.decode_score_sums import DecodeScoreSums
     from sparse_methods.prefill_attention import PrefillAttention
@@ -358,7 +360,7 @@ class ReplayPass:
     order. The engine runs the tokens as one chunk at the positions after the request's processed
     tokens, attending to the request's KV and causally to themselves; their K/V are dropped after the
     pass and nothing is sampled. The method observes the pass like any step (``prepare_step``,
-    ``on_attention_end`` with ``RequestStep.replay`` set) and may compact in ``finish_step``.
+    ``on_attention_end``, its ``RequestStep.replay`` set) and may compact in ``finish_step``.
     """
 
     parts: tuple[str | tuple[int, ...], ...]
@@ -371,7 +373,7 @@ class StepContext:
 
 @dataclass(frozen=True, slots=True)
 class LayerAttention:
-    """What a method may read after one layer's attention, for one request.
+    """What a method may read after one layer's attention, for one request (``LayerAttentionBatch.request``).
 
     ``queries``: ``[num_new_tokens, num_q_heads, head_dim]``, the step's queries (after RoPE).
     ``keys``: ``[kv_len, num_kv_heads, head_dim]``, every slot the layer holds for the request after
@@ -545,8 +547,9 @@ class SparseMethod(ABC):
         A request that resumed a chain brings its state on its first step (``RequestStep.resumed_state``)."""
         return frozenset()
 
-    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:  # noqa: B027
-        """Observe one request's queries and keys after ``layer``'s attention."""
+    def on_attention_end(self, layer: int, batch: LayerAttentionBatch) -> None:  # noqa: B027
+        """Observe the step's observed requests' queries and keys after ``layer``'s attention, all at once
+        (``batch.request(i)``: request ``i``'s ``LayerAttention``; ``batch.keys``: the batch's paged keys)."""
 
     def selection_size(self, kv_len: int, page_size: int) -> int | None:
         """Entries of ``page_size`` slots (``LayerPlan.unit``) that a selecting layer reads per KV head for

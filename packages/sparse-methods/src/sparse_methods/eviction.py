@@ -15,7 +15,9 @@ keep). Everything else lives here once:
   score with one row), and the ``Compaction`` records ``finish_step`` hands the engine;
   a layer's compacting requests are scored and ranked together once its last one was observed
   (``DeferredSelections``: ``score_batch`` and one top-k per budget), so a decode-time eviction of
-  the whole batch costs a few device ops per layer rather than per (request, layer);
+  the whole batch costs a few device ops per layer rather than per (request, layer); decode rows that the
+  engine hands over as tensors, with their windows in the query ring, take ``BatchedRound`` (no
+  per-request views at all);
 - decode-time eviction every ``decode_eviction_interval`` generated tokens, counted over a chain;
 - the memory plan (peaks and resident tokens per layer follow from the budgets and the schedule);
 - chain state (``release`` returns it, a resumed request's first step brings it back: ``RequestStep.resumed_state``);
@@ -36,6 +38,7 @@ from typing import ClassVar
 
 import torch
 
+from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import (
     NO_DEVICE_STATE,
     Category,
@@ -53,6 +56,7 @@ from sparse_methods.base import (
 )
 from sparse_methods.deferred_selections import DeferredSelections, ScoreBatch
 from sparse_methods.eviction_device import DeviceObservation
+from sparse_methods.eviction_round import BatchedRound
 from sparse_methods.scoring import MAX_SCORE_ELEMENTS, keep_indices, keep_indices_batch
 
 _UNBOUNDED = sys.maxsize  # the budget of a layer the method leaves alone (a sliding-window layer)
@@ -102,7 +106,7 @@ class _RequestState:
     scores: list[torch.Tensor | None] = field(default_factory=list)
 
 
-class EvictionMethod(DeviceObservation, SparseMethod):
+class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
     """Base of the physical-eviction family (KV of dropped tokens is freed, positions unchanged).
 
     Subclasses set ``name`` and ``Config`` (with a ``decode_eviction_interval`` field, 0: never) and implement
@@ -256,9 +260,15 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         return max(0, r.end - first)
 
     # -- derived: observing and compacting ---------------------------------------------------------
-    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
-        if self._deferred.layer != layer:
-            self._flush()
+    def on_attention_end(self, layer: int, batch: LayerAttentionBatch) -> None:
+        rest = self._observe_batched(layer, batch) if self._batches_ring(batch) else range(len(batch))
+        for i in rest:
+            self._observe_request(layer, batch.requests[i], batch.request(i))
+        self._flush()
+
+    def _observe_request(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
+        """One request's observation (the reference of the batched path): fold its queries into its
+        window (or add its scores), and select now or defer to the layer's ``_flush``."""
         rid = request.request_id
         budgets, rows = self._step[rid]
         state = self._states[rid]
@@ -362,7 +372,7 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         """``[B, H, M]`` (``H``: ``score_heads`` rows) scores of a batch's requests, with ``M`` at least the
         slots before each request's recent ones (columns past a request's are not read): by default
         ``score()`` of each request alone."""
-        rows = [self.score(layer, inputs) for inputs in batch.inputs]
+        rows = [self.score(layer, inputs) for inputs in _inputs(batch)]
         out = torch.zeros(len(rows), rows[0].shape[0], max(r.shape[1] for r in rows), device=rows[0].device)
         for b, row in enumerate(rows):
             out[b, :, : row.shape[1]] = row
@@ -394,3 +404,11 @@ class EvictionMethod(DeviceObservation, SparseMethod):
         if state is None:
             return _RequestState(window=self._layers(), scores=self._layers())
         return _RequestState(state.decoded, list(state.window), list(state.scores))
+
+
+def _inputs(batch: ScoreBatch) -> list[ScoreInputs]:
+    """Each request's ``ScoreInputs`` of a batch (slices of a tensor batch's gathered keys)."""
+    if batch.paged is None:
+        return batch.inputs
+    lens = batch.kv_lens_cpu
+    return [ScoreInputs(q, k[:n], batch.scale) for q, k, n in zip(batch.queries, batch.keys, lens, strict=True)]

@@ -14,7 +14,7 @@ code is not touched, and the previous implementation comes back on exit). That a
 
 1. attends over the kept slots: every kept slot is older than every new token, so the mask is
    "all cached slots, then the new tokens causally" whatever was evicted;
-2. hands the method the step's post-RoPE queries and the layer's keys (``LayerAttention``) when the
+2. hands the method the step's post-RoPE queries and the layer's keys (``LayerAttentionBatch``) when the
    method asked for them (what ``prepare_step`` returned);
 3. after the last layer, applies the method's compactions (``finish_step``) to every layer.
 
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
+from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import Category, LayerAttention, ModelShape, RequestStep, StepContext, StoreKind
 from sparse_methods.registry import build_method
 
@@ -207,9 +208,11 @@ class SparseKVCache(DynamicCache):
         self, layer: int, query: torch.Tensor, key: torch.Tensor, scaling: float, out: torch.Tensor
     ) -> torch.Tensor:
         """Hand the method what it asked for, finish the step after the last layer; ``out`` -> ``[B, n, Hq, D]``."""
-        for rid in self._observed:
-            view = LayerAttention(queries=query[rid].transpose(0, 1), keys=key[rid].transpose(0, 1), scale=scaling)
-            self.method.on_attention_end(layer, self._requests[rid], view)
+        if self._observed:
+            rids = sorted(self._observed)
+            views = [LayerAttention(query[rid].transpose(0, 1), key[rid].transpose(0, 1), scaling) for rid in rids]
+            batch = LayerAttentionBatch.of_views(tuple(self._requests[rid] for rid in rids), views)
+            self.method.on_attention_end(layer, batch)
         if layer == self.shape.num_layers - 1:
             self._finish_step()
         return out.transpose(1, 2).contiguous()

@@ -55,6 +55,7 @@ class QueryRing:
         self._written: dict[Hashable, int] = {}  # queries written into the request's row since it was taken
         self._pending: dict[Hashable, int] = {}  # of those, written since the last ``clear``
         self._dest_used = False  # ``dest`` holds some row's position (else all scratch)
+        self._positions: dict[tuple[Hashable, ...], torch.Tensor] = {}  # ``latest_batch``'s, this step
 
     def plan(self, request_ids: Sequence[Hashable | None]) -> None:
         """The next recorded step: its decode row ``i`` records a query of ``request_ids[i]`` (None:
@@ -62,6 +63,7 @@ class QueryRing:
         steps queued before it)."""
         if len(request_ids) > self.dest.numel():
             raise ValueError(f"{len(request_ids)} decode rows exceed the ring's {self.dest.numel()}")
+        self._positions = {}
         host = torch.full((self.dest.numel(),), self.scratch, dtype=torch.int64)
         recorded = any(rid is not None for rid in request_ids)
         if not recorded and not self._dest_used:
@@ -95,6 +97,21 @@ class QueryRing:
         # made on the device from host scalars: a copy from pageable host memory would wait for the stream
         positions = torch.arange(written - n, written, device=self.dest.device).remainder_(self.window)
         return self.queries[layer][positions.add_(row * self.window)]
+
+    def latest_batch(self, request_ids: Sequence[Hashable], layer: int) -> torch.Tensor:
+        """``[B, window, num_heads, head_dim]``: ``latest`` of requests that each have a full window pending,
+        in one gather. The positions are made once per step for the same requests (every layer's)."""
+        key = tuple(request_ids)
+        positions = self._positions.get(key)
+        if positions is None:
+            if any(self.num_pending(rid) < self.window for rid in key):
+                raise ValueError("latest_batch needs a full window of queries pending for every request")
+            rows = torch.tensor([self._rows[rid] * self.window for rid in key], dtype=torch.int64)
+            written = torch.tensor([self._written[rid] for rid in key], dtype=torch.int64)
+            host = (written.view(-1, 1) + torch.arange(-self.window, 0)).remainder_(self.window).add_(rows.view(-1, 1))
+            positions = self._positions[key] = torch.empty_like(host, device=self.dest.device)
+            fill(positions, host)
+        return self.queries[layer][positions]
 
     def clear(self, request_id: Hashable) -> None:
         """Forget the request's recorded queries (it keeps its row)."""

@@ -287,11 +287,19 @@ def window_scores_batch(
         future = cols.view(1, 1, -1) > slots.view(b, n, 1)  # [B, n, L]
         logits.masked_fill_(future.view(b, 1, 1, n, num_keys), float("-inf"))
         probs = torch.softmax(logits, dim=-1)[..., : num_keys - n].mean(3)  # [B, H, g, L - n]
-        pooled = pool_scores(probs.masked_fill(~scored, 0.0), kernel_size, pooling)
-        return _reduce(pooled, group_reduce, 2)
+        return reduce_window_probs(probs.masked_fill_(~scored, 0.0), kernel_size, pooling, group_reduce)
     pad = 0.0 if pooling == "avg" else float("-inf")
     best = logits[..., : num_keys - n].amax(dim=(2, 3))  # [B, H, L - n]
     return pool_scores(best.masked_fill(~scored.view(b, 1, -1), pad), kernel_size, pooling)
+
+
+def reduce_window_probs(
+    probs: torch.Tensor, kernel_size: int, pooling: Pooling, group_reduce: GroupReduce
+) -> torch.Tensor:
+    """``window_scores_batch``'s scores from the window's mean probabilities ``probs`` ``[B, H, g, M]`` (0
+    past each request's scored slots; e.g. ``sparse_kernels.window_probs`` viewed per KV head's query
+    group): pooled over tokens, reduced over the group, ``[B, H, M]``."""
+    return _reduce(pool_scores(probs, kernel_size, pooling), group_reduce, 2)
 
 
 def keep_indices_batch(

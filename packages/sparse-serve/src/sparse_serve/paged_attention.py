@@ -29,9 +29,17 @@ from sparse_kernels import (
 )
 from sparse_kernels.kv_quant import dequantize_blocks
 from sparse_kernels.quantized_store import store_kv_quantized
-from sparse_methods import DENSE_LAYER, DecodeScoreSums, LayerAttention, QueryRing, SparseMethod
+from sparse_methods import (
+    DENSE_LAYER,
+    DecodeScoreSums,
+    LayerAttention,
+    LayerAttentionBatch,
+    QueryRing,
+    SparseMethod,
+)
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.latent_paged_attention import LatentPagedAttention
+from sparse_serve.observed_keys import ObservedRows, observed_rows
 from sparse_serve.selective_decode import SelectiveDecode
 from sparse_serve.selective_prefill import SelectivePrefill
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots, to_device, to_device_buffer
@@ -201,13 +209,16 @@ class PagedAttention:
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] | None = []  # None: summaries from slot mappings
         self._observed_slots: dict[tuple, torch.Tensor] = {}  # (table, step row, kv_len) -> slots, this step
         self._observed: Collection[Hashable] = frozenset()  # requests the method observes this step
+        self._observed_index: list[int] = []  # their items in the step
+        self._observed_tables: dict[int, ObservedRows | None] = {}  # id(group) -> their rows, this step
 
     def plan(self, meta: StepMetadata, observed: Collection[Hashable] = frozenset()) -> None:
         """Prepare one step: copy each layer group's slot mapping and plan its kernels. ``observed``: the
         requests whose attention inputs every full-attention layer hands the method (``prepare_step``)."""
         self._meta = meta
-        self._observed_slots = {}
+        self._observed_slots, self._observed_tables = {}, {}
         self._observed = observed if self.method is not None else frozenset()
+        self._observed_index = [i for i, step in enumerate(meta.steps) if step.request_id in self._observed]
         if self.score_sums is not None and meta.num_decode_tokens:
             self._score_columns = int(meta.groups[0].decode_kv_indptr[-1]) * self.block_size
         if self.latent is not None:
@@ -464,13 +475,17 @@ class PagedAttention:
         return keys
 
     def _observe(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group, wanted) -> None:
-        """Hand the method each wanted request's queries and its keys in this layer (slot order)."""
+        """Hand the method every wanted request's queries and keys in this layer (slot order) in one call:
+        for decode rows over a plain store also as tensors, the keys left in their pages."""
         meta = self._meta
+        index = self._observed_index
+        if not index:
+            return
         flat_k = None if k_cache is None else k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
-        for i, step in enumerate(meta.steps):
-            if step.request_id not in wanted:
-                continue
-            head_lens = None
+
+        def view(j: int) -> LayerAttention:  # request ``index[j]``'s own view
+            i, head_lens = index[j], None
+            step = meta.steps[i]
             if self.lanes > 1:
                 keys, head_lens = self._lane_keys(group, i, step.num_new_tokens, flat_k)
             else:
@@ -478,4 +493,20 @@ class PagedAttention:
                 keys = self._request_keys(layer_idx, group, i, kv_len, flat_k, q.dtype)
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
             rows = rows if self.group_queries is None else self.group_queries(rows)
-            self.method.on_attention_end(layer_idx, step, LayerAttention(rows, keys, self.sm_scale, head_lens))
+            return LayerAttention(rows, keys, self.sm_scale, head_lens)
+
+        queries, keys = None, None
+        rows = self._observed_rows_of(group) if self.lanes == 1 and flat_k is not None and not self.latent else None
+        if rows is not None:
+            queries = q[: meta.num_decode_tokens][rows.rows]
+            queries = (queries if self.group_queries is None else self.group_queries(queries)).unsqueeze(1)
+            keys = rows.keys(k_cache)
+        steps = tuple(meta.steps[i] for i in index)
+        self.method.on_attention_end(layer_idx, LayerAttentionBatch(steps, self.sm_scale, view, queries, keys))
+
+    def _observed_rows_of(self, group) -> ObservedRows | None:
+        """The observed decode rows' block tables in ``group`` (once per group and step)."""
+        key = id(group)
+        if key not in self._observed_tables:
+            self._observed_tables[key] = observed_rows(group, self._observed_index, self.block_size, self.device)
+        return self._observed_tables[key]

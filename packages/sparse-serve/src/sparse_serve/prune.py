@@ -72,7 +72,7 @@ class _WindowScorer(ScratchScorer):
         self.target, self.rows, self.num_kv_heads = target, rows, shape.num_kv_heads
         self.scores = torch.zeros(len(target), dtype=torch.float32)
 
-    def on_attention_end(self, layer: int, step: RequestStep, view: LayerAttention) -> None:
+    def observe(self, layer: int, step: RequestStep, view: LayerAttention) -> None:
         lo, hi = max(self.rows.start, step.start), min(self.rows.stop, step.end)
         if lo >= hi:
             return

@@ -34,7 +34,7 @@ class _ReplayScorer(ScratchScorer):
         self.sums: list[torch.Tensor | None] = [None] * shape.num_layers  # [Hq, len(target)] each
         self.counts = [0] * shape.num_layers
 
-    def on_attention_end(self, layer: int, step: RequestStep, view: LayerAttention) -> None:
+    def observe(self, layer: int, step: RequestStep, view: LayerAttention) -> None:
         lo = max(self.first_query, step.start)
         if lo >= step.end:
             return

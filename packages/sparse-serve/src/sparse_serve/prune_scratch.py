@@ -13,7 +13,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparse_cache import BlockTable
-from sparse_methods import Category, MemoryPlan, MethodConfig, ModelShape, PrefixCacheMode, SparseMethod, StepContext
+from sparse_methods import (
+    Category,
+    LayerAttention,
+    LayerAttentionBatch,
+    MemoryPlan,
+    MethodConfig,
+    ModelShape,
+    PrefixCacheMode,
+    RequestStep,
+    SparseMethod,
+    StepContext,
+)
 from sparse_serve.paged_attention import PagedAttention
 from sparse_serve.request import Request
 from sparse_serve.sampling_params import SamplingParams
@@ -28,7 +39,7 @@ SCRATCH_ID = "__prune__"
 
 class ScratchScorer(SparseMethod):
     """The method of a scratch forward: attention stays dense; subclasses read the scratch request's
-    queries and keys in ``on_attention_end`` (its slots are its positions)."""
+    queries and keys in ``observe`` (its slots are its positions)."""
 
     name = "prune_scratch_scorer"
     category = Category.DENSE
@@ -43,6 +54,14 @@ class ScratchScorer(SparseMethod):
 
     def prepare_step(self, step: StepContext) -> frozenset[str]:
         return frozenset({SCRATCH_ID})
+
+    def on_attention_end(self, layer: int, batch: LayerAttentionBatch) -> None:
+        for step, view in batch:
+            self.observe(layer, step, view)
+
+    def observe(self, layer: int, step: RequestStep, view: LayerAttention) -> None:
+        """The scratch request's ``view`` after ``layer``'s attention, for the chunk ``step`` runs."""
+        raise NotImplementedError
 
 
 def scratch_forward(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -16,9 +18,12 @@ LOG2_E = 1.4426950408889634
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 # The split kernel merges its partials itself (no reduce launch) up to this many splits; 0: always two
 # launches. MERGE_SPLITS: partials the in-kernel merge loads at once (more in flight, more registers).
-# Session 4 measured an earlier fused merge (serial over 64 splits) 16 us slower per layer at batch 1,
-# 32K, so until benchmarks/decode_bandwidth.py --reduce-compare says otherwise, 64 splits keep two launches.
-FUSED_REDUCE_MAX_SPLITS = 32
+# H200 (decode_bandwidth.py --reduce-compare, us per layer, two-launch -> fused with merge 4 / 8 / 16):
+# batch 5 at 8K (27 splits) 49.9 -> 52.7 / 53.2 / 58.4; batch 5 at 128K (27) 630.6 -> 633.4 / 722.6 / 651.7;
+# batch 1 at 32K (64) 41.1 -> 44.4 / 45.0 / 56.0; batch 91 at 8K (2 splits) 788.4 -> 788.8 / 710.6 / 750.8.
+# The merge never won with many splits and its gain at 2 splits swings with the compile, so two launches
+# stay the default until an engine-level A/B says otherwise (SPARSE_KERNELS_FUSED_REDUCE_MAX_SPLITS).
+FUSED_REDUCE_MAX_SPLITS = int(os.environ.get("SPARSE_KERNELS_FUSED_REDUCE_MAX_SPLITS", "0"))
 MERGE_SPLITS = 8
 
 

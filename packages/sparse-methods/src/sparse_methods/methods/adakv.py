@@ -113,9 +113,9 @@ class AdaKV(SnapKV):
         )
         return keep
 
-    def on_attention_end(self, layer, request, view) -> None:
+    def _observe_request(self, layer, request, view) -> None:
         self._chosen = None
-        super().on_attention_end(layer, request, view)
+        super()._observe_request(layer, request, view)
         if self._chosen is not None:
             self._pending_counts.setdefault(request.request_id, self._layers())[layer] = self._chosen
 

@@ -33,6 +33,7 @@ from collections.abc import Hashable, Mapping, Sequence
 import torch
 from pydantic import Field
 
+from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import (
     Category,
     Compaction,
@@ -172,7 +173,11 @@ class KVzip(SparseMethod):
             passes.append(ReplayPass(replay_parts(prompt_token_ids, s, e, hint)))
         return tuple(passes)
 
-    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
+    def on_attention_end(self, layer: int, batch: LayerAttentionBatch) -> None:
+        for request, view in batch:
+            self._observe_replay(layer, request, view)
+
+    def _observe_replay(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
         state = self._replays[request.request_id]
         start, end = state.chunks[request.replay]
         context = view.keys.shape[0] - view.queries.shape[0]

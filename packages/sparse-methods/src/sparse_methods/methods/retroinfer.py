@@ -41,6 +41,7 @@ from collections.abc import Collection, Hashable
 import torch
 from pydantic import Field, model_validator
 
+from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import (
     Category,
     DecodeBatch,
@@ -174,7 +175,11 @@ class RetroInfer(SparseMethod):
             self.arena.plan_rows(rows)
         return frozenset(self._observing)
 
-    def on_attention_end(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
+    def on_attention_end(self, layer: int, batch: LayerAttentionBatch) -> None:
+        for request, view in batch:
+            self._observe(layer, request, view)
+
+    def _observe(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
         """Build or extend the request's index of ``layer`` and write what changed into its arena row (this
         step's selection in ``layer`` read the row already; the step's plan reads no new cluster)."""
         processed = self._observing.get(request.request_id)

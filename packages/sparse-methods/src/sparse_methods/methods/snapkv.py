@@ -18,11 +18,13 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from sparse_methods._kernels import kernels
+from sparse_methods.attention_batch import PagedKeys
 from sparse_methods.base import MethodConfig, Support
 from sparse_methods.deferred_selections import ScoreBatch
 from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
 from sparse_methods.registry import register
-from sparse_methods.scoring import window_scores, window_scores_batch
+from sparse_methods.scoring import reduce_window_probs, window_scores, window_scores_batch
 
 
 class SnapKVConfig(MethodConfig):
@@ -85,9 +87,25 @@ class SnapKV(EvictionMethod):
             group_reduce=c.score_gqa_reduce,
         )
 
+    def _from_pages(self, keys: PagedKeys) -> bool:
+        return keys.k_cache.is_cuda and self.config.score_mode == "probability"
+
+    def batch_elements_per_key(self, keys: PagedKeys) -> int:
+        """From the pages: the probabilities of each query head only (no logits)."""
+        return self.shape.num_q_heads if self._from_pages(keys) else super().batch_elements_per_key(keys)
+
     def score_batch(self, layer: int, batch: ScoreBatch) -> torch.Tensor:
-        """Every request's window scores at once (``window_scores_batch``)."""
+        """Every request's window scores at once: on a GPU, the probabilities straight from the pages
+        (``sparse_kernels.window_probs``: no gathered keys, no logits); else ``window_scores_batch``."""
         c = self.config
+        paged = batch.paged
+        if paged is not None and self._from_pages(paged):
+            n, heads = batch.queries.shape[1], paged.k_cache.shape[2]
+            probs = kernels().window_probs(
+                batch.queries, paged.k_cache, paged.block_table, paged.kv_lens, batch.scale, max_len=paged.max_len
+            )  # [B, Hq, L]
+            grouped = probs.view(probs.shape[0], heads, -1, paged.max_len)[..., : paged.max_len - n]
+            return reduce_window_probs(grouped, c.score_kernel_size, c.score_pooling, c.score_gqa_reduce)
         return window_scores_batch(
             batch.queries,
             batch.keys,
