@@ -26,6 +26,7 @@ ROUND = {
     "snapkv": dict(observation_window_size=4, decode_eviction_interval=6),
     "pyramidkv": dict(observation_window_size=4, decode_eviction_interval=5),
     "rkv": {},
+    "skipkv": {},
     "tova": {},
 }
 
