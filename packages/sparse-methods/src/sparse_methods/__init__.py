@@ -35,6 +35,7 @@ from sparse_methods.base import (
 )
 from sparse_methods.cluster_arena import ClusterArena
 from sparse_methods.decode_score_sums import DecodeScoreSums
+from sparse_methods.keep_rows import KeepRows
 from sparse_methods.prefill_attention import PrefillAttention
 from sparse_methods.query_ring import QueryRing
 from sparse_methods.registry import (
@@ -61,6 +62,7 @@ __all__ = [
     "DecodeScoreSums",
     "DeviceState",
     "HeadReduction",
+    "KeepRows",
     "LayerAttention",
     "LayerAttentionBatch",
     "LayerPlan",

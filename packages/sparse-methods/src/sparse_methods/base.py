@@ -62,6 +62,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict
 
+from sparse_methods.keep_rows import KeepRows
+
 if TYPE_CHECKING:
     from sparse_methods.attention_batch import LayerAttentionBatch
     from sparse_methods.cluster_arena import ClusterArena
@@ -478,10 +480,14 @@ class Compaction:
 
     ``head_counts`` (a ``StoreKind.HEAD_MAJOR`` store only; empty: none): per layer, None or per KV head
     how many leading entries of its ``keep`` row it keeps (ragged per-head budgets); the rest of the row
-    is padding, never read. ``counts(l)`` gives every layer's."""
+    is padding, never read. ``counts(l)`` gives every layer's.
+
+    ``rows`` (empty: none): per layer, None or the batched round's tensor whose row ``keep[l]`` is
+    (``KeepRows``), which lets the engine compact a layer's requests of one round together."""
 
     keep: tuple[torch.Tensor | None, ...]
     head_counts: tuple[tuple[int, ...] | None, ...] = ()
+    rows: tuple[KeepRows | None, ...] = ()
 
     def counts(self, layer: int) -> tuple[int, ...] | None:
         """Per KV head, the slots layer ``layer`` keeps (None: the layer is unchanged)."""

@@ -57,6 +57,7 @@ from sparse_methods.base import (
 from sparse_methods.deferred_selections import DeferredSelections, ScoreBatch
 from sparse_methods.eviction_device import DeviceObservation
 from sparse_methods.eviction_round import BatchedRound
+from sparse_methods.keep_rows import KeepRows
 from sparse_methods.scoring import MAX_SCORE_ELEMENTS, keep_indices, keep_indices_batch
 
 _UNBOUNDED = sys.maxsize  # the budget of a layer the method leaves alone (a sliding-window layer)
@@ -130,6 +131,7 @@ class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
         self._step: dict[Hashable, tuple[tuple[int, ...] | None, int]] = {}  # request -> (budgets, rows)
         self._observing: frozenset[Hashable] = frozenset()
         self._pending: dict[Hashable, list[torch.Tensor | None]] = {}
+        self._round_rows: dict[tuple[Hashable, int], tuple[torch.Tensor, KeepRows]] = {}  # batched rounds' rows
         self._deferred = DeferredSelections()
 
     # -- what a method says ----------------------------------------------------------------------
@@ -187,7 +189,7 @@ class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
 
     # -- derived: the step's schedule ----------------------------------------------------------------
     def prepare_step(self, step: StepContext) -> frozenset[Hashable]:
-        self._step, self._pending = {}, {}
+        self._step, self._pending, self._round_rows = {}, {}, {}
         for r in step.requests:
             if r.request_id not in self._states:
                 self._states[r.request_id] = self._resumed(r.resumed_state)
@@ -380,8 +382,8 @@ class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
 
     def finish_step(self) -> Mapping[Hashable, Compaction]:
         self._flush()
-        out = {rid: Compaction(tuple(keep)) for rid, keep in self._pending.items()}
-        self._pending = {}
+        out = {rid: Compaction(tuple(keep), rows=self._rows_of(rid, keep)) for rid, keep in self._pending.items()}
+        self._pending, self._round_rows = {}, {}
         if self.query_ring is not None:
             for rid in self._observing:  # folded into their windows
                 self.query_ring.clear(rid)

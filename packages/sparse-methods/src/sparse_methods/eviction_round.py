@@ -7,12 +7,19 @@ whose window is all in the ring compact together, per budget: their windows in o
 ring (positions made once per step), one ``score_batch`` over the paged keys (SnapKV reads them in
 place on a GPU), one ``keep_indices_batch``; no host sync. The others (and every request when
 ``observes_batched`` is False: the reference) go through their own view (``_observe_request``).
+Each compaction names the round's tensor and its row (``Compaction.rows``), so the engine compacts a
+layer's requests from that tensor in a few ops.
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
+import torch
+
 from sparse_methods.attention_batch import LayerAttentionBatch, PagedKeys
 from sparse_methods.deferred_selections import ScoreBatch
+from sparse_methods.keep_rows import KeepRows
 from sparse_methods.scoring import MAX_SCORE_ELEMENTS, keep_indices_batch
 
 
@@ -71,9 +78,18 @@ class BatchedRound:
         sink, recent = self.protected(budget)
         keeps = keep_indices_batch(scores, keys.kv_lens, sink=sink, recent=recent, num_middle=budget - sink - recent)
         keeps = keeps.expand(-1, self.shape.num_kv_heads, -1).contiguous()
-        for rid, window, keep in zip(rids, windows.unbind(0), keeps.unbind(0), strict=True):
+        for row, (rid, window, keep) in enumerate(zip(rids, windows.unbind(0), keeps.unbind(0), strict=True)):
             self._states[rid].window[layer] = window
             self._pending.setdefault(rid, self._layers())[layer] = keep
+            self._round_rows[rid, layer] = (keep, KeepRows(keeps, row))
+
+    def _rows_of(self, request_id: Hashable, keep: list[torch.Tensor | None]) -> tuple[KeepRows | None, ...]:
+        """``Compaction.rows`` of a request's pending ``keep``: per layer, the round's row when ``keep[l]`` is
+        still the one the round gave (empty when no layer's is)."""
+        rows = [self._round_rows.get((request_id, layer)) for layer in range(len(keep))]
+        if not any(rows):
+            return ()
+        return tuple(r[1] if r is not None and r[0] is k else None for r, k in zip(rows, keep, strict=True))
 
 
 def _chunks(rows: list[int], sizes: list[int], limit: int) -> list[list[int]]:

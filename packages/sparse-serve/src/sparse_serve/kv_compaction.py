@@ -14,7 +14,10 @@ stream order while the host builds the next step.
 
 ``apply_compactions`` does the same for every request compacting at one step: one host copy for
 all of them and one ``compact_kv`` launch per layer over all their slot lists (the kernel's CSR over
-requests), instead of a launch per (request, layer). ``apply_compaction`` stays the reference.
+requests), instead of a launch per (request, layer). When a layer's keeps are rows of a batched
+round's ``[B, H, n]`` tensor (``Compaction.rows``) it reads them from that tensor (a slice and one
+reshape per layer, one bounds check for the step), with no tensor op per (request, layer).
+``apply_compaction`` stays the reference.
 
 A head-major store (a table per (layer, KV head) lane) compacts each lane to its own count
 (``Compaction.head_counts``, host ints): ``apply_lane_compaction``, one launch per layer whose lanes
@@ -30,7 +33,7 @@ import torch
 
 from sparse_kernels import compact_kv
 from sparse_kernels.quantized_compact import compact_quantized
-from sparse_methods import Compaction
+from sparse_methods import Compaction, KeepRows
 from sparse_serve.kv_pool import KVPool
 from sparse_serve.step_metadata import table_slots, to_device
 
@@ -80,48 +83,120 @@ def apply_compactions(
     block_size: int,
 ) -> list[list[int]]:
     """``apply_compaction`` for several requests at once (``requests``: each one's per-layer tables, KV
-    lengths and compaction); returns each one's new per-layer lengths. Every layer is one ``compact_kv``
-    launch over the requests compacting it, from one host copy of all slot lists and offsets. The
+    lengths and compaction); returns each one's new per-layer lengths (host ints: the kept counts).
+    Every layer is one ``compact_kv`` launch over the requests compacting it, from one host copy of all
+    slot lists and offsets (layers of equal slot lists share theirs). A layer's keeps that are
+    consecutive rows of one round's tensor (``Compaction.rows``) go in as that tensor's slice, one
+    reshape for them all; the bounds of every kept index are one check for the whole step. The
     requests hold distinct blocks. Latent and quantized stores go request by request."""
     if len(requests) < 2 or pool.store.latent or pool.quantized is not None:
         return [apply_compaction(pool, tables, lens, c, block_size) for tables, lens, c in requests]
-    device = pool.device
-    per_layer: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in requests[0][1]]
-    host: list[torch.Tensor] = []
+    num_layers = len(requests[0][1])
+    per_layer: list[list[tuple[int, torch.Tensor, KeepRows | None]]] = [[] for _ in range(num_layers)]
     out = []
-    for tables, kv_lens, compaction in requests:
-        if len(compaction.keep) != len(kv_lens) or len(kv_lens) != len(per_layer):
-            raise ValueError(f"compaction covers {len(compaction.keep)} layers, the model has {len(per_layer)}")
-        layers = _checked_layers(compaction, kv_lens, device)
-        new_lens, spans = list(kv_lens), {}
-        for layer, keep in layers:
-            key = (id(tables[layer]), kv_lens[layer])
-            if key not in spans:  # one table shared by all layers: its slots once
-                spans[key] = table_slots(tables[layer], kv_lens[layer], block_size)
-            per_layer[layer].append((spans[key], keep))
+    for i, (_, kv_lens, compaction) in enumerate(requests):
+        if len(compaction.keep) != len(kv_lens) or len(kv_lens) != num_layers:
+            raise ValueError(f"compaction covers {len(compaction.keep)} layers, the model has {num_layers}")
+        new_lens = list(kv_lens)
+        for layer, keep, rows in zip(range(num_layers), compaction.keep, compaction.rows or _NO_ROWS, strict=False):
+            if keep is None:
+                continue
+            if keep.dim() != 2 or keep.shape[1] > kv_lens[layer]:
+                raise ValueError(f"layer {layer}: keeps {tuple(keep.shape)} of the layer's {kv_lens[layer]} slots")
+            per_layer[layer].append((i, keep, rows))
             new_lens[layer] = keep.shape[1]
         out.append(new_lens)
-    launches = []
+    if not any(per_layer):
+        return out
+    packed, launches, limits = _packed_inputs(requests, per_layer, block_size, pool.device)
+    keeps, lows, highs = zip(*(_layer_keep(entries, pool.device) for entries in per_layer if entries), strict=True)
+    _check_step_bounds(torch.cat(lows), torch.cat(highs), packed[limits], per_layer)
+    for (layer, slots, ptrs), keep in zip(launches, keeps, strict=True):
+        n = ptrs.numel() // 2
+        compact_kv(pool.k[layer], pool.v[layer], slots, keep, slot_indptr=ptrs[:n], keep_indptr=ptrs[n:])
+    return out
+
+
+_NO_ROWS = itertools.repeat(None)
+
+
+def _packed_inputs(
+    requests: Sequence[tuple[Sequence[Sequence[int]], list[int], Compaction]],
+    per_layer: list[list[tuple[int, torch.Tensor, KeepRows | None]]],
+    block_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]], slice]:
+    """Every compacted layer's ``(layer, slot_ids, slot_indptr + keep_indptr)`` on ``device`` as views of one
+    int32 copy (layers with the same slot lists and kept counts share them), and that copy's ``slice`` of
+    each kept column's limit (its layer's KV length, one per entry in layer order)."""
+    host: list[torch.Tensor] = []
     offset = 0
+    spans: dict[tuple[int, int], torch.Tensor] = {}  # (id(table), kv_len) -> its slots, one table_slots each
+    shared: dict[tuple, tuple[int, int, int]] = {}  # the layer's (table, kv_len, kept) per entry -> its place
+    places = []
     for layer, entries in enumerate(per_layer):
         if not entries:
             continue
-        slots = [s for s, _ in entries]
-        ptrs = [
-            0,
-            *itertools.accumulate(s.numel() for s in slots),
-            0,
-            *itertools.accumulate(k.shape[1] for _, k in entries),
-        ]
-        host += [*slots, torch.tensor(ptrs, dtype=torch.int64)]
-        launches.append((layer, offset, ptrs[len(entries)], len(entries) + 1))
-        offset += ptrs[len(entries)] + len(ptrs)
+        key = tuple((id(requests[i][0][layer]), requests[i][1][layer], k.shape[1]) for i, k, _ in entries)
+        if key not in shared:
+            slots = []
+            for (table_id, kv_len, _), (i, _, _) in zip(key, entries, strict=True):
+                if (table_id, kv_len) not in spans:
+                    spans[table_id, kv_len] = table_slots(requests[i][0][layer], kv_len, block_size)
+                slots.append(spans[table_id, kv_len])
+            ptrs = [0, *itertools.accumulate(kv_len for _, kv_len, _ in key)]
+            ptrs += [0, *itertools.accumulate(n for *_, n in key)]
+            host += [*slots, torch.tensor(ptrs, dtype=torch.int64)]
+            shared[key] = (offset, ptrs[len(entries)], len(ptrs))
+            offset += ptrs[len(entries)] + len(ptrs)
+        places.append((layer, *shared[key]))
+    limits = [requests[i][1][layer] for layer, entries in enumerate(per_layer) for i, _, _ in entries]
+    host.append(torch.tensor(limits, dtype=torch.int64))
     packed = to_device(torch.cat(host).to(torch.int32), device)
-    for layer, start, num_slots, num_ptrs in launches:
-        slots, ptr = packed[start : start + num_slots], packed[start + num_slots : start + num_slots + 2 * num_ptrs]
-        keep = torch.cat([k for _, k in per_layer[layer]], dim=1)
-        compact_kv(pool.k[layer], pool.v[layer], slots, keep, slot_indptr=ptr[:num_ptrs], keep_indptr=ptr[num_ptrs:])
-    return out
+    launches = [(layer, packed[s : s + n], packed[s + n : s + n + p]) for layer, s, n, p in places]
+    return packed, launches, slice(offset, offset + len(limits))
+
+
+def _layer_keep(
+    entries: list[tuple[int, torch.Tensor, KeepRows | None]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's ``keep`` for ``compact_kv`` (``[num_kv_heads, total]``, the entries' columns in order) and
+    each entry's smallest and largest kept index. Runs of consecutive rows of one round's tensor are
+    one slice of it; any other keep is a run of its own."""
+    runs: list[tuple[torch.Tensor, int, int]] = []  # (tensor [B, H, n], first row, end row)
+    for _, keep, rows in entries:
+        if rows is not None and runs and runs[-1][0] is rows.batch and runs[-1][2] == rows.row:
+            runs[-1] = (rows.batch, runs[-1][1], rows.row + 1)
+        elif rows is not None:
+            runs.append((rows.batch, rows.row, rows.row + 1))
+        else:
+            runs.append((keep[None], 0, 1))
+    pieces = [batch[first:end].to(device) for batch, first, end in runs]
+    bounds = [_row_bounds(p) for p in pieces]
+    lo, hi = bounds[0] if len(bounds) == 1 else (torch.cat(t) for t in zip(*bounds, strict=True))
+    columns = [p[0] if p.shape[0] == 1 else p.transpose(0, 1).reshape(p.shape[1], -1) for p in pieces]
+    return (columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)), lo, hi
+
+
+def _row_bounds(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``[n, H, w]`` kept indices, the smallest and largest (none kept: 0 and -1, always inside)."""
+    if rows.shape[2] == 0:
+        return rows.new_zeros(rows.shape[0]), rows.new_full((rows.shape[0],), -1)
+    return rows.flatten(1).aminmax(dim=1)
+
+
+def _check_step_bounds(lo: torch.Tensor, hi: torch.Tensor, limit: torch.Tensor, per_layer: list[list]) -> None:
+    """Every entry's kept indices lie in ``[0, limit)``: on a GPU one assert on the device (no wait),
+    elsewhere a host check that names the first layer outside."""
+    inside = (lo >= 0) & (hi < limit)
+    if lo.device.type == "cuda":
+        torch._assert_async(inside.all(), "compaction: a kept index lies outside its layer's slots")
+        return
+    if bool(inside.all()):
+        return
+    layers = [layer for layer, entries in enumerate(per_layer) for _ in entries]
+    first = int((~inside).nonzero()[0])
+    raise ValueError(f"layer {layers[first]}: kept index outside the layer's {int(limit[first])} slots")
 
 
 def _checked_layers(compaction: Compaction, kv_lens: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
