@@ -108,9 +108,9 @@ def apply_compactions(
         out.append(new_lens)
     if not any(per_layer):
         return out
-    packed, launches, limits = _packed_inputs(requests, per_layer, block_size, pool.device)
-    keeps, lows, highs = zip(*(_layer_keep(entries, pool.device) for entries in per_layer if entries), strict=True)
-    _check_step_bounds(torch.cat(lows), torch.cat(highs), packed[limits], per_layer)
+    launches = _packed_inputs(requests, per_layer, block_size, pool.device)
+    keeps = [_layer_keep(entries, pool.device) for entries in per_layer if entries]
+    _check_step_bounds(launches, keeps)
     for (layer, slots, ptrs), keep in zip(launches, keeps, strict=True):
         n = ptrs.numel() // 2
         compact_kv(pool.k[layer], pool.v[layer], slots, keep, slot_indptr=ptrs[:n], keep_indptr=ptrs[n:])
@@ -125,10 +125,9 @@ def _packed_inputs(
     per_layer: list[list[tuple[int, torch.Tensor, KeepRows | None]]],
     block_size: int,
     device: torch.device,
-) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor, torch.Tensor]], slice]:
-    """Every compacted layer's ``(layer, slot_ids, slot_indptr + keep_indptr)`` on ``device`` as views of one
-    int32 copy (layers with the same slot lists and kept counts share them), and that copy's ``slice`` of
-    each kept column's limit (its layer's KV length, one per entry in layer order)."""
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Every compacted layer's ``(layer, slot_ids, slot_indptr + keep_indptr)`` on ``device``, int32 views of
+    one copy; layers with the same slot lists and kept counts share the same tensors."""
     host: list[torch.Tensor] = []
     offset = 0
     spans: dict[tuple[int, int], torch.Tensor] = {}  # (id(table), kv_len) -> its slots, one table_slots each
@@ -149,54 +148,58 @@ def _packed_inputs(
             host += [*slots, torch.tensor(ptrs, dtype=torch.int64)]
             shared[key] = (offset, ptrs[len(entries)], len(ptrs))
             offset += ptrs[len(entries)] + len(ptrs)
-        places.append((layer, *shared[key]))
-    limits = [requests[i][1][layer] for layer, entries in enumerate(per_layer) for i, _, _ in entries]
-    host.append(torch.tensor(limits, dtype=torch.int64))
+        places.append((layer, shared[key]))
     packed = to_device(torch.cat(host).to(torch.int32), device)
-    launches = [(layer, packed[s : s + n], packed[s + n : s + n + p]) for layer, s, n, p in places]
-    return packed, launches, slice(offset, offset + len(limits))
+    views = {(s, n, p): (packed[s : s + n], packed[s + n : s + n + p]) for s, n, p in shared.values()}
+    return [(layer, *views[place]) for layer, place in places]
 
 
-def _layer_keep(
-    entries: list[tuple[int, torch.Tensor, KeepRows | None]], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A layer's ``keep`` for ``compact_kv`` (``[num_kv_heads, total]``, the entries' columns in order) and
-    each entry's smallest and largest kept index. Runs of consecutive rows of one round's tensor are
-    one slice of it; any other keep is a run of its own."""
-    runs: list[tuple[torch.Tensor, int, int]] = []  # (tensor [B, H, n], first row, end row)
+def _layer_keep(entries: list[tuple[int, torch.Tensor, KeepRows | None]], device: torch.device) -> torch.Tensor:
+    """A layer's ``keep`` for ``compact_kv``: ``[num_kv_heads, total]``, the entries' columns in order. Runs of
+    consecutive rows of one round's tensor are one slice of it, moved in one reshape; any other keep is
+    a run of its own."""
+    runs: list[tuple[torch.Tensor, int, int]] = []  # (tensor [B, H, n], first row, end row); -1: a plain keep
     for _, keep, rows in entries:
         if rows is not None and runs and runs[-1][0] is rows.batch and runs[-1][2] == rows.row:
             runs[-1] = (rows.batch, runs[-1][1], rows.row + 1)
         elif rows is not None:
             runs.append((rows.batch, rows.row, rows.row + 1))
         else:
-            runs.append((keep[None], 0, 1))
-    pieces = [batch[first:end].to(device) for batch, first, end in runs]
-    bounds = [_row_bounds(p) for p in pieces]
-    lo, hi = bounds[0] if len(bounds) == 1 else (torch.cat(t) for t in zip(*bounds, strict=True))
-    columns = [p[0] if p.shape[0] == 1 else p.transpose(0, 1).reshape(p.shape[1], -1) for p in pieces]
-    return (columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)), lo, hi
+            runs.append((keep, -1, -1))
+    columns = [
+        batch.to(device)
+        if first < 0
+        else batch[first].to(device)
+        if end == first + 1
+        else batch[first:end].to(device).transpose(0, 1).reshape(batch.shape[1], -1)
+        for batch, first, end in runs
+    ]
+    return columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)
 
 
-def _row_bounds(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of ``[n, H, w]`` kept indices, the smallest and largest (none kept: 0 and -1, always inside)."""
-    if rows.shape[2] == 0:
-        return rows.new_zeros(rows.shape[0]), rows.new_full((rows.shape[0],), -1)
-    return rows.flatten(1).aminmax(dim=1)
-
-
-def _check_step_bounds(lo: torch.Tensor, hi: torch.Tensor, limit: torch.Tensor, per_layer: list[list]) -> None:
-    """Every entry's kept indices lie in ``[0, limit)``: on a GPU one assert on the device (no wait),
-    elsewhere a host check that names the first layer outside."""
-    inside = (lo >= 0) & (hi < limit)
-    if lo.device.type == "cuda":
-        torch._assert_async(inside.all(), "compaction: a kept index lies outside its layer's slots")
+def _check_step_bounds(launches: list[tuple[int, torch.Tensor, torch.Tensor]], keeps: list[torch.Tensor]) -> None:
+    """Every kept index lies in its request's slots of its layer (each column against its request's KV
+    length, from the offsets: one per shared offsets): on a GPU one assert on the device for the whole
+    step (no wait), elsewhere a host check that names the first layer outside."""
+    limits: dict[int, torch.Tensor] = {}
+    checked, oks = [], []
+    for (layer, _, ptrs), keep in zip(launches, keeps, strict=True):
+        if not keep.numel():
+            continue
+        if id(ptrs) not in limits:  # each column's limit: its request's slot count
+            n = ptrs.numel() // 2
+            lens, counts = ptrs[1:n] - ptrs[: n - 1], ptrs[n + 1 :] - ptrs[n:-1]
+            limits[id(ptrs)] = torch.repeat_interleave(lens, counts, output_size=keep.shape[1])
+        oks.append(((keep >= 0) & (keep < limits[id(ptrs)])).all())
+        checked.append(layer)
+    if not oks:
         return
-    if bool(inside.all()):
+    if oks[0].device.type == "cuda":
+        torch._assert_async(torch.stack(oks).all(), "compaction: a kept index lies outside its layer's slots")
         return
-    layers = [layer for layer, entries in enumerate(per_layer) for _ in entries]
-    first = int((~inside).nonzero()[0])
-    raise ValueError(f"layer {layers[first]}: kept index outside the layer's {int(limit[first])} slots")
+    for layer, ok in zip(checked, torch.stack(oks).tolist(), strict=True):
+        if not ok:
+            raise ValueError(f"layer {layer}: kept index outside the layer's slots")
 
 
 def _checked_layers(compaction: Compaction, kv_lens: list[int], device: torch.device) -> list[tuple[int, torch.Tensor]]:
