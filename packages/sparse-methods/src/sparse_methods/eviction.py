@@ -124,6 +124,10 @@ class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
     """``score()`` is called for every step that observes queries and the results add up per token
     (H2O; ``score()`` then returns a new tensor, which the base adds the earlier sums into);
     otherwise it is called only when compacting, with the latest observed queries."""
+    evicts_by_length: ClassVar[bool] = False
+    """When a decode step compacts: every ``_interval`` generated tokens, counted over a chain (False), or
+    after a step that leaves a layer holding at least its budget plus ``_interval`` slots, that layer
+    alone (True: SkipKV's trigger, so a prompt longer than the budget compacts at its first decode)."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape) -> None:
         super().__init__(config, shape)
@@ -238,10 +242,26 @@ class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
         if r.is_decode:
             interval = self._interval
             before, state.decoded = state.decoded, state.decoded + r.num_new_tokens
-            if interval is None or before // interval == state.decoded // interval:
+            if interval is None:
+                return None
+            if self.evicts_by_length:
+                return self._layers_over(r, interval)
+            if before // interval == state.decoded // interval:
                 return None
             return self._layer_budgets(r.prompt_len, Phase.DECODE)
         return self._layer_budgets(r.prompt_len, Phase.PROMPT if r.ends_prefill else Phase.CHUNK)
+
+    def _layers_over(self, r: RequestStep, interval: int) -> tuple[int, ...] | None:
+        """Decode budgets of the layers that hold at least their budget plus ``interval`` slots after the
+        step (the others unbounded); None when no layer does."""
+        budgets = self._layer_budgets(r.prompt_len, Phase.DECODE)
+        if budgets is None:
+            return None
+        due = tuple(
+            b if b != _UNBOUNDED and n + r.num_new_tokens >= b + interval else _UNBOUNDED
+            for b, n in zip(budgets, r.kv_lens, strict=True)
+        )
+        return None if all(b == _UNBOUNDED for b in due) else due
 
     def _observed_rows(self, r: RequestStep, budgets: tuple[int, ...] | None, recorded: bool) -> int:
         """How many of the step's last queries ``r`` hands to the method (0: none). ``recorded``: the ring

@@ -34,8 +34,8 @@ from typing import ClassVar
 import torch
 from pydantic import Field, model_validator
 
-from sparse_methods.base import MethodConfig, RequestStep
-from sparse_methods.eviction import _UNBOUNDED, EvictionMethod, Phase, ScoreInputs, _RequestState
+from sparse_methods.base import MethodConfig
+from sparse_methods.eviction import EvictionMethod, Phase, ScoreInputs
 from sparse_methods.registry import register
 
 TOKEN_SIMILARITY_THRESHOLD = 0.8  # SE's rkv_similarity_threshold as resolved for skipkv
@@ -141,6 +141,7 @@ class SkipKV(EvictionMethod):
     name = "skipkv"
     aliases: ClassVar[tuple[str, ...]] = ("skip-kv", "skip_kv")
     Config = SkipKVConfig
+    evicts_by_length = True  # a layer at budget + interval, checked after every decode step
 
     @property
     def _budget(self) -> int:
@@ -155,20 +156,6 @@ class SkipKV(EvictionMethod):
         if phase is not Phase.DECODE:  # the prompt is never compressed
             return None
         return (self._budget,) * self.shape.num_layers
-
-    def _compaction(self, r: RequestStep, state: _RequestState) -> tuple[int, ...] | None:
-        """After a decode step, the layers holding at least the budget plus an interval (others unbounded)."""
-        if not r.is_decode:
-            return super()._compaction(r, state)
-        state.decoded += r.num_new_tokens
-        budgets = self._layer_budgets(r.prompt_len, Phase.DECODE)
-        if budgets is None:
-            return None
-        due = tuple(
-            b if b != _UNBOUNDED and n + r.num_new_tokens >= b + self._interval else _UNBOUNDED
-            for b, n in zip(budgets, r.kv_lens, strict=True)
-        )
-        return None if all(b == _UNBOUNDED for b in due) else due
 
     @property
     def observation_window(self) -> int:
