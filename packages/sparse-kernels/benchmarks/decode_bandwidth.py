@@ -9,10 +9,7 @@ split target, checks every variant's output against the default one, and prints 
 
 Usage: ``python packages/sparse-kernels/benchmarks/decode_bandwidth.py [--quick] [--json PATH]``;
 ``--kv-len 8192 --cases 5x16,76x1 --per-sm 1,2,4,8,16`` sweeps only the split target at other shapes
-(an evicting method's 8K contexts; ``BxL``: batch B cycling over L layer pools). ``--reduce-compare``
-times only the default config, with the partials merged by a second (reduce) launch and merged inside
-the split kernel (``decode_launch.FUSED_REDUCE_MAX_SPLITS``) at several ``MERGE_SPLITS``, e.g.
-``--kv-len 8192 --cases 5x16,91x1 --reduce-compare`` (SnapKV's budget at dense's batch and at its own).
+(an evicting method's 8K contexts; ``BxL``: batch B cycling over L layer pools).
 """
 
 from __future__ import annotations
@@ -20,7 +17,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 from _timing import capture, copy_bandwidth, median_ms  # benchmarks/ (run as scripts)
@@ -53,9 +49,8 @@ def make_step(batch: int, num_layers: int, seed: int = 0, kv_len: int = KV_LEN):
     return pools, csr, q
 
 
-def capture_decode(batch, pools, csr, q, with_scores=False):
-    """A graph of the decode over every layer pool with the current module-level config, the per-layer
-    outputs it writes, and the wrapper (which owns the buffers the graph reads)."""
+def time_decode(batch, pools, csr, q, with_scores=False):
+    """ms per layer for the current module-level config, and the first layer's output."""
     wrapper = BatchDecodeWithPagedKVCache("cuda", backend="triton", max_batch_size=batch)
     wrapper.plan(*csr, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=DIM, block_size=BLOCK)
     outs = [torch.empty_like(q) for _ in pools]
@@ -65,59 +60,9 @@ def capture_decode(batch, pools, csr, q, with_scores=False):
         for (k, v), out in zip(pools, outs, strict=True):
             wrapper.run(q, k, v, out=out, scores_out=scores)
 
-    return capture(step), outs, wrapper
-
-
-def time_decode(batch, pools, csr, q, with_scores=False):
-    """ms per layer for the current module-level config, and the first layer's output."""
-    graph, outs, wrapper = capture_decode(batch, pools, csr, q, with_scores)
+    graph = capture(step)
     ms = median_ms(graph.replay) / len(pools)
     return ms, outs[0].clone(), wrapper._num_splits
-
-
-# (name, FUSED_REDUCE_MAX_SPLITS, MERGE_SPLITS): the two-launch baseline first, then the in-kernel merge.
-REDUCE_VARIANTS = [("two-launch", 0, 8), ("fused", 64, 4), ("fused", 64, 8), ("fused", 64, 16)]
-
-
-def compare_reduce(cases: list[tuple[int, int]], kv_len: int, rounds: int = 5) -> list[dict]:
-    """Per case, us per layer of each reduce variant and its max |diff| from the two-launch output.
-
-    Every variant's graph is captured first, then timed in ``rounds`` interleaved rounds (median kept),
-    so that drift over the run (clocks, temperature) does not fall on one variant only.
-    """
-    rows = []
-    saved = (decode_launch.FUSED_REDUCE_MAX_SPLITS, decode_launch.MERGE_SPLITS)
-    for batch, layers in cases:
-        pools, csr, q = make_step(batch, layers, kv_len=kv_len)
-        graphs = []
-        for _, max_splits, merge in REDUCE_VARIANTS:
-            decode_launch.FUSED_REDUCE_MAX_SPLITS, decode_launch.MERGE_SPLITS = max_splits, merge
-            graphs.append(capture_decode(batch, pools, csr, q))
-        decode_launch.FUSED_REDUCE_MAX_SPLITS, decode_launch.MERGE_SPLITS = saved
-        times = [[] for _ in graphs]
-        for _ in range(rounds):
-            for graph_times, (graph, _, _) in zip(times, graphs, strict=True):
-                graph_times.append(median_ms(graph.replay, reps=3) / layers)
-        baseline = graphs[0][1][0]
-        for (name, _, merge), (graph, outs, wrapper), graph_times in zip(REDUCE_VARIANTS, graphs, times, strict=True):
-            graph.replay()
-            err = (outs[0].float() - baseline.float()).abs().max().item()
-            row = dict(batch=batch, layers=layers, kv_len=kv_len, reduce=name, merge_splits=merge)
-            row.update(num_splits=wrapper._num_splits, us=statistics.median(graph_times) * 1e3, max_diff=err)
-            row.update(us_rounds=[round(t * 1e3, 2) for t in graph_times])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        del pools, graphs
-        torch.cuda.empty_cache()
-    print("\nbatch layers splits reduce      merge     us  vs two-launch  max_diff")
-    for r in rows:
-        base = next(b for b in rows if b["batch"] == r["batch"] and b["reduce"] == "two-launch")
-        merge = r["merge_splits"] if r["reduce"] == "fused" else "-"
-        print(
-            f"{r['batch']:5d} {r['layers']:6d} {r['num_splits']:6d} {r['reduce']:11s} {merge!s:>5} {r['us']:6.1f} "
-            f"{r['us'] - base['us']:+10.1f} us {r['max_diff']:9.2e}"
-        )
-    return rows
 
 
 def main() -> None:
@@ -128,17 +73,9 @@ def main() -> None:
     parser.add_argument("--cases", default="1x8,32x1", help="BxL: batch B over L layer pools")
     parser.add_argument("--per-sm", default=None, help="sweep only these split targets (programs per SM)")
     parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
-    parser.add_argument("--reduce-compare", action="store_true", help="two-launch vs in-kernel merge only")
     args = parser.parse_args()
     launch.PDL = not args.no_pdl
     torch.backends.cuda.matmul.allow_tf32 = False
-    if args.reduce_compare:
-        print(f"device {torch.cuda.get_device_name()}, PDL {launch.PDL}")
-        rows = compare_reduce([tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")], args.kv_len)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"rows": rows}, f, indent=1)
-        return
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
     default = (dict(decode_launch.DECODE_CONFIG), buffers.PROGRAMS_PER_SM)

@@ -40,8 +40,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 
 class DecodeBuffers:
-    """``indptr``/``indices``/``last_len``/``tail_index`` (int32, copied in by ``load``) plus the split-K scratch
-    (partials, final log-sum-exps, arrival counters).
+    """``indptr``/``indices``/``last_len``/``tail_index`` (int32, copied in by ``load``) plus the split-K scratch.
 
     Parameters
     ----------
@@ -77,10 +76,6 @@ class DecodeBuffers:
         self.o_part = torch.empty(0, device=device)  # float32 [rows * BLOCK_D]
         self.lse_part = torch.empty(0, device=device)  # float32 [rows], base-2 log-sum-exp per split
         self.lse = torch.empty(0, device=device)  # float32 [batch * num_qo_heads], final, base 2
-        # int32 [batch * num_kv_heads]: splits of each (request, KV head) done so far, for the split kernel's
-        # in-kernel merge. Zeroed here once; the merging program resets its counter, so launches (and
-        # graph replays) always start from zeros.
-        self.arrivals = self._int32(0)
 
     def load(
         self,
@@ -153,8 +148,6 @@ class DecodeBuffers:
             self.lse_part = torch.empty(_grown(self.lse_part.numel(), rows), device=self.device)
         if self.lse.numel() < lse_rows:
             self.lse = torch.empty(_grown(self.lse.numel(), lse_rows), device=self.device)
-        if self.arrivals.numel() < max(sizes) * num_kv_heads:
-            self.arrivals = self._int32(_grown(self.arrivals.numel(), max(sizes) * num_kv_heads))
         self._scratch_key = key
 
     def num_splits(self, batch: int, num_kv_heads: int) -> int:

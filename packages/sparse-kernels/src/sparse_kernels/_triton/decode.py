@@ -6,14 +6,6 @@ handles all query heads of KV group ``h`` at once, so each K/V row is loaded onc
 tokens are cut into ``num_splits`` chunks of a multiple of ``BLOCK_N`` tokens; splits that start past
 the list's end return at once. The reduce recomputes how many splits were live from the same lengths.
 
-With ``FUSED`` the split kernel merges the partials itself, saving the reduce launch: each live split
-of a (request, KV head) writes its partial, then counts itself in an int32 arrival counter (acq_rel
-atomic; the stores before it are released, the merging program acquires them); the split that
-arrives last merges all of them (``_merge_splits``, the reduce's math) and resets the counter to 0,
-so the next launch (a graph replay) finds it zeroed. A list with one live split writes its output
-directly. Under PDL the output is complete only when the grid has finished, which is what a
-dependent's ``gdc_wait`` waits for.
-
 With a sliding window (``window_left >= 0``) the query, at the list's last token ``n - 1``, sees tokens
 from ``first = max(0, n - 1 - window_left)`` on: the splits cut ``[first, n)`` instead of ``[0, n)``, so
 pages wholly before the window are never read and the partial one is read from ``first``.
@@ -40,65 +32,6 @@ def _window_start(kv_len, window_left, WINDOW: tl.constexpr):
         return kv_len * 0
 
 
-@triton.jit
-def _merge_splits(
-    o_part_ptr,
-    lse_part_ptr,
-    out_ptr,
-    lse_ptr,
-    b,
-    heads,
-    mask_h,
-    live,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    NUM_QO_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    UNROLL: tl.constexpr,
-):
-    """The fused split kernel's merge: what ``_decode_reduce_kernel`` computes, for the query heads
-    ``heads`` (``[BLOCK_H]``, valid where ``mask_h``) of request ``b`` in one program.
-
-    An online softmax over the ``live`` partials, one split at a time on a ``[BLOCK_H, BLOCK_D]`` tile,
-    so every sum stays within a thread (no cross-warp reduction). ``UNROLL`` splits per step, and the
-    steps pipelined (async copies into the shared memory the split loop no longer uses), keep many
-    loads in flight without holding them in registers: the split loop's register count, and so its
-    occupancy, stays as it is. Other programs wrote the partials during this launch: the caller's
-    acquire orders these loads after their stores (on sm_90 it invalidates the SM's L1 after the
-    atomic, so no line cached by an earlier merge on the same SM is read stale).
-    """
-    rows = (b * NUM_QO_HEADS + heads) * num_splits  # [BLOCK_H]: each head's first partial row
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s0 in tl.range(0, live, UNROLL, num_stages=3):
-        for i in tl.static_range(UNROLL):
-            valid = mask_h & (s0 + i + tl.zeros([BLOCK_H], tl.int32) < live)  # a vector: the interpreter's
-            # ``&`` of a block and a scalar bool yields int32, which a load rejects as a mask
-            lse = tl.load(lse_part_ptr + rows + s0 + i, mask=valid, other=float("-inf"), cache_modifier=".cg")
-            lse = tl.where(mask_h, lse, 0.0)  # padding heads stay finite (their results are not stored)
-            o = tl.load(
-                o_part_ptr + (rows + s0 + i)[:, None] * BLOCK_D + offs_d[None, :],
-                mask=valid[:, None] & mask_d[None, :],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            m_new = tl.maximum(m, lse)  # split 0 is live, so valid heads are finite from the first step
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + o * w[:, None]
-            denom = denom * alpha + w
-            m = m_new
-    out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
-    tl.store(lse_ptr + b * NUM_QO_HEADS + heads, m + tl.log2(denom), mask=mask_h)
-
-
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -108,13 +41,8 @@ def _decode_split_kernel(
     last_len_ptr,
     o_part_ptr,
     lse_part_ptr,
-    out_ptr,
-    lse_ptr,
-    arrivals_ptr,
     stride_qb,
     stride_qh,
-    stride_ob,
-    stride_oh,
     scale_log2,
     num_splits,
     window_left,
@@ -124,17 +52,13 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     HEAD_SPARSE: tl.constexpr,
     WINDOW: tl.constexpr,
-    FUSED: tl.constexpr,
     BLOCK_G: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    MERGE_UNROLL: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    # FUSED: out_ptr / lse_ptr / arrivals_ptr are written; BLOCK_H = next_power_of_2(GROUP) heads are merged.
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,26 +107,13 @@ def _decode_split_kernel(
             v = tl.load(v_ptr + kv_row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
             m_i = m_new
-        mask_gd = mask_g[:, None] & mask_d[None, :]
-        live = tl.cdiv(kv_len - first, chunk)  # splits of this list that write a partial result
-        if FUSED and live == 1:  # the only split: its result is the output
-            out = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-            tl.store(out, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_gd)
-            tl.store(lse_ptr + b * (NUM_KV_HEADS * GROUP) + heads, m_i + tl.log2(l_i), mask=mask_g)
-        else:
-            row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
-            tl.store(o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc / l_i[:, None], mask=mask_gd)
-            tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
-            if FUSED:
-                tl.debug_barrier()  # every thread's stores precede the release below
-                counter = arrivals_ptr + b * NUM_KV_HEADS + h
-                if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:  # the last split to arrive
-                    tl.store(counter, 0)  # no split of this launch touches it again: ready for the next
-                    _merge_splits(
-                        o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, b, h * GROUP + tl.arange(0, BLOCK_H),
-                        tl.arange(0, BLOCK_H) < GROUP, live, num_splits, stride_ob, stride_oh,
-                        NUM_KV_HEADS * GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, MERGE_UNROLL,
-                    )  # fmt: skip
+        row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(
+            o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+            acc / l_i[:, None],
+            mask=mask_g[:, None] & mask_d[None, :],
+        )
+        tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
         pdl_exit(USE_GDC)
 
 
