@@ -39,7 +39,8 @@ def compact_kv(
     keep : torch.Tensor
         int32/int64 ``[num_kv_heads, total_keep]`` on the caches' device: for each request, positions
         into its own slot list; every row of a request's block strictly increasing (as ``topk`` indices
-        after ``sort``). Heads may keep different tokens, but the same count.
+        after ``sort``). Heads may keep different tokens, but the same count. One row shared by every
+        head may come as an ``expand`` of it (head stride 0): the kernel reads it without a copy.
     slot_indptr, keep_indptr : torch.Tensor, optional
         int32 ``[R + 1]`` on the caches' device, CSR over requests of ``slot_ids`` and ``keep``'s
         columns. Both None means one request (the whole of ``slot_ids`` and ``keep``).
@@ -58,7 +59,8 @@ def compact_kv(
     if resolve_backend(backend, k_cache.device) == "triton":
         from sparse_kernels._triton.compact import compact_kv_triton
 
-        compact_kv_triton(k_cache, v_cache, slot_indptr, slot_ids, keep_indptr, keep.contiguous())
+        columns = keep if keep.stride(1) == 1 else keep.contiguous()  # a head stride of 0 (expand) stays
+        compact_kv_triton(k_cache, v_cache, slot_indptr, slot_ids, keep_indptr, columns)
         return
     num_kv_heads = k_cache.shape[2]
     total_keep = keep.shape[1]
