@@ -14,6 +14,8 @@ from sparse_methods.scoring import (
     attention_column_sums,
     attention_column_sums_reference,
     keep_indices,
+    keep_indices_batch,
+    keep_indices_batch_reference,
     pool_scores,
     pyramid_budgets,
     window_scores,
@@ -50,6 +52,38 @@ def test_keep_indices_keeps_sink_recent_and_the_top_scores(kv_len, sink, recent,
 def test_keep_indices_breaks_ties_toward_earlier_tokens():
     scores = torch.ones(1, 10)
     assert keep_indices(scores, kv_len=10, sink=1, recent=2, num_middle=3).tolist() == [[0, 1, 2, 3, 8, 9]]
+
+
+_SCORE_POOL = [float("-inf"), -2.5, -1e-45, -0.0, 0.0, 1e-45, 0.5, 0.50000006, 3.0, float("inf"), float("nan")]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    heads=st.integers(1, 3),
+    sink=st.integers(0, 6),
+    recent=st.integers(0, 8),
+    num_middle=st.integers(0, 40),
+    extra=st.lists(st.integers(1, 50), min_size=1, max_size=5),
+    padding=st.integers(0, 4),
+    distinct=st.integers(1, len(_SCORE_POOL)),
+    seed=st.integers(0, 2**16),
+)
+def test_keep_indices_batch_selects_as_two_stable_sorts(
+    heads, sink, recent, num_middle, extra, padding, distinct, seed
+):  # noqa: E501
+    """The topk selection equals the two-sort reference and each request alone, exactly: scores from a
+    few distinct values (ties everywhere; -inf, signed zeros, NaN among them), requests of different
+    lengths (1 evicted: almost nothing; up to more evicted than kept), num_middle 0, padded columns."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_lens = torch.tensor([sink + num_middle + recent + e for e in extra])
+    width = int(kv_lens.max()) - recent + padding
+    values = torch.tensor(_SCORE_POOL)[torch.randperm(len(_SCORE_POOL), generator=gen)[:distinct]]
+    scores = values[torch.randint(0, distinct, (len(extra), heads, width), generator=gen)]
+    kw = dict(sink=sink, recent=recent, num_middle=num_middle)
+    got = keep_indices_batch(scores, kv_lens, **kw)
+    assert torch.equal(got, keep_indices_batch_reference(scores, kv_lens, **kw))
+    for b, kv_len in enumerate(kv_lens.tolist()):
+        assert torch.equal(got[b], keep_indices(scores[b], kv_len=kv_len, **kw))
 
 
 @settings(max_examples=100, deadline=None)
