@@ -77,7 +77,7 @@ class BatchedRound:
         scores = self.score_batch(layer, ScoreBatch.of_tensors(rids, windows, keys, batch.scale))
         sink, recent = self.protected(budget)
         keeps = keep_indices_batch(scores, keys.kv_lens, sink=sink, recent=recent, num_middle=budget - sink - recent)
-        keeps = keeps.expand(-1, self.shape.num_kv_heads, -1).contiguous()
+        keeps = keeps.expand(-1, self.shape.num_kv_heads, -1)  # a shared row stays one (head stride 0)
         for row, (rid, window, keep) in enumerate(zip(rids, windows.unbind(0), keeps.unbind(0), strict=True)):
             self._states[rid].window[layer] = window
             self._pending.setdefault(rid, self._layers())[layer] = keep
