@@ -72,27 +72,19 @@ def main() -> None:
     parser.add_argument("--kv-len", type=int, default=KV_LEN)
     parser.add_argument("--cases", default="1x8,32x1", help="BxL: batch B over L layer pools")
     parser.add_argument("--per-sm", default=None, help="sweep only these split targets (programs per SM)")
-    parser.add_argument(
-        "--min-split", default=None, help="with --per-sm: also these MIN_SPLIT_TOKENS floors (e.g. 0,512,768)"
-    )
     parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     args = parser.parse_args()
     launch.PDL = not args.no_pdl
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
-    default = (dict(decode_launch.DECODE_CONFIG), buffers.PROGRAMS_PER_SM, buffers.MIN_SPLIT_TOKENS)
+    default = (dict(decode_launch.DECODE_CONFIG), buffers.PROGRAMS_PER_SM)
     grid = [default]
     if args.per_sm:
-        floors = [int(x) for x in args.min_split.split(",")] if args.min_split else [default[2]]
-        grid += [
-            (default[0], int(x), m)
-            for x, m in itertools.product(args.per_sm.split(","), floors)
-            if (int(x), m) != default[1:]
-        ]
+        grid += [(default[0], int(x)) for x in args.per_sm.split(",") if int(x) != default[1]]
     elif not args.quick:
         for block_n, warps, stages, per_sm in itertools.product([32, 64, 128], [4, 8], [2, 3], [2, 4, 8]):
-            cfg = ({"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}, per_sm, default[2])
+            cfg = ({"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}, per_sm)
             if cfg != default:
                 grid.append(cfg)
     rows = []
@@ -101,20 +93,18 @@ def main() -> None:
         pools, csr, q = make_step(batch, layers, kv_len=args.kv_len)
         kv_bytes = batch * args.kv_len * HKV * DIM * 2 * 2  # K and V, bf16
         baseline = None
-        for cfg, per_sm, floor in grid:
+        for cfg, per_sm in grid:
             decode_launch.DECODE_CONFIG.update(cfg)
-            buffers.PROGRAMS_PER_SM, buffers.MIN_SPLIT_TOKENS = per_sm, floor
+            buffers.PROGRAMS_PER_SM = per_sm
             ms, out, splits = time_decode(batch, pools, csr, q)
             baseline = out if baseline is None else baseline
             err = (out.float() - baseline.float()).abs().max().item()
-            row = dict(
-                batch=batch, **cfg, programs_per_sm=per_sm, min_split_tokens=floor, num_splits=splits, us=ms * 1e3
-            )
+            row = dict(batch=batch, **cfg, programs_per_sm=per_sm, num_splits=splits, us=ms * 1e3)
             row.update(tb_s=kv_bytes / (ms * 1e-3) / 1e12, frac_copy=kv_bytes / (ms * 1e-3) / copy_bw, max_diff=err)
             rows.append(row)
             print(json.dumps(row), flush=True)
         decode_launch.DECODE_CONFIG.update(default[0])
-        buffers.PROGRAMS_PER_SM, buffers.MIN_SPLIT_TOKENS = default[1:]
+        buffers.PROGRAMS_PER_SM = default[1]
         ms_scores, _, _ = time_decode(batch, pools, csr, q, with_scores=True)
         print(f"batch {batch}: default config with scores_out: {ms_scores * 1e3:.1f} us/layer")
         if batch == 1:  # the default config against the reference backend on layer 0
@@ -127,13 +117,12 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_tb_s": copy_bw / 1e12, "rows": rows}, f, indent=1)
-    print("\nbatch BLOCK_N warps stages per_sm min_tok splits     us   TB/s  of_copy  max_diff")
+    print("\nbatch BLOCK_N warps stages per_sm splits     us   TB/s  of_copy  max_diff")
     for batch, _ in cases:
         mine = sorted((r for r in rows if r["batch"] == batch), key=lambda r: r["us"])
-        for r in [r for r in rows if r["batch"] == batch][:1] + mine[:8]:
+        for r in [r for r in rows if r["batch"] == batch][:1] + mine[:6]:
             print(
                 f"{r['batch']:5d} {r['BLOCK_N']:7d} {r['num_warps']:5d} {r['num_stages']:6d} {r['programs_per_sm']:6d} "
-                f"{r['min_split_tokens']:7d} "
                 f"{r['num_splits']:6d} {r['us']:6.1f} {r['tb_s']:6.2f} {r['frac_copy']:8.1%} {r['max_diff']:9.2e}"
             )
 

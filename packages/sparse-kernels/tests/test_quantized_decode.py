@@ -181,21 +181,3 @@ def test_quantized_decode_replays_under_cuda_graph(quantized_batch, scheme, bits
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.cpu(), _expected(second, q), **TOL["cuda"])
-
-
-@pytest.mark.parametrize(("scheme", "bits"), [("fp8", 8), ("kivi", 4)], ids=["fp8", "kivi4"])
-def test_min_split_tokens(quantized_batch, triton_device, monkeypatch, scheme, bits):
-    # The quantized split kernel and the shared reduce agree on the live splits under a floor on tokens per split.
-    import sparse_kernels._decode_buffers as buffers
-
-    monkeypatch.setattr(buffers, "PROGRAMS_PER_SM", 64)
-    monkeypatch.setattr(buffers, "MIN_SPLIT_TOKENS", 150)
-    batch = quantized_batch(
-        [700, 1, 97, 300], scheme=scheme, bits=bits, block_size=32, num_kv_heads=NUM_KV_HEADS, head_dim=64, seed=9
-    )
-    q = torch.randn(4, 2 * NUM_KV_HEADS, 64, generator=torch.Generator().manual_seed(10))
-    wrapper = BatchDecodeWithPagedKVCache(triton_device, backend="triton")
-    _plan(wrapper, batch, 2)
-    assert wrapper._num_splits >= 8
-    out = wrapper.run_quantized(q.to(triton_device), batch.kv_on(triton_device))
-    torch.testing.assert_close(out.cpu(), _expected(batch, q), **TOL[torch.device(triton_device).type])

@@ -138,26 +138,3 @@ def test_decode_plan_rejects_bad_head_sparse_layouts():
         wrapper.run(
             torch.zeros(1, 4, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), scores_out=torch.zeros(2, 2)
         )
-
-
-@pytest.mark.parametrize("min_tokens", [100, 300])
-def test_min_split_tokens_leaves_short_lists_fewer_live_splits(
-    paged_batch, scores_oracle, triton_device, monkeypatch, min_tokens
-):
-    # Many splits (64 programs per SM) with a floor on each split's tokens: the lists of 1 to 1500 tokens run
-    # on 1 to 12 live splits (chunks of 128 or 320 tokens), and split, reduce and scores agree on which.
-    import sparse_kernels._decode_buffers as buffers
-
-    monkeypatch.setattr(buffers, "PROGRAMS_PER_SM", 64)
-    monkeypatch.setattr(buffers, "MIN_SPLIT_TOKENS", min_tokens)
-    batch = _batch(paged_batch, triton_device, 4, [1500, 1, 97, 300], 16, 4, 64, torch.float32)
-    wrapper = BatchDecodeWithPagedKVCache(triton_device, backend="triton")
-    batch.plan_decode(wrapper)
-    assert wrapper._num_splits >= 12 and wrapper._buffers.min_chunk(64) == -(-min_tokens // 64) * 64
-    out = torch.full_like(batch.q, float("nan"))
-    scores = torch.full((NUM_KV_HEADS, int(batch.kv_indptr[-1]) * 16), float("nan"), device=triton_device)
-    wrapper.run(batch.q, batch.k_cache, batch.v_cache, out=out, scores_out=scores)
-    torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[torch.float32])
-    torch.testing.assert_close(scores.cpu(), scores_oracle(batch), **SCORE_TOL)
-    forced = BatchDecodeWithPagedKVCache(triton_device, backend="triton", num_splits=5)
-    assert forced._buffers.min_chunk(64) == 0  # a fixed split count is taken as is

@@ -18,13 +18,10 @@ import functools
 import torch
 
 # Split-K sizing: aim for this many programs per SM (decode is bandwidth-bound; several resident
-# programs per SM hide load latency), with at most MAX_SPLITS chunks per (request, KV head), and at
-# least MIN_SPLIT_TOKENS tokens per chunk (rounded up to the kernel's tile) unless the caller fixed the
-# split count: the grid depends on the batch size only, so short lists leave their extra splits idle.
-# Settings and the H200 sweep that chose them: packages/sparse-kernels/benchmarks/NOTES.md.
+# programs per SM hide load latency), with at most MAX_SPLITS chunks per (request, KV head). 8 was the
+# best setting for both batch 1 and 32 at 32K context on an H200 (benchmarks/NOTES.md).
 PROGRAMS_PER_SM = 8
 MAX_SPLITS = 64
-MIN_SPLIT_TOKENS = 0
 
 
 @functools.cache
@@ -155,11 +152,6 @@ class DecodeBuffers:
 
     def num_splits(self, batch: int, num_kv_heads: int) -> int:
         return self.forced_splits or choose_num_splits(batch, num_kv_heads, self.device)
-
-    def min_chunk(self, block_n: int) -> int:
-        """Fewest tokens per split for a kernel stepping ``block_n`` tokens: ``MIN_SPLIT_TOKENS`` rounded up to
-        whole steps, or 0 (every split live that the length allows) when the split count is fixed."""
-        return 0 if self.forced_splits else -(-MIN_SPLIT_TOKENS // block_n) * block_n
 
     def _int32(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int32, device=self.device)

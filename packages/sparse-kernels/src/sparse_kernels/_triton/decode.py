@@ -24,13 +24,6 @@ from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
 
 
 @triton.jit
-def split_chunk(span, num_splits, min_chunk, BLOCK_N: tl.constexpr):
-    """Tokens each split covers: ``span`` over ``num_splits`` in whole ``BLOCK_N`` steps, and at least
-    ``min_chunk`` (a multiple of ``BLOCK_N``; 0 for none), so short lists run on fewer, longer splits."""
-    return tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, min_chunk)
-
-
-@triton.jit
 def _window_start(kv_len, window_left, WINDOW: tl.constexpr):
     """First token the list's last-token query sees: ``max(0, kv_len - 1 - window_left)``, 0 without a window."""
     if WINDOW:
@@ -52,7 +45,6 @@ def _decode_split_kernel(
     stride_qh,
     scale_log2,
     num_splits,
-    min_chunk,
     window_left,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -80,7 +72,7 @@ def _decode_split_kernel(
     page_hi = tl.load(indptr_ptr + lst + 1)
     kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
     first = _window_start(kv_len, window_left, WINDOW)
-    chunk = split_chunk(kv_len - first, num_splits, min_chunk, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(kv_len - first, num_splits), BLOCK_N) * BLOCK_N
     lo = first + split * chunk
     if lo < kv_len:
         pdl_enter(USE_GDC)
@@ -135,7 +127,6 @@ def _decode_reduce_kernel(
     stride_ob,
     stride_oh,
     num_splits,
-    min_chunk,
     window_left,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -158,7 +149,7 @@ def _decode_reduce_kernel(
     page_hi = tl.load(indptr_ptr + lst + 1)
     kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
     span = kv_len - _window_start(kv_len, window_left, WINDOW)
-    chunk = split_chunk(span, num_splits, min_chunk, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     live = tl.cdiv(span, chunk)  # splits that wrote a partial result
     pdl_enter(USE_GDC)
     offs_s = tl.arange(0, BLOCK_S)
@@ -192,7 +183,6 @@ def _decode_scores_kernel(
     stride_score_head,
     scale_log2,
     num_splits,
-    min_chunk,
     window_left,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -218,7 +208,7 @@ def _decode_scores_kernel(
     page_lo = tl.load(indptr_ptr + lst)
     page_hi = tl.load(indptr_ptr + lst + 1)
     kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
-    chunk = split_chunk(kv_len, num_splits, min_chunk, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     col0 = h * stride_score_head + page_lo.to(tl.int64) * PAGE_SIZE  # this list's first column
     if split == 0:  # unused tail of the last page reads as probability 0

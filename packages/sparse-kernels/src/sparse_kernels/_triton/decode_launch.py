@@ -45,7 +45,6 @@ def run_decode_triton(
     block_g = max(16, triton.next_power_of_2(layout.group))  # tl.dot needs M >= 16
     dots = dot_args(k_cache.dtype, k_cache.device)
     scale_log2 = layout.sm_scale * LOG2_E
-    min_chunk = bufs.min_chunk(block_n)
     window_left = max(layout.window_left, 0)
     grid = (layout.batch, layout.num_kv_heads, num_splits)
     decode_split_kernel[grid](
@@ -61,7 +60,6 @@ def run_decode_triton(
         q.stride(1),
         scale_log2,
         num_splits,
-        min_chunk,
         window_left,
         BLOCK_G=block_g,
         **shape,
@@ -79,7 +77,6 @@ def run_decode_triton(
         out.stride(0),
         out.stride(1),
         num_splits,
-        min_chunk,
         window_left,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         **shape,
@@ -100,7 +97,6 @@ def run_decode_triton(
             0 if layout.head_sparse else scores_out.stride(0),
             scale_log2,
             num_splits,
-            min_chunk,
             window_left,
             BLOCK_G=block_g,
             BLOCK_PAGE=max(2, triton.next_power_of_2(layout.page_size)),

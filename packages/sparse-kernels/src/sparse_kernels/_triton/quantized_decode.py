@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import triton.language as tl
 
-from sparse_kernels._triton.decode import split_chunk
 from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
 from sparse_kernels._triton.quantized_tiles import (
     kivi_key_page,
@@ -47,7 +46,6 @@ def _quantized_decode_split_kernel(
     stride_qh,
     scale_log2,
     num_splits,
-    min_chunk,
     SCHEME: tl.constexpr,
     BITS: tl.constexpr,
     CPW: tl.constexpr,
@@ -76,7 +74,7 @@ def _quantized_decode_split_kernel(
     page_lo = tl.load(indptr_ptr + lst)
     page_hi = tl.load(indptr_ptr + lst + 1)
     kv_len = (page_hi - page_lo - 1) * PAGE_SIZE + tl.load(last_len_ptr + lst)
-    chunk = split_chunk(kv_len, num_splits, min_chunk, BLOCK_N)
+    chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     if lo < kv_len:
         pdl_enter(USE_GDC)

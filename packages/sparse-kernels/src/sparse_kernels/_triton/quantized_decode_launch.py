@@ -103,7 +103,6 @@ def run_quantized_decode_triton(
         "BLOCK_N": block_n(kv),
     }
     grid = (layout.batch, layout.num_kv_heads, num_splits)
-    min_chunk = bufs.min_chunk(shape["BLOCK_N"])
     quantized_decode_split_kernel[grid](
         q,
         *kv_pointers(kv),
@@ -117,7 +116,6 @@ def run_quantized_decode_triton(
         q.stride(1),
         layout.sm_scale * LOG2_E,
         num_splits,
-        min_chunk,
         BLOCK_G=max(16, triton.next_power_of_2(layout.group)),  # tl.dot needs M >= 16
         **scheme,
         **shape,
@@ -135,7 +133,6 @@ def run_quantized_decode_triton(
         out.stride(0),
         out.stride(1),
         num_splits,
-        min_chunk,
         0,  # window_left: run_quantized takes no window yet
         WINDOW=False,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
