@@ -57,3 +57,13 @@ def test_scratch_is_sized_once_for_every_batch_up_to_the_capacity():
     assert (bufs.o_part.numel(), bufs.lse_part.numel(), bufs.lse.numel()) == sizes
     with pytest.raises(ValueError, match="max_batch_size"):
         bufs.reserve_scratch(9, 8, 2, 16)
+
+
+def test_split_target_rises_once_the_lists_alone_cover_every_sm(monkeypatch):
+    import sparse_kernels._decode_buffers as buffers
+
+    monkeypatch.setattr(buffers, "num_sms", lambda device: 132)
+    splits = {lists: buffers.choose_num_splits(lists, 1, torch.device("cpu")) for lists in (1, 40, 131, 132, 728)}
+    # fewer lists than SMs: 8 programs per SM (capped at 64 splits); from 132 lists on: 32 per SM.
+    assert splits == {1: 64, 40: 27, 131: 9, 132: 32, 728: 6}
+    assert buffers.choose_num_splits(91, 8, torch.device("cpu")) == 6  # 728 lists of (request, KV head)

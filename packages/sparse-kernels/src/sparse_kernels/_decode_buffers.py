@@ -19,8 +19,12 @@ import torch
 
 # Split-K sizing: aim for this many programs per SM (decode is bandwidth-bound; several resident
 # programs per SM hide load latency), with at most MAX_SPLITS chunks per (request, KV head). 8 was the
-# best setting for both batch 1 and 32 at 32K context on an H200 (benchmarks/NOTES.md).
+# best setting for both batch 1 and 32 at 32K context on an H200 (benchmarks/NOTES.md). When the lists
+# alone give every SM a program (large batches of evicted 8K contexts), PROGRAMS_PER_SM_MANY_LISTS:
+# finer splits balance the last wave (H200, 91 lists of 8448 tokens x 8 heads: 2 splits 92.8% of copy
+# bandwidth, 6 splits 102.0%; short lists at small batches lose with them, e.g. 5 x 2048: 17.1 -> 19.4 us).
 PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM_MANY_LISTS = 32
 MAX_SPLITS = 64
 
 
@@ -35,8 +39,9 @@ def num_sms(device: torch.device) -> int:
 def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits per list: a function of the batch size only (for a given model and GPU), so a graph
     captured for one batch size replays for any step of that size."""
-    target = PROGRAMS_PER_SM * num_sms(device)
-    return max(1, min(MAX_SPLITS, -(-target // (batch * num_kv_heads))))
+    lists, sms = batch * num_kv_heads, num_sms(device)
+    target = (PROGRAMS_PER_SM_MANY_LISTS if lists >= sms else PROGRAMS_PER_SM) * sms
+    return max(1, min(MAX_SPLITS, -(-target // lists)))
 
 
 class DecodeBuffers:
