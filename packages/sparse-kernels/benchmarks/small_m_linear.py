@@ -45,9 +45,17 @@ DOT_TILES = [(16, 128), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128)]
 MID_TILES = [(16, 64), (16, 128), (32, 64), (32, 128), (64, 64), (64, 128), (128, 64)]
 
 
-def variants(quick: bool, m: int, n: int, k: int):
+SPLIT_TILES = [(32, 256, 4, 4), (32, 128, 4, 4), (16, 256, 4, 4), (64, 128, 4, 3)]
+
+
+def variants(quick: bool, m: int, n: int, k: int, split_k: list[int] | None = None):
     yield "default", linear_config(m, n, k)
     if quick:
+        return
+    if split_k:  # only the split-K sweep: a few tiles x the given split counts
+        for (bn, bk, w, st), sk in itertools.product(SPLIT_TILES, split_k):
+            cfg = {"USE_DOT": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st, "SPLIT_K": sk}
+            yield f"dot_split{sk}", cfg
         return
     if m == 1:
         for (bn, bk), w, st in itertools.product(FMA_TILES, [4, 8], [2, 3, 4]):
@@ -60,7 +68,9 @@ def variants(quick: bool, m: int, n: int, k: int):
         yield "dot", {"USE_DOT": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
 
 
-def bench_case(name: str, weights: list, x: torch.Tensor, copy_bw: float, quick: bool) -> list[dict]:
+def bench_case(
+    name: str, weights: list, x: torch.Tensor, copy_bw: float, quick: bool, split_k: list[int] | None = None
+) -> list[dict]:
     """Every variant for one (shape, M): rows of the results table."""
     n, k = SHAPES[name]
     m = x.shape[0]
@@ -87,7 +97,7 @@ def bench_case(name: str, weights: list, x: torch.Tensor, copy_bw: float, quick:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = True
     if m == 1:
         record("torch.mv", None, lambda w: torch.mv(w, x[0]))
-    for label, cfg in variants(quick, m, n, k):
+    for label, cfg in variants(quick, m, n, k, split_k):
         try:
             record(label, cfg, lambda w, cfg=cfg: small_m_linear_triton(x, w, None, cfg))
         except Exception as exc:  # a launch shape the compiler refuses: skip it
@@ -105,7 +115,9 @@ def print_table(rows: list[dict]) -> None:
                 cfg = ""
                 if "BLOCK_N" in r:
                     cfg = f"dot={int(r['USE_DOT'])} N={r['BLOCK_N']} K={r['BLOCK_K']}"
-                    cfg += f" w={r['num_warps']} s={r['num_stages']}"
+                    cfg += f" w={r['num_warps']} s={r['num_stages']}" + (
+                        f" sk={r['SPLIT_K']}" if "SPLIT_K" in r else ""
+                    )
                 print(
                     f"{name:8s} {m:2d} {r['variant']:17s} {cfg:31s} {r['us']:6.1f} {r['tb_s']:6.2f} "
                     f"{r['frac_copy']:8.1%} {r['max_diff']:9.2e}"
@@ -119,7 +131,9 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    parser.add_argument("--split-k", default=None, help="sweep only split-K tiles with these SPLIT_K (e.g. 2,3,4)")
     args = parser.parse_args()
+    split_k = [int(v) for v in args.split_k.split(",")] if args.split_k else None
     launch.PDL = not args.no_pdl
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)", flush=True)
@@ -133,7 +147,7 @@ def main() -> None:
         for m in (int(r) for r in args.rows.split(",")):
             if name != "lm_head" or m == 1 or m > 16:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-                rows += bench_case(name, weights, x, copy_bw, args.quick)
+                rows += bench_case(name, weights, x, copy_bw, args.quick, split_k)
         weights.clear()
         torch.cuda.empty_cache()
     if args.json:

@@ -52,6 +52,24 @@ def test_kernel_matches_f_linear(config, m, n, k, dtype, bias, triton_device):
     _check_close(small_m_linear_triton(dev(x), dev(w), dev(b), config), x, w, b)
 
 
+@pytest.mark.parametrize("config", [FMA, DOT], ids=["fma", "dot"])
+@pytest.mark.parametrize(
+    ("split_k", "m", "n", "k"), [(2, 1, 37, 100), (3, 5, 40, 257), (4, 16, 20, 96), (8, 3, 17, 64)]
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_matches_f_linear_and_leaves_counters_at_zero(config, split_k, m, n, k, bias, triton_device):
+    # K cut into SPLIT_K slices of whole BLOCK_K tiles (fewer when K is short: 64 / 32 = 2 of 8 asked); the
+    # last split to arrive sums the partials. Two launches in a row: the counters must be back at 0.
+    from sparse_kernels._triton import linear as triton_linear
+
+    x, w, b = _inputs(m, n, k, torch.float32, bias, seed=split_k)
+    dev = lambda t: None if t is None else t.to(triton_device)  # noqa: E731
+    for _ in range(2):
+        _check_close(small_m_linear_triton(dev(x), dev(w), dev(b), {**config, "SPLIT_K": split_k}), x, w, b)
+        _, arrivals = triton_linear._SCRATCH[dev(x).device]
+        assert not arrivals.any()
+
+
 def test_public_entry_point_reshapes_and_reads_strided_rows(triton_device):
     g = torch.Generator().manual_seed(1)
     wide = torch.randn(2, 3, 80, generator=g)
