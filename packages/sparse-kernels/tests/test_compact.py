@@ -135,7 +135,7 @@ def _indptr(lengths, device):
 def _run_compact(k_cache, v_cache, slot_lists, keep, device, launch=None, shared=False):
     """Compact ``keep`` (each ``[H, m]``) on ``device`` (``launch``: the Triton launch itself, at its own
     block size); returns the caches on the CPU."""
-    k_cache, v_cache = k_cache.to(device), v_cache.to(device)
+    k_cache, v_cache = k_cache.to(device, copy=True), v_cache.to(device, copy=True)  # never the caller's own
     slot_ids = torch.cat(slot_lists).to(torch.int32).to(device)
     columns = torch.cat([k[:1] if shared else k for k in keep], dim=1).to(device)
     columns = columns.expand(k_cache.shape[2], -1) if shared else columns.contiguous()
