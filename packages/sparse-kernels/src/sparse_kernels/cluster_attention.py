@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from sparse_kernels.cluster_estimation import cluster_estimation, merge_states
+from sparse_kernels.cluster_estimation import cluster_estimation
 from sparse_kernels.cluster_index import ClusterIndex
+from sparse_kernels.merge_states import merge_states
 
 
 def cluster_counts(num_clusters: int, retrieval_ratio: float, estimation_ratio: float) -> tuple[int, int]:
