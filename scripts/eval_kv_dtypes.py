@@ -6,7 +6,8 @@ flashprefill_v2 at several thresholds, each prompt prefilled in one chunk (``--c
 selection from 512 queries on (the default ``min_sparse_q_len`` of 4096 would leave a 4096-token
 prompt dense). ``--set methods``: every registered decode method at a budget of a quarter of the
 prompt (``method_settings``; a method that cannot run gets its error in the table, the others go
-on). ``--set retroinfer``: dense and RetroInfer at its defaults, and with an index at these lengths.
+on). ``--set retroinfer``: dense and RetroInfer at its defaults (no index below 16384 tokens: dense
+here), and at its default ratios with an index at these lengths (``retroinfer_settings``).
 The prompts: the harness's five retrieval tasks at the model's longest trained context (4096 tokens)
 over nine needle depths. Accuracy is reported with a Wilson 95% interval, and the difference to
 dense is paired (same prompts): its 95% interval comes from the discordant pairs, so "within one
@@ -52,8 +53,8 @@ def method_settings(length: int) -> dict[str, dict]:
     """Every registered decode method at a budget of ``length // 4`` tokens: dense, StreamingLLM,
     SnapKV, PyramidKV and H2O as in ``scripts/eval_methods.py``; the others with the same sink 4 and
     recent 32 where they have them. R-KV compresses only after generated tokens: it cuts back to the
-    budget from the first one (interval 1). RetroInfer reads the best quarter of its clusters (its
-    centroid estimation is not implemented: ratio 0) from an index built at 1024 tokens."""
+    budget from the first one (interval 1). RetroInfer reads the best quarter of its clusters exactly
+    from an index built at 1024 tokens, estimating none (the budget counts tokens read exactly)."""
     budget = length // 4
     snapkv = eviction_settings(length)["snapkv"]
     protected = dict(sink_keep_tokens=4, recent_keep_tokens=32, decode_keep_tokens=budget - 36)
@@ -71,23 +72,28 @@ def method_settings(length: int) -> dict[str, dict]:
     }
 
 
-def _retroinfer(ratio: float) -> dict:
+def _retroinfer(ratio: float, estimation: float = 0.0, **extra) -> dict:
     return dict(
         sparse_method="retroinfer",
         retroinfer_min_index_tokens=1024,
         retroinfer_retrieval_ratio=ratio,
-        retroinfer_estimation_ratio=0.0,
+        retroinfer_estimation_ratio=estimation,
+        **extra,
     )
 
 
 def retroinfer_settings(length: int) -> dict[str, dict]:
-    """RetroInfer at its defaults (an index from 16384 tokens on: below that it reads every token), and
-    indexed from 1024 tokens reading its default 1.8% of clusters exactly, or 25% (default 1.8% exact +
-    23.2% estimated, all read exactly: the estimation is not implemented)."""
+    """RetroInfer at its defaults (an index from 16384 tokens on: below that, as at the embedded model's
+    4096, it reads every token), then indexed from 1024 tokens: the default ratios (1.8% of clusters read
+    exactly, the next 23.2% estimated), the same without the estimation, the default ratios with update
+    blocks of 128 tokens instead of 1024 (a decode query reads its unindexed tail exactly: at 4096 tokens
+    the default blocks alone are a quarter of the context), and 25% of clusters read exactly."""
     return {
         "dense": {},
         "retroinfer": dict(sparse_method="retroinfer"),
+        "retroinfer-0.018+0.232": _retroinfer(0.018, 0.232),
         "retroinfer-0.018": _retroinfer(0.018),
+        "retroinfer-0.018+0.232-u128": _retroinfer(0.018, 0.232, retroinfer_update_tokens=128),
         "retroinfer-0.25": _retroinfer(0.25),
     }
 

@@ -1,8 +1,12 @@
-"""RetroInfer through the engine on CPU: every cluster retrieved equals dense greedy tokens, the device
-selection equals a plain per-request reference under continuous batching (chunked prefill, prefix hits)
-while the index grows in update blocks, in place in fixed buffers (the cluster arena never moves), async
-equals sync, and the config's checks, the missing estimation term and an arena that cannot be sized are
-clear errors. On CUDA: decode steps replay selecting graphs and equal eager."""
+"""RetroInfer through the engine on CPU, at the default retrieval and estimation ratios unless a test says
+otherwise: every cluster retrieved equals dense greedy tokens, and so do single-token clusters half read,
+half estimated (an estimate of one token is exact); under continuous batching (chunked prefill, prefix
+hits) while the index grows in update blocks, in place in fixed buffers (the cluster arena never moves),
+the device selection equals a plain per-request reference, each decode row's attention output equals the
+plain one-softmax reference (``cluster_decode_attention``: exact tokens merged with the estimated clusters)
+for the same index, and the index's value sums equal plain sums of the cached values; async equals sync;
+the config's checks and an arena that cannot be sized are clear errors. On CUDA: decode steps replay
+selecting graphs and equal eager."""
 
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ SMALL = dict(
     retroinfer_min_index_tokens=64,
     retroinfer_update_tokens=8,
     retroinfer_avg_cluster_size=4,
-    retroinfer_estimation_ratio=0.0,
 )
 
 
@@ -46,8 +49,8 @@ def _record_indexes(llm: LLM) -> list:
     method, seen = llm.engine.method, []
     update = method._update
 
-    def recording(key, keys, processed):
-        index = update(key, keys, processed)
+    def recording(key, keys, values, processed):
+        index = update(key, keys, values, processed)
         if index is not None:
             seen.append((key, processed, index))
         return index
@@ -57,10 +60,31 @@ def _record_indexes(llm: LLM) -> list:
 
 
 def test_every_cluster_retrieved_equals_dense():
-    llm = _llm(**SMALL, retroinfer_retrieval_ratio=1.0)
+    llm = _llm(**SMALL, retroinfer_retrieval_ratio=1.0, retroinfer_estimation_ratio=0.0)
     seen = _record_indexes(llm)
     assert _tokens(llm) == _tokens(_llm())
     assert seen and llm.engine.runner.attention.selective.num_selections > 0
+
+
+def test_single_token_clusters_read_or_estimated_equal_dense(monkeypatch):
+    """Clusters of one token each (avg 1: every key seeds its own cluster), half of them read and the rest
+    estimated: an estimated cluster's centroid is its key and its value sum its value, so the merged softmax
+    is dense attention and the greedy tokens are dense's; the estimation really ran."""
+    from sparse_methods.methods import retroinfer
+
+    estimate, estimated = retroinfer.estimate_clusters, []
+
+    def recording(*args):
+        state = estimate(*args)
+        estimated.append(int(state.lse.isfinite().sum()))
+        return state
+
+    monkeypatch.setattr(retroinfer, "estimate_clusters", recording)
+    ratios = dict(retroinfer_retrieval_ratio=0.5, retroinfer_estimation_ratio=0.5)
+    llm = _llm(**{**SMALL, "retroinfer_avg_cluster_size": 1, **ratios})
+    seen = _record_indexes(llm)
+    assert _tokens(llm) == _tokens(_llm())
+    assert seen and all((index.sizes <= 1).all() for _, _, index in seen) and max(estimated) > 0
 
 
 def _reference(method, index, query, kv_len):
@@ -88,37 +112,89 @@ def _reference(method, index, query, kv_len):
     return rows
 
 
-def test_device_selection_equals_a_plain_reference_under_continuous_batching():
+def _request_kv(batch, row: int, kv_len: int, k_cache, v_cache):
+    """A decode row's keys and values ``[kv_len, H, D]`` in slot order, read through its table."""
+    bs = batch.block_size
+    start = int(batch.table_start[row])
+    blocks = batch.table_indices[start : start + -(-kv_len // bs)].long()
+    slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:kv_len]
+    return k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+
+
+def _check_value_sums(method, rid, layer: int, index, values) -> None:
+    """The index's value sums (and its arena row's) are plain sums of the cached values of each cluster."""
+    for h in range(method.shape.num_kv_heads):
+        for cl in range(index.num_clusters):
+            o, n = int(index.offsets[h, cl]), int(index.sizes[h, cl])
+            want = values[index.sorted_positions[h, o : o + n].long(), h].sum(0)
+            torch.testing.assert_close(index.value_sums[h, cl], want, atol=1e-5, rtol=1e-5)
+    c0 = method.arena.bases(rid)[1]
+    assert torch.equal(method.arena.layers[layer][4][:, c0 : c0 + index.num_clusters], index.value_sums)
+
+
+def test_decode_equals_plain_references_under_continuous_batching():
     """Rows of different lengths, some indexed, some not yet, requests arriving while others decode (chunked
     prefill, a shared prefix from the radix cache, a prompt cached whole but its last token): every selecting
-    row reads exactly what the plain reference says, and the index grows in whole update blocks."""
+    row reads exactly what the plain reference says, its output (exact part merged with the estimated
+    clusters) equals ``cluster_decode_attention`` over the cached K/V for its index and token budget, the
+    value sums are plain sums, and the index grows in whole update blocks."""
+    from sparse_kernels.cluster_attention import cluster_decode_attention
+
     llm = _llm(**SMALL, retroinfer_retrieval_ratio=0.1, max_num_batched_tokens=48)
     engine, method, c = llm.engine, llm.engine.method, llm.engine.method.config
     seen = _record_indexes(llm)
-    selecting, checked, unindexed = [], [], []
+    selecting, checked, unindexed, compared, batches = [], [], [], [], {}
     prepare, select = method.prepare_step, method.select_decode
+    selective = engine.runner.attention.selective
+    run_batched = selective.run_batched
 
     def recording_prepare(step):
         selecting.clear()
-        for r in step.requests:
+        for i, r in enumerate(step.requests):
             if r.num_new_tokens != 1:
                 break
             if method.selection_size(r.kv_lens[0] + 1, 1) is not None:
-                selecting.append((r.request_id, r.kv_lens[0] + 1))
+                selecting.append((r.request_id, r.kv_lens[0] + 1, i))
         return prepare(step)
 
     def recording_select(layer, batch):
         out = select(layer, batch)
-        for row, (rid, kv_len) in enumerate(selecting):
+        batches[layer] = batch
+        for row, (rid, kv_len, _) in enumerate(selecting):
             index = method.index(rid, layer)
             want = _reference(method, index, batch.query[row], kv_len)
-            assert out[row, :, : len(want[0])].tolist() == want
+            assert out.entries[row, :, : len(want[0])].tolist() == want
             checked.append(kv_len)
             if index is None:
                 unindexed.append(rid)
         return out
 
+    def recording_run(method_, layer, q, k_cache, v_cache, *args, **kw):
+        out = run_batched(method_, layer, q, k_cache, v_cache, *args, **kw)
+        for row, (rid, kv_len, i) in enumerate(selecting):
+            index = method.index(rid, layer)
+            if index is None:
+                continue
+            keys, values = _request_kv(batches[layer], row, kv_len, k_cache, v_cache)
+            sink, size = c.retroinfer_sink_tokens, method.selection_size(kv_len, 1)
+            want = cluster_decode_attention(
+                q[i],
+                keys,
+                values,
+                index,
+                sink=sink,
+                retrieved=0,
+                estimated=round(index.num_clusters * c.retroinfer_estimation_ratio),
+                scale=method.shape.head_dim**-0.5,
+                budget=size - sink - (kv_len - index.end),
+            )
+            torch.testing.assert_close(out[i], want, atol=1e-5, rtol=1e-5)
+            _check_value_sums(method, rid, layer, index, values)
+            compared.append(kv_len)
+        return out
+
     method.prepare_step, method.select_decode = recording_prepare, recording_select
+    selective.run_batched = recording_run
     pointers = _arena_pointers(llm)
     shared = "import os\n" * 12
     whole = list(range(5, 5 + 10 * 16 + 1))  # ten blocks and a token: again, only its last token is computed
@@ -131,6 +207,7 @@ def test_device_selection_equals_a_plain_reference_under_continuous_batching():
             engine.add_request(p, params, request_id=str(i))
         engine.step()
     assert len(set(checked)) > 3 and engine.prefix_hit_tokens > 0 and unindexed == ["5"] * method.shape.num_layers
+    assert len(set(compared)) > 3
     for _, processed, index in seen:
         assert index.start == c.retroinfer_sink_tokens
         assert 0 <= processed - c.retroinfer_recent_tokens - index.end < c.retroinfer_update_tokens
@@ -155,7 +232,7 @@ def test_async_scheduling_equals_sync():
     assert _tokens(_llm(**cfg, async_scheduling=True)) == _tokens(_llm(**cfg))
 
 
-def test_config_checks_and_missing_estimation_are_clear_errors():
+def test_config_checks_are_clear_errors_and_the_defaults_run():
     shape = sm.ModelShape(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=16)
     method = sm.build_method("retroinfer", shape)
     assert (method.config.retroinfer_sink_tokens, method.config.retroinfer_recent_tokens) == (4, 64)
@@ -173,9 +250,9 @@ def test_config_checks_and_missing_estimation_are_clear_errors():
     ):
         with pytest.raises((ValidationError, ValueError)):
             sm.build_method("retroinfer", shape, **bad)
-    llm = _llm(**{**SMALL, "retroinfer_estimation_ratio": 0.2})
-    with pytest.raises(NotImplementedError, match="retroinfer_estimation_ratio=0"):
-        _tokens(llm)
+    llm = _llm(**SMALL)  # the default ratios: estimation on
+    assert llm.engine.method.observes_values and all(len(t) == GREEDY.max_tokens for t in _tokens(llm))
+    assert llm.engine.runner.attention.selective.num_selections > 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -3,7 +3,8 @@ tokens of one rank for a dense (Qwen3: KV heads split at 2 ranks, replicated at 
 (Qwen3-MoE), and at 2 and 4 ranks for the MLA models (DeepSeek-V2; GLM-4.7-Flash dense only: heads
 split, the latent whole on every rank), with dense attention, SnapKV (evicting) and Quest (selecting
 pages); and every other method on Qwen3 at 2 ranks (those that combine KV heads over the ranks,
-``HeadReduction``, at 4 as well: replicated heads count once), with budgets under the prompts so that
+``HeadReduction``, at 4 as well: replicated heads count once; RetroInfer at 4 too: its estimated clusters
+are merged per rank), with budgets under the prompts so that
 each evicts or selects (its tokens differ from dense's; the compressed stores are exact stores of
 another kind and may not). KVzip runs on the embedded checkpoint (its replays need a tokenizer). The
 2-rank Qwen3 cases of dense, SnapKV, Quest and H2O (shared scores: a sum over the ranks) and
@@ -59,8 +60,7 @@ METHODS = {
         retroinfer_min_index_tokens=16,
         retroinfer_update_tokens=8,
         retroinfer_avg_cluster_size=4,
-        retroinfer_retrieval_ratio=0.25,
-        retroinfer_estimation_ratio=0.0,
+        retroinfer_retrieval_ratio=0.25,  # and the default estimation ratio: estimated clusters merge per rank
     ),
     "fp8_kv": {},
     "kivi": {"block_size": 16},  # its page (the block) is 16 to 128 tokens
@@ -117,6 +117,8 @@ CASES = (
     + [pytest.param("deepseek_v2", 4, method, marks=pytest.mark.slow) for method in BASE]
     + [pytest.param("deepseek_v2", 2, "h2o", marks=pytest.mark.slow)]  # a shared score over the one latent head
     + [pytest.param("glm4_moe_lite", 2, "dense", marks=pytest.mark.slow)]
+    # RetroInfer with replicated KV heads: each rank merges its own query heads' part of the group's estimation
+    + [pytest.param("qwen3", 4, "retroinfer", marks=pytest.mark.slow)]
     + [  # every other method but AdaKV and KVzip (their head-major store is refused under TP)
         pytest.param("qwen3", world, method, marks=() if (method, world) == ("h2o", 2) else pytest.mark.slow)
         for method in METHODS

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from sparse_kernels.cluster_estimation import cluster_estimation, merge_states
+from sparse_kernels.cluster_estimation import cluster_estimation
+from sparse_kernels.merge_states import merge_states
 
 
 def _case(dtype, seed=0, batch=3, q_heads=4, heads=2, count=40, dim=24, est=37):

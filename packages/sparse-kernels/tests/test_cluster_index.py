@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_kernels.cluster_attention import cluster_counts, cluster_decode_attention, rank_clusters
+from sparse_kernels.cluster_attention import budget_positions, cluster_counts, cluster_decode_attention, rank_clusters
 from sparse_kernels.cluster_index import build_cluster_index, concat_indexes
 
 
@@ -124,6 +124,32 @@ def test_estimated_clusters_of_identical_keys_are_exact():
     torch.testing.assert_close(out, _dense(query, keys, values, 0.3).double(), atol=1e-5, rtol=0)
     partial = cluster_decode_attention(query, keys, values, index, sink=sink, retrieved=1, estimated=2, scale=0.3)
     assert not torch.allclose(partial, out)  # omitted clusters do change the output
+
+
+def test_a_token_budget_reads_clusters_in_rank_order():
+    """A budget at a cluster boundary reads those clusters whole (as ``retrieved``); a budget of every
+    cluster token is dense; one token short of a boundary leaves the last cluster's final token out (neither
+    read nor estimated), which changes the output. One KV head (a budget's clusters differ per head)."""
+    gen = torch.Generator().manual_seed(6)
+    sink, avg, dim, n = 4, 8, 16, 96
+    keys = torch.randn(sink + n + 7, 1, dim, generator=gen, dtype=torch.float64)
+    values = torch.randn(keys.shape, generator=gen, dtype=torch.float64)
+    query = torch.randn(4, dim, generator=gen, dtype=torch.float64)
+    index = build_cluster_index(keys[sink : sink + n], values[sink : sink + n], start=sink, avg_cluster_size=avg)
+    kw = dict(sink=sink, scale=0.3)
+    ranked = rank_clusters(query, index, 0.3, index.num_clusters)[0]
+    first = int(index.sizes[0, ranked[:3]].sum())
+    positions, reached = budget_positions(index, ranked, 0, first)
+    assert reached == 3 and torch.equal(positions, index.cluster_positions(0, ranked[:3]))
+    short, reached = budget_positions(index, ranked, 0, first - 1)
+    assert reached == 3 and short.numel() == first - 1
+    whole = cluster_decode_attention(query, keys, values, index, retrieved=3, estimated=4, **kw)
+    budget = cluster_decode_attention(query, keys, values, index, retrieved=0, estimated=4, budget=first, **kw)
+    torch.testing.assert_close(budget, whole, atol=1e-12, rtol=0)
+    cut = cluster_decode_attention(query, keys, values, index, retrieved=0, estimated=4, budget=first - 1, **kw)
+    assert not torch.allclose(cut, whole)
+    every = cluster_decode_attention(query, keys, values, index, retrieved=0, estimated=0, budget=n, **kw)
+    torch.testing.assert_close(every, _dense(query, keys, values, 0.3).double(), atol=1e-6, rtol=0)  # float32 inside
 
 
 def test_ranking_skips_empty_clusters():

@@ -44,6 +44,18 @@ def test_paged_keys_dense_is_each_request_padded(lengths, block_size):
     assert torch.equal(paged.take([1]).dense()[0], alone[1])
 
 
+def test_paged_values_gather_like_the_keys():
+    """A v-cache beside the k-cache (a method that observes values): ``dense_values`` reads it through the same
+    tables, also after ``take``; without one it is a clear error."""
+    paged, alone = _paged([23, 40, 9], 8, seed=7)
+    with pytest.raises(ValueError, match="no values"):
+        paged.dense_values()
+    v_cache = -2 * paged.k_cache  # values: the keys' pages, transformed
+    with_values = PagedKeys(paged.k_cache, paged.block_table, paged.kv_lens, paged.kv_lens_cpu, v_cache)
+    assert torch.equal(with_values.dense_values(), -2 * paged.dense())
+    assert torch.equal(with_values.take([2]).dense_values()[0], -2 * alone[2])
+
+
 def test_ring_latest_batch_is_each_requests_latest():
     ring = QueryRing(
         num_layers=2, num_rows=4, window=3, num_heads=2, head_dim=4, max_batch_size=4, dtype=torch.float32, device="cpu"

@@ -1,6 +1,6 @@
-"""The cluster arena: a request's index lands in its own row, an appended block is written in place beside
-what is there (equal to writing the grown index whole), rows are given back and reused, and nothing past
-the planned capacity is accepted."""
+"""The cluster arena: a request's index (value sums included) lands in its own row, an appended block is
+written in place beside what is there (equal to writing the grown index whole), rows are given back and
+reused, and nothing past the planned capacity is accepted."""
 
 from __future__ import annotations
 
@@ -20,18 +20,19 @@ def _arena(rows: int = 3, tokens: int = 64, clusters: int = 16) -> ClusterArena:
 def _row(arena: ClusterArena, rid, layer: int, index) -> tuple[torch.Tensor, ...]:
     t0, c0 = arena.bases(rid)
     c1, t1 = c0 + index.num_clusters, t0 + index.sorted_positions.shape[1]
-    centroids, sizes, offsets, positions = arena.layers[layer]
-    return centroids[:, c0:c1], sizes[:, c0:c1], offsets[:, c0:c1], positions[:, t0:t1]
+    centroids, sizes, offsets, positions, value_sums = arena.layers[layer]
+    return centroids[:, c0:c1], sizes[:, c0:c1], offsets[:, c0:c1], positions[:, t0:t1], value_sums[:, c0:c1]
 
 
 def _expected(index) -> tuple[torch.Tensor, ...]:
-    return index.centroids, index.sizes, index.offsets.to(torch.int32), index.sorted_positions
+    return index.centroids, index.sizes, index.offsets.to(torch.int32), index.sorted_positions, index.value_sums
 
 
 def test_appended_block_written_in_place_equals_the_whole_index():
-    keys = torch.randn(40, HEADS, DIM, generator=torch.Generator().manual_seed(0))
-    first = build_cluster_index(keys[2:26], None, start=2, avg_cluster_size=4)
-    grown = concat_indexes(first, build_cluster_index(keys[26:34], None, start=26, avg_cluster_size=4, segments=1))
+    keys, values = torch.randn(2, 40, HEADS, DIM, generator=torch.Generator().manual_seed(0))
+    first = build_cluster_index(keys[2:26], values[2:26], start=2, avg_cluster_size=4)
+    block = build_cluster_index(keys[26:34], values[26:34], start=26, avg_cluster_size=4, segments=1)
+    grown = concat_indexes(first, block)
     arena, whole = _arena(), _arena()
     pointers = [t.data_ptr() for layer in arena.layers for t in layer]
     arena.write("a", 0, first)

@@ -88,6 +88,7 @@ def check_decode_run(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scores_out: torch.Tensor | None,
+    lse_out: torch.Tensor | None = None,
 ) -> None:
     """Shape checks against the layout; they read host metadata only, so they stay graph-safe."""
     check_run_tensors(
@@ -105,3 +106,10 @@ def check_decode_run(
             )
         if scores_out.numel() and scores_out.stride(-1) != 1:
             raise ValueError("scores_out's last dimension must be contiguous")
+    lse_shape = (layout.batch, layout.num_qo_heads)
+    if lse_out is not None and (
+        tuple(lse_out.shape) != lse_shape or lse_out.dtype != torch.float32 or not lse_out.is_contiguous()
+    ):
+        raise ValueError(
+            f"lse_out must be a contiguous float32 {list(lse_shape)}, got {lse_out.dtype} {list(lse_out.shape)}"
+        )

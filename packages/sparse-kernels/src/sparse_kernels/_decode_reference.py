@@ -87,8 +87,10 @@ def run_list_decode(
     v_cache: torch.Tensor,
     out: torch.Tensor,
     scores_out: torch.Tensor | None,
+    lse_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fill ``out`` ``[B, Hq, D]`` (and ``scores_out``, zeroed first) from the tiles; inputs are checked."""
+    """Fill ``out`` ``[B, Hq, D]`` (and ``scores_out``, zeroed first; ``lse_out`` ``[B, Hq]``, each query
+    head's natural-log softmax denominator) from the tiles; inputs are checked."""
     hkv, group, dim = layout.num_kv_heads, layout.group, layout.head_dim
     k_flat = k_cache.view(-1, hkv, dim)
     v_flat = v_cache.view(-1, hkv, dim)
@@ -104,6 +106,8 @@ def run_list_decode(
         scores.masked_fill_(~t.valid[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         o4[t.req, t.head] = (probs @ vt).to(out.dtype)
+        if lse_out is not None:
+            lse_out.view(layout.batch, hkv, group)[t.req, t.head] = torch.logsumexp(scores, dim=-1)
         if scores_out is not None:
             summed = probs.sum(1) * t.valid  # padding columns receive exactly 0
             index = (t.cols,) if layout.head_sparse else (t.head[:, None].expand_as(t.cols), t.cols)

@@ -1,9 +1,12 @@
 """RetroInfer's decode attention over a cluster index (plain torch, the reference the kernels follow).
 
 Per KV head, the clusters are ranked by the group's query heads: softmax over the clusters of
-``scale * q . centroid`` (empty clusters masked), summed over the group's query heads; the best
-``retrieved`` are read exactly, the next ``estimated`` are estimated, the rest omitted. Each query
-head then runs one softmax over
+``scale * q . centroid`` (empty clusters masked), summed over the group's query heads (a stable sort:
+ties to the lower cluster, empty clusters last); the best ``retrieved`` are read exactly, the next
+``estimated`` are estimated, the rest omitted. A token ``budget`` instead reads, per KV head, the first
+``budget`` tokens of the clusters in rank order (each cluster's in index order; the last cluster reached
+is cut short and its remaining tokens omitted), as an engine whose reads have a fixed width does; the
+clusters it reaches count as retrieved. Each query head then runs one softmax over
 
 - every token read exactly: the sink ``[0, sink)``, the unindexed tokens ``[index.end, kv_len)``
   (the recent ones) and every token of the retrieved clusters, ``exp(scale * q . k) * v``;
@@ -17,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from sparse_kernels.cluster_estimation import cluster_estimation, merge_states
+from sparse_kernels.cluster_estimation import cluster_estimation
 from sparse_kernels.cluster_index import ClusterIndex
+from sparse_kernels.merge_states import merge_states
 
 
 def cluster_counts(num_clusters: int, retrieval_ratio: float, estimation_ratio: float) -> tuple[int, int]:
@@ -32,20 +36,37 @@ def rank_clusters(query: torch.Tensor, index: ClusterIndex, scale: float, top: i
     heads, count, dim = index.centroids.shape
     q = query.float().view(heads, -1, dim)
     logits = torch.bmm(q, index.centroids.float().transpose(1, 2)) * scale  # [H, g, C]
-    logits = logits.masked_fill((index.sizes == 0).unsqueeze(1), float("-inf"))
-    scores = torch.softmax(logits, dim=-1).sum(dim=1)
-    return torch.topk(scores, min(top, count), dim=-1).indices
+    empty = index.sizes == 0
+    logits = logits.masked_fill(empty.unsqueeze(1), float("-inf"))
+    scores = torch.softmax(logits, dim=-1).sum(dim=1).nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(top, count)]
 
 
 def exact_positions(index: ClusterIndex, retrieved: torch.Tensor, head: int, *, sink: int, kv_len: int) -> torch.Tensor:
     """Ascending positions KV head ``head`` reads exactly: sink, retrieved clusters, unindexed tail."""
+    return _with_sink_and_tail(index, index.cluster_positions(head, retrieved), sink=sink, kv_len=kv_len)
+
+
+def budget_positions(index: ClusterIndex, ranked: torch.Tensor, head: int, budget: int) -> tuple[torch.Tensor, int]:
+    """The first ``budget`` tokens of the clusters ``ranked`` (int64 ``[k]``, best first) of KV head ``head``,
+    each cluster's in index order, ascending; and how many clusters they reach (empty ones never count)."""
+    offsets, sizes = index.offsets[head, ranked].tolist(), index.sizes[head, ranked].tolist()
+    parts, reached, taken = [], 0, 0
+    for o, n in zip(offsets, sizes, strict=True):
+        if taken >= budget:
+            break
+        if n:
+            parts.append(index.sorted_positions[head, o : o + min(n, budget - taken)])
+            reached, taken = reached + 1, taken + n
+    if not parts:
+        return torch.empty(0, dtype=torch.int64, device=index.centroids.device), 0
+    return torch.cat(parts).to(torch.int64).sort().values, reached
+
+
+def _with_sink_and_tail(index: ClusterIndex, middle: torch.Tensor, *, sink: int, kv_len: int) -> torch.Tensor:
     device = index.centroids.device
     return torch.cat(
-        [
-            torch.arange(min(sink, index.start), device=device),
-            index.cluster_positions(head, retrieved),
-            torch.arange(index.end, kv_len, device=device),
-        ]
+        [torch.arange(min(sink, index.start), device=device), middle, torch.arange(index.end, kv_len, device=device)]
     )
 
 
@@ -59,33 +80,37 @@ def cluster_decode_attention(
     retrieved: int,
     estimated: int,
     scale: float,
+    budget: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Attention output ``[Hq, D]`` (query's dtype) of one decode query ``[Hq, D]`` over a layer's
     ``keys`` / ``values`` ``[kv_len, H, D]`` through ``index``: the exact tokens' softmax merged with
-    the estimated clusters' (``cluster_estimation``, on ``backend``), i.e. one softmax over both."""
+    the estimated clusters' (``cluster_estimation``, on ``backend``), i.e. one softmax over both.
+    ``budget`` (None: ``retrieved`` whole clusters) reads that many cluster tokens per KV head instead
+    (module docstring; ``retrieved`` is then ignored); per head at most ``C - retrieved`` are estimated."""
     if estimated and index.value_sums is None:
         raise ValueError("estimating clusters needs an index built with values (value_sums)")
-    heads, _, dim = index.centroids.shape
+    heads, count, dim = index.centroids.shape
     group = query.shape[0] // heads
-    ranked = rank_clusters(query, index, scale, retrieved + estimated)
+    ranked = rank_clusters(query, index, scale, count if budget is not None else retrieved + estimated)
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.empty(query.shape[0], dtype=torch.float32, device=query.device)
+    est = torch.full((heads, max(estimated, 1)), -1, dtype=torch.int64, device=query.device)
     for h in range(heads):
         q = query[h * group : (h + 1) * group].float()
-        pos = exact_positions(index, ranked[h, :retrieved], h, sink=sink, kv_len=keys.shape[0])
+        if budget is None:
+            read, middle = retrieved, index.cluster_positions(h, ranked[h, :retrieved])
+        else:
+            middle, read = budget_positions(index, ranked[h], h, budget)
+        pos = _with_sink_and_tail(index, middle, sink=sink, kv_len=keys.shape[0])
         logits = q @ keys[pos, h].float().T * scale  # [g, n]
         lse[h * group : (h + 1) * group] = torch.logsumexp(logits, dim=-1)
         out[h * group : (h + 1) * group] = torch.softmax(logits, dim=-1) @ values[pos, h].float()
-    if ranked.shape[1] > retrieved:
+        ids = ranked[h, read : read + min(estimated, count - read)]
+        est[h, : ids.numel()] = ids
+    if estimated:
         est_out, est_lse = cluster_estimation(
-            query[None],
-            index.centroids,
-            index.value_sums,
-            index.sizes,
-            ranked[None, :, retrieved:],
-            scale=scale,
-            backend=backend,
+            query[None], index.centroids, index.value_sums, index.sizes, est[None], scale=scale, backend=backend
         )
         out = merge_states(out, lse, est_out[0], est_lse[0])
     return out.to(query.dtype)

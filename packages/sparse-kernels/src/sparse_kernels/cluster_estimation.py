@@ -52,10 +52,3 @@ def cluster_estimation(
     p = torch.exp(s - lse[..., None].clamp_min(torch.finfo(torch.float32).min)) / size.clamp_min(1)[:, :, None]
     out = torch.einsum("bhge,bhed->bhgd", p, value_sums[rows, ids] * valid[..., None])
     return out.reshape(batch, q_heads, dim), lse.reshape(batch, q_heads)
-
-
-def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Softmax over the union of two disjoint sets, from each one's normalised ``out`` and ``lse``."""
-    top = torch.maximum(lse_a, lse_b)
-    wa, wb = torch.exp(lse_a - top), torch.exp(lse_b - top)
-    return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sparse_kernels._decode_buffers import DecodeBuffers
@@ -165,6 +167,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         v_cache: torch.Tensor,
         out: torch.Tensor | None = None,
         scores_out: torch.Tensor | None = None,
+        lse_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode attention for one layer, device-only (no host sync on the Triton backend).
 
@@ -183,6 +186,10 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             tail of each last page is 0. Head-sparse plans: ``[kv_indptr[-1] * page_size]``, entry
             ``kv_indptr[l] * page_size + j`` the same sum for token ``j`` of list ``l``. Under a CUDA graph,
             pass a column slice of a fixed ``[Hkv, capacity]`` buffer so address and row stride stay put.
+        lse_out : torch.Tensor, optional
+            float32 ``[B, num_qo_heads]``, written in full: each query head's natural-log softmax
+            denominator ``log(sum_j exp(sm_scale * q . k_j))`` over its listed tokens, so that the output
+            can be merged with attention over other tokens (``sparse_kernels.merge_states``).
 
         Returns
         -------
@@ -191,19 +198,23 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         """
         plan = self._planned()
         layout = self._layout
-        check_decode_run(layout, q, k_cache, v_cache, scores_out)
+        check_decode_run(layout, q, k_cache, v_cache, scores_out, lse_out)
         out = output_buffer(q, out)
         if self.backend == "triton":
             from sparse_kernels._triton.decode_launch import run_decode_triton
 
-            return run_decode_triton(layout, self._buffers, self._num_splits, q, k_cache, v_cache, out, scores_out)
+            run_decode_triton(layout, self._buffers, self._num_splits, q, k_cache, v_cache, out, scores_out)
+            if lse_out is not None:  # the kernel's lse is base 2 (of sm_scale * log2(e) * q . k)
+                rows = layout.batch * layout.num_qo_heads
+                torch.mul(self._buffers.lse[:rows].view(lse_out.shape), math.log(2.0), out=lse_out)
+            return out
         if not isinstance(plan, PagedPlan):
-            return run_list_decode(layout, plan, q, k_cache, v_cache, out, scores_out)
-        if scores_out is None:
+            return run_list_decode(layout, plan, q, k_cache, v_cache, out, scores_out, lse_out)
+        if scores_out is None and lse_out is None:
             return run_paged_attention(plan, q, k_cache, v_cache, out)
         if self._list_tiles is None:
             self._list_tiles = build_list_plan(layout, *self._csr, self.max_tile_elements, self.device)
-        return run_list_decode(layout, self._list_tiles, q, k_cache, v_cache, out, scores_out)
+        return run_list_decode(layout, self._list_tiles, q, k_cache, v_cache, out, scores_out, lse_out)
 
     def run_quantized(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode attention for one layer over quantized paged KV (device-only on the Triton backend).

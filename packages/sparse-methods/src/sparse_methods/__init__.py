@@ -9,10 +9,12 @@ from sparse_methods import methods  # noqa: F401 - registers the methods
 from sparse_methods.attention_batch import LayerAttentionBatch, PagedKeys
 from sparse_methods.base import (
     DENSE_LAYER,
+    AttentionState,
     Category,
     Compaction,
     DecodeBatch,
     DecodeRead,
+    DecodeSelection,
     DeviceState,
     HeadReduction,
     LayerAttention,
@@ -54,11 +56,13 @@ from sparse_methods.registry import (
 
 __all__ = [
     "DENSE_LAYER",
+    "AttentionState",
     "Category",
     "ClusterArena",
     "Compaction",
     "DecodeBatch",
     "DecodeRead",
+    "DecodeSelection",
     "DecodeScoreSums",
     "DeviceState",
     "HeadReduction",

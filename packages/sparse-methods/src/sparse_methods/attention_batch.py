@@ -4,9 +4,10 @@
 always gives each request's own view (``request(i)``: a ``LayerAttention``, built on demand). Where the
 engine can (decode rows of one token each over a plain paged store) it also gives the whole batch as
 tensors: the queries ``[B, 1, Hq, D]`` and the keys as ``PagedKeys``, a lazy view of the layer's pages
-(the k-cache, each request's block-table row and its length) that ``dense()`` gathers in one op, or that
-a fused scoring kernel reads in place. A method that ranks a layer's requests together then does a few
-device ops per layer instead of per (request, layer), with no host sync.
+(the k-cache, each request's block-table row and its length; the v-cache too for a method that observes
+values) that ``dense()`` gathers in one op, or that a fused scoring kernel reads in place. A method that
+ranks a layer's requests together then does a few device ops per layer instead of per (request, layer),
+with no host sync.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ class PagedKeys:
     int32 ``[B, P]`` on the pool's device, each request's blocks in table order (entries past a request's
     last block repeat it: any value read there is padding). ``kv_lens``: int64 ``[B]`` on the device, the
     slots each request holds after the step. ``kv_lens_cpu``: the same lengths on the host (shapes).
+    ``v_cache``: the layer's value pool, like ``k_cache``, when the method observes values
+    (``SparseMethod.observes_values``); ``dense_values()`` gathers it.
     """
 
     k_cache: torch.Tensor
     block_table: torch.Tensor
     kv_lens: torch.Tensor
     kv_lens_cpu: tuple[int, ...]
+    v_cache: torch.Tensor | None = None
 
     @property
     def max_len(self) -> int:
@@ -48,7 +52,7 @@ class PagedKeys:
             host = torch.tensor(index, dtype=torch.int64)
             cuda = self.kv_lens.device.type == "cuda"
             rows = host.pin_memory().to(self.kv_lens.device, non_blocking=True) if cuda else host
-        return PagedKeys(self.k_cache, self.block_table[rows], self.kv_lens[rows], lens)
+        return PagedKeys(self.k_cache, self.block_table[rows], self.kv_lens[rows], lens, self.v_cache)
 
     def slots(self) -> torch.Tensor:
         """int64 ``[B, L]`` pool slot of each request's slot ``0 .. L-1`` (``L``: the longest), made on the
@@ -61,10 +65,19 @@ class PagedKeys:
     def dense(self) -> torch.Tensor:
         """``[B, L, num_kv_heads, head_dim]`` every request's keys in slot order, zeros past its length:
         one gather."""
-        flat = self.k_cache.view(-1, *self.k_cache.shape[2:])
-        keys = flat[self.slots()]
-        past = torch.arange(self.max_len, device=keys.device).view(1, -1) >= self.kv_lens.view(-1, 1)
-        return keys.masked_fill_(past.view(*past.shape, 1, 1), 0)
+        return self._gather(self.k_cache)
+
+    def dense_values(self) -> torch.Tensor:
+        """Like ``dense()``, the values (``v_cache`` must be given)."""
+        if self.v_cache is None:
+            raise ValueError("these paged keys carry no values (the method does not observe them)")
+        return self._gather(self.v_cache)
+
+    def _gather(self, cache: torch.Tensor) -> torch.Tensor:
+        flat = cache.view(-1, *cache.shape[2:])
+        rows = flat[self.slots()]
+        past = torch.arange(self.max_len, device=rows.device).view(1, -1) >= self.kv_lens.view(-1, 1)
+        return rows.masked_fill_(past.view(*past.shape, 1, 1), 0)
 
 
 @dataclass(frozen=True)

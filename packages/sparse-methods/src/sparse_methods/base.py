@@ -7,7 +7,8 @@ heads keep different numbers of tokens (AdaKV, KVzip) declare the head-major sto
 (``StoreKind.HEAD_MAJOR``: a table per layer and KV head, ``Compaction.head_counts``), whose decode reads
 every slot each head holds: they need no decode selection. RetroInfer declares the cluster-index store
 (``StoreKind.CLUSTER_INDEX``): the engine sizes a ``ClusterArena`` from its memory plan's
-``index_clusters`` and hands it over (``cluster_arena``). The engine drives it through eleven hooks
+``index_clusters`` and hands it over (``cluster_arena``); its index keeps value sums, so it observes
+the layers' values too (``observes_values``). The engine drives it through eleven hooks
 with plain tensors and small frozen records, never engine objects, so another engine can host the same
 classes. Per step:
 
@@ -16,7 +17,9 @@ classes. Per step:
 2. per layer, ``layer_plan(layer)`` says how the layer involves the method (``LayerPlan``): how decode
    reads (everything; what ``select_decode`` picks for the whole batch on the device; everything after
    ``select_decode`` looked at the batch), whether prefill chunks read what ``prefill_selection`` picks,
-   and which keys those need.
+   and which keys those need. ``select_decode`` may also give an attention state over keys its entries
+   leave out (``DecodeSelection.extra``: e.g. RetroInfer's estimated clusters), which the engine merges
+   into the decode's softmax (``sparse_kernels.merge_states``) after the kernel.
    ``selection_size`` gives the width of the device selections before the forward (static shapes).
    A method that reads recent decode queries back at its compactions, or sums decode attention scores,
    says so in ``device_state()`` (``DeviceState``, asked once when the engine is built); the engine then
@@ -24,7 +27,8 @@ classes. Per step:
    running sums that the decode kernel's score output feeds (``decode_score_sums``).
 3. after each full-attention layer's attention, once: ``on_attention_end(layer, batch)`` with every observed
    request (``LayerAttentionBatch``: each one's new queries and keys as a ``LayerAttention``, and, for
-   decode rows over a plain paged store, the whole batch as tensors with its keys left in their pages).
+   decode rows over a plain paged store, the whole batch as tensors with its keys left in their pages);
+   a method that declares ``observes_values`` gets the layer's values beside the keys.
 4. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per layer and
    KV head); the engine gathers the kept slots to the front of each layer and frees whole blocks that no
    layer uses any more.
@@ -380,7 +384,8 @@ class LayerAttention:
     ``queries``: ``[num_new_tokens, num_q_heads, head_dim]``, the step's queries (after RoPE).
     ``keys``: ``[kv_len, num_kv_heads, head_dim]``, every slot the layer holds for the request after
     this step's keys were stored, in slot order (the last ``num_new_tokens`` are the new ones).
-    ``scale``: the softmax scale attention used.
+    ``scale``: the softmax scale attention used. ``values``: like ``keys``, the layer's values, when the
+    method observes them (``SparseMethod.observes_values``); None otherwise.
 
     ``head_lens``: None, or (a ``StoreKind.HEAD_MAJOR`` layer whose KV heads hold different numbers of
     slots, e.g. a resumed chain compacted per head) per KV head the slots it holds after this step:
@@ -393,6 +398,7 @@ class LayerAttention:
     keys: torch.Tensor
     scale: float
     head_lens: tuple[int, ...] | None = None
+    values: torch.Tensor | None = None
 
     def head_keys(self, head: int) -> torch.Tensor:
         """``[head_lens[head], D]`` the slots KV head ``head`` holds, in slot order."""
@@ -474,6 +480,32 @@ class DecodeBatch:
 
 
 @dataclass(frozen=True, slots=True)
+class AttentionState:
+    """Decode queries' attention over a set of keys, as a state that merges with another set's:
+    ``out`` float32 ``[B, num_q_heads, head_dim]``, the softmax-normalised output, and ``lse`` float32
+    ``[B, num_q_heads]``, the natural log of the softmax denominator (``-inf`` with ``out = 0``: the set
+    is empty for that row and head). A set may be weighted (RetroInfer's estimated clusters count each
+    centroid ``size`` times): only ``out`` and ``lse`` matter."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSelection:
+    """``select_decode``'s answer when the decode reads more than its entries.
+
+    ``entries``: as a plain answer, ``[B, num_kv_heads, size]`` ascending entry indices. ``extra``: an
+    ``AttentionState`` over keys the entries do not read (disjoint from them), made on the device from
+    the same batch, which the engine merges into the softmax over the entries' tokens after the decode
+    kernel, so each query head attends once over both; None: the entries alone. Its rows are the
+    batch's rows, its query heads those of ``DecodeBatch.query``."""
+
+    entries: torch.Tensor
+    extra: AttentionState | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Compaction:
     """Kept slots of one request: ``keep[l]`` is None (layer unchanged) or ``[num_kv_heads, n_l]``
     int64 indices into the layer's current slots, ascending in each row.
@@ -522,6 +554,11 @@ class SparseMethod(ABC):
     """Set by the engine when ``device_state().score_sums`` is given and the decode kernel can write scores."""
     cluster_arena: ClusterArena | None = None
     """Set by the engine for a ``StoreKind.CLUSTER_INDEX`` store (see there)."""
+    observes_values: bool = False
+    """The views ``on_attention_end`` gets carry the layer's values beside its keys (``LayerAttention.values``,
+    ``PagedKeys.v_cache``) where the store keeps them plainly (a paged store with a table per request, as the
+    query-aware methods' are; elsewhere None); a method may set it per instance (from its config) in
+    ``__init__``."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         if not isinstance(config, self.Config):
@@ -563,13 +600,15 @@ class SparseMethod(ABC):
         answer for that row)."""
         return None
 
-    def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | None:
+    def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | DecodeSelection | None:
         """A ``SELECTED`` layer: ``[B, num_kv_heads, size]`` ascending entry indices (``LayerPlan.unit``, in
         table order, the newest last) for a batch whose rows select ``size`` (the largest of their
         ``selection_size``) entries, made on the device without host sync; a row that selects fewer has
         its own number read (the rest is ignored); entries past a row's length (padding rows of a CUDA
-        graph) are allowed and read the row's last entry. An ``OBSERVED`` layer: look at the batch and
-        return None (every slot is read)."""
+        graph) are allowed and read the row's last entry. Or a ``DecodeSelection``: those entries plus an
+        attention state over keys they leave out, which the engine merges into the decode (fixed shapes,
+        no host sync, like the entries). An ``OBSERVED`` layer: look at the batch and return None (every
+        slot is read)."""
         raise NotImplementedError(f"{self.name} has no device selection")
 
     def prefill_selection(self, layer: int, request: RequestStep, view: PrefillView) -> Selection | None:

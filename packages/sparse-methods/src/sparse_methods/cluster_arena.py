@@ -10,8 +10,9 @@ place in its row (``write``).
 
 Per layer: ``centroids`` ``[H, rows * clusters, D]``, ``sizes`` and ``offsets`` int32 ``[H, rows *
 clusters]`` (a cluster's first entry in its request's ``positions``), ``positions`` int32 ``[H, rows *
-tokens]`` (token positions grouped by cluster). Row ``r``'s index occupies the columns from ``r *
-clusters`` and ``r * tokens``.
+tokens]`` (token positions grouped by cluster) and ``value_sums`` float32 ``[H, rows * clusters, D]`` (the
+sum of each cluster's values; left as they were for an index built from keys alone). Row ``r``'s index
+occupies the columns from ``r * clusters`` and ``r * tokens``.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import torch
 
 from sparse_methods.request_rows import RequestRows, fill
 
-PLAN_FIELDS = 5
-"""Per decode row: token base, cluster base, clusters, index end, cluster-token budget."""
+PLAN_FIELDS = 6
+"""Per decode row: token base, cluster base, clusters, index end, cluster-token budget, clusters to estimate."""
 
 
 class ClusterArena:
@@ -50,7 +51,14 @@ class ClusterArena:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
         self.layers = [
-            (zeros(h, c, head_dim, dtype=dtype), zeros(h, c), zeros(h, c), zeros(h, t)) for _ in range(num_layers)
+            (
+                zeros(h, c, head_dim, dtype=dtype),
+                zeros(h, c),
+                zeros(h, c),
+                zeros(h, t),
+                zeros(h, c, head_dim, dtype=torch.float32),
+            )
+            for _ in range(num_layers)
         ]
         self.rows = RequestRows(num_rows, "cluster index")
         self.plan = zeros(PLAN_FIELDS, plan_rows, dtype=torch.int64)
@@ -58,7 +66,7 @@ class ClusterArena:
     @staticmethod
     def num_bytes(num_layers, num_rows, tokens, clusters, num_kv_heads, head_dim, dtype: torch.dtype) -> int:
         """Device bytes of an arena of these sizes."""
-        per_cluster = head_dim * dtype.itemsize + 2 * 4
+        per_cluster = head_dim * (dtype.itemsize + 4) + 2 * 4  # centroid, value sum, size, offset
         return num_layers * num_kv_heads * num_rows * (clusters * per_cluster + tokens * 4)
 
     def bases(self, request_id: Hashable) -> tuple[int, int]:
@@ -80,8 +88,10 @@ class ClusterArena:
         t0, c0 = self.bases(request_id)
         first_cluster = 0 if previous is None else previous.num_clusters
         first_token = 0 if previous is None else previous.sorted_positions.shape[1]
-        centroids, sizes, offsets, positions = self.layers[layer]
+        centroids, sizes, offsets, positions, value_sums = self.layers[layer]
         centroids[:, c0 + first_cluster : c0 + clusters] = index.centroids[:, first_cluster:]
+        if index.value_sums is not None:
+            value_sums[:, c0 + first_cluster : c0 + clusters] = index.value_sums[:, first_cluster:]
         sizes[:, c0 + first_cluster : c0 + clusters] = index.sizes[:, first_cluster:]
         offsets[:, c0 + first_cluster : c0 + clusters] = index.offsets[:, first_cluster:]
         positions[:, t0 + first_token : t0 + tokens] = index.sorted_positions[:, first_token:]
@@ -89,7 +99,7 @@ class ClusterArena:
     def release(self, request_id: Hashable) -> None:
         self.rows.release(request_id)
 
-    def plan_rows(self, rows: Sequence[tuple[int, int, int, int, int]]) -> None:
+    def plan_rows(self, rows: Sequence[tuple[int, ...]]) -> None:
         """The next step's decode rows in batch order (``PLAN_FIELDS`` each); rows past them (a graph's
         padding) read no cluster and everything from position 0 (never more than their width). One copy."""
         if len(rows) > self.plan.shape[1]:

@@ -113,6 +113,16 @@ def gather_kv_group_heads(x: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return torch.cat(parts[first : first + replicas], dim=-2)
 
 
+def local_group_heads(x: torch.Tensor, num_local: int, dim: int = -2) -> torch.Tensor:
+    """This rank's ``num_local`` query heads of ``x``, whose ``dim`` holds what ``gather_kv_group_heads``
+    gathered (its KV heads' whole groups): the inverse of that gather (``x`` itself on a rank that holds
+    whole groups)."""
+    replicas = x.shape[dim] // num_local
+    if replicas == 1:
+        return x
+    return x.narrow(dim, (_state.rank % replicas) * num_local, num_local)
+
+
 def min_over_ranks(n: int) -> int:
     """The smallest of every rank's ``n`` (e.g. KV blocks: one scheduler plans for all ranks)."""
     if _state.world_size == 1:

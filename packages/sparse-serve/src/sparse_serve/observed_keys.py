@@ -26,8 +26,8 @@ class ObservedRows:
     kv_lens_cpu: tuple[int, ...]
     rows: torch.Tensor
 
-    def keys(self, k_cache: torch.Tensor) -> PagedKeys:
-        return PagedKeys(k_cache, self.block_table, self.kv_lens, self.kv_lens_cpu)
+    def keys(self, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None) -> PagedKeys:
+        return PagedKeys(k_cache, self.block_table, self.kv_lens, self.kv_lens_cpu, v_cache)
 
 
 def observed_rows(

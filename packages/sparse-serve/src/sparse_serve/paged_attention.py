@@ -352,7 +352,7 @@ class PagedAttention:
         if scores is not None:
             self.score_sums.add_decode(layer_idx)
         if window is None:  # sparse methods act on full-attention layers only
-            self._hand_over(layer_idx, q, k_cache, group, recorded=bool(ring_copy))
+            self._hand_over(layer_idx, q, k_cache, group, recorded=bool(ring_copy), v_cache=v_cache)
         return out
 
     def _ring_copy(self, layer_idx: int, q: torch.Tensor, window: int | None) -> dict:
@@ -375,7 +375,7 @@ class PagedAttention:
         return self.score_sums.scores[:, : self._score_columns]
 
     def _hand_over(
-        self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group, recorded: bool = False
+        self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group, recorded: bool = False, v_cache=None
     ) -> None:
         """After a layer's attention: record the decode rows' queries in the ring unless the store did
         (``recorded``; device only, also while a CUDA graph is captured), then hand the method the
@@ -385,7 +385,7 @@ class PagedAttention:
             rows = q[:nd] if self.group_queries is None else self.group_queries(q[:nd])
             self.query_ring.record(layer_idx, rows)
         if self.method is not None and self._observed:
-            self._observe(layer_idx, q, k_cache, group, self._observed)
+            self._observe(layer_idx, q, k_cache, group, self._observed, v_cache)
 
     def _forward_latent(self, layer_idx: int, group_idx: int, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """A latent store: ``rows [T, 1, D]`` are the cached rows (their values are a prefix of them)."""
@@ -456,7 +456,8 @@ class PagedAttention:
         self, layer_idx: int, group, i: int, kv_len: int, flat_k: torch.Tensor | None, dtype
     ) -> torch.Tensor:
         """Request ``i``'s keys in this layer, in slot order ``[kv_len, Hkv, D]`` (dequantized from codes
-        for quantized stores, with a tailed store's incomplete page from the request's tail row)."""
+        for quantized stores, with a tailed store's incomplete page from the request's tail row); a plain
+        store's values likewise when ``flat_k`` is the flat value pool."""
         meta = self._meta
         if flat_k is not None:
             key = (id(group.block_ids[i]), i, kv_len)  # a table per layer in the per-layer layout
@@ -474,33 +475,42 @@ class PagedAttention:
             keys = torch.cat([keys[: kv_len - partial], kv.k_tail[row, :partial].to(keys.dtype)])
         return keys
 
-    def _observe(self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group, wanted) -> None:
+    def _observe(
+        self, layer_idx: int, q: torch.Tensor, k_cache: torch.Tensor | None, group, wanted, v_cache=None
+    ) -> None:
         """Hand the method every wanted request's queries and keys in this layer (slot order) in one call:
-        for decode rows over a plain store also as tensors, the keys left in their pages."""
+        for decode rows over a plain store also as tensors, the keys left in their pages; the values too
+        where the method observes them (``observes_values``: over a plain store with a table per request,
+        the stores of the query-aware methods; None elsewhere)."""
         meta = self._meta
         index = self._observed_index
         if not index:
             return
         flat_k = None if k_cache is None else k_cache.view(-1, k_cache.shape[2], k_cache.shape[3])
+        plain = flat_k is not None and self.lanes == 1 and self.latent is None
+        v_cache = v_cache if plain and self.method.observes_values else None
+        flat_v = None if v_cache is None else v_cache.view(-1, v_cache.shape[2], v_cache.shape[3])
 
         def view(j: int) -> LayerAttention:  # request ``index[j]``'s own view
-            i, head_lens = index[j], None
+            i, head_lens, vals = index[j], None, None
             step = meta.steps[i]
             if self.lanes > 1:
                 keys, head_lens = self._lane_keys(group, i, step.num_new_tokens, flat_k)
             else:
                 kv_len = group.kv_lens[i] + step.num_new_tokens
                 keys = self._request_keys(layer_idx, group, i, kv_len, flat_k, q.dtype)
+                if flat_v is not None:
+                    vals = self._request_keys(layer_idx, group, i, kv_len, flat_v, q.dtype)
             rows = q[meta.row_starts[i] : meta.row_starts[i] + step.num_new_tokens]
             rows = rows if self.group_queries is None else self.group_queries(rows)
-            return LayerAttention(rows, keys, self.sm_scale, head_lens)
+            return LayerAttention(rows, keys, self.sm_scale, head_lens, vals)
 
         queries, keys = None, None
         rows = self._observed_rows_of(group) if self.lanes == 1 and flat_k is not None and not self.latent else None
         if rows is not None:
             queries = q[: meta.num_decode_tokens][rows.rows]
             queries = (queries if self.group_queries is None else self.group_queries(queries)).unsqueeze(1)
-            keys = rows.keys(k_cache)
+            keys = rows.keys(k_cache, v_cache)
         steps = tuple(meta.steps[i] for i in index)
         self.method.on_attention_end(layer_idx, LayerAttentionBatch(steps, self.sm_scale, view, queries, keys))
 

@@ -12,6 +12,10 @@ entries (``uniform``) everything the forward reads lives in fixed buffers, so th
 and replayed as a CUDA graph (``graph_key``); rows past the step's requests (a graph's padding) select
 too, on their one-token table, and their outputs are dropped. Rows that read different numbers of
 entries (or everything) in one step are planned row by row and run eagerly.
+
+A method may answer a ``DecodeSelection`` whose ``extra`` is an attention state over keys its entries leave
+out (e.g. a cluster index's estimated clusters): the decode kernel then also writes each query head's log-sum-exp
+(into a fixed buffer) and the two states merge into one softmax (``merge_states``), on the device.
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_kernels import BatchDecodeWithPagedKVCache, paged_logits
+from sparse_kernels import BatchDecodeWithPagedKVCache, merge_states, paged_logits
 from sparse_kernels.logits_attention import logits_attention, softmax_stats
 from sparse_kernels.selection_entries import selection_entries
-from sparse_methods import DecodeBatch, DecodeRead, SparseMethod
+from sparse_methods import AttentionState, DecodeBatch, DecodeRead, DecodeSelection, SparseMethod
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata
 
 WIDTH_QUANTUM = 256  # static table width (pages) rounds up to this, so a graph serves many steps
@@ -72,6 +76,7 @@ class SelectiveDecode:
         self._fast: dict[int, tuple[BatchDecodeWithPagedKVCache, int]] = {}  # unit -> (wrapper, entry capacity)
         self._table = torch.zeros(max_num_pages or 0, dtype=torch.int32, device=device)
         self._rows = torch.zeros(3 * (max_batch_size or 0), dtype=torch.int64, device=device)
+        self._lse = torch.zeros(0, dtype=torch.float32, device=device)  # the decode's lse when a method merges
         self._batched: _BatchedStep | None = None  # this step's batched plan, or None (no row selects)
         self._planned: tuple | None = None  # the last uniform plan: (wrapper, kv_indptr, kv_last_len)
         self._host_plan: tuple | None = None  # this step's (kv_indptr, kv_indices, kv_last_len) on the host
@@ -220,7 +225,7 @@ class SelectiveDecode:
         if st is None or st.rows is not None:
             return None
         wrapper = self._fast[st.unit][0]
-        buffers = (id(wrapper), self._table.data_ptr(), self._rows.data_ptr())
+        buffers = (id(wrapper), self._table.data_ptr(), self._rows.data_ptr(), self._lse_buffer(st).data_ptr())
         return (st.size, st.unit, st.max_pages, *buffers)
 
     def run_batched(
@@ -256,6 +261,9 @@ class SelectiveDecode:
             logit_sum=logit_sum,
         )
         chosen = method.select_decode(layer, batch)  # [n, Hkv, size] entries in table order; None if observed
+        extra = None
+        if isinstance(chosen, DecodeSelection):
+            chosen, extra = chosen.entries, chosen.extra
         if observed:
             if chosen is not None:
                 raise RuntimeError(f"{method.name} selected at an observed layer {layer}")
@@ -281,7 +289,36 @@ class SelectiveDecode:
         elif st.positions is not None:
             wrapper.planned_kv_indices()[st.positions] = ids.view(-1) if st.take is None else ids.view(-1)[st.take]
         self.num_selections += n
-        return wrapper.run(q, k_cache, v_cache, out=out)
+        if extra is None:
+            return wrapper.run(q, k_cache, v_cache, out=out)
+        lse = self._lse_buffer(st)[: q.shape[0] * q.shape[1]].view(q.shape[0], q.shape[1])
+        wrapper.run(q, k_cache, v_cache, out=out, lse_out=lse)
+        return self._merge(out, lse, extra, st.rows)
+
+    def _lse_buffer(self, st: _BatchedStep) -> torch.Tensor:
+        """The decode's log-sum-exp buffer (fixed once sized for the largest batch: graphs keep its address)."""
+        need = (self.max_batch_size or len(st.kv_lens)) * self.shape["num_qo_heads"]
+        if self._lse.numel() < need:
+            self._lse = torch.zeros(need, dtype=torch.float32, device=self.device)
+        return self._lse
+
+    def _merge(self, out: torch.Tensor, lse: torch.Tensor, extra: AttentionState, rows) -> torch.Tensor:
+        """``out`` (the decode over the selected entries) merged with the method's ``extra`` state, in place,
+        on the selecting ``rows`` (None: all). Under tensor parallelism with replicated KV heads ``extra``
+        covers the KV groups' gathered query heads: this rank's are its slice (``local_group_heads``)."""
+        est_out, est_lse = extra.out, extra.lse
+        if est_out.shape[1] != out.shape[1]:
+            from sparse_models.distributed import local_group_heads
+
+            heads = out.shape[1]
+            est_out, est_lse = local_group_heads(est_out, heads, dim=1), local_group_heads(est_lse, heads, dim=1)
+        part = out if rows is None else out[rows]
+        merged = merge_states(part.float(), lse if rows is None else lse[rows], est_out, est_lse)
+        if rows is None:
+            out.copy_(merged)
+        else:
+            out[rows] = merged.to(out.dtype)
+        return out
 
     def _replan(self, wrapper: BatchDecodeWithPagedKVCache, ids: torch.Tensor, st: _BatchedStep) -> None:
         """Reference kernels (no index buffer to write on the device): plan the step's lists again

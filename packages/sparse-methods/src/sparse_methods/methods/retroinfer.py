@@ -9,29 +9,35 @@ cluster); each further ``retroinfer_update_tokens`` tokens (the recent ones stil
 their own clusters, appended. A decode query then reads, per KV head, the sink, every unindexed
 token (the recent ones, the newest included) and every token of the ``round(C *
 retroinfer_retrieval_ratio)`` clusters that rank best (softmax over clusters of ``q . centroid``
-summed over the group's query heads); before an index exists it reads everything.
-
-Not here yet (issue 17): the published decode also estimates the next ``retroinfer_estimation_ratio``
-clusters from centroid x size and value sums in the same softmax (``sparse_kernels.cluster_attention``
-has the reference); the engine's decode path reads a selection and has no hook for that term, so a
-positive estimation ratio (the default) is refused once a request's context is long enough to index.
+summed over the group's query heads); before an index exists it reads everything. The clusters ranked
+next, ``min(round(C * retroinfer_estimation_ratio), C - read)`` of them (``read``: those whose tokens the
+query reads, wholly or in part), are estimated in the same softmax: each as ``size`` tokens sharing the
+key ``centroid`` and the values' sum ``value_sum`` (``sparse_kernels.cluster_estimation``); the rest are
+omitted. ``sparse_kernels.cluster_attention`` is the plain reference of the whole decode.
 
 On the engine, one selection path (``select_decode``, slot entries, no host sync, CUDA-graph safe): the
 index is built or extended outside graphs, from the keys ``on_attention_end`` hands over at the steps
 that bring a request's processed tokens to a new index block (``prepare_step`` observes exactly those),
 and written in place into the request's row of the engine's fixed device buffers (``StoreKind.CLUSTER_INDEX``:
 a ``ClusterArena`` sized at build from ``memory_plan``'s ``index_clusters``, so graphs never see it move),
-which the decode rows read through a per-step plan. A decode row then reads a fixed number of slots,
+which the decode rows read through a per-step plan. The index keeps each cluster's value sum (float32, from
+the values of its tokens), so the method observes the layers' values with their keys (``observes_values``)
+while its estimation ratio is positive. A decode row then reads a fixed number of slots,
 ``selection_size(kv_len)`` = ``min(kv_len, sink + recent + update + k * avg)`` with
 ``k = clamp(round(C' * ratio), 1, C')`` and ``C' = (kv_len - 1 - recent - sink) // avg`` (the clusters a
 fresh index would have): the sink, every unindexed token (at most ``recent + update``) and, filling the
 rest, the tokens of the clusters in rank order (the last one truncated; ties in rank to the lower
 cluster). So a row reads at least the published ``round(C * ratio)`` clusters' worth of tokens, more right
-after an index update, and with ``ratio = 1`` everything (dense). With prefix caching a hit simply indexes
-the cached keys. Ranking uses the usual ``head_dim ** -0.5`` scale. A request whose context arrives
-without a step observing it (a prefix hit of all but its last token, a benchmark's synthetic prefill) past
-the index threshold has no index at its first selecting query: that one query reads the sink and its
-newest tokens (``selection_size`` of them), and the step builds the index.
+after an index update, and with ``ratio = 1`` everything (dense). The estimation rides on the same ranking:
+``select_decode`` answers a ``DecodeSelection`` whose ``extra`` is the estimated clusters' attention state
+(fixed width ``round(Cw * estimation_ratio)`` for the batch's widest cluster count ``Cw``, unused entries
+``-1``), which the engine merges into the decode kernel's softmax; the truncated cluster's unread tokens
+are omitted (its value sum covers the tokens read too, so it cannot stand for the rest). With prefix
+caching a hit simply indexes the cached keys. Ranking uses the usual ``head_dim ** -0.5`` scale, the
+estimation the attention's own. A request whose context arrives without a step observing it (a prefix hit
+of all but its last token, a benchmark's synthetic prefill) past the index threshold has no index at its
+first selecting query: that one query reads the sink and its newest tokens (``selection_size`` of them),
+and estimates nothing; the step builds the index.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from sparse_methods.base import (
     Category,
     DecodeBatch,
     DecodeRead,
+    DecodeSelection,
     LayerAttention,
     LayerPlan,
     MemoryPlan,
@@ -61,6 +68,7 @@ from sparse_methods.base import (
     Unit,
 )
 from sparse_methods.cluster_arena import ClusterArena
+from sparse_methods.cluster_selection import cluster_slots, estimate_clusters, rank_arena_clusters
 from sparse_methods.registry import register
 
 
@@ -107,6 +115,7 @@ class RetroInfer(SparseMethod):
         self._index: dict = {}  # (request id, layer) -> sparse_kernels.cluster_index.ClusterIndex
         self._observing: dict[Hashable, int] = {}  # this step: request -> tokens processed after it
         self._width = 0  # this step's widest selection (slots)
+        self.observes_values = self.config.retroinfer_estimation_ratio > 0  # value sums for the estimation
 
     def memory_plan(self, prompt_len: int, max_new_tokens: int, chunk_size: int) -> MemoryPlan:
         """Every token stays; the index holds at most one cluster per ``avg`` indexed tokens (a first index
@@ -155,7 +164,7 @@ class RetroInfer(SparseMethod):
         for r in step.requests:
             if r.replay is None and self._due(r.request_id, r.end):
                 self._observing[r.request_id] = r.end
-        rows, width = [], 0
+        rows, width, ratio = [], 0, self.config.retroinfer_estimation_ratio
         for r in step.requests:
             if r.num_new_tokens != 1:
                 break
@@ -165,10 +174,11 @@ class RetroInfer(SparseMethod):
                 continue
             index, sink = self._index.get((r.request_id, 0)), self.config.retroinfer_sink_tokens
             if index is None:  # its context arrived unobserved (a prefix hit, a synthetic prefill): no index
-                rows.append((0, 0, 0, kv_len - (size - sink), 0))  # until this step's end: sink + newest tokens
+                rows.append((0, 0, 0, kv_len - (size - sink), 0, 0))  # until this step's end: sink + newest tokens
             else:
                 tokens, clusters = self.arena.bases(r.request_id)
-                rows.append((tokens, clusters, index.num_clusters, index.end, size - sink - (kv_len - index.end)))
+                budget, estimated = size - sink - (kv_len - index.end), round(index.num_clusters * ratio)
+                rows.append((tokens, clusters, index.num_clusters, index.end, budget, estimated))
             width = max(width, size)
         self._width = width
         if rows:
@@ -176,8 +186,9 @@ class RetroInfer(SparseMethod):
         return frozenset(self._observing)
 
     def on_attention_end(self, layer: int, batch: LayerAttentionBatch) -> None:
-        for request, view in batch:
-            self._observe(layer, request, view)
+        for i, request in enumerate(batch.requests):  # one request's keys (and values) in memory at a time
+            if request.request_id in self._observing:
+                self._observe(layer, request, batch.views(i))
 
     def _observe(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
         """Build or extend the request's index of ``layer`` and write what changed into its arena row (this
@@ -187,7 +198,7 @@ class RetroInfer(SparseMethod):
             return
         key = (request.request_id, layer)
         previous = self._index.get(key)
-        index = self._update(key, view.keys, processed)
+        index = self._update(key, view.keys, view.values, processed)
         if index is not None and index is not previous:
             self.arena.write(request.request_id, layer, index, previous)
 
@@ -202,73 +213,40 @@ class RetroInfer(SparseMethod):
         """The request's ``ClusterIndex`` in ``layer`` (None before it has one)."""
         return self._index.get((request_id, layer))
 
-    def _update(self, key: tuple[Hashable, int], keys: torch.Tensor, processed: int):
-        """Index the first ``processed`` tokens less the recent ones, as the published system does after each step."""
+    def _update(self, key: tuple[Hashable, int], keys: torch.Tensor, values: torch.Tensor | None, processed: int):
+        """Index the first ``processed`` tokens less the recent ones, as the published system does after each
+        step (``values`` ``[kv_len, H, D]`` give the value sums; None: an index of keys alone)."""
         from sparse_kernels.cluster_index import build_cluster_index, concat_indexes
 
         c = self.config
+        if self.observes_values and values is None:
+            raise ValueError("retroinfer estimates clusters from value sums: the engine must hand over the values")
         avg, end = c.retroinfer_avg_cluster_size, processed - c.retroinfer_recent_tokens
         index = self._index.get(key)
+
+        def block(lo: int, hi: int, **kw):
+            v = values[lo:hi] if self.observes_values else None
+            return build_cluster_index(keys[lo:hi], v, start=lo, avg_cluster_size=avg, **kw)
+
         if index is None:
             if end - c.retroinfer_sink_tokens < c.retroinfer_min_index_tokens:
                 return None
-            if c.retroinfer_estimation_ratio > 0:
-                raise NotImplementedError(
-                    "retroinfer: estimated clusters are not in the engine's decode path yet (it reads a selection "
-                    "and has no estimation term); pass retroinfer_estimation_ratio=0 to read the retrieved clusters"
-                )
-            sink = c.retroinfer_sink_tokens
-            index = build_cluster_index(keys[sink:end], None, start=sink, avg_cluster_size=avg)
+            index = block(c.retroinfer_sink_tokens, end)
         while end - index.end >= c.retroinfer_update_tokens:
-            lo, hi = index.end, index.end + c.retroinfer_update_tokens
-            index = concat_indexes(
-                index, build_cluster_index(keys[lo:hi], None, start=lo, avg_cluster_size=avg, segments=1)
-            )
+            index = concat_indexes(index, block(index.end, index.end + c.retroinfer_update_tokens, segments=1))
         self._index[key] = index
         return index
 
-    def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor:
+    def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | DecodeSelection:
         """Per row and KV head, ascending slots: the sink, the unindexed tail and the clusters' tokens in rank
-        order up to the row's budget (softmax over the row's clusters of ``q . centroid * head_dim ** -0.5``
-        summed over the group, stable descending sort); ``[B, H, width]``, a narrower row's entries past
-        its own width repeat its newest slot. Device only, fixed shapes (from ``batch.max_pages``)."""
-        centroids, sizes_all, offsets_all, positions = self.arena.layers[layer]
-        n, heads, dim = batch.query.shape[0], self.shape.num_kv_heads, self.shape.head_dim
-        device = batch.query.device
-        tokens_w = batch.max_pages * batch.block_size
-        clusters_w = max(1, tokens_w // self.config.retroinfer_avg_cluster_size)
-        tok_base, clu_base, count, end, budget = self.arena.plan[:, :n]
-        kv = batch.kv_lens
-        c = torch.arange(clusters_w, device=device)
-        cid = (clu_base[:, None] + c).clamp_(max=centroids.shape[1] - 1)  # [n, Cw]
-        valid = c[None] < count[:, None]
-        sizes = sizes_all[:, cid].permute(1, 0, 2).masked_fill(~valid[:, None], 0)  # [n, H, Cw]
-        cent = centroids[:, cid].permute(1, 0, 2, 3).float()  # [n, H, Cw, D]
-        q = batch.query.float().view(n, heads, -1, dim)
-        logits = torch.einsum("nhgd,nhcd->nhgc", q, cent) * dim**-0.5
-        empty = sizes == 0
-        probs = torch.softmax(logits.masked_fill(empty[:, :, None], float("-inf")), dim=-1).sum(2)
-        scores = probs.nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [n, H, Cw]
-        ranked = sizes.gather(-1, order)
-        cum = ranked.cumsum(-1)
-        j = torch.arange(tokens_w, device=device).expand(n, heads, tokens_w).contiguous()
-        rank = torch.searchsorted(cum, j, right=True).clamp_(max=clusters_w - 1)
-        within = j - (cum - ranked).gather(-1, rank)
-        cluster = order.gather(-1, rank)
-        offsets = offsets_all[:, cid].permute(1, 0, 2).gather(-1, cluster)
-        slot = (tok_base[:, None, None] + offsets + within).clamp_(0, positions.shape[1] - 1)
-        head = torch.arange(heads, device=device)[None, :, None]
-        picked = positions[head, slot].long()
-        take = (j < budget[:, None, None]) & (j < cum[..., -1:])
-        mask = torch.zeros(n, heads, tokens_w + 1, dtype=torch.bool, device=device)
-        mask.scatter_(-1, torch.where(take, picked, tokens_w), True)
-        t = torch.arange(tokens_w, device=device)
-        sink = self.config.retroinfer_sink_tokens
-        exact = ((t[None] < sink) | (t[None] >= end[:, None])) & (t[None] < kv[:, None])  # [n, Tw]
-        mask = mask[..., :tokens_w] | exact[:, None]
-        width = self._width
-        slot_of = torch.where(mask, mask.cumsum(-1) - 1, width).clamp_(max=width)
-        out = (kv - 1).clamp(min=0)[:, None, None].expand(n, heads, width + 1).contiguous()
-        out.scatter_(-1, slot_of, t.expand(n, heads, tokens_w) * mask + (kv - 1)[:, None, None] * ~mask)
-        return out[..., :width]
+        order up to the row's budget (``cluster_selection``); ``[B, H, width]``, a narrower row's entries past
+        its own width repeat its newest slot. With a positive estimation ratio, a ``DecodeSelection`` whose
+        ``extra`` estimates the clusters ranked next. Device only, fixed shapes (from ``batch.max_pages``)."""
+        c = self.config
+        ranking = rank_arena_clusters(self.arena, layer, batch, c.retroinfer_avg_cluster_size, self.shape.head_dim)
+        slots = cluster_slots(self.arena, layer, batch, ranking, sink=c.retroinfer_sink_tokens, width=self._width)
+        if not self.observes_values:
+            return slots
+        return DecodeSelection(
+            slots, estimate_clusters(self.arena, layer, batch, ranking, c.retroinfer_estimation_ratio)
+        )
