@@ -4,8 +4,16 @@ the slots the row reads exactly, and estimate the clusters ranked next (``RetroI
 The arena's per-step plan (``ClusterArena.plan``) says per row where its index lives, how many clusters it
 has, where it ends, how many cluster tokens the row reads (its budget) and how many clusters it estimates.
 Every shape comes from ``DecodeBatch.max_pages`` (``Cw = max_pages * block_size // avg`` cluster columns),
-so the ops run under CUDA graphs with no host sync; columns past a row's index, and empty clusters, rank
-last with size 0. ``sparse_kernels.cluster_attention`` is the plain per-request reference of the whole.
+the step's selection width and the estimation ratio, so the ops run under CUDA graphs with no host sync;
+columns past a row's index, and empty clusters, rank last with size 0.
+
+The work grows with what a row reads, not with its context: the ranking reads the centroids in their stored
+dtype (on CUDA one matmul accumulating in float32) and keeps only the ``top`` clusters a row can reach
+(``clusters_needed``: a row reads at most ``width - sink`` cluster tokens, so at most that many clusters,
+then estimates at most ``estimation_width``), by one top-k; the slots come from those clusters' offsets
+and running sizes over the ``width - sink`` tokens a row may read, sorted, then merged with the sink and
+the unindexed tail. ``cluster_selection_reference`` is the full-sort, per-context-token version the tests
+hold this equal to; ``sparse_kernels.cluster_attention`` the plain per-request reference of the whole.
 """
 
 from __future__ import annotations
@@ -20,38 +28,79 @@ from sparse_methods.cluster_arena import ClusterArena
 
 @dataclass(frozen=True, slots=True)
 class ClusterRanking:
-    """One layer's ranking of a decode batch's clusters: ``cid`` int64 ``[n, Cw]`` the arena columns of each
-    row's clusters; ``order`` int64 ``[n, H, Cw]`` cluster indices best first per KV head; ``ranked`` int32
-    ``[n, H, Cw]`` their sizes in that order (0: empty or past the row's index) and ``cum`` their running sums."""
+    """One layer's ranking of a decode batch's clusters, per row and KV head, best first: ``order`` int64
+    ``[n, H, k]`` cluster columns (from the row's cluster base); ``ranked`` int32 ``[n, H, k]`` their sizes
+    (0: empty or past the row's index) and ``cum`` int64 their running sums; ``columns`` the ``Cw`` columns
+    ranked (``k <= Cw``: the first ``k`` of a stable descending sort of all of them)."""
 
-    cid: torch.Tensor
     order: torch.Tensor
     ranked: torch.Tensor
     cum: torch.Tensor
+    columns: int
+
+
+def cluster_columns(batch: DecodeBatch, avg_cluster_size: int) -> int:
+    """``Cw``: cluster columns of a row (no row's index has more clusters than its tokens allow)."""
+    return max(1, batch.max_pages * batch.block_size // avg_cluster_size)
+
+
+def estimation_width(columns: int, ratio: float) -> int:
+    """Estimated clusters per row and KV head, fixed: ``round(Cw * ratio)`` (no row estimates more)."""
+    return max(1, min(columns, round(columns * ratio)))
+
+
+def clusters_needed(columns: int, width: int, sink: int, ratio: float) -> int:
+    """Ranked clusters a step's rows can use: a row's budget is at most ``width - sink`` tokens, and every
+    cluster it reads holds one at least, so it reads at most that many clusters; then it estimates at most
+    ``estimation_width`` (none at ``ratio = 0``)."""
+    estimated = estimation_width(columns, ratio) if ratio > 0 else 0
+    return min(columns, max(1, width - sink) + estimated)
 
 
 def rank_arena_clusters(
-    arena: ClusterArena, layer: int, batch: DecodeBatch, avg_cluster_size: int, head_dim: int
+    arena: ClusterArena, layer: int, batch: DecodeBatch, avg_cluster_size: int, head_dim: int, *, top: int
 ) -> ClusterRanking:
     """Per row and KV head: softmax over the row's clusters of ``q . centroid * head_dim ** -0.5`` (empty ones
-    masked), summed over the group's query heads, sorted descending (stable: ties to the lower cluster)."""
+    masked), summed over the group's query heads; the ``top`` best (``clusters_needed``), ties to the lower
+    cluster (a stable descending sort's first ``top``)."""
     centroids, sizes_all = arena.layers[layer][:2]
-    n, heads = batch.query.shape[0], centroids.shape[0]
-    clusters_w = max(1, batch.max_pages * batch.block_size // avg_cluster_size)
+    n, columns = batch.query.shape[0], cluster_columns(batch, avg_cluster_size)
     clu_base, count = arena.plan[1:3, :n]
-    c = torch.arange(clusters_w, device=batch.query.device)
+    c = torch.arange(columns, device=batch.query.device)
     cid = (clu_base[:, None] + c).clamp_(max=centroids.shape[1] - 1)  # [n, Cw]
     valid = c[None] < count[:, None]
     sizes = sizes_all[:, cid].permute(1, 0, 2).masked_fill(~valid[:, None], 0)  # [n, H, Cw]
-    cent = centroids[:, cid].permute(1, 0, 2, 3).float()  # [n, H, Cw, D]
-    q = batch.query.float().view(n, heads, -1, head_dim)
-    logits = torch.einsum("nhgd,nhcd->nhgc", q, cent) * head_dim**-0.5
+    logits = _cluster_logits(batch.query, centroids[:, cid], head_dim) * head_dim**-0.5  # [n, H, G, Cw]
     empty = sizes == 0
     probs = torch.softmax(logits.masked_fill(empty[:, :, None], float("-inf")), dim=-1).sum(2)
     scores = probs.nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [n, H, Cw]
+    order = _top_columns(scores, min(top, columns))
     ranked = sizes.gather(-1, order)
-    return ClusterRanking(cid, order, ranked, ranked.cumsum(-1))
+    return ClusterRanking(order, ranked, ranked.cumsum(-1), columns)
+
+
+def _cluster_logits(query: torch.Tensor, cent: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``[n, H, G, Cw]`` float32 ``q . centroid`` of ``query`` ``[n, H * G, D]`` and the rows' centroids
+    ``cent`` ``[H, n, Cw, D]`` (gathered, stored dtype). On CUDA with half-precision queries and centroids:
+    one batched matmul accumulating in float32, no float32 copy of the centroids (their products are exact
+    in float32, so only the summation order differs from the einsum below). Elsewhere the float32 einsum."""
+    heads, n, columns, _ = cent.shape
+    if query.is_cuda and query.dtype == cent.dtype and query.dtype in (torch.bfloat16, torch.float16):
+        q = query.view(n, heads, -1, head_dim).transpose(0, 1).reshape(heads * n, -1, head_dim)
+        out = torch.bmm(q, cent.view(heads * n, columns, head_dim).transpose(1, 2), out_dtype=torch.float32)
+        return out.view(heads, n, -1, columns).transpose(0, 1)
+    q = query.float().view(n, heads, -1, head_dim)
+    return torch.einsum("nhgd,nhcd->nhgc", q, cent.permute(1, 0, 2, 3).float())
+
+
+def _top_columns(scores: torch.Tensor, top: int) -> torch.Tensor:
+    """``[n, H, top]`` columns of the best ``scores`` ``[n, H, Cw]`` in a stable descending sort's order.
+    Scores are ``-inf`` or at least ``+0.0`` (never ``-0.0`` or NaN), whose int32 bit patterns order like
+    the floats, so one int64 key (bits, then the column reversed: the lower wins a tie) makes them unique."""
+    columns = scores.shape[-1]
+    tiebreak = columns - 1 - torch.arange(columns, device=scores.device)
+    key = scores.contiguous().view(torch.int32).to(torch.int64).mul_(1 << 32).add_(tiebreak)
+    return key.topk(top, dim=-1, sorted=True).indices
 
 
 def cluster_slots(
@@ -59,52 +108,70 @@ def cluster_slots(
 ) -> torch.Tensor:
     """``[n, H, width]`` ascending slots per row and KV head: the ``sink`` first slots, the unindexed tail and
     the first ``budget`` tokens of the clusters in rank order (each cluster's in index order, the last one
-    cut short); entries past a row's own count repeat its newest slot."""
+    cut short); entries past a row's own count repeat its newest slot.
+
+    As the plan makes them: a row's budget is at most ``width - sink`` and its index holds distinct
+    positions in ``[sink, end)``, so the sink, the clusters' tokens and the tail follow one another."""
     offsets_all, positions = arena.layers[layer][2:4]
     n, heads = batch.query.shape[0], positions.shape[0]
     device = batch.query.device
     tokens_w = batch.max_pages * batch.block_size
-    tok_base, _, _, end, budget, _ = arena.plan[:, :n]
+    tok_base, clu_base, _, end, budget, _ = arena.plan[:, :n]
+    reach = min(tokens_w, max(1, width - sink))  # cluster tokens a row may read
+    picked, num_picked = _picked_positions(ranking, offsets_all, positions, tok_base, clu_base, budget, reach)
     kv = batch.kv_lens
+    num_sink = kv.clamp(0, sink)[:, None, None]  # [n, 1, 1] (kv_lens <= tokens_w)
+    tail_lo = torch.maximum(end[:, None, None], num_sink)
+    num_tail = (kv[:, None, None] - tail_lo).clamp_(min=0)
+    i = torch.arange(width, device=device)
+    k = i - num_sink  # [n, 1, W] place among the cluster tokens, then (less num_picked) in the tail
+    from_clusters = picked.gather(-1, k.clamp(0, reach - 1).expand(n, heads, width)).long()
+    newest = (kv - 1).clamp(min=0)[:, None, None]
+    out = torch.where(k - num_picked < num_tail, tail_lo + k - num_picked, newest)
+    out = torch.where(k < num_picked, from_clusters, out)
+    return torch.where(k < 0, i, out)
+
+
+def _picked_positions(ranking, offsets_all, positions, tok_base, clu_base, budget, reach: int):
+    """``([n, H, reach] ascending positions, [n, H, 1] count)``: the first ``min(budget, reach)`` tokens of the
+    ranked clusters (``j``-th: in the cluster whose running size first passes ``j``), padding past the
+    count sorted last."""
     order, ranked, cum = ranking.order, ranking.ranked, ranking.cum
-    j = torch.arange(tokens_w, device=device).expand(n, heads, tokens_w).contiguous()
-    rank = torch.searchsorted(cum, j, right=True).clamp_(max=order.shape[-1] - 1)
+    n, heads, top = order.shape
+    head = torch.arange(heads, device=order.device)[None, :, None]
+    first = offsets_all[head, (clu_base[:, None, None] + order).clamp_(max=offsets_all.shape[1] - 1)]  # [n, H, k]
+    j = torch.arange(reach, device=order.device).expand(n, heads, reach).contiguous()
+    rank = torch.searchsorted(cum, j, right=True).clamp_(max=top - 1)
     within = j - (cum - ranked).gather(-1, rank)
-    cluster = order.gather(-1, rank)
-    offsets = offsets_all[:, ranking.cid].permute(1, 0, 2).gather(-1, cluster)
-    slot = (tok_base[:, None, None] + offsets + within).clamp_(0, positions.shape[1] - 1)
-    head = torch.arange(heads, device=device)[None, :, None]
-    picked = positions[head, slot].long()
-    take = (j < budget[:, None, None]) & (j < cum[..., -1:])
-    mask = torch.zeros(n, heads, tokens_w + 1, dtype=torch.bool, device=device)
-    mask.scatter_(-1, torch.where(take, picked, tokens_w), True)
-    t = torch.arange(tokens_w, device=device)
-    exact = ((t[None] < sink) | (t[None] >= end[:, None])) & (t[None] < kv[:, None])  # [n, Tw]
-    mask = mask[..., :tokens_w] | exact[:, None]
-    slot_of = torch.where(mask, mask.cumsum(-1) - 1, width).clamp_(max=width)
-    out = (kv - 1).clamp(min=0)[:, None, None].expand(n, heads, width + 1).contiguous()
-    out.scatter_(-1, slot_of, t.expand(n, heads, tokens_w) * mask + (kv - 1)[:, None, None] * ~mask)
-    return out[..., :width]
+    slot = (tok_base[:, None, None] + first.gather(-1, rank) + within).clamp_(0, positions.shape[1] - 1)
+    count = torch.minimum(budget[:, None, None], cum[..., -1:]).clamp_(0, reach)
+    picked = positions[head, slot].masked_fill_(j >= count, torch.iinfo(positions.dtype).max)
+    return picked.sort(dim=-1).values, count
+
+
+def estimated_cluster_ids(arena: ClusterArena, batch: DecodeBatch, ranking: ClusterRanking, ratio: float):
+    """int64 ``[n, H, estimation_width]`` arena columns of the estimated clusters, per row and KV head: the
+    ``min(estimated, C - read)`` ranked after the ``read`` ones whose tokens ``cluster_slots`` reads (wholly or
+    in part), best first; ``-1`` past them."""
+    n, top = batch.query.shape[0], ranking.order.shape[-1]
+    _, clu_base, count, _, budget, estimated = arena.plan[:, :n]
+    ranked, cum = ranking.ranked, ranking.cum
+    read = (((cum - ranked) < budget[:, None, None]) & (ranked > 0)).sum(-1)  # [n, H]
+    k = torch.arange(estimation_width(ranking.columns, ratio), device=ranked.device)
+    rank = read[..., None] + k  # [n, H, E]
+    wanted = torch.minimum(estimated[:, None], count[:, None] - read)  # [n, H]
+    ids = clu_base[:, None, None] + ranking.order.gather(-1, rank.clamp(max=top - 1))
+    return torch.where((k < wanted[..., None]) & (rank < top), ids, -1)
 
 
 def estimate_clusters(
     arena: ClusterArena, layer: int, batch: DecodeBatch, ranking: ClusterRanking, ratio: float
 ) -> AttentionState:
     """The estimated clusters' attention state (``sparse_kernels.cluster_estimation`` at the attention's
-    scale): per row and KV head, the ``min(estimated, C - read)`` clusters ranked after the ``read`` ones
-    whose tokens ``cluster_slots`` reads (wholly or in part), over a fixed width ``round(Cw * ratio)``."""
+    scale) over ``estimated_cluster_ids``."""
     from sparse_kernels.cluster_estimation import cluster_estimation
 
     centroids, sizes_all, _, _, value_sums = arena.layers[layer]
-    n, clusters_w = batch.query.shape[0], ranking.order.shape[-1]
-    _, clu_base, count, _, budget, estimated = arena.plan[:, :n]
-    ranked, cum = ranking.ranked, ranking.cum
-    read = (((cum - ranked) < budget[:, None, None]) & (ranked > 0)).sum(-1)  # [n, H]
-    width = max(1, min(clusters_w, round(clusters_w * ratio)))  # no row estimates more (its C <= Cw)
-    k = torch.arange(width, device=ranked.device)
-    rank = read[..., None] + k  # [n, H, E]
-    wanted = torch.minimum(estimated[:, None], count[:, None] - read)  # [n, H]
-    ids = clu_base[:, None, None] + ranking.order.gather(-1, rank.clamp(max=clusters_w - 1))
-    ids = torch.where((k < wanted[..., None]) & (rank < clusters_w), ids, -1)
+    ids = estimated_cluster_ids(arena, batch, ranking, ratio)
     out, lse = cluster_estimation(batch.query, centroids, value_sums, sizes_all, ids, scale=batch.sm_scale)
     return AttentionState(out, lse)

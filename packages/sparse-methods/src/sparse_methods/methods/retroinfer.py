@@ -68,7 +68,13 @@ from sparse_methods.base import (
     Unit,
 )
 from sparse_methods.cluster_arena import ClusterArena
-from sparse_methods.cluster_selection import cluster_slots, estimate_clusters, rank_arena_clusters
+from sparse_methods.cluster_selection import (
+    cluster_columns,
+    cluster_slots,
+    clusters_needed,
+    estimate_clusters,
+    rank_arena_clusters,
+)
 from sparse_methods.registry import register
 
 
@@ -242,9 +248,11 @@ class RetroInfer(SparseMethod):
         order up to the row's budget (``cluster_selection``); ``[B, H, width]``, a narrower row's entries past
         its own width repeat its newest slot. With a positive estimation ratio, a ``DecodeSelection`` whose
         ``extra`` estimates the clusters ranked next. Device only, fixed shapes (from ``batch.max_pages``)."""
-        c = self.config
-        ranking = rank_arena_clusters(self.arena, layer, batch, c.retroinfer_avg_cluster_size, self.shape.head_dim)
-        slots = cluster_slots(self.arena, layer, batch, ranking, sink=c.retroinfer_sink_tokens, width=self._width)
+        c, sink, avg = self.config, self.config.retroinfer_sink_tokens, self.config.retroinfer_avg_cluster_size
+        ratio = c.retroinfer_estimation_ratio if self.observes_values else 0.0
+        top = clusters_needed(cluster_columns(batch, avg), self._width, sink, ratio)
+        ranking = rank_arena_clusters(self.arena, layer, batch, avg, self.shape.head_dim, top=top)
+        slots = cluster_slots(self.arena, layer, batch, ranking, sink=sink, width=self._width)
         if not self.observes_values:
             return slots
         return DecodeSelection(
