@@ -81,11 +81,13 @@ def rank_arena_clusters(
 
 def _cluster_logits(query: torch.Tensor, cent: torch.Tensor, head_dim: int) -> torch.Tensor:
     """``[n, H, G, Cw]`` float32 ``q . centroid`` of ``query`` ``[n, H * G, D]`` and the rows' centroids
-    ``cent`` ``[H, n, Cw, D]`` (gathered, stored dtype). On CUDA with half-precision queries and centroids:
-    one batched matmul accumulating in float32, no float32 copy of the centroids (their products are exact
-    in float32, so only the summation order differs from the einsum below). Elsewhere the float32 einsum."""
+    ``cent`` ``[H, n, Cw, D]`` (gathered, stored dtype). With half-precision queries and centroids off the
+    CPU (CUDA; the meta device when benchmarks/retroinfer_select_cost.py counts bytes): one batched matmul
+    accumulating in float32, no float32 copy of the centroids (their products are exact in float32, so only
+    the summation order differs from the einsum below). On the CPU (no such matmul) the float32 einsum."""
     heads, n, columns, _ = cent.shape
-    if query.is_cuda and query.dtype == cent.dtype and query.dtype in (torch.bfloat16, torch.float16):
+    half = query.dtype == cent.dtype and query.dtype in (torch.bfloat16, torch.float16)
+    if half and query.device.type != "cpu":
         q = query.view(n, heads, -1, head_dim).transpose(0, 1).reshape(heads * n, -1, head_dim)
         out = torch.bmm(q, cent.view(heads * n, columns, head_dim).transpose(1, 2), out_dtype=torch.float32)
         return out.view(heads, n, -1, columns).transpose(0, 1)
