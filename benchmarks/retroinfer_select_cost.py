@@ -92,8 +92,7 @@ def setup(batch: int, context: int, device: str, seed: int = 0):
             _fill_row(arena, r, count, end, sink, torch.Generator().manual_seed(seed + r))
         arena.plan_rows([(r * tokens, r * clusters, count, end, budget, estimated) for r in range(batch)])
     gen = torch.Generator().manual_seed(seed)
-    query = torch.randn(batch, SHAPE.num_q_heads, dim, generator=gen, device="cpu" if device == "meta" else None)
-    query = query.to(device=device, dtype=torch.bfloat16)
+    query = torch.randint(-3, 4, (batch, SHAPE.num_q_heads, dim), generator=gen).to(device, torch.bfloat16)
     kv = torch.full((batch,), context, dtype=torch.int64, device=device)
     max_pages = -(-(context + PLANNED_OUTPUT) // BLOCK)
     decode = DecodeBatch(query, kv, kv[:0], kv, max_pages, BLOCK, sm_scale=dim**-0.5)
@@ -102,14 +101,15 @@ def setup(batch: int, context: int, device: str, seed: int = 0):
 
 def _fill_row(arena: ClusterArena, row: int, count: int, end: int, sink: int, gen: torch.Generator) -> None:
     """Row ``row``'s index: each token of ``[sink, end)`` in a random cluster, grouped by cluster (ascending
-    within one, as ``build_cluster_index`` stores them), random bf16 centroids."""
+    within one, as ``build_cluster_index`` stores them); centroids (and queries) of small integers, whose dot
+    products are exact in any summation order, so the CUDA ranking must equal the reference's bit for bit."""
     centroids, sizes, offsets, positions, _ = arena.layers[0]
     heads, tokens = centroids.shape[0], end - sink
     assign = torch.randint(0, count, (heads, tokens), generator=gen)
     size = torch.zeros(heads, count, dtype=torch.int64).scatter_add_(1, assign, torch.ones_like(assign))
     t0, c0 = row * arena.tokens, row * arena.clusters
     device = centroids.device
-    centroids[:, c0 : c0 + count] = torch.randn(heads, count, centroids.shape[2], generator=gen).to(device)
+    centroids[:, c0 : c0 + count] = torch.randint(-3, 4, (heads, count, centroids.shape[2]), generator=gen).to(device)
     sizes[:, c0 : c0 + count] = size.to(device)
     offsets[:, c0 : c0 + count] = (size.cumsum(1) - size).to(device)
     positions[:, t0 : t0 + tokens] = (torch.sort(assign, dim=1, stable=True).indices + sink).to(device)
