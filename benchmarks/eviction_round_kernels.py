@@ -43,7 +43,7 @@ from _timing import copy_bandwidth, median_ms  # noqa: E402
 from sparse_kernels import compact_kv, top_k_ascending  # noqa: E402
 from sparse_kernels._triton import compact as new_kernel  # noqa: E402
 from sparse_kernels._triton.launch import Kernel  # noqa: E402
-from sparse_methods.scoring import keep_indices_batch, keep_indices_batch_reference  # noqa: E402
+from sparse_methods.keep_selection import keep_indices_batch, keep_indices_batch_reference  # noqa: E402
 
 FULL = dict(kv_len=8448, budget=8192, sink=64, recent=512, window=32, heads=8, head_dim=128, block=16)
 SMALL = dict(kv_len=300, budget=260, sink=4, recent=16, window=8, heads=2, head_dim=16, block=16)

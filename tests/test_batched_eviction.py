@@ -16,7 +16,8 @@ import torch
 from test_async_scheduling import drive, greedy
 from test_eviction_pipeline import _llm, _spy
 
-from sparse_methods.scoring import keep_indices, keep_indices_batch, window_scores, window_scores_batch
+from sparse_methods.keep_selection import keep_indices, keep_indices_batch
+from sparse_methods.scoring import window_scores, window_scores_batch
 
 _rng = random.Random(8)
 # All prefilled in the first step, so they compact together at the prompt's end and at every decode

@@ -10,12 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_methods import scoring
+from sparse_methods.keep_selection import keep_indices, keep_indices_batch, keep_indices_batch_reference
 from sparse_methods.scoring import (
     attention_column_sums,
     attention_column_sums_reference,
-    keep_indices,
-    keep_indices_batch,
-    keep_indices_batch_reference,
     pool_scores,
     pyramid_budgets,
     window_scores,

@@ -6,7 +6,7 @@ per row finds the ``k``-th largest value from the values' ordered bit patterns (
 the row, held in registers: one bit per pass, or several with every digit's count in one reduction),
 then writes the chosen columns in ascending order through a prefix sum of the chosen mask. Ties at
 the threshold go to the lower column, as in a stable descending sort
-(``sparse_methods.scoring.keep_indices``' rule); ``-0.0`` equals ``0.0``. Wide rows go through
+(``sparse_methods.keep_selection.keep_indices``' rule); ``-0.0`` equals ``0.0``. Wide rows go through
 per-tile candidates first, spread over many programs (the Triton module's ``CONFIG`` picks the select
 and the tiles); rows the kernel cannot take (``fits``) use the reference. Fixed grids, no host sync:
 graph-safe.

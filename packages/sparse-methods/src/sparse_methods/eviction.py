@@ -58,7 +58,8 @@ from sparse_methods.deferred_selections import DeferredSelections, ScoreBatch
 from sparse_methods.eviction_device import DeviceObservation
 from sparse_methods.eviction_round import BatchedRound
 from sparse_methods.keep_rows import KeepRows
-from sparse_methods.scoring import MAX_SCORE_ELEMENTS, keep_indices, keep_indices_batch
+from sparse_methods.keep_selection import keep_indices, keep_indices_batch
+from sparse_methods.scoring import MAX_SCORE_ELEMENTS
 
 _UNBOUNDED = sys.maxsize  # the budget of a layer the method leaves alone (a sliding-window layer)
 

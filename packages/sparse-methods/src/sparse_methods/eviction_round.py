@@ -20,7 +20,8 @@ import torch
 from sparse_methods.attention_batch import LayerAttentionBatch, PagedKeys
 from sparse_methods.deferred_selections import ScoreBatch
 from sparse_methods.keep_rows import KeepRows
-from sparse_methods.scoring import MAX_SCORE_ELEMENTS, keep_indices_batch
+from sparse_methods.keep_selection import keep_indices_batch
+from sparse_methods.scoring import MAX_SCORE_ELEMENTS
 
 
 class BatchedRound:

@@ -42,8 +42,8 @@ from sparse_methods.base import (
     Support,
     Unit,
 )
+from sparse_methods.keep_selection import keep_indices
 from sparse_methods.registry import register, register_prefill_method
-from sparse_methods.scoring import keep_indices
 
 
 class OmniKVConfig(MethodConfig):
