@@ -241,7 +241,13 @@ def test_config_checks_are_clear_errors_and_the_defaults_run():
     assert (method.config.retroinfer_retrieval_ratio, method.config.retroinfer_estimation_ratio) == (0.018, 0.232)
     assert method.decode_read_tokens(0, 16000, 16) == 16000  # no index yet: reads everything
     clusters = (131072 - 1 - 68) // 16
-    assert method.decode_read_tokens(0, 131072, 16) == 4 + 64 + 1024 + round(clusters * 0.018) * 16
+    exact = 4 + 64 + 1024 + round(clusters * 0.018) * 16
+    assert method.selection_size(131072, 16) == exact
+    # plus the index in token equivalents (a token: K and V of a head, 4 * 16 bytes): every cluster's bf16
+    # centroid (2 * 16 bytes) with its int32 size and offset, and the estimated clusters' fp32 value sums
+    estimated = round(clusters * 0.232)
+    index_bytes = clusters * (2 * 16 + 8) + estimated * 4 * 16
+    assert method.decode_read_tokens(0, 131072, 16) == exact + -(-index_bytes // (4 * 16))
     for bad in (
         dict(retroinfer_retrieval_ratio=0.0),
         dict(retroinfer_retrieval_ratio=0.8, retroinfer_estimation_ratio=0.3),

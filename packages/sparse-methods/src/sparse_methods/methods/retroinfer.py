@@ -154,6 +154,22 @@ class RetroInfer(SparseMethod):
         exact = c.retroinfer_sink_tokens + c.retroinfer_recent_tokens + c.retroinfer_update_tokens
         return min(kv_len, exact + retrieved * c.retroinfer_avg_cluster_size)
 
+    def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
+        """The tokens a decode query reads exactly, plus its index reads in token equivalents (one token: K and
+        V of one KV head in the 2-byte KV dtype RetroInfer runs on): every cluster's centroid (model dtype),
+        size and offset (int32), and the estimated clusters' float32 value sums."""
+        from sparse_kernels.cluster_attention import cluster_counts
+
+        tokens = super().decode_read_tokens(layer, kv_len, block_size)
+        c, dim = self.config, self.shape.head_dim
+        indexed = kv_len - 1 - c.retroinfer_recent_tokens - c.retroinfer_sink_tokens
+        if indexed < c.retroinfer_min_index_tokens:
+            return tokens
+        count = indexed // c.retroinfer_avg_cluster_size
+        _, estimated = cluster_counts(count, c.retroinfer_retrieval_ratio, c.retroinfer_estimation_ratio)
+        index_bytes = count * (2 * dim + 8) + estimated * 4 * dim
+        return tokens + -(-index_bytes // (4 * dim))
+
     def _due(self, request_id: Hashable, processed: int) -> bool:
         """Whether ``processed`` tokens start an index or a new update block for the request."""
         c = self.config
