@@ -52,8 +52,8 @@ PREFILL = {
 def method_settings(length: int) -> dict[str, dict]:
     """Every registered decode method at a budget of ``length // 4`` tokens: dense, StreamingLLM,
     SnapKV, PyramidKV and H2O as in ``scripts/eval_methods.py``; the others with the same sink 4 and
-    recent 32 where they have them. R-KV compresses only after generated tokens: it cuts back to the
-    budget from the first one (interval 1). RetroInfer reads the best quarter of its clusters exactly
+    recent 32 where they have them. R-KV and skipkv compress only after generated tokens: they cut back to
+    the budget from the first one (interval 1). RetroInfer reads the best quarter of its clusters exactly
     from an index built at 1024 tokens, estimating none (the budget counts tokens read exactly)."""
     budget = length // 4
     snapkv = eviction_settings(length)["snapkv"]
@@ -64,6 +64,7 @@ def method_settings(length: int) -> dict[str, dict]:
         "kvzip": dict(sparse_method="kvzip", kvzip_token_budget=budget, kvzip_score_chunk_size=1024),
         "tova": dict(sparse_method="tova", **protected),
         "rkv": dict(sparse_method="rkv", **protected, rkv_compression_interval=1, rkv_observation_tokens=1),
+        "skipkv": dict(sparse_method="skipkv", **protected, skipkv_compression_interval=1),
         "quest": dict(
             sparse_method="quest", sink_keep_tokens=16, recent_keep_tokens=32, decode_keep_tokens=budget - 48
         ),
