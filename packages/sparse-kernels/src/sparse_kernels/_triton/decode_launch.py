@@ -67,22 +67,7 @@ def run_decode_triton(
         **launch,
         **pdl_args(q.device),
     )
-    decode_reduce_kernel[(layout.batch, layout.num_qo_heads)](
-        bufs.o_part,
-        bufs.lse_part,
-        bufs.indptr,
-        bufs.last_len,
-        out,
-        bufs.lse,
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        window_left,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        **shape,
-        num_warps=4,
-        **pdl_args(q.device),
-    )
+    launch_reduce(layout, bufs, num_splits, out, window_left, shape)
     if scores_out is not None:
         decode_scores_kernel[grid](
             q,
@@ -105,3 +90,26 @@ def run_decode_triton(
             **launch,
         )
     return out
+
+
+def launch_reduce(
+    layout: DecodeLayout, bufs: DecodeBuffers, num_splits: int, out: torch.Tensor, window_left: int, shape: dict
+) -> None:
+    """The reduce that merges the split kernel's partials into ``out`` and ``bufs.lse`` (bf16 and quantized
+    decode alike); ``shape``: the split launch's static parameters, ``WINDOW`` included."""
+    decode_reduce_kernel[(layout.batch, layout.num_qo_heads)](
+        bufs.o_part,
+        bufs.lse_part,
+        bufs.indptr,
+        bufs.last_len,
+        out,
+        bufs.lse,
+        out.stride(0),
+        out.stride(1),
+        num_splits,
+        window_left,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        **shape,
+        num_warps=4,
+        **pdl_args(out.device),
+    )

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from sparse_kernels._decode_buffers import DecodeBuffers
 from sparse_kernels._decode_layout import DecodeLayout
-from sparse_kernels._triton.decode import decode_reduce_kernel
+from sparse_kernels._triton.decode_launch import launch_reduce
 from sparse_kernels._triton.launch import pdl_args
 from sparse_kernels._triton.quantized_decode import quantized_decode_split_kernel
 from sparse_kernels._triton.quantized_tiles import SCHEME_IDS
@@ -123,21 +123,5 @@ def run_quantized_decode_triton(
         **launch,
         **pdl_args(q.device),
     )
-    decode_reduce_kernel[(layout.batch, layout.num_qo_heads)](
-        bufs.o_part,
-        bufs.lse_part,
-        bufs.indptr,
-        bufs.last_len,
-        out,
-        bufs.lse,
-        out.stride(0),
-        out.stride(1),
-        num_splits,
-        0,  # window_left: run_quantized takes no window yet
-        WINDOW=False,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        **shape,
-        num_warps=4,
-        **pdl_args(q.device),
-    )
+    launch_reduce(layout, bufs, num_splits, out, 0, {**shape, "WINDOW": False})  # run_quantized: no window yet
     return out
