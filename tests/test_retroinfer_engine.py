@@ -163,7 +163,7 @@ def test_decode_equals_plain_references_under_continuous_batching():
         for row, (rid, kv_len, _) in enumerate(selecting):
             index = method.index(rid, layer)
             want = _reference(method, index, batch.query[row], kv_len)
-            assert out.entries[row, :, : len(want[0])].tolist() == want
+            assert out.entries[row, :, : len(want[0])].sort(-1).values.tolist() == want  # rank order: sort
             checked.append(kv_len)
             if index is None:
                 unindexed.append(rid)

@@ -23,7 +23,8 @@ def _case(dtype, seed=0, batch=3, q_heads=4, heads=2, count=40, dim=24, est=37):
         batch, heads, est
     )
     clusters[0, :, -5:] = -1  # padding
-    clusters[2, 1] = -1  # a row that estimates nothing
+    if batch > 2:
+        clusters[2, 1] = -1  # a row that estimates nothing
     return query, centroids, value_sums, sizes, clusters
 
 
@@ -47,8 +48,9 @@ def test_reference_equals_per_cluster_loop():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_equals_reference(dtype, triton_device):
-    query, centroids, value_sums, sizes, clusters = _case(dtype, seed=1)
+@pytest.mark.parametrize("shape", [dict(), dict(batch=1, q_heads=2, heads=1, count=60, est=45)])  # 2, 3 splits
+def test_triton_equals_reference(dtype, shape, triton_device):
+    query, centroids, value_sums, sizes, clusters = _case(dtype, seed=1, **shape)
     want = cluster_estimation(query, centroids, value_sums, sizes, clusters, scale=0.2, backend="reference")
     args = [t.to(triton_device) for t in (query, centroids, value_sums, sizes, clusters)]
     got = cluster_estimation(*args, scale=0.2, backend="triton")

@@ -142,7 +142,8 @@ def _assert_equal(arena, batch, sink: int, width: int, ratio: float, avg: int = 
     for got, want in ((fast.order, ref.order), (fast.ranked, ref.ranked), (fast.cum, ref.cum)):
         assert torch.equal(got, want[..., :top])
     slots = cluster_slots(arena, 0, batch, fast, sink=sink, width=width)
-    assert torch.equal(slots, cluster_slots_reference(arena, 0, batch, ref, sink=sink, width=width))
+    want = cluster_slots_reference(arena, 0, batch, ref, sink=sink, width=width)
+    assert torch.equal(slots.sort(-1).values, want)  # the same slots; the fast path leaves them in rank order
     if ratio > 0:
         ids = estimated_cluster_ids(arena, batch, fast, ratio)
         assert torch.equal(ids, estimated_cluster_ids_reference(arena, batch, ref, ratio))

@@ -495,7 +495,7 @@ class AttentionState:
 class DecodeSelection:
     """``select_decode``'s answer when the decode reads more than its entries.
 
-    ``entries``: as a plain answer, ``[B, num_kv_heads, size]`` ascending entry indices. ``extra``: an
+    ``entries``: as a plain answer, ``[B, num_kv_heads, size]`` entry indices. ``extra``: an
     ``AttentionState`` over keys the entries do not read (disjoint from them), made on the device from
     the same batch, which the engine merges into the softmax over the entries' tokens after the decode
     kernel, so each query head attends once over both; None: the entries alone. Its rows are the
@@ -601,8 +601,9 @@ class SparseMethod(ABC):
         return None
 
     def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | DecodeSelection | None:
-        """A ``SELECTED`` layer: ``[B, num_kv_heads, size]`` ascending entry indices (``LayerPlan.unit``, in
-        table order, the newest last) for a batch whose rows select ``size`` (the largest of their
+        """A ``SELECTED`` layer: ``[B, num_kv_heads, size]`` distinct entry indices (``LayerPlan.unit``, in
+        table order, the newest last; ascending or in any other order: the decode's softmax does not depend
+        on it) for a batch whose rows select ``size`` (the largest of their
         ``selection_size``) entries, made on the device without host sync; a row that selects fewer has
         its own number read (the rest is ignored); entries past a row's length (padding rows of a CUDA
         graph) are allowed and read the row's last entry. Or a ``DecodeSelection``: those entries plus an

@@ -8,7 +8,8 @@ the step's selection width and the estimation ratio, so the ops run under CUDA g
 columns past a row's index, and empty clusters, rank last with size 0.
 
 The work grows with what a row reads, not with its context: the ranking reads the centroids in their stored
-dtype (on CUDA one matmul accumulating in float32) and keeps only the ``top`` clusters a row can reach
+dtype straight from the arena (``sparse_kernels.cluster_logits``: on CUDA a Triton kernel accumulating in
+float32, no gathered copy) and keeps only the ``top`` clusters a row can reach
 (``clusters_needed``: a row reads at most ``width - sink`` cluster tokens, so at most that many clusters,
 then estimates at most ``estimation_width``), by one top-k; the slots come from those clusters' offsets
 and running sizes over the ``width - sink`` tokens a row may read, sorted, then merged with the sink and
@@ -63,36 +64,18 @@ def rank_arena_clusters(
     """Per row and KV head: softmax over the row's clusters of ``q . centroid * head_dim ** -0.5`` (empty ones
     masked), summed over the group's query heads; the ``top`` best (``clusters_needed``), ties to the lower
     cluster (a stable descending sort's first ``top``)."""
+    from sparse_kernels.cluster_logits import cluster_logits
+
     centroids, sizes_all = arena.layers[layer][:2]
     n, columns = batch.query.shape[0], cluster_columns(batch, avg_cluster_size)
     clu_base, count = arena.plan[1:3, :n]
-    c = torch.arange(columns, device=batch.query.device)
-    cid = (clu_base[:, None] + c).clamp_(max=centroids.shape[1] - 1)  # [n, Cw]
-    valid = c[None] < count[:, None]
-    sizes = sizes_all[:, cid].permute(1, 0, 2).masked_fill(~valid[:, None], 0)  # [n, H, Cw]
-    logits = _cluster_logits(batch.query, centroids[:, cid], head_dim) * head_dim**-0.5  # [n, H, G, Cw]
+    logits, sizes = cluster_logits(batch.query, centroids, sizes_all, clu_base, count, columns, scale=head_dim**-0.5)
     empty = sizes == 0
-    probs = torch.softmax(logits.masked_fill(empty[:, :, None], float("-inf")), dim=-1).sum(2)
+    probs = torch.softmax(logits, dim=-1).sum(2)  # empty clusters' logits are -inf
     scores = probs.nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
     order = _top_columns(scores, min(top, columns))
     ranked = sizes.gather(-1, order)
     return ClusterRanking(order, ranked, ranked.cumsum(-1), columns)
-
-
-def _cluster_logits(query: torch.Tensor, cent: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """``[n, H, G, Cw]`` float32 ``q . centroid`` of ``query`` ``[n, H * G, D]`` and the rows' centroids
-    ``cent`` ``[H, n, Cw, D]`` (gathered, stored dtype). With half-precision queries and centroids off the
-    CPU (CUDA; the meta device when benchmarks/retroinfer_select_cost.py counts bytes): one batched matmul
-    accumulating in float32, no float32 copy of the centroids (their products are exact in float32, so only
-    the summation order differs from the einsum below). On the CPU (no such matmul) the float32 einsum."""
-    heads, n, columns, _ = cent.shape
-    half = query.dtype == cent.dtype and query.dtype in (torch.bfloat16, torch.float16)
-    if half and query.device.type != "cpu":
-        q = query.view(n, heads, -1, head_dim).transpose(0, 1).reshape(heads * n, -1, head_dim)
-        out = torch.bmm(q, cent.view(heads * n, columns, head_dim).transpose(1, 2), out_dtype=torch.float32)
-        return out.view(heads, n, -1, columns).transpose(0, 1)
-    q = query.float().view(n, heads, -1, head_dim)
-    return torch.einsum("nhgd,nhcd->nhgc", q, cent.permute(1, 0, 2, 3).float())
 
 
 def _top_columns(scores: torch.Tensor, top: int) -> torch.Tensor:
@@ -108,12 +91,13 @@ def _top_columns(scores: torch.Tensor, top: int) -> torch.Tensor:
 def cluster_slots(
     arena: ClusterArena, layer: int, batch: DecodeBatch, ranking: ClusterRanking, *, sink: int, width: int
 ) -> torch.Tensor:
-    """``[n, H, width]`` ascending slots per row and KV head: the ``sink`` first slots, the unindexed tail and
-    the first ``budget`` tokens of the clusters in rank order (each cluster's in index order, the last one
-    cut short); entries past a row's own count repeat its newest slot.
+    """``[n, H, width]`` slots per row and KV head: the ``sink`` first slots, then the first ``budget`` tokens of
+    the clusters in rank order (each cluster's in index order, the last one cut short), then the unindexed
+    tail (the newest last); entries past a row's own count repeat its newest slot.
 
     As the plan makes them: a row's budget is at most ``width - sink`` and its index holds distinct
-    positions in ``[sink, end)``, so the sink, the clusters' tokens and the tail follow one another."""
+    positions in ``[sink, end)``, so the sink, the clusters' tokens and the tail are disjoint; sorted, a
+    row is the reference's ascending one (``cluster_slots_reference``)."""
     offsets_all, positions = arena.layers[layer][2:4]
     n, heads = batch.query.shape[0], positions.shape[0]
     device = batch.query.device
@@ -135,9 +119,11 @@ def cluster_slots(
 
 
 def _picked_positions(ranking, offsets_all, positions, tok_base, clu_base, budget, reach: int):
-    """``([n, H, reach] ascending positions, [n, H, 1] count)``: the first ``min(budget, reach)`` tokens of the
-    ranked clusters (``j``-th: in the cluster whose running size first passes ``j``), padding past the
-    count sorted last."""
+    """``([n, H, reach] positions, [n, H, 1] count)``: the first ``min(budget, reach)`` tokens of the ranked
+    clusters in rank order (``j``-th: in the cluster whose running size first passes ``j``); entries past the
+    count are never read. Not sorted: the decode's sum does not depend on the order, and a segmented sort of
+    ``[n, H, reach]`` cost about as much as the rest of the selection (8 radix passes, ~72 us per layer at
+    batch 5 / 128K on the H200)."""
     order, ranked, cum = ranking.order, ranking.ranked, ranking.cum
     n, heads, top = order.shape
     head = torch.arange(heads, device=order.device)[None, :, None]
@@ -147,8 +133,7 @@ def _picked_positions(ranking, offsets_all, positions, tok_base, clu_base, budge
     within = j - (cum - ranked).gather(-1, rank)
     slot = (tok_base[:, None, None] + first.gather(-1, rank) + within).clamp_(0, positions.shape[1] - 1)
     count = torch.minimum(budget[:, None, None], cum[..., -1:]).clamp_(0, reach)
-    picked = positions[head, slot].masked_fill_(j >= count, torch.iinfo(positions.dtype).max)
-    return picked.sort(dim=-1).values, count
+    return positions[head, slot], count
 
 
 def estimated_cluster_ids(arena: ClusterArena, batch: DecodeBatch, ranking: ClusterRanking, ratio: float):

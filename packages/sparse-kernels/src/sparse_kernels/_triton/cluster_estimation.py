@@ -1,5 +1,12 @@
-"""Triton ``cluster_estimation``: one program per (row, query head), an online softmax over tiles of
-the row's estimated clusters, each weighted by its size (``s + log(size)``)."""
+"""Triton ``cluster_estimation``, split-K: program ``(row, KV head, split)`` runs an online softmax over one
+slice of the row's estimated clusters for all query heads of the group at once (each centroid and value sum
+is read once per group), each cluster weighted by its size (``s + log(size)``); a second kernel merges the
+splits' ``(out, lse)`` per query head.
+
+The split count fills the GPU (``PROGRAMS_PER_SM`` programs per multiprocessor over ``rows x KV heads``
+lists), and depends only on the shapes, so a CUDA graph captures one grid. One program per (row, query
+head) over all ~2K clusters of a 128K context left 160 programs latency-bound at about 0.35 ms per layer.
+"""
 
 from __future__ import annotations
 
@@ -7,73 +14,131 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_kernels._decode_buffers import num_sms
 from sparse_kernels._triton.launch import Kernel
 
-BLOCK_E = 32  # clusters per tile
+BLOCK_E = 16  # clusters per tile
+PROGRAMS_PER_SM = 4
 
 
-def _cluster_estimation_kernel(
-    q_ptr, c_ptr, vs_ptr, size_ptr, ids_ptr, out_ptr, lse_ptr, scale, num_clusters, num_est, dim,
-    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+def _cluster_estimation_split_kernel(
+    q_ptr, c_ptr, vs_ptr, size_ptr, ids_ptr, o_part_ptr, lse_part_ptr, scale, num_clusters, num_est, chunk,
+    num_splits, dim,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    kv = (h // GROUP).to(tl.int64)
-    HEADS: tl.constexpr = Q_HEADS // GROUP
+    kv = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < GROUP
     d = tl.arange(0, BLOCK_D)
     dmask = d < dim
-    q = tl.load(q_ptr + (b * Q_HEADS + h) * dim + d, mask=dmask, other=0.0).to(tl.float32)
-    m = tl.max(tl.full([BLOCK_E], -1e30, tl.float32), axis=0)
-    denom = tl.sum(tl.zeros([BLOCK_E], tl.float32), axis=0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for lo in range(0, num_est, BLOCK_E):
-        e = lo + tl.arange(0, BLOCK_E)
-        ids = tl.load(ids_ptr + (b * HEADS + kv) * num_est + e, mask=e < num_est, other=-1)
+    heads = kv * GROUP + g  # this group's query heads
+    q = tl.load(
+        q_ptr + (b * (HEADS * GROUP) + heads)[:, None] * dim + d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [G, D]
+    m = tl.full([BLOCK_G], -1e30, tl.float32)
+    denom = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, num_est)
+    for start in range(lo, hi, BLOCK_E):
+        e = start + tl.arange(0, BLOCK_E)
+        ids = tl.load(ids_ptr + (b * HEADS + kv) * num_est + e, mask=e < hi, other=-1)
         valid = ids >= 0
         row = kv * num_clusters + tl.where(valid, ids, 0)
         size = tl.load(size_ptr + row, mask=valid, other=0).to(tl.float32)
         valid = valid & (size > 0)
         tile = row[:, None] * dim + d[None, :]
         both = valid[:, None] & dmask[None, :]
-        c = tl.load(c_ptr + tile, mask=both, other=0.0).to(tl.float32)
-        s = tl.sum(c * q[None, :], axis=1) * scale + tl.log(tl.maximum(size, 1.0))
-        s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=0))
+        c = tl.load(c_ptr + tile, mask=both, other=0.0).to(tl.float32)  # [E, D]
+        s = tl.sum(q[:, None, :] * c[None, :, :], axis=2) * scale + tl.log(tl.maximum(size, 1.0))[None, :]  # [G, E]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new)  # size * exp(q.c - m_new)
-        v = tl.load(vs_ptr + tile, mask=both, other=0.0)
-        denom = denom * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum((p / tl.maximum(size, 1.0))[:, None] * v, axis=0)
+        p = tl.exp(s - m_new[:, None])  # size * exp(q.c - m_new)
+        v = tl.load(vs_ptr + tile, mask=both, other=0.0)  # [E, D] float32
+        denom = denom * alpha + tl.sum(p, axis=1)
+        w = p / tl.maximum(size, 1.0)[None, :]
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * v[None, :, :], axis=1)
         m = m_new
     empty = denom == 0.0
-    tl.store(out_ptr + (b * Q_HEADS + h) * dim + d, tl.where(empty, 0.0, acc / tl.where(empty, 1.0, denom)), mask=dmask)
-    tl.store(lse_ptr + b * Q_HEADS + h, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, denom))))
+    part = (b * (HEADS * GROUP) + heads) * num_splits + split  # [G]
+    out = acc / tl.where(empty, 1.0, denom)[:, None]
+    tl.store(o_part_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=gmask[:, None] & dmask[None, :])
+    tl.store(lse_part_ptr + part, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, denom))), mask=gmask)
 
 
-cluster_estimation_kernel = Kernel(_cluster_estimation_kernel)
+def _cluster_estimation_merge_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)  # row * query heads + query head
+    s = tl.arange(0, BLOCK_S)
+    smask = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < dim
+    lse = tl.load(lse_part_ptr + r * num_splits + s, mask=smask, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp(lse - top)  # 0 for splits that estimated nothing
+    denom = tl.sum(w, axis=0)
+    o = tl.load(
+        o_part_ptr + (r * num_splits + s)[:, None] * BLOCK_D + d[None, :],
+        mask=smask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    empty = denom == 0.0
+    o = tl.sum(o * w[:, None], axis=0) / tl.where(empty, 1.0, denom)
+    tl.store(out_ptr + r * dim + d, o, mask=dmask)
+    tl.store(lse_ptr + r, tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, denom))))
+
+
+cluster_estimation_split_kernel = Kernel(_cluster_estimation_split_kernel)
+cluster_estimation_merge_kernel = Kernel(_cluster_estimation_merge_kernel)
+
+
+def estimation_splits(batch: int, heads: int, num_est: int, device: torch.device) -> int:
+    """Splits per (row, KV head): enough programs to fill the device, at most one per tile of clusters."""
+    want = -(-PROGRAMS_PER_SM * num_sms(device) // max(1, batch * heads))
+    return max(1, min(want, triton.cdiv(num_est, BLOCK_E)))
 
 
 def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, scale: float):
     batch, q_heads, dim = query.shape
     heads, count, _ = centroids.shape
-    out = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=query.device)
-    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=query.device)
-    cluster_estimation_kernel[(batch, q_heads)](
+    num_est = clusters.shape[2]
+    splits = estimation_splits(batch, heads, num_est, query.device)
+    chunk = triton.cdiv(triton.cdiv(num_est, splits), BLOCK_E) * BLOCK_E
+    group, block_d = q_heads // heads, triton.next_power_of_2(dim)
+    o_part = torch.empty(batch * q_heads * splits, block_d, dtype=torch.float32, device=query.device)
+    lse_part = torch.empty(batch * q_heads * splits, dtype=torch.float32, device=query.device)
+    cluster_estimation_split_kernel[(batch, heads, splits)](
         query.contiguous(),
         centroids.contiguous(),
         value_sums.contiguous(),
         sizes.to(torch.int32).contiguous(),
         clusters.to(torch.int64).contiguous(),
-        out,
-        lse,
+        o_part,
+        lse_part,
         float(scale),
         count,
-        clusters.shape[2],
+        num_est,
+        chunk,
+        splits,
         dim,
-        Q_HEADS=q_heads,
-        GROUP=q_heads // heads,
+        HEADS=heads,
+        GROUP=group,
+        BLOCK_G=triton.next_power_of_2(group),
         BLOCK_E=BLOCK_E,
-        BLOCK_D=triton.next_power_of_2(dim),
+        BLOCK_D=block_d,
         num_warps=4,
+    )
+    out = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=query.device)
+    lse = torch.empty(batch, q_heads, dtype=torch.float32, device=query.device)
+    cluster_estimation_merge_kernel[(batch * q_heads,)](
+        o_part, lse_part, out, lse, splits, dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4
     )
     return out, lse

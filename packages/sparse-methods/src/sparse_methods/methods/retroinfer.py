@@ -260,8 +260,8 @@ class RetroInfer(SparseMethod):
         return index
 
     def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | DecodeSelection:
-        """Per row and KV head, ascending slots: the sink, the unindexed tail and the clusters' tokens in rank
-        order up to the row's budget (``cluster_selection``); ``[B, H, width]``, a narrower row's entries past
+        """Per row and KV head, slots: the sink, the clusters' tokens in rank order up to the row's budget and
+        the unindexed tail (``cluster_selection``); ``[B, H, width]``, a narrower row's entries past
         its own width repeat its newest slot. With a positive estimation ratio, a ``DecodeSelection`` whose
         ``extra`` estimates the clusters ranked next. Device only, fixed shapes (from ``batch.max_pages``)."""
         c, sink, avg = self.config, self.config.retroinfer_sink_tokens, self.config.retroinfer_avg_cluster_size

@@ -1,0 +1,80 @@
+"""Triton ``cluster_logits``: program ``(row, KV head, column tile)`` loads the group's queries once and one
+tile of the row's centroids from the arena, one ``tl.dot`` (float32 accumulation) gives the tile's logits
+for every query head of the group."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_kernels._triton.launch import Kernel, dot_args
+
+BLOCK_C = 128  # cluster columns per program
+
+
+def _cluster_logits_kernel(
+    q_ptr, c_ptr, size_ptr, base_ptr, count_ptr, logit_ptr, size_out_ptr, scale, total, columns,
+    HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    t = tl.program_id(2)
+    base = tl.load(base_ptr + r)
+    count = tl.load(count_ptr + r)
+    col = t * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = col < columns
+    cid = tl.minimum(base + col, total - 1)
+    size = tl.load(size_ptr + h * total + cid, mask=cmask & (col < count), other=0)
+    live = size > 0
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + (r * (HEADS * GROUP) + h * GROUP + g)[:, None] * HEAD_DIM + d[None, :],
+        mask=gmask[:, None] & dmask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
+    c = tl.load(
+        c_ptr + (h * total + cid)[None, :] * HEAD_DIM + d[:, None], mask=live[None, :] & dmask[:, None], other=0.0
+    ).to(DOT_DTYPE)  # [BLOCK_D, BLOCK_C]
+    s = tl.dot(q, c, input_precision=PRECISION) * scale  # float32 [BLOCK_G, BLOCK_C]
+    s = tl.where(live[None, :], s, float("-inf"))
+    out = ((r * HEADS + h) * GROUP + g)[:, None] * columns + col[None, :]
+    tl.store(logit_ptr + out, s, mask=gmask[:, None] & cmask[None, :])
+    tl.store(size_out_ptr + (r * HEADS + h) * columns + col, size, mask=cmask)
+
+
+cluster_logits_kernel = Kernel(_cluster_logits_kernel)
+
+
+def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, scale: float):
+    n, q_heads, dim = query.shape
+    heads, total, _ = centroids.shape
+    group = q_heads // heads
+    half = query.dtype == centroids.dtype and query.dtype in (torch.bfloat16, torch.float16)
+    logits = torch.empty(n, heads, group, columns, dtype=torch.float32, device=query.device)
+    size = torch.empty(n, heads, columns, dtype=torch.int32, device=query.device)
+    cluster_logits_kernel[(n, heads, triton.cdiv(columns, BLOCK_C))](
+        query.contiguous(),
+        centroids.contiguous(),
+        sizes.to(torch.int32).contiguous(),
+        bases.to(torch.int64).contiguous(),
+        counts.to(torch.int64).contiguous(),
+        logits,
+        size,
+        float(scale),
+        total,
+        columns,
+        HEADS=heads,
+        GROUP=group,
+        HEAD_DIM=dim,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_C=BLOCK_C,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        **dot_args(query.dtype if half else torch.float32, query.device),
+        num_warps=4,
+    )
+    return logits, size
