@@ -265,7 +265,8 @@ def test_config_checks_are_clear_errors_and_the_defaults_run():
 def test_decode_replays_cuda_graphs_and_equals_eager():
     """Prompts of one length select alike: their decode steps between index updates replay selecting graphs
     over the arena (captured once per selection width), equal to eager, and the arena never moves."""
-    cfg = dict(**SMALL, retroinfer_retrieval_ratio=0.1, device="cuda", max_model_len=2048)
+    # Two engines share the GPU: fixed pools (sized from free memory, the first would leave the second none).
+    cfg = dict(**SMALL, retroinfer_retrieval_ratio=0.1, device="cuda", max_model_len=2048, num_kv_blocks=512)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 400, (300,), generator=gen).tolist() for _ in range(3)]  # token ids, one length
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
