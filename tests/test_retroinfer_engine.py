@@ -266,7 +266,11 @@ def test_decode_replays_cuda_graphs_and_equals_eager():
     """Prompts of one length select alike: their decode steps between index updates replay selecting graphs
     over the arena (captured once per selection width), equal to eager, and the arena never moves."""
     # Two engines share the GPU: fixed pools (sized from free memory, the first would leave the second none).
-    cfg = dict(**SMALL, retroinfer_retrieval_ratio=0.1, device="cuda", max_model_len=2048, num_kv_blocks=512)
+    # float32 like the other graph tests: in bf16 the graph's padded batch (other split counts, so another
+    # summation order) flipped a near-tied greedy token of the random model after 35 tokens.
+    cfg = dict(
+        **SMALL, retroinfer_retrieval_ratio=0.1, device="cuda", dtype="float32", max_model_len=2048, num_kv_blocks=512
+    )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 400, (300,), generator=gen).tolist() for _ in range(3)]  # token ids, one length
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
