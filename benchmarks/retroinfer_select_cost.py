@@ -6,8 +6,10 @@ replaced (``cluster_selection_reference``): what each touches per layer, and how
    (16-token clusters, 1.8% read, 23.2% estimated, sink 4, recent 64, update 1024), every row mid-way through
    an update block. Counted on the meta device op by op (a ``TorchDispatchMode``): each op's outputs are
    written, its inputs read (an expanded input only for its storage, a gather only for what it gathers),
-   views are free. On meta the fast path's ranking logits count ``cluster_logits``' reference (gathered
-   centroids, float32 einsum): on CUDA a Triton kernel reads the centroids in place, once per KV group. ``cluster_estimation`` (the same call in both) and index writes are left out.
+   views are free. On meta the fast path counts the torch references of its kernels: ``cluster_logits``
+   (gathered centroids, float32 einsum; on CUDA a Triton kernel reads the centroids in place, once per KV
+   group) and ``cluster_picks`` (on CUDA two Triton kernels). ``cluster_estimation`` (the same call in both)
+   and index writes are left out.
 2. Both timed on real tensors at a reduced context on the CPU (``--device cuda`` for the GPU: any size,
    each path replayed in a CUDA graph), after checking that they give the same slots and estimated clusters.
 
@@ -33,9 +35,8 @@ from sparse_methods import ClusterArena
 from sparse_methods.base import DecodeBatch
 from sparse_methods.cluster_selection import (
     cluster_columns,
-    cluster_slots,
     clusters_needed,
-    estimated_cluster_ids,
+    pick_clusters,
     rank_arena_clusters,
 )
 from sparse_methods.cluster_selection_reference import (
@@ -121,8 +122,7 @@ def rank_fast(arena, batch, sink, width, ratio, avg):
 
 
 def select_fast(ranking, arena, batch, sink, width, ratio, avg):
-    slots = cluster_slots(arena, 0, batch, ranking, sink=sink, width=width)
-    return slots, estimated_cluster_ids(arena, batch, ranking, ratio)
+    return pick_clusters(arena, 0, batch, ranking, sink=sink, width=width, ratio=ratio)
 
 
 def rank_reference(arena, batch, sink, width, ratio, avg):

@@ -18,10 +18,9 @@ from sparse_methods import ClusterArena
 from sparse_methods.base import DecodeBatch
 from sparse_methods.cluster_selection import (
     cluster_columns,
-    cluster_slots,
     clusters_needed,
     estimate_clusters,
-    estimated_cluster_ids,
+    pick_clusters,
     rank_arena_clusters,
 )
 from sparse_methods.cluster_selection_reference import (
@@ -136,16 +135,16 @@ def _both(arena, batch, sink: int, width: int, ratio: float, avg: int = 1):
     return fast, ref, top
 
 
-def _assert_equal(arena, batch, sink: int, width: int, ratio: float, avg: int = 1) -> None:
+def _assert_equal(arena, batch, sink: int, width: int, ratio: float, avg: int = 1, backend: str = "auto") -> None:
     fast, ref, top = _both(arena, batch, sink, width, ratio, avg)
     assert fast.columns == ref.columns and fast.order.shape[-1] == top
     for got, want in ((fast.order, ref.order), (fast.ranked, ref.ranked), (fast.cum, ref.cum)):
         assert torch.equal(got, want[..., :top])
-    slots = cluster_slots(arena, 0, batch, fast, sink=sink, width=width)
+    slots, ids = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, ratio=ratio, backend=backend)
     want = cluster_slots_reference(arena, 0, batch, ref, sink=sink, width=width)
     assert torch.equal(slots.sort(-1).values, want)  # the same slots; the fast path leaves them in rank order
+    assert (ids is None) == (ratio == 0)
     if ratio > 0:
-        ids = estimated_cluster_ids(arena, batch, fast, ratio)
         assert torch.equal(ids, estimated_cluster_ids_reference(arena, batch, ref, ratio))
 
 
@@ -153,6 +152,19 @@ def _assert_equal(arena, batch, sink: int, width: int, ratio: float, avg: int = 
 @given(case=_scenario())
 def test_fast_selection_equals_the_full_sort_reference(case):
     _assert_equal(*case)
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_scenario())
+def test_triton_picks_equal_the_full_sort_reference(case):
+    """The picks' Triton kernels (interpreted on CPU, native on CUDA) give the torch path's slots, in the same
+    rank order, and its estimated clusters."""
+    arena, batch, sink, width, ratio, avg = case
+    _assert_equal(*case, backend="triton")
+    fast = _both(*case)[0]
+    got = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, ratio=ratio, backend="triton")
+    want = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, ratio=ratio, backend="reference")
+    assert torch.equal(got[0], want[0]) and (ratio == 0 or torch.equal(got[1], want[1]))
 
 
 def _single_token_clusters(heads: int = 2, count: int = 12, sink: int = 2):
@@ -182,9 +194,9 @@ def test_a_budget_of_one_token_clusters_reaches_the_most_clusters(budget):
     fast, _, top = _both(arena, batch, sink, width, ratio)
     assert top == min(index.num_clusters + 5, max(1, budget) + 4) < fast.columns
     assert fast.order[0, :, :3].tolist() == [[5, 9, 0]] * 2  # the two best, then ties to the lower cluster
-    ids = estimated_cluster_ids(arena, batch, fast, ratio)[0]
-    assert (ids >= 0).sum(-1).tolist() == [min(4, index.num_clusters - budget)] * 2
-    state = estimate_clusters(arena, 0, batch, fast, ratio)
+    _, ids = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, ratio=ratio)
+    assert (ids[0] >= 0).sum(-1).tolist() == [min(4, index.num_clusters - budget)] * 2
+    state = estimate_clusters(arena, 0, batch, ids)
     assert bool(state.lse[0].isfinite().all()) == (budget < index.num_clusters) and not state.lse[1].isfinite().any()
 
 

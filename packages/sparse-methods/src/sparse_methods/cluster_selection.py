@@ -30,14 +30,22 @@ from sparse_methods.cluster_arena import ClusterArena
 @dataclass(frozen=True, slots=True)
 class ClusterRanking:
     """One layer's ranking of a decode batch's clusters, per row and KV head, best first: ``order`` int64
-    ``[n, H, k]`` cluster columns (from the row's cluster base); ``ranked`` int32 ``[n, H, k]`` their sizes
-    (0: empty or past the row's index) and ``cum`` int64 their running sums; ``columns`` the ``Cw`` columns
-    ranked (``k <= Cw``: the first ``k`` of a stable descending sort of all of them)."""
+    ``[n, H, k]`` cluster columns (from the row's cluster base); ``sizes`` int32 ``[n, H, Cw]`` every column's
+    size (0: empty or past the row's index); ``columns`` the ``Cw`` columns ranked (``k <= Cw``: the first
+    ``k`` of a stable descending sort of all of them). ``ranked`` (the ranked columns' sizes) and ``cum``
+    (their running sums) are computed on demand: the device picks make their own."""
 
     order: torch.Tensor
-    ranked: torch.Tensor
-    cum: torch.Tensor
+    sizes: torch.Tensor
     columns: int
+
+    @property
+    def ranked(self) -> torch.Tensor:
+        return self.sizes.gather(-1, self.order)
+
+    @property
+    def cum(self) -> torch.Tensor:
+        return self.ranked.cumsum(-1)
 
 
 def cluster_columns(batch: DecodeBatch, avg_cluster_size: int) -> int:
@@ -73,9 +81,7 @@ def rank_arena_clusters(
     empty = sizes == 0
     probs = torch.softmax(logits, dim=-1).sum(2)  # empty clusters' logits are -inf
     scores = probs.nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
-    order = _top_columns(scores, min(top, columns))
-    ranked = sizes.gather(-1, order)
-    return ClusterRanking(order, ranked, ranked.cumsum(-1), columns)
+    return ClusterRanking(_top_columns(scores, min(top, columns)), sizes, columns)
 
 
 def _top_columns(scores: torch.Tensor, top: int) -> torch.Tensor:
@@ -86,77 +92,55 @@ def _top_columns(scores: torch.Tensor, top: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top]
 
 
-def cluster_slots(
-    arena: ClusterArena, layer: int, batch: DecodeBatch, ranking: ClusterRanking, *, sink: int, width: int
-) -> torch.Tensor:
-    """``[n, H, width]`` slots per row and KV head: the ``sink`` first slots, then the first ``budget`` tokens of
-    the clusters in rank order (each cluster's in index order, the last one cut short), then the unindexed
-    tail (the newest last); entries past a row's own count repeat its newest slot.
+def pick_clusters(
+    arena: ClusterArena,
+    layer: int,
+    batch: DecodeBatch,
+    ranking: ClusterRanking,
+    *,
+    sink: int,
+    width: int,
+    ratio: float,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(slots, ids)`` per row and KV head (``sparse_kernels.cluster_picks``).
 
-    As the plan makes them: a row's budget is at most ``width - sink`` and its index holds distinct
-    positions in ``[sink, end)``, so the sink, the clusters' tokens and the tail are disjoint; sorted, a
-    row is the reference's ascending one (``cluster_slots_reference``)."""
+    ``slots`` ``[n, H, width]``: the ``sink`` first slots, then the first ``budget`` tokens of the clusters in
+    rank order (each cluster's in index order, the last one cut short), then the unindexed tail (the newest
+    last); entries past a row's own count repeat its newest slot. As the plan makes them (a row's budget is
+    at most ``width - sink``, its index holds distinct positions in ``[sink, end)``) the three parts are
+    disjoint; sorted, a row is the reference's ascending one (``cluster_slots_reference``). Not sorted here:
+    the decode's sum does not depend on the order, and a segmented sort of the picked tokens cost about as
+    much as the rest of the selection (~72 us per layer at batch 5 / 128K on the H200).
+
+    ``ids`` int64 ``[n, H, estimation_width]`` (None at ``ratio`` 0): arena columns of the estimated
+    clusters, the ``min(estimated, C - read)`` ranked after the ``read`` ones whose tokens the slots hold
+    (wholly or in part), best first; ``-1`` past them."""
+    from sparse_kernels.cluster_picks import cluster_picks
+
     offsets_all, positions = arena.layers[layer][2:4]
-    n, heads = batch.query.shape[0], positions.shape[0]
-    device = batch.query.device
-    tokens_w = batch.max_pages * batch.block_size
-    tok_base, clu_base, _, end, budget, _ = arena.plan[:, :n]
-    reach = min(tokens_w, max(1, width - sink))  # cluster tokens a row may read
-    picked, num_picked = _picked_positions(ranking, offsets_all, positions, tok_base, clu_base, budget, reach)
-    kv = batch.kv_lens
-    num_sink = kv.clamp(0, sink)[:, None, None]  # [n, 1, 1] (kv_lens <= tokens_w)
-    tail_lo = torch.maximum(end[:, None, None], num_sink)
-    num_tail = (kv[:, None, None] - tail_lo).clamp_(min=0)
-    i = torch.arange(width, device=device)
-    k = i - num_sink  # [n, 1, W] place among the cluster tokens, then (less num_picked) in the tail
-    from_clusters = picked.gather(-1, k.clamp(0, reach - 1).expand(n, heads, width)).long()
-    newest = (kv - 1).clamp(min=0)[:, None, None]
-    out = torch.where(k - num_picked < num_tail, tail_lo + k - num_picked, newest)
-    out = torch.where(k < num_picked, from_clusters, out)
-    return torch.where(k < 0, i, out)
+    n = batch.query.shape[0]
+    reach = min(batch.max_pages * batch.block_size, max(1, width - sink))  # cluster tokens a row may read
+    return cluster_picks(
+        ranking.order,
+        ranking.sizes,
+        offsets_all,
+        positions,
+        arena.plan[:, :n],
+        batch.kv_lens,
+        sink=sink,
+        width=width,
+        reach=reach,
+        estimate_width=estimation_width(ranking.columns, ratio) if ratio > 0 else 0,
+        backend=backend,
+    )
 
 
-def _picked_positions(ranking, offsets_all, positions, tok_base, clu_base, budget, reach: int):
-    """``([n, H, reach] positions, [n, H, 1] count)``: the first ``min(budget, reach)`` tokens of the ranked
-    clusters in rank order (``j``-th: in the cluster whose running size first passes ``j``); entries past the
-    count are never read. Not sorted: the decode's sum does not depend on the order, and a segmented sort of
-    ``[n, H, reach]`` cost about as much as the rest of the selection (8 radix passes, ~72 us per layer at
-    batch 5 / 128K on the H200)."""
-    order, ranked, cum = ranking.order, ranking.ranked, ranking.cum
-    n, heads, top = order.shape
-    head = torch.arange(heads, device=order.device)[None, :, None]
-    first = offsets_all[head, (clu_base[:, None, None] + order).clamp_(max=offsets_all.shape[1] - 1)]  # [n, H, k]
-    j = torch.arange(reach, device=order.device).expand(n, heads, reach).contiguous()
-    rank = torch.searchsorted(cum, j, right=True).clamp_(max=top - 1)
-    within = j - (cum - ranked).gather(-1, rank)
-    slot = (tok_base[:, None, None] + first.gather(-1, rank) + within).clamp_(0, positions.shape[1] - 1)
-    count = torch.minimum(budget[:, None, None], cum[..., -1:]).clamp_(0, reach)
-    return positions[head, slot], count
-
-
-def estimated_cluster_ids(arena: ClusterArena, batch: DecodeBatch, ranking: ClusterRanking, ratio: float):
-    """int64 ``[n, H, estimation_width]`` arena columns of the estimated clusters, per row and KV head: the
-    ``min(estimated, C - read)`` ranked after the ``read`` ones whose tokens ``cluster_slots`` reads (wholly or
-    in part), best first; ``-1`` past them."""
-    n, top = batch.query.shape[0], ranking.order.shape[-1]
-    _, clu_base, count, _, budget, estimated = arena.plan[:, :n]
-    ranked, cum = ranking.ranked, ranking.cum
-    read = (((cum - ranked) < budget[:, None, None]) & (ranked > 0)).sum(-1)  # [n, H]
-    k = torch.arange(estimation_width(ranking.columns, ratio), device=ranked.device)
-    rank = read[..., None] + k  # [n, H, E]
-    wanted = torch.minimum(estimated[:, None], count[:, None] - read)  # [n, H]
-    ids = clu_base[:, None, None] + ranking.order.gather(-1, rank.clamp(max=top - 1))
-    return torch.where((k < wanted[..., None]) & (rank < top), ids, -1)
-
-
-def estimate_clusters(
-    arena: ClusterArena, layer: int, batch: DecodeBatch, ranking: ClusterRanking, ratio: float
-) -> AttentionState:
+def estimate_clusters(arena: ClusterArena, layer: int, batch: DecodeBatch, ids: torch.Tensor) -> AttentionState:
     """The estimated clusters' attention state (``sparse_kernels.cluster_estimation`` at the attention's
-    scale) over ``estimated_cluster_ids``."""
+    scale) over ``ids`` (``pick_clusters``)."""
     from sparse_kernels.cluster_estimation import cluster_estimation
 
     centroids, sizes_all, _, _, value_sums = arena.layers[layer]
-    ids = estimated_cluster_ids(arena, batch, ranking, ratio)
     out, lse = cluster_estimation(batch.query, centroids, value_sums, sizes_all, ids, scale=batch.sm_scale)
     return AttentionState(out, lse)

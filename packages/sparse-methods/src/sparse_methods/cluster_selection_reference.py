@@ -37,8 +37,7 @@ def rank_arena_clusters_reference(
     probs = torch.softmax(logits.masked_fill(empty[:, :, None], float("-inf")), dim=-1).sum(2)
     scores = probs.nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [n, H, Cw]
-    ranked = sizes.gather(-1, order)
-    return ClusterRanking(order, ranked, ranked.cumsum(-1), clusters_w)
+    return ClusterRanking(order, sizes, clusters_w)
 
 
 def cluster_slots_reference(

@@ -70,9 +70,9 @@ from sparse_methods.base import (
 from sparse_methods.cluster_arena import ClusterArena
 from sparse_methods.cluster_selection import (
     cluster_columns,
-    cluster_slots,
     clusters_needed,
     estimate_clusters,
+    pick_clusters,
     rank_arena_clusters,
 )
 from sparse_methods.registry import register
@@ -268,9 +268,7 @@ class RetroInfer(SparseMethod):
         ratio = c.retroinfer_estimation_ratio if self.observes_values else 0.0
         top = clusters_needed(cluster_columns(batch, avg), self._width, sink, ratio)
         ranking = rank_arena_clusters(self.arena, layer, batch, avg, self.shape.head_dim, top=top)
-        slots = cluster_slots(self.arena, layer, batch, ranking, sink=sink, width=self._width)
-        if not self.observes_values:
+        slots, ids = pick_clusters(self.arena, layer, batch, ranking, sink=sink, width=self._width, ratio=ratio)
+        if ids is None:
             return slots
-        return DecodeSelection(
-            slots, estimate_clusters(self.arena, layer, batch, ranking, c.retroinfer_estimation_ratio)
-        )
+        return DecodeSelection(slots, estimate_clusters(self.arena, layer, batch, ids))

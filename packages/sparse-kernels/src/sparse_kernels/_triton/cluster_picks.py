@@ -1,0 +1,116 @@
+"""Triton ``cluster_picks``: the running sums of the ranked clusters' sizes, the read count and the estimated
+ids in one program per (row, KV head); then the slots in one program per (row, KV head, tile of slots), each
+picked token's cluster found by a binary search over the running sums (searchsorted, right side)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparse_kernels._triton.launch import Kernel
+
+BLOCK = 1024  # ranked clusters per tile of the running sum
+BLOCK_E = 512  # estimated ids per tile
+BLOCK_W = 256  # slots per program
+
+
+def _cluster_runs_kernel(
+    order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, ids_ptr, plan_stride, top, columns, reach, est,
+    HEADS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    row = r * HEADS + h
+    budget = tl.load(plan_ptr + 4 * plan_stride + r)
+    carry = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+    read = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+    for start in range(0, top, BLOCK):
+        t = start + tl.arange(0, BLOCK)
+        m = t < top
+        o = tl.load(order_ptr + row * top + t, mask=m, other=0)
+        s = tl.load(sizes_ptr + row * columns + o, mask=m, other=0).to(tl.int64)
+        c = tl.cumsum(s, axis=0) + carry
+        tl.store(cum_ptr + row * top + t, c, mask=m)
+        read += tl.sum((((c - s) < budget) & (s > 0) & m).to(tl.int64), axis=0)
+        carry += tl.sum(s, axis=0)
+    tl.store(picked_ptr + row, tl.minimum(tl.maximum(tl.minimum(budget, carry), 0), reach))
+    if ESTIMATE:
+        clu_base = tl.load(plan_ptr + plan_stride + r)
+        wanted = tl.minimum(tl.load(plan_ptr + 5 * plan_stride + r), tl.load(plan_ptr + 2 * plan_stride + r) - read)
+        for e0 in range(0, est, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            em = e < est
+            rank = read + e
+            o = tl.load(order_ptr + row * top + tl.minimum(rank, top - 1), mask=em, other=0)
+            tl.store(ids_ptr + row * est + e, tl.where((e < wanted) & (rank < top), clu_base + o, -1), mask=em)
+
+
+def _cluster_slots_kernel(
+    order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, picked_ptr, slots_ptr,
+    plan_stride, top, columns, total_clusters, total_positions, width, sink, steps,
+    HEADS: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    row = r * HEADS + h
+    i = (tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)
+    im = i < width
+    kv = tl.load(kv_ptr + r)
+    tok_base = tl.load(plan_ptr + r)
+    clu_base = tl.load(plan_ptr + plan_stride + r)
+    end = tl.load(plan_ptr + 3 * plan_stride + r)
+    num_sink = tl.minimum(tl.maximum(kv, 0), sink)
+    tail_lo = tl.maximum(end, num_sink)
+    num_tail = tl.maximum(kv - tail_lo, 0)
+    newest = tl.maximum(kv - 1, 0)
+    num_picked = tl.load(picked_ptr + row)
+    k = i - num_sink
+    inside = (k >= 0) & (k < num_picked) & im
+    j = tl.where(inside, k, 0)
+    lo = tl.zeros([BLOCK_W], tl.int64)
+    hi = tl.zeros([BLOCK_W], tl.int64) + top
+    for _ in range(steps):  # the first running sum above j
+        active = lo < hi
+        mid = (lo + hi) // 2
+        c = tl.load(cum_ptr + row * top + tl.minimum(mid, top - 1), mask=inside & active, other=0)
+        go = c <= j
+        lo = tl.where(active & go, mid + 1, lo)
+        hi = tl.where(active & ~go, mid, hi)
+    rank = tl.minimum(lo, top - 1)
+    o = tl.load(order_ptr + row * top + rank, mask=inside, other=0)
+    c = tl.load(cum_ptr + row * top + rank, mask=inside, other=0)
+    s = tl.load(sizes_ptr + row * columns + o, mask=inside, other=0).to(tl.int64)
+    cid = tl.minimum(clu_base + o, total_clusters - 1)
+    first = tl.load(offsets_ptr + h * total_clusters + cid, mask=inside, other=0).to(tl.int64)
+    slot = tl.minimum(tl.maximum(tok_base + first + j - (c - s), 0), total_positions - 1)
+    pos = tl.load(positions_ptr + h * total_positions + slot, mask=inside, other=0).to(tl.int64)
+    out = tl.where(k - num_picked < num_tail, tail_lo + k - num_picked, newest)
+    out = tl.where(k < num_picked, pos, out)
+    out = tl.where(k < 0, i, out)
+    tl.store(slots_ptr + row * width + i, out, mask=im)
+
+
+cluster_runs_kernel = Kernel(_cluster_runs_kernel)
+cluster_slots_kernel = Kernel(_cluster_slots_kernel)
+
+
+def cluster_picks_triton(order, sizes, offsets, positions, plan, kv_lens, *, sink, width, reach, est):
+    n, heads, top = order.shape
+    device = order.device
+    plan = plan.to(torch.int64).contiguous()
+    order, sizes = order.to(torch.int64).contiguous(), sizes.contiguous()
+    cum = torch.empty(n, heads, top, dtype=torch.int64, device=device)
+    picked = torch.empty(n, heads, dtype=torch.int64, device=device)
+    ids = torch.empty(n, heads, max(est, 1), dtype=torch.int64, device=device)
+    cluster_runs_kernel[(n, heads)](
+        order, sizes, plan, cum, picked, ids, plan.shape[1], top, sizes.shape[2], reach, max(est, 1),
+        HEADS=heads, BLOCK=BLOCK, BLOCK_E=BLOCK_E, ESTIMATE=est > 0, num_warps=4,
+    )  # fmt: skip
+    slots = torch.empty(n, heads, width, dtype=torch.int64, device=device)
+    cluster_slots_kernel[(n, heads, triton.cdiv(width, BLOCK_W))](
+        order, sizes, offsets.contiguous(), positions.contiguous(), plan, kv_lens.to(torch.int64).contiguous(),
+        cum, picked, slots, plan.shape[1], top, sizes.shape[2], offsets.shape[1], positions.shape[1], width, sink,
+        top.bit_length() + 1, HEADS=heads, BLOCK_W=BLOCK_W, num_warps=4,
+    )  # fmt: skip
+    return slots, (ids if est > 0 else None)

@@ -1,0 +1,100 @@
+"""RetroInfer's decode picks from a ranking of cluster columns: the slots a row reads exactly and the clusters
+it estimates, per decode row and KV head.
+
+Inputs, for ``n`` rows and ``H`` KV heads: ``order`` int64 ``[n, H, top]`` cluster columns best first (from
+the row's first column); ``sizes`` int ``[n, H, Cw]`` each column's size (0: empty, or past the row's
+index); the arena's ``offsets`` ``[H, C]`` (a cluster's first entry in ``positions``) and ``positions``
+``[H, P]`` (token positions grouped by cluster); ``plan`` int64 ``[6, n]`` per row (token base, cluster
+base, clusters, index end, cluster-token budget, clusters to estimate) and ``kv_lens`` ``[n]``.
+
+With ``ranked`` the ranked columns' sizes and ``cum`` their running sums:
+
+- ``slots`` int64 ``[n, H, width]``: the first ``min(sink, kv)`` positions; then the first
+  ``picked = clamp(min(budget, cum[-1]), 0, reach)`` tokens of the ranked clusters (the ``j``-th in the
+  cluster whose running size first passes ``j``, at ``positions[tok_base + offset + j - (cum - ranked)]``);
+  then the unindexed tail ``[max(end, min(sink, kv)), kv)``; past those the newest position ``kv - 1``.
+- ``ids`` int64 ``[n, H, estimate_width]`` (None when ``estimate_width`` is 0): with ``read`` the ranked
+  clusters the row reads (wholly or in part: running start below the budget, non-empty), the
+  ``min(estimated, clusters - read)`` columns ranked next, as arena columns (plus the cluster base); ``-1``
+  past them.
+
+The reference is plain torch (a searchsorted over ``cum`` for the picked tokens); the Triton path runs two
+kernels: one program per (row, KV head) for the running sums, the read count and the estimated ids, then one
+per (row, KV head, tile of slots) that finds each picked token's cluster by a binary search over ``cum``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_kernels._backend import resolve_backend
+
+
+def cluster_picks(
+    order: torch.Tensor,
+    sizes: torch.Tensor,
+    offsets: torch.Tensor,
+    positions: torch.Tensor,
+    plan: torch.Tensor,
+    kv_lens: torch.Tensor,
+    *,
+    sink: int,
+    width: int,
+    reach: int,
+    estimate_width: int,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(slots, ids)`` as the module docstring says; ``reach`` (at least 1) bounds the picked tokens."""
+    n, heads, top = order.shape
+    if sizes.shape[:2] != (n, heads) or offsets.shape[0] != heads or positions.shape[0] != heads:
+        raise ValueError(f"sizes must be [{n}, {heads}, Cw] and offsets / positions have {heads} heads")
+    if plan.shape[0] != 6 or plan.shape[1] < n or kv_lens.shape[0] < n or min(top, reach, width) < 1:
+        raise ValueError("plan must be [6, >= n], kv_lens cover every row, and top, reach, width be positive")
+    if resolve_backend(backend, order.device) == "triton":
+        from sparse_kernels._triton.cluster_picks import cluster_picks_triton
+
+        return cluster_picks_triton(
+            order, sizes, offsets, positions, plan, kv_lens, sink=sink, width=width, reach=reach, est=estimate_width
+        )
+    return _slots(order, sizes, offsets, positions, plan[:, :n], kv_lens[:n], sink, width, reach), (
+        _estimated(order, sizes, plan[:, :n], estimate_width) if estimate_width > 0 else None
+    )
+
+
+def _slots(order, sizes, offsets_all, positions, plan, kv, sink: int, width: int, reach: int) -> torch.Tensor:
+    n, heads, top = order.shape
+    device = order.device
+    tok_base, clu_base, _, end, budget, _ = plan
+    ranked = sizes.gather(-1, order)
+    cum = ranked.cumsum(-1)
+    head = torch.arange(heads, device=device)[None, :, None]
+    first = offsets_all[head, (clu_base[:, None, None] + order).clamp_(max=offsets_all.shape[1] - 1)]  # [n, H, k]
+    j = torch.arange(reach, device=device).expand(n, heads, reach).contiguous()
+    rank = torch.searchsorted(cum, j, right=True).clamp_(max=top - 1)
+    within = j - (cum - ranked).gather(-1, rank)
+    slot = (tok_base[:, None, None] + first.gather(-1, rank) + within).clamp_(0, positions.shape[1] - 1)
+    num_picked = torch.minimum(budget[:, None, None], cum[..., -1:]).clamp_(0, reach)
+    picked = positions[head, slot]
+    num_sink = kv.clamp(0, sink)[:, None, None]  # [n, 1, 1]
+    tail_lo = torch.maximum(end[:, None, None], num_sink)
+    num_tail = (kv[:, None, None] - tail_lo).clamp_(min=0)
+    i = torch.arange(width, device=device)
+    k = i - num_sink  # [n, 1, W] place among the cluster tokens, then (less num_picked) in the tail
+    from_clusters = picked.gather(-1, k.clamp(0, reach - 1).expand(n, heads, width)).long()
+    newest = (kv - 1).clamp(min=0)[:, None, None]
+    out = torch.where(k - num_picked < num_tail, tail_lo + k - num_picked, newest)
+    out = torch.where(k < num_picked, from_clusters, out)
+    return torch.where(k < 0, i, out)
+
+
+def _estimated(order, sizes, plan, width: int) -> torch.Tensor:
+    top = order.shape[-1]
+    _, clu_base, count, _, budget, estimated = plan
+    ranked = sizes.gather(-1, order)
+    cum = ranked.cumsum(-1)
+    read = (((cum - ranked) < budget[:, None, None]) & (ranked > 0)).sum(-1)  # [n, H]
+    k = torch.arange(width, device=order.device)
+    rank = read[..., None] + k  # [n, H, E]
+    wanted = torch.minimum(estimated[:, None], count[:, None] - read)  # [n, H]
+    ids = clu_base[:, None, None] + order.gather(-1, rank.clamp(max=top - 1))
+    return torch.where((k < wanted[..., None]) & (rank < top), ids, -1)

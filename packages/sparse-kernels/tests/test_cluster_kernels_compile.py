@@ -1,0 +1,44 @@
+"""RetroInfer's Triton kernels (ranking logits, picks, estimation) also compile for Hopper from the launches the
+CPU tests make (``compile_check``), so compiled-mode errors show without a GPU; outputs still equal the
+references."""
+
+from __future__ import annotations
+
+import torch
+
+from sparse_kernels._triton.compile_check import compiling_for
+from sparse_kernels.cluster_estimation import cluster_estimation
+from sparse_kernels.cluster_logits import cluster_logits
+from sparse_kernels.cluster_picks import cluster_picks
+
+
+def test_retroinfer_kernels_compile_for_hopper():
+    gen = torch.Generator().manual_seed(0)
+    n, heads, group, dim, total, columns = 2, 2, 4, 64, 96, 40
+    query = torch.randn(n, heads * group, dim, generator=gen).to(torch.bfloat16)
+    centroids = torch.randn(heads, total, dim, generator=gen).to(torch.bfloat16)
+    sizes = torch.randint(0, 4, (heads, total), generator=gen, dtype=torch.int32)
+    bases, counts = torch.tensor([0, 48]), torch.tensor([40, 30])
+    with compiling_for():
+        logits, size = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=0.1, backend="triton")
+    want = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=0.1, backend="reference")
+    torch.testing.assert_close(logits, want[0], rtol=1e-3, atol=1e-3)
+
+    order = torch.sort(torch.rand(n, heads, columns, generator=gen), dim=-1, descending=True, stable=True).indices
+    offsets = torch.randint(0, 50, (heads, total), generator=gen, dtype=torch.int32)
+    positions = torch.randint(0, 500, (heads, 200), generator=gen, dtype=torch.int32)
+    plan = torch.tensor([[0, 100], [0, 48], [40, 30], [300, 280], [20, 35], [7, 9]])
+    kv = torch.tensor([310, 290])
+    args = (order[..., :30], size, offsets, positions, plan, kv)
+    kw = dict(sink=4, width=60, reach=56, estimate_width=9)
+    with compiling_for():
+        got = cluster_picks(*args, **kw, backend="triton")
+    want = cluster_picks(*args, **kw, backend="reference")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    value_sums = torch.randn(heads, total, dim, generator=gen)
+    with compiling_for():
+        out, lse = cluster_estimation(query, centroids, value_sums, sizes, got[1], scale=0.1, backend="triton")
+    ref = cluster_estimation(query, centroids, value_sums, sizes, got[1], scale=0.1, backend="reference")
+    torch.testing.assert_close(out, ref[0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lse, ref[1], rtol=1e-4, atol=1e-4)
