@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparse_kernels.cluster_estimation import cluster_estimation
-from sparse_kernels.merge_states import merge_states
+from sparse_kernels.merge_states import merge_states, merge_states_
 
 
 def _case(dtype, seed=0, batch=3, q_heads=4, heads=2, count=40, dim=24, est=37):
@@ -72,3 +72,26 @@ def test_merge_is_one_softmax():
         parts[0], parts[1], torch.zeros(3, 8, dtype=torch.float64), torch.full((3,), float("-inf"), dtype=torch.float64)
     )
     torch.testing.assert_close(empty, parts[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_merge_equals_merge_states(dtype, triton_device):
+    """``merge_states_`` (Triton, and the reference) writes ``merge_states`` into the first output, including a
+    strided one and rows whose second state is empty (``lse -inf``)."""
+    gen = torch.Generator().manual_seed(4)
+    big = torch.randn(3, 6, 40, generator=gen).to(dtype)
+    out_a = big[:, ::2, :24]  # [3, 3, 24], strided rows
+    lse_a, lse_b = torch.randn(3, 3, generator=gen), torch.randn(3, 3, generator=gen)
+    out_b = torch.randn(3, 3, 24, generator=gen)
+    lse_b[1, 2] = float("-inf")
+    out_b[1, 2] = 0.0
+    want = merge_states(out_a.float(), lse_a, out_b, lse_b).to(dtype)
+    for backend in ("reference", "triton"):
+        dev = big.to(triton_device, copy=True)
+        args = [t.to(triton_device) for t in (lse_a, out_b, lse_b)]
+        got = merge_states_(dev[:, ::2, :24], args[0], args[1], args[2], backend=backend)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding step apart at most
+        torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+        torch.testing.assert_close(dev[:, 1::2].cpu(), big[:, 1::2])  # the rows between are untouched
+    with pytest.raises(ValueError, match="share a shape"):
+        merge_states_(out_a, lse_a, out_b[:, :2], lse_b)

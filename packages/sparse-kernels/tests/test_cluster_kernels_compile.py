@@ -1,6 +1,6 @@
-"""RetroInfer's Triton kernels (ranking logits, picks, estimation) also compile for Hopper from the launches the
-CPU tests make (``compile_check``), so compiled-mode errors show without a GPU; outputs still equal the
-references."""
+"""RetroInfer's Triton kernels (ranking logits, picks, estimation, the in-place merge) also compile for Hopper
+from the launches the CPU tests make (``compile_check``), so compiled-mode errors show without a GPU; outputs
+still equal the references."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from sparse_kernels._triton.compile_check import compiling_for
 from sparse_kernels.cluster_estimation import cluster_estimation
 from sparse_kernels.cluster_logits import cluster_logits
 from sparse_kernels.cluster_picks import cluster_picks
+from sparse_kernels.merge_states import merge_states, merge_states_
 
 
 def test_retroinfer_kernels_compile_for_hopper():
@@ -42,3 +43,10 @@ def test_retroinfer_kernels_compile_for_hopper():
     ref = cluster_estimation(query, centroids, value_sums, sizes, got[1], scale=0.1, backend="reference")
     torch.testing.assert_close(out, ref[0], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(lse, ref[1], rtol=1e-4, atol=1e-4)
+
+    lse_a = torch.randn(n, heads * group, generator=gen)
+    decoded = torch.randn(n, heads * group, dim, generator=gen).to(torch.bfloat16)
+    want = merge_states(decoded.float(), lse_a, out, lse).to(torch.bfloat16)
+    with compiling_for():
+        merge_states_(decoded, lse_a, out, lse, backend="triton")
+    torch.testing.assert_close(decoded, want, rtol=1e-2, atol=1e-2)

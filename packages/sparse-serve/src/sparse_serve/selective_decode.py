@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_kernels import BatchDecodeWithPagedKVCache, merge_states, paged_logits
+from sparse_kernels import BatchDecodeWithPagedKVCache, merge_states, merge_states_, paged_logits
 from sparse_kernels.logits_attention import logits_attention, softmax_stats
 from sparse_kernels.selection_entries import selection_entries
 from sparse_methods import AttentionState, DecodeBatch, DecodeRead, DecodeSelection, SparseMethod
@@ -312,12 +312,9 @@ class SelectiveDecode:
 
             heads = out.shape[1]
             est_out, est_lse = local_group_heads(est_out, heads, dim=1), local_group_heads(est_lse, heads, dim=1)
-        part = out if rows is None else out[rows]
-        merged = merge_states(part.float(), lse if rows is None else lse[rows], est_out, est_lse)
-        if rows is None:
-            out.copy_(merged)
-        else:
-            out[rows] = merged.to(out.dtype)
+        if rows is None:  # every row selected: one in-place merge (a single launch on CUDA)
+            return merge_states_(out, lse, est_out, est_lse, backend=self.backend)
+        out[rows] = merge_states(out[rows].float(), lse[rows], est_out, est_lse).to(out.dtype)
         return out
 
     def _replan(self, wrapper: BatchDecodeWithPagedKVCache, ids: torch.Tensor, st: _BatchedStep) -> None:
