@@ -16,7 +16,8 @@ BLOCK_W = 256  # slots per program
 
 
 def _cluster_runs_kernel(
-    order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, ids_ptr, plan_stride, top, columns, reach, est,
+    order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, ids_ptr, plan_stride, order_stride, top, columns, reach,
+    est,
     HEADS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
@@ -28,7 +29,7 @@ def _cluster_runs_kernel(
     for start in range(0, top, BLOCK):
         t = start + tl.arange(0, BLOCK)
         m = t < top
-        o = tl.load(order_ptr + row * top + t, mask=m, other=0)
+        o = tl.load(order_ptr + row * order_stride + t, mask=m, other=0)
         s = tl.load(sizes_ptr + row * columns + o, mask=m, other=0).to(tl.int64)
         c = tl.cumsum(s, axis=0) + carry
         tl.store(cum_ptr + row * top + t, c, mask=m)
@@ -42,13 +43,13 @@ def _cluster_runs_kernel(
             e = e0 + tl.arange(0, BLOCK_E)
             em = e < est
             rank = read + e
-            o = tl.load(order_ptr + row * top + tl.minimum(rank, top - 1), mask=em, other=0)
+            o = tl.load(order_ptr + row * order_stride + tl.minimum(rank, top - 1), mask=em, other=0)
             tl.store(ids_ptr + row * est + e, tl.where((e < wanted) & (rank < top), clu_base + o, -1), mask=em)
 
 
 def _cluster_slots_kernel(
     order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, picked_ptr, slots_ptr,
-    plan_stride, top, columns, total_clusters, total_positions, width, sink, steps,
+    plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink, steps,
     HEADS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
@@ -78,7 +79,7 @@ def _cluster_slots_kernel(
         lo = tl.where(active & go, mid + 1, lo)
         hi = tl.where(active & ~go, mid, hi)
     rank = tl.minimum(lo, top - 1)
-    o = tl.load(order_ptr + row * top + rank, mask=inside, other=0)
+    o = tl.load(order_ptr + row * order_stride + rank, mask=inside, other=0)
     c = tl.load(cum_ptr + row * top + rank, mask=inside, other=0)
     s = tl.load(sizes_ptr + row * columns + o, mask=inside, other=0).to(tl.int64)
     cid = tl.minimum(clu_base + o, total_clusters - 1)
@@ -99,18 +100,21 @@ def cluster_picks_triton(order, sizes, offsets, positions, plan, kv_lens, *, sin
     n, heads, top = order.shape
     device = order.device
     plan = plan.to(torch.int64).contiguous()
-    order, sizes = order.to(torch.int64).contiguous(), sizes.contiguous()
+    if order.dtype != torch.int64 or order.stride(2) != 1 or order.stride(0) != heads * order.stride(1):
+        order = order.to(torch.int64).contiguous()  # else rows a fixed stride apart: the sort's first columns
+    sizes = sizes.contiguous()
     cum = torch.empty(n, heads, top, dtype=torch.int64, device=device)
     picked = torch.empty(n, heads, dtype=torch.int64, device=device)
     ids = torch.empty(n, heads, max(est, 1), dtype=torch.int64, device=device)
     cluster_runs_kernel[(n, heads)](
-        order, sizes, plan, cum, picked, ids, plan.shape[1], top, sizes.shape[2], reach, max(est, 1),
+        order, sizes, plan, cum, picked, ids, plan.shape[1], order.stride(1), top, sizes.shape[2], reach, max(est, 1),
         HEADS=heads, BLOCK=BLOCK, BLOCK_E=BLOCK_E, ESTIMATE=est > 0, num_warps=4,
     )  # fmt: skip
     slots = torch.empty(n, heads, width, dtype=torch.int64, device=device)
     cluster_slots_kernel[(n, heads, triton.cdiv(width, BLOCK_W))](
         order, sizes, offsets.contiguous(), positions.contiguous(), plan, kv_lens.to(torch.int64).contiguous(),
-        cum, picked, slots, plan.shape[1], top, sizes.shape[2], offsets.shape[1], positions.shape[1], width, sink,
+        cum, picked, slots, plan.shape[1], order.stride(1), top, sizes.shape[2], offsets.shape[1], positions.shape[1],
+        width, sink,
         top.bit_length() + 1, HEADS=heads, BLOCK_W=BLOCK_W, num_warps=4,
     )  # fmt: skip
     return slots, (ids if est > 0 else None)
