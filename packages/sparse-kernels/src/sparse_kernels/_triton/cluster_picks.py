@@ -99,7 +99,8 @@ cluster_slots_kernel = Kernel(_cluster_slots_kernel)
 def cluster_picks_triton(order, sizes, offsets, positions, plan, kv_lens, *, sink, width, reach, est):
     n, heads, top = order.shape
     device = order.device
-    plan = plan.to(torch.int64).contiguous()
+    if plan.dtype != torch.int64 or plan.stride(1) != 1:
+        plan = plan.to(torch.int64).contiguous()  # else its rows at their stride (the arena's plan, sliced)
     if order.dtype != torch.int64 or order.stride(2) != 1 or order.stride(0) != heads * order.stride(1):
         order = order.to(torch.int64).contiguous()  # else rows a fixed stride apart: the sort's first columns
     sizes = sizes.contiguous()
@@ -107,13 +108,13 @@ def cluster_picks_triton(order, sizes, offsets, positions, plan, kv_lens, *, sin
     picked = torch.empty(n, heads, dtype=torch.int64, device=device)
     ids = torch.empty(n, heads, max(est, 1), dtype=torch.int64, device=device)
     cluster_runs_kernel[(n, heads)](
-        order, sizes, plan, cum, picked, ids, plan.shape[1], order.stride(1), top, sizes.shape[2], reach, max(est, 1),
+        order, sizes, plan, cum, picked, ids, plan.stride(0), order.stride(1), top, sizes.shape[2], reach, max(est, 1),
         HEADS=heads, BLOCK=BLOCK, BLOCK_E=BLOCK_E, ESTIMATE=est > 0, num_warps=4,
     )  # fmt: skip
     slots = torch.empty(n, heads, width, dtype=torch.int64, device=device)
     cluster_slots_kernel[(n, heads, triton.cdiv(width, BLOCK_W))](
         order, sizes, offsets.contiguous(), positions.contiguous(), plan, kv_lens.to(torch.int64).contiguous(),
-        cum, picked, slots, plan.shape[1], order.stride(1), top, sizes.shape[2], offsets.shape[1], positions.shape[1],
+        cum, picked, slots, plan.stride(0), order.stride(1), top, sizes.shape[2], offsets.shape[1], positions.shape[1],
         width, sink,
         top.bit_length() + 1, HEADS=heads, BLOCK_W=BLOCK_W, num_warps=4,
     )  # fmt: skip
