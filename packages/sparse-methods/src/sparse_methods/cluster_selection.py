@@ -110,8 +110,9 @@ def pick_clusters(
     last); entries past a row's own count repeat its newest slot. As the plan makes them (a row's budget is
     at most ``width - sink``, its index holds distinct positions in ``[sink, end)``) the three parts are
     disjoint; sorted, a row is the reference's ascending one (``cluster_slots_reference``). Not sorted here:
-    the decode's sum does not depend on the order, and a segmented sort of the picked tokens cost about as
-    much as the rest of the selection (~72 us per layer at batch 5 / 128K on the H200).
+    the decode's sum does not depend on the order, and the segmented sort of the picked tokens took ~20 us per
+    layer at batch 5 / 128K on the H200 (``radixSortKVInPlace``, 0.73 ms per step in
+    ``results/bench/h200/session11/retro_2f862a4``).
 
     ``ids`` int64 ``[n, H, estimation_width]`` (None at ``ratio`` 0): arena columns of the estimated
     clusters, the ``min(estimated, C - read)`` ranked after the ``read`` ones whose tokens the slots hold
