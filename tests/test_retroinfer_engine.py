@@ -132,14 +132,17 @@ def _check_value_sums(method, rid, layer: int, index, values) -> None:
     assert torch.equal(method.arena.layers[layer][4][:, c0 : c0 + index.num_clusters], index.value_sums)
 
 
-def test_decode_equals_plain_references_under_continuous_batching():
+@pytest.mark.parametrize("kernels", ["auto", pytest.param("triton", marks=pytest.mark.slow)])  # interpreted: ~3 min
+def test_decode_equals_plain_references_under_continuous_batching(kernels, monkeypatch):
     """Rows of different lengths, some indexed, some not yet, requests arriving while others decode (chunked
     prefill, a shared prefix from the radix cache, a prompt cached whole but its last token): every selecting
     row reads exactly what the plain reference says, its output (exact part merged with the estimated
     clusters) equals ``cluster_decode_attention`` over the cached K/V for its index and token budget, the
-    value sums are plain sums, and the index grows in whole update blocks."""
+    value sums are plain sums, and the index grows in whole update blocks. With ``triton`` the kernels run
+    under the interpreter (the ranking logits, the picks, the estimation, the in-place merge, the decode)."""
     from sparse_kernels.cluster_attention import cluster_decode_attention
 
+    monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
     llm = _llm(**SMALL, retroinfer_retrieval_ratio=0.1, max_num_batched_tokens=48)
     engine, method, c = llm.engine, llm.engine.method, llm.engine.method.config
     seen = _record_indexes(llm)
