@@ -11,10 +11,12 @@ The work grows with what a row reads, not with its context: the ranking reads th
 dtype straight from the arena (``sparse_kernels.cluster_logits``: on CUDA a Triton kernel accumulating in
 float32, no gathered copy) and keeps only the ``top`` clusters a row can reach
 (``clusters_needed``: a row reads at most ``width - sink`` cluster tokens, so at most that many clusters,
-then estimates at most ``estimation_width``), by one top-k; the slots come from those clusters' offsets
-and running sizes over the ``width - sink`` tokens a row may read, sorted, then merged with the sink and
-the unindexed tail. ``cluster_selection_reference`` is the full-sort, per-context-token version the tests
-hold this equal to; ``sparse_kernels.cluster_attention`` the plain per-request reference of the whole.
+then estimates at most ``estimation_width``), the first ``top`` of one stable sort; the picks
+(``sparse_kernels.cluster_picks``: on CUDA two Triton kernels) take those clusters' tokens in rank order up
+to each row's budget, with the sink and the unindexed tail, and the estimated clusters ranked next; the
+estimation is ``sparse_kernels.cluster_estimation``. ``cluster_selection_reference`` is the full-sort,
+per-context-token version the tests hold this equal to; ``sparse_kernels.cluster_attention`` the plain
+per-request reference of the whole.
 """
 
 from __future__ import annotations
