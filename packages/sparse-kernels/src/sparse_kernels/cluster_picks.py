@@ -56,17 +56,17 @@ def cluster_picks(
         return cluster_picks_triton(
             order, sizes, offsets, positions, plan, kv_lens, sink=sink, width=width, reach=reach, est=estimate_width
         )
-    return _slots(order, sizes, offsets, positions, plan[:, :n], kv_lens[:n], sink, width, reach), (
-        _estimated(order, sizes, plan[:, :n], estimate_width) if estimate_width > 0 else None
-    )
+    ranked = sizes.gather(-1, order)  # the ranked clusters' sizes and their running sums, shared by both parts
+    cum = ranked.cumsum(-1)
+    plan = plan[:, :n]
+    slots = _slots(order, ranked, cum, offsets, positions, plan, kv_lens[:n], sink, width, reach)
+    return slots, (_estimated(order, ranked, cum, plan, estimate_width) if estimate_width > 0 else None)
 
 
-def _slots(order, sizes, offsets_all, positions, plan, kv, sink: int, width: int, reach: int) -> torch.Tensor:
+def _slots(order, ranked, cum, offsets_all, positions, plan, kv, sink: int, width: int, reach: int) -> torch.Tensor:
     n, heads, top = order.shape
     device = order.device
     tok_base, clu_base, _, end, budget, _ = plan
-    ranked = sizes.gather(-1, order)
-    cum = ranked.cumsum(-1)
     head = torch.arange(heads, device=device)[None, :, None]
     first = offsets_all[head, (clu_base[:, None, None] + order).clamp_(max=offsets_all.shape[1] - 1)]  # [n, H, k]
     j = torch.arange(reach, device=device).expand(n, heads, reach).contiguous()
@@ -87,11 +87,9 @@ def _slots(order, sizes, offsets_all, positions, plan, kv, sink: int, width: int
     return torch.where(k < 0, i, out)
 
 
-def _estimated(order, sizes, plan, width: int) -> torch.Tensor:
+def _estimated(order, ranked, cum, plan, width: int) -> torch.Tensor:
     top = order.shape[-1]
     _, clu_base, count, _, budget, estimated = plan
-    ranked = sizes.gather(-1, order)
-    cum = ranked.cumsum(-1)
     read = (((cum - ranked) < budget[:, None, None]) & (ranked > 0)).sum(-1)  # [n, H]
     k = torch.arange(width, device=order.device)
     rank = read[..., None] + k  # [n, H, E]

@@ -4,8 +4,8 @@ An attention state is a query's normalised output over a set ``out = sum_j exp(s
 the natural log of its softmax denominator ``lse = log(sum_j exp(s_j))`` (``-inf`` with ``out = 0`` for an
 empty set). Two of them merge exactly: each weighs by its share of the total denominator. FlashInfer's
 ``merge_state`` does the same. ``merge_states`` is plain torch (a handful of elementwise ops, graph-safe);
-``merge_states_`` merges into the first output in place, on CUDA in one Triton launch (the torch ops cost a
-dozen launches per layer in RetroInfer's decode).
+``merge_states_`` merges into the first output in place, on CUDA in one Triton launch (the torch ops are a
+dozen launches, once per layer where a decode merges a second state).
 """
 
 from __future__ import annotations
