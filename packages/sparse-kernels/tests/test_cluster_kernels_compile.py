@@ -1,4 +1,4 @@
-"""RetroInfer's Triton kernels (ranking logits, picks, estimation, the in-place merge) also compile for Hopper
+"""RetroInfer's Triton kernels (ranking logits, order, picks, estimation, the in-place merge) also compile for Hopper
 from the launches the CPU tests make (``compile_check``), so compiled-mode errors show without a GPU; outputs
 still equal the references."""
 
@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from sparse_kernels._triton.cluster_order import cluster_order_triton
 from sparse_kernels._triton.compile_check import compiling_for
 from sparse_kernels.cluster_estimation import cluster_estimation
 from sparse_kernels.cluster_logits import cluster_logits
+from sparse_kernels.cluster_order import cluster_order
 from sparse_kernels.cluster_picks import cluster_picks
 from sparse_kernels.merge_states import merge_states, merge_states_
 
@@ -21,9 +23,17 @@ def test_retroinfer_kernels_compile_for_hopper():
     sizes = torch.randint(0, 4, (heads, total), generator=gen, dtype=torch.int32)
     bases, counts = torch.tensor([0, 48]), torch.tensor([40, 30])
     with compiling_for():
-        logits, size = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=0.1, backend="triton")
+        logits, size, tile_max, tile_sum = cluster_logits(
+            query, centroids, sizes, bases, counts, columns, scale=0.1, backend="triton"
+        )
     want = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=0.1, backend="reference")
     torch.testing.assert_close(logits, want[0], rtol=1e-3, atol=1e-3)
+
+    with compiling_for():  # one chunk, written directly; then chunks merged by rank
+        direct = cluster_order(logits, size, 30, tile_max=tile_max, tile_sum=tile_sum, backend="triton")
+        merged = cluster_order_triton(logits, size, tile_max, tile_sum, 30, chunk=16)
+    reference = cluster_order(logits, size, 30, backend="reference")
+    assert torch.equal(direct, reference) and torch.equal(merged, reference)
 
     order = torch.sort(torch.rand(n, heads, columns, generator=gen), dim=-1, descending=True, stable=True).indices
     offsets = torch.randint(0, 50, (heads, total), generator=gen, dtype=torch.int32)

@@ -1,7 +1,10 @@
 """RetroInfer's ranking logits straight from the arena: the reference (float32) equals a per-column loop, Triton equals
-the reference (rows at different bases, columns past a row's count, empty clusters, clamped columns)."""
+the reference (rows at different bases, columns past a row's count, empty clusters, clamped columns); the tiles'
+softmax statistics, merged, are each head's max and sum of exponentials over all its columns."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -21,8 +24,10 @@ def _case(dtype, seed=0, n=3, q_heads=4, heads=2, total=300, dim=24):
 
 def test_reference_equals_per_column_loop():
     query, centroids, sizes, bases, counts = _case(torch.float64)
-    logits, size = cluster_logits(query, centroids, sizes, bases, counts, 130, scale=0.3, backend="reference")
-    assert logits.shape == (3, 2, 2, 130) and size.shape == (3, 2, 130)
+    logits, size, tile_max, tile_sum = cluster_logits(
+        query, centroids, sizes, bases, counts, 130, scale=0.3, backend="reference"
+    )
+    assert logits.shape == (3, 2, 2, 130) and size.shape == (3, 2, 130) and tile_max.shape == (3, 2, 2, 1)
     for r in range(3):
         for h in range(2):
             for c in range(130):
@@ -33,6 +38,17 @@ def test_reference_equals_per_column_loop():
                     want = float("-inf") if s == 0 else 0.3 * float(query[r, h * 2 + g] @ centroids[h, col])
                     got = float(logits[r, h, g, c])
                     assert got == want if s == 0 else abs(got - want) < 1e-5 * (1 + abs(want))
+            for g in range(2):
+                live = [float(x) for x in logits[r, h, g] if x > float("-inf")]
+                top = max(live, default=float("-inf"))
+                assert float(tile_max[r, h, g, 0]) == top
+                want = sum(math.exp(x - top) for x in live)
+                assert abs(float(tile_sum[r, h, g, 0]) - want) < 1e-6 * (1 + want)  # float32 logits
+
+
+def _merged(tile_max, tile_sum):
+    top = tile_max.amax(-1)
+    return top, (tile_sum * (tile_max - top.nan_to_num(neginf=0.0)[..., None]).exp()).sum(-1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -44,6 +60,9 @@ def test_triton_equals_reference(dtype, columns, triton_device):
     got = cluster_logits(*args, columns, scale=0.3, backend="triton")
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=0, atol=0)
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-4)
+    assert got[2].shape[-1] > 1  # one tile per program
+    for g, w in zip(_merged(*got[2:]), _merged(*want[2:]), strict=True):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_shapes_are_refused():

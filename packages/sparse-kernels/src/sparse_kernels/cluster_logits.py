@@ -2,16 +2,28 @@
 query head of its group, ``q . centroid * scale`` over the row's ``columns`` cluster columns.
 
 Row ``r``'s clusters are the arena columns ``bases[r] + c`` for ``c < columns`` (clamped to the arena);
-columns at or past ``counts[r]`` and empty clusters (size 0) get logit ``-inf`` and size 0. The reference
-gathers the rows' centroids and multiplies in float32; the Triton kernel reads each centroid tile once per
-group from the arena (no gathered copy) and accumulates its dot products in float32.
+columns at or past ``counts[r]`` and empty clusters (size 0) get logit ``-inf`` and size 0. With them come
+softmax statistics over tiles of columns, per query head: each tile's largest logit and the sum of
+``exp(logit - that max)`` (0 and max ``-inf`` for a tile with no live cluster), which ``cluster_order``
+merges instead of reading the logits twice. The reference gathers the rows' centroids and multiplies in
+float32, with one tile of all the columns; the Triton kernel reads each centroid tile once per group from
+the arena (no gathered copy), accumulates its dot products in float32 and has one tile per program.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from sparse_kernels._backend import resolve_backend
+
+
+class ClusterLogits(NamedTuple):
+    logits: torch.Tensor  # float32 [n, H, G, columns]
+    sizes: torch.Tensor  # int32 [n, H, columns]
+    tile_max: torch.Tensor  # float32 [n, H, G, tiles]
+    tile_sum: torch.Tensor  # float32 [n, H, G, tiles]
 
 
 def cluster_logits(
@@ -24,8 +36,9 @@ def cluster_logits(
     *,
     scale: float,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits, sizes)``: float32 ``[n, H, G, columns]`` and int32 ``[n, H, columns]``.
+) -> ClusterLogits:
+    """``(logits, sizes, tile_max, tile_sum)``: float32 ``[n, H, G, columns]``, int32 ``[n, H, columns]`` and the
+    tiles' softmax statistics, float32 ``[n, H, G, tiles]``.
 
     ``query`` ``[n, H * G, D]``; ``centroids`` ``[H, C, D]`` (the arena's, any float dtype); ``sizes`` int32
     ``[H, C]``; ``bases`` and ``counts`` int ``[n]`` (a row's first column and its number of clusters).
@@ -39,11 +52,14 @@ def cluster_logits(
     if resolve_backend(backend, query.device) == "triton":
         from sparse_kernels._triton.cluster_logits import cluster_logits_triton
 
-        return cluster_logits_triton(query, centroids, sizes, bases[:n], counts[:n], columns, scale)
+        return ClusterLogits(*cluster_logits_triton(query, centroids, sizes, bases[:n], counts[:n], columns, scale))
     c = torch.arange(columns, device=query.device)
     cid = (bases[:n, None] + c).clamp_(max=total - 1)  # [n, Cw]
     valid = c[None] < counts[:n, None]
     size = sizes[:, cid].permute(1, 0, 2).masked_fill(~valid[:, None], 0).to(torch.int32)  # [n, H, Cw]
     q = query.float().view(n, heads, -1, dim)
     logits = torch.einsum("nhgd,nhcd->nhgc", q, centroids[:, cid].permute(1, 0, 2, 3).float()) * scale
-    return logits.masked_fill_((size == 0)[:, :, None], float("-inf")), size
+    logits.masked_fill_((size == 0)[:, :, None], float("-inf"))
+    tile_max = logits.amax(-1, keepdim=True)
+    tile_sum = (logits - tile_max.nan_to_num(neginf=0.0)).exp().sum(-1, keepdim=True)
+    return ClusterLogits(logits, size, tile_max, tile_sum)

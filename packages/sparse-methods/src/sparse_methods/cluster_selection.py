@@ -11,7 +11,8 @@ The work grows with what a row reads, not with its context: the ranking reads th
 dtype straight from the arena (``sparse_kernels.cluster_logits``: on CUDA a Triton kernel accumulating in
 float32, no gathered copy) and keeps only the ``top`` clusters a row can reach
 (``clusters_needed``: a row reads at most ``width - sink`` cluster tokens, so at most that many clusters,
-then estimates at most ``estimation_width``), the first ``top`` of one stable sort; the picks
+then estimates at most ``estimation_width``), the first ``top`` of a stable descending order
+(``sparse_kernels.cluster_order``: on CUDA chunks sorted in registers and merged by rank); the picks
 (``sparse_kernels.cluster_picks``: on CUDA two Triton kernels) take those clusters' tokens in rank order up
 to each row's budget, with the sink and the unindexed tail, and the estimated clusters ranked next; the
 estimation is ``sparse_kernels.cluster_estimation``. ``cluster_selection_reference`` is the full-sort,
@@ -75,23 +76,16 @@ def rank_arena_clusters(
     masked), summed over the group's query heads; the ``top`` best (``clusters_needed``), ties to the lower
     cluster (a stable descending sort's first ``top``)."""
     from sparse_kernels.cluster_logits import cluster_logits
+    from sparse_kernels.cluster_order import cluster_order
 
     centroids, sizes_all = arena.layers[layer][:2]
     n, columns = batch.query.shape[0], cluster_columns(batch, avg_cluster_size)
     clu_base, count = arena.plan[1:3, :n]
-    logits, sizes = cluster_logits(batch.query, centroids, sizes_all, clu_base, count, columns, scale=head_dim**-0.5)
-    empty = sizes == 0
-    probs = torch.softmax(logits, dim=-1).sum(2)  # empty clusters' logits are -inf
-    scores = probs.nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
-    return ClusterRanking(_top_columns(scores, min(top, columns)), sizes, columns)
-
-
-def _top_columns(scores: torch.Tensor, top: int) -> torch.Tensor:
-    """``[n, H, top]`` columns of the best ``scores`` ``[n, H, Cw]`` in a stable descending sort's order (ties to
-    the lower column). One stable sort of the float32 scores: on the H200 at batch 5 / 128K (40 rows of 8320
-    columns, top 5418) 134 us against 325 us for a top-k of a composite int64 key (score bits, then the
-    column reversed) that made the ties unique (``results/bench/h200/session11/retro_5adec3d/sort_probe.txt``)."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :top]
+    ranked = cluster_logits(batch.query, centroids, sizes_all, clu_base, count, columns, scale=head_dim**-0.5)
+    order = cluster_order(
+        ranked.logits, ranked.sizes, min(top, columns), tile_max=ranked.tile_max, tile_sum=ranked.tile_sum
+    )
+    return ClusterRanking(order, ranked.sizes, columns)
 
 
 def pick_clusters(

@@ -21,6 +21,7 @@ from sparse_kernels._triton.launch import Kernel, dot_args
 
 BLOCK_E = 32  # clusters per tile
 PROGRAMS_PER_SM = 4
+NUM_WARPS = 4
 
 
 def _cluster_estimation_split_kernel(
@@ -136,7 +137,7 @@ def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, sca
         BLOCK_D=block_d,
         **dot_args(centroids.dtype if query.dtype == centroids.dtype else torch.float32, query.device),
         VALUE_PRECISION="ieee" if query.device.type == "cpu" else "tf32x3",
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
     out = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=query.device)

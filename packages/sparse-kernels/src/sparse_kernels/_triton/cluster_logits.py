@@ -1,6 +1,6 @@
 """Triton ``cluster_logits``: program ``(row, KV head, column tile)`` loads the group's queries once and one
 tile of the row's centroids from the arena, one ``tl.dot`` (float32 accumulation) gives the tile's logits
-for every query head of the group."""
+for every query head of the group, and the tile's softmax statistics (max, sum of exponentials) per head."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ BLOCK_C = 128  # cluster columns per program
 
 
 def _cluster_logits_kernel(
-    q_ptr, c_ptr, size_ptr, base_ptr, count_ptr, logit_ptr, size_out_ptr, scale, total, columns,
+    q_ptr, c_ptr, size_ptr, base_ptr, count_ptr, logit_ptr, size_out_ptr, tmax_ptr, tsum_ptr, scale, total, columns,
+    tiles,
     HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -45,6 +46,12 @@ def _cluster_logits_kernel(
     out = ((r * HEADS + h) * GROUP + g)[:, None] * columns + col[None, :]
     tl.store(logit_ptr + out, s, mask=gmask[:, None] & cmask[None, :])
     tl.store(size_out_ptr + (r * HEADS + h) * columns + col, size, mask=cmask)
+    m = tl.max(s, axis=1)  # [BLOCK_G]: -inf when the tile has no live cluster
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total_exp = tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+    stat = ((r * HEADS + h) * GROUP + g) * tiles + t
+    tl.store(tmax_ptr + stat, m, mask=gmask)
+    tl.store(tsum_ptr + stat, total_exp, mask=gmask)
 
 
 cluster_logits_kernel = Kernel(_cluster_logits_kernel)
@@ -57,7 +64,10 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
     half = query.dtype == centroids.dtype and query.dtype in (torch.bfloat16, torch.float16)
     logits = torch.empty(n, heads, group, columns, dtype=torch.float32, device=query.device)
     size = torch.empty(n, heads, columns, dtype=torch.int32, device=query.device)
-    cluster_logits_kernel[(n, heads, triton.cdiv(columns, BLOCK_C))](
+    tiles = triton.cdiv(columns, BLOCK_C)
+    tile_max = torch.empty(n, heads, group, tiles, dtype=torch.float32, device=query.device)
+    tile_sum = torch.empty_like(tile_max)
+    cluster_logits_kernel[(n, heads, tiles)](
         query.contiguous(),
         centroids.contiguous(),
         sizes.to(torch.int32).contiguous(),
@@ -65,9 +75,12 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
         counts.to(torch.int64).contiguous(),
         logits,
         size,
+        tile_max,
+        tile_sum,
         float(scale),
         total,
         columns,
+        tiles,
         HEADS=heads,
         GROUP=group,
         HEAD_DIM=dim,
@@ -77,4 +90,4 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
         **dot_args(query.dtype if half else torch.float32, query.device),
         num_warps=4,
     )
-    return logits, size
+    return logits, size, tile_max, tile_sum

@@ -1,6 +1,7 @@
-"""Triton ``cluster_picks``: the running sums of the ranked clusters' sizes, the read count and the estimated
-ids in one program per (row, KV head); then the slots in one program per (row, KV head, tile of slots), each
-picked token's cluster found by a binary search over the running sums (searchsorted, right side)."""
+"""Triton ``cluster_picks``: the running sums of the ranked clusters' sizes (tile by tile until they pass the
+row's budget), the read count and the estimated ids in one program per (row, KV head); then the slots in one
+program per (row, KV head, tile of slots), each picked token's cluster found by a binary search over the
+running sums written (searchsorted, right side)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ BLOCK_W = 256  # slots per program
 
 
 def _cluster_runs_kernel(
-    order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, ids_ptr, plan_stride, order_stride, top, columns, reach,
-    est,
+    order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, covered_ptr, ids_ptr, plan_stride, order_stride, top,
+    columns, reach, est,
     HEADS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
@@ -26,7 +27,8 @@ def _cluster_runs_kernel(
     budget = tl.load(plan_ptr + 4 * plan_stride + r)
     carry = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
     read = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
-    for start in range(0, top, BLOCK):
+    start = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
+    while (start < top) & (carry < budget):  # past the budget no cluster is read: the rest is never searched
         t = start + tl.arange(0, BLOCK)
         m = t < top
         o = tl.load(order_ptr + row * order_stride + t, mask=m, other=0)
@@ -35,7 +37,9 @@ def _cluster_runs_kernel(
         tl.store(cum_ptr + row * top + t, c, mask=m)
         read += tl.sum((((c - s) < budget) & (s > 0) & m).to(tl.int64), axis=0)
         carry += tl.sum(s, axis=0)
+        start += BLOCK
     tl.store(picked_ptr + row, tl.minimum(tl.maximum(tl.minimum(budget, carry), 0), reach))
+    tl.store(covered_ptr + row, tl.minimum(start, top))
     if ESTIMATE:
         clu_base = tl.load(plan_ptr + plan_stride + r)
         wanted = tl.minimum(tl.load(plan_ptr + 5 * plan_stride + r), tl.load(plan_ptr + 2 * plan_stride + r) - read)
@@ -48,7 +52,7 @@ def _cluster_runs_kernel(
 
 
 def _cluster_slots_kernel(
-    order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, picked_ptr, slots_ptr,
+    order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, picked_ptr, covered_ptr, slots_ptr,
     plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink, steps,
     HEADS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
@@ -70,7 +74,7 @@ def _cluster_slots_kernel(
     inside = (k >= 0) & (k < num_picked) & im
     j = tl.where(inside, k, 0)
     lo = tl.zeros([BLOCK_W], tl.int64)
-    hi = tl.zeros([BLOCK_W], tl.int64) + top
+    hi = tl.zeros([BLOCK_W], tl.int64) + tl.load(covered_ptr + row)  # the running sums the first kernel wrote
     for _ in range(steps):  # the first running sum above j
         active = lo < hi
         mid = (lo + hi) // 2
@@ -106,16 +110,18 @@ def cluster_picks_triton(order, sizes, offsets, positions, plan, kv_lens, *, sin
     sizes = sizes.contiguous()
     cum = torch.empty(n, heads, top, dtype=torch.int64, device=device)
     picked = torch.empty(n, heads, dtype=torch.int64, device=device)
+    covered = torch.empty(n, heads, dtype=torch.int32, device=device)
     ids = torch.empty(n, heads, max(est, 1), dtype=torch.int64, device=device)
     cluster_runs_kernel[(n, heads)](
-        order, sizes, plan, cum, picked, ids, plan.stride(0), order.stride(1), top, sizes.shape[2], reach, max(est, 1),
+        order, sizes, plan, cum, picked, covered, ids, plan.stride(0), order.stride(1), top, sizes.shape[2], reach,
+        max(est, 1),
         HEADS=heads, BLOCK=BLOCK, BLOCK_E=BLOCK_E, ESTIMATE=est > 0, num_warps=4,
     )  # fmt: skip
     slots = torch.empty(n, heads, width, dtype=torch.int64, device=device)
     cluster_slots_kernel[(n, heads, triton.cdiv(width, BLOCK_W))](
         order, sizes, offsets.contiguous(), positions.contiguous(), plan, kv_lens.to(torch.int64).contiguous(),
-        cum, picked, slots, plan.stride(0), order.stride(1), top, sizes.shape[2], offsets.shape[1], positions.shape[1],
-        width, sink,
+        cum, picked, covered, slots, plan.stride(0), order.stride(1), top, sizes.shape[2], offsets.shape[1],
+        positions.shape[1], width, sink,
         top.bit_length() + 1, HEADS=heads, BLOCK_W=BLOCK_W, num_warps=4,
     )  # fmt: skip
     return slots, (ids if est > 0 else None)

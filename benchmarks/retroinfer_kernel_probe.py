@@ -1,0 +1,110 @@
+"""Time RetroInfer's per-layer kernels at one decode step's shape on a GPU (CUDA-graph replay): the ranking
+order (torch's softmax + stable sort against the Triton chunk sort at several chunk sizes), the ranking
+logits, the picks and the estimation at several tilings. Prints one table; checks the variants agree.
+
+    python benchmarks/retroinfer_kernel_probe.py [--batch 5] [--context 131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def graph_ms(fn, reps: int = 36, replays: int = 20) -> float:
+    """ms per call: ``reps`` calls captured in one CUDA graph, replayed."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / (reps * replays)
+
+
+def main() -> None:
+    from sparse_kernels._triton import cluster_estimation as est_mod
+    from sparse_kernels._triton.cluster_order import cluster_order_triton
+    from sparse_kernels.cluster_estimation import cluster_estimation
+    from sparse_kernels.cluster_logits import cluster_logits
+    from sparse_kernels.cluster_order import cluster_order
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=5)
+    ap.add_argument("--context", type=int, default=131072)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    n, heads, group, dim, avg = args.batch, 8, 4, 128, 16
+    columns = (args.context + 2048) // avg
+    total = n * columns
+    top = 3500 - 4 + round(columns * 0.232)
+    query = torch.randn(n, heads * group, dim, device=dev, generator=gen, dtype=torch.bfloat16)
+    centroids = torch.randn(heads, total, dim, device=dev, generator=gen).to(torch.bfloat16)
+    value_sums = torch.randn(heads, total, dim, device=dev, generator=gen)
+    sizes = torch.randint(1, 2 * avg, (heads, total), device=dev, generator=gen, dtype=torch.int32)
+    bases = torch.arange(n, device=dev) * columns
+    counts = torch.full((n,), args.context // avg, device=dev)
+    rows = []
+
+    logits = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5)
+    rows.append(
+        (
+            "ranking logits + tile statistics",
+            graph_ms(lambda: cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5)),
+        )
+    )
+    want = cluster_order(logits.logits, logits.sizes, top, backend="reference")
+    rows.append(
+        (
+            "order: torch softmax + sum + stable sort",
+            graph_ms(lambda: cluster_order(logits.logits, logits.sizes, top, backend="reference")),
+        )
+    )
+    for chunk in (1024, 2048, 4096, 16384):
+        got = cluster_order_triton(logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=chunk)
+        differ = int((got != want).sum())
+        ms = graph_ms(
+            lambda c=chunk: cluster_order_triton(
+                logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=c
+            )
+        )
+        rows.append((f"order: triton chunk {chunk} ({differ} of {got.numel()} places differ)", ms))
+
+    num_est = round(columns * 0.232)
+    ids = torch.stack([torch.randperm(columns, device=dev)[:num_est] for _ in range(n * heads)]).view(n, heads, num_est)
+    ids = ids + bases[:, None, None]
+    ref = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5, backend="reference")
+    for block_e in (32, 64):
+        for pps in (4, 8):
+            for warps in (4, 8):
+                est_mod.BLOCK_E, est_mod.PROGRAMS_PER_SM, est_mod.NUM_WARPS = block_e, pps, warps
+                out, lse = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5)
+                err = float((out - ref[0]).abs().max())
+                ms = graph_ms(lambda: cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5))
+                rows.append((f"estimation BLOCK_E {block_e} programs/SM {pps} warps {warps} (max err {err:.1e})", ms))
+    est_bytes = n * heads * num_est * (dim * 2 + dim * 4 + 4 + 8)
+    print(
+        f"batch {n}, context {args.context}, {columns} columns, top {top}, {num_est} estimated per row and head; "
+        f"estimation bytes per layer {est_bytes / 1e6:.1f} MB"
+    )
+    print("| kernel(s), one layer | us | ms per 36 layers |")
+    print("|---|---|---|")
+    for name, ms in rows:
+        print(f"| {name} | {ms * 1e3:.1f} | {ms * 36:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
