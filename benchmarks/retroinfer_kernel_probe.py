@@ -73,28 +73,40 @@ def main() -> None:
             graph_ms(lambda: cluster_order(logits.logits, logits.sizes, top, backend="reference")),
         )
     )
-    for chunk in (1024, 2048, 4096, 16384):
-        got = cluster_order_triton(logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=chunk)
-        differ = int((got != want).sum())
-        ms = graph_ms(
-            lambda c=chunk: cluster_order_triton(
-                logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=c
-            )
-        )
-        rows.append((f"order: triton chunk {chunk} ({differ} of {got.numel()} places differ)", ms))
+    from sparse_kernels._triton import cluster_order as order_mod
+
+    defaults = order_mod.CHUNK_WARPS, order_mod.MERGE_WARPS, order_mod.SLICE
+    for chunk in (1024, 2048, 4096):
+        for chunk_warps in (4, 8, 16):
+            for merge_warps, slice_ in ((4, 128), (8, 128), (4, 256), (8, 256), (4, 64)):
+                order_mod.CHUNK_WARPS, order_mod.MERGE_WARPS, order_mod.SLICE = chunk_warps, merge_warps, slice_
+                got = cluster_order_triton(
+                    logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=chunk
+                )
+                differ = int((got != want).sum())
+                ms = graph_ms(
+                    lambda c=chunk: cluster_order_triton(
+                        logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=c
+                    )
+                )
+                rows.append(
+                    (f"order: triton chunk {chunk} warps {chunk_warps}, merge slice {slice_} warps {merge_warps} "
+                     f"({differ} of {got.numel()} places differ)", ms)
+                )  # fmt: skip
+    order_mod.CHUNK_WARPS, order_mod.MERGE_WARPS, order_mod.SLICE = defaults
 
     num_est = round(columns * 0.232)
     ids = torch.stack([torch.randperm(columns, device=dev)[:num_est] for _ in range(n * heads)]).view(n, heads, num_est)
     ids = ids + bases[:, None, None]
     ref = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5, backend="reference")
-    for block_e in (32, 64):
-        for pps in (4, 8):
-            for warps in (4, 8):
-                est_mod.BLOCK_E, est_mod.PROGRAMS_PER_SM, est_mod.NUM_WARPS = block_e, pps, warps
+    for precision in ("tf32x3", "tf32"):
+        for stages in (None, 1, 2, 4):
+            for warps in (2, 4):
+                est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS = precision, stages, warps
                 out, lse = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5)
                 err = float((out - ref[0]).abs().max())
                 ms = graph_ms(lambda: cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5))
-                rows.append((f"estimation BLOCK_E {block_e} programs/SM {pps} warps {warps} (max err {err:.1e})", ms))
+                rows.append((f"estimation {precision} stages {stages} warps {warps} (max err {err:.1e})", ms))
     est_bytes = n * heads * num_est * (dim * 2 + dim * 4 + 4 + 8)
     print(
         f"batch {n}, context {args.context}, {columns} columns, top {top}, {num_est} estimated per row and head; "

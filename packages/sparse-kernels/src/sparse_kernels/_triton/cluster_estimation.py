@@ -22,6 +22,8 @@ from sparse_kernels._triton.launch import Kernel, dot_args
 BLOCK_E = 32  # clusters per tile
 PROGRAMS_PER_SM = 4
 NUM_WARPS = 4
+NUM_STAGES = None  # Triton's default
+VALUE_PRECISION = "tf32x3"  # on CUDA; the interpreter computes in IEEE float32
 
 
 def _cluster_estimation_split_kernel(
@@ -136,8 +138,9 @@ def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, sca
         BLOCK_E=BLOCK_E,
         BLOCK_D=block_d,
         **dot_args(centroids.dtype if query.dtype == centroids.dtype else torch.float32, query.device),
-        VALUE_PRECISION="ieee" if query.device.type == "cpu" else "tf32x3",
+        VALUE_PRECISION="ieee" if query.device.type == "cpu" else VALUE_PRECISION,
         num_warps=NUM_WARPS,
+        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
     )
     out = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=query.device)

@@ -13,6 +13,8 @@ CHUNK = 2048  # columns sorted per program
 SLICE = 128  # keys placed per program of the merge
 SHIFT = 24  # key = descending score bits << SHIFT | column
 PAD = 1 << 62  # past the row's columns: after every key
+CHUNK_WARPS = 8
+MERGE_WARPS = 4
 
 
 def _order_chunks_kernel(
@@ -103,11 +105,11 @@ def cluster_order_triton(logits, sizes, tile_max, tile_sum, top: int, chunk: int
     order_chunks_kernel[(rows, chunks)](
         logits.contiguous(), sizes.to(torch.int32).contiguous(), tile_max.contiguous(), tile_sum.contiguous(),
         keys, order, columns, tiles, top, chunks, GROUP=group, BLOCK_G=triton.next_power_of_2(group),
-        BLOCK_T=min(64, triton.next_power_of_2(tiles)), DIRECT=chunks == 1, **common, num_warps=8,
+        BLOCK_T=min(64, triton.next_power_of_2(tiles)), DIRECT=chunks == 1, **common, num_warps=CHUNK_WARPS,
     )  # fmt: skip
     if chunks > 1:
         order_merge_kernel[(rows, chunks, chunk // min(SLICE, chunk))](
             keys, order, top, chunks, SLICE=min(SLICE, chunk), BLOCK_K=triton.next_power_of_2(chunks),
-            STEPS=chunk.bit_length(), **common, num_warps=4,
+            STEPS=chunk.bit_length(), **common, num_warps=MERGE_WARPS,
         )  # fmt: skip
     return order
