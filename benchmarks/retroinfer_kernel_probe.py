@@ -75,11 +75,14 @@ def main() -> None:
     )
     from sparse_kernels._triton import cluster_order as order_mod
 
-    defaults = order_mod.CHUNK_WARPS, order_mod.MERGE_WARPS, order_mod.SLICE
-    for chunk in (1024, 2048, 4096):
-        for chunk_warps in (4, 8, 16):
-            for merge_warps, slice_ in ((4, 128), (8, 128), (4, 256), (8, 256), (4, 64)):
-                order_mod.CHUNK_WARPS, order_mod.MERGE_WARPS, order_mod.SLICE = chunk_warps, merge_warps, slice_
+    names = ("CHUNK_WARPS", "MERGE_WARPS", "SLICE", "WINDOW")
+    defaults = [getattr(order_mod, name) for name in names]
+    merges = ((4, 128, 128), (4, 64, 128), (4, 128, 64), (8, 256, 128), (8, 128, 128))
+    for chunk in (1024, 2048):
+        for chunk_warps in (8, 16):
+            for merge_warps, slice_, window in merges:
+                for name, value in zip(names, (chunk_warps, merge_warps, slice_, window), strict=True):
+                    setattr(order_mod, name, value)
                 got = cluster_order_triton(
                     logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=chunk
                 )
@@ -90,23 +93,24 @@ def main() -> None:
                     )
                 )
                 rows.append(
-                    (f"order: triton chunk {chunk} warps {chunk_warps}, merge slice {slice_} warps {merge_warps} "
-                     f"({differ} of {got.numel()} places differ)", ms)
+                    (f"order: triton chunk {chunk} warps {chunk_warps}, merge slice {slice_} window {window} "
+                     f"warps {merge_warps} ({differ} of {got.numel()} places differ)", ms)
                 )  # fmt: skip
-    order_mod.CHUNK_WARPS, order_mod.MERGE_WARPS, order_mod.SLICE = defaults
+    for name, value in zip(names, defaults, strict=True):
+        setattr(order_mod, name, value)
 
     num_est = round(columns * 0.232)
     ids = torch.stack([torch.randperm(columns, device=dev)[:num_est] for _ in range(n * heads)]).view(n, heads, num_est)
     ids = ids + bases[:, None, None]
     ref = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5, backend="reference")
-    for precision in ("tf32x3", "tf32"):
-        for stages in (None, 1, 2, 4):
-            for warps in (2, 4):
-                est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS = precision, stages, warps
-                out, lse = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5)
-                err = float((out - ref[0]).abs().max())
-                ms = graph_ms(lambda: cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5))
-                rows.append((f"estimation {precision} stages {stages} warps {warps} (max err {err:.1e})", ms))
+    est_defaults = est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS
+    for precision, stages, warps in (est_defaults, ("tf32x3", 2, 2), ("tf32", 3, 4), ("tf32", 2, 8)):
+        est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS = precision, stages, warps
+        out, lse = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5)
+        err = float((out - ref[0]).abs().max())
+        ms = graph_ms(lambda: cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5))
+        rows.append((f"estimation {precision} stages {stages} warps {warps} (max err {err:.1e})", ms))
+    est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS = est_defaults
     est_bytes = n * heads * num_est * (dim * 2 + dim * 4 + 4 + 8)
     print(
         f"batch {n}, context {args.context}, {columns} columns, top {top}, {num_est} estimated per row and head; "

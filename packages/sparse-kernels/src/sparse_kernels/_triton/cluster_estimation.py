@@ -1,7 +1,7 @@
 """Triton ``cluster_estimation``, split-K: program ``(row, KV head, split)`` runs an online softmax over one
 slice of the row's estimated clusters for all query heads of the group at once (each centroid and value sum
 is read once per group; two ``tl.dot`` per tile of clusters: the logits in the centroids' dtype, the
-weighted value sums in float32 as three TF32 products), each cluster weighted by its size
+weighted value sums from float32 in one TF32 product), each cluster weighted by its size
 (``s + log(size)``); a second kernel merges the splits' ``(out, lse)`` per query head.
 
 The split count fills the GPU (``PROGRAMS_PER_SM`` programs per multiprocessor over ``rows x KV heads``
@@ -21,9 +21,13 @@ from sparse_kernels._triton.launch import Kernel, dot_args
 
 BLOCK_E = 32  # clusters per tile
 PROGRAMS_PER_SM = 4
+# On the H200 at batch 5 / 128K, per layer (``benchmarks/retroinfer_kernel_probe.py``, session 12): value sums
+# in one TF32 product with 2 stages 27.6 us, against 40.9 us in three (tf32x3) at Triton's default stages; the
+# output moved by at most 8e-6 (it is merged into a bf16 attention output). 4 warps, 32 clusters per tile and
+# 4 programs per multiprocessor stay the best of the 2-8 warps, 32 / 64 and 4 / 8 tried.
 NUM_WARPS = 4
-NUM_STAGES = None  # Triton's default
-VALUE_PRECISION = "tf32x3"  # on CUDA; the interpreter computes in IEEE float32
+NUM_STAGES: int | None = 2  # None: Triton's default
+VALUE_PRECISION = "tf32"  # on CUDA; the interpreter computes in IEEE float32
 
 
 def _cluster_estimation_split_kernel(
