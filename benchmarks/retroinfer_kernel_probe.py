@@ -75,13 +75,13 @@ def main() -> None:
     )
     from sparse_kernels._triton import cluster_order as order_mod
 
-    names = ("CHUNK_WARPS", "MERGE_WARPS", "SLICE", "WINDOW")
+    names = ("CHUNK_WARPS", "MERGE_WARPS", "SLICE")
     defaults = [getattr(order_mod, name) for name in names]
-    merges = ((4, 128, 128), (4, 64, 128), (4, 128, 64), (8, 256, 128), (8, 128, 128))
-    for chunk in (1024, 2048):
+    merges = ((4, 128), (8, 128), (4, 64), (4, 256))
+    for chunk in (1024, 2048, 4096):
         for chunk_warps in (8, 16):
-            for merge_warps, slice_, window in merges:
-                for name, value in zip(names, (chunk_warps, merge_warps, slice_, window), strict=True):
+            for merge_warps, slice_ in merges:
+                for name, value in zip(names, (chunk_warps, merge_warps, slice_), strict=True):
                     setattr(order_mod, name, value)
                 got = cluster_order_triton(
                     logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=chunk
@@ -93,7 +93,7 @@ def main() -> None:
                     )
                 )
                 rows.append(
-                    (f"order: triton chunk {chunk} warps {chunk_warps}, merge slice {slice_} window {window} "
+                    (f"order: triton chunk {chunk} warps {chunk_warps}, merge slice {slice_} "
                      f"warps {merge_warps} ({differ} of {got.numel()} places differ)", ms)
                 )  # fmt: skip
     for name, value in zip(names, defaults, strict=True):

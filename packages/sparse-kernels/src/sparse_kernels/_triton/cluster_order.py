@@ -1,7 +1,5 @@
 """Triton ``cluster_order``: score and sort chunks of each row's columns in registers, then place every key at
-its rank in the row: its place in its chunk plus, per other chunk, the keys below it. A slice of a sorted
-chunk finds, by two binary searches per other chunk, the keys below its first key (below every key of the
-slice) and the window up to its last; only the window's keys are compared with the slice's."""
+its rank in the row (its place in its chunk plus, per other chunk, a binary search for the keys below it)."""
 
 from __future__ import annotations
 
@@ -13,11 +11,12 @@ from sparse_kernels._triton.launch import Kernel
 
 CHUNK = 2048  # columns sorted per program
 SLICE = 128  # keys placed per program of the merge
-WINDOW = 128  # keys of another chunk compared with a slice at a time
 SHIFT = 24  # key = descending score bits << SHIFT | column
 PAD = 1 << 62  # past the row's columns: after every key
 # On the H200 at batch 5 / 128K (40 rows x 8320 columns, top 5426), both kernels per layer: chunks of 2048 sorted
-# by 16 warps 81 us, by 8 warps 97 us; chunks of 1024 or 4096 101-165 us (``benchmarks/retroinfer_kernel_probe.py``).
+# by 16 warps 81 us, by 8 warps 97 us; chunks of 1024 or 4096 101-165 us (``benchmarks/retroinfer_kernel_probe.py``,
+# ``results/bench/h200/session12``). A merge that compared each slice with the window of keys between its first
+# and last in every other chunk, instead of a binary search per key, took 185-720 us (compare-bound).
 CHUNK_WARPS = 16
 MERGE_WARPS = 4
 
@@ -68,43 +67,27 @@ def _order_chunks_kernel(
 
 def _order_merge_kernel(
     key_ptr, order_ptr, top, chunks,
-    CHUNK: tl.constexpr, SLICE: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, WINDOW: tl.constexpr,
-    SHIFT: tl.constexpr, PAD: tl.constexpr,
+    CHUNK: tl.constexpr, SLICE: tl.constexpr, BLOCK_K: tl.constexpr, STEPS: tl.constexpr, SHIFT: tl.constexpr,
+    PAD: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     i = tl.program_id(2) * SLICE + tl.arange(0, SLICE)
     v = tl.load(key_ptr + (row * chunks + c) * CHUNK + i)  # [SLICE], ascending
-    real = v != PAD
-    first = tl.min(v, axis=0)
-    last = tl.max(tl.where(real, v, 0), axis=0)
-    # per other chunk, its keys below the slice's first and up to its last (a binary search each, all at once)
     other = tl.arange(0, BLOCK_K)
     om = (other < chunks) & (other != c)
-    bound = tl.arange(0, 2)
-    target = tl.where(bound == 0, first, last + 1)
-    lo = tl.zeros([BLOCK_K, 2], tl.int32)
-    hi = tl.zeros([BLOCK_K, 2], tl.int32) + CHUNK
+    lo = tl.zeros([BLOCK_K, SLICE], tl.int32)
+    hi = tl.zeros([BLOCK_K, SLICE], tl.int32) + CHUNK
     base = (row * chunks + other) * CHUNK
-    for _ in range(STEPS):
+    for _ in range(STEPS):  # per other chunk, its keys below v (they are unique but for PAD)
         active = lo < hi
         mid = (lo + hi) // 2
         a = tl.load(key_ptr + base[:, None] + tl.minimum(mid, CHUNK - 1), mask=om[:, None] & active, other=PAD)
-        below = a < target[None, :]
+        below = a < v[None, :]
         lo = tl.where(active & below, mid + 1, lo)
         hi = tl.where(active & ~below, mid, hi)
-    below_first = tl.sum(tl.where(bound[None, :] == 0, lo, 0), axis=1)  # [BLOCK_K]; 0 for this chunk
-    up_to_last = tl.sum(tl.where(bound[None, :] == 1, lo, 0), axis=1)
-    count = tl.zeros([SLICE], tl.int32) + tl.sum(below_first, axis=0)
-    for k in range(0, chunks):  # the keys between: compared with the whole slice, a window at a time
-        w_lo = tl.sum(tl.where(other == k, below_first, 0), axis=0)
-        w_hi = tl.sum(tl.where(other == k, up_to_last, 0), axis=0)
-        for t0 in range(w_lo, w_hi, WINDOW):
-            t = t0 + tl.arange(0, WINDOW)
-            a = tl.load(key_ptr + (row * chunks + k) * CHUNK + t, mask=t < w_hi, other=PAD)
-            count += tl.sum((a[None, :] < v[:, None]).to(tl.int32), axis=1)
-    rank = i + count
-    tl.store(order_ptr + row * top + rank, v & ((1 << SHIFT) - 1), mask=real & (rank < top))
+    rank = i + tl.sum(tl.where(om[:, None], lo, 0), axis=0)
+    tl.store(order_ptr + row * top + rank, v & ((1 << SHIFT) - 1), mask=(v != PAD) & (rank < top))
 
 
 order_chunks_kernel = Kernel(_order_chunks_kernel)
@@ -131,6 +114,6 @@ def cluster_order_triton(logits, sizes, tile_max, tile_sum, top: int, chunk: int
     if chunks > 1:
         order_merge_kernel[(rows, chunks, chunk // min(SLICE, chunk))](
             keys, order, top, chunks, SLICE=min(SLICE, chunk), BLOCK_K=triton.next_power_of_2(chunks),
-            STEPS=chunk.bit_length(), WINDOW=WINDOW, **common, num_warps=MERGE_WARPS,
+            STEPS=chunk.bit_length(), **common, num_warps=MERGE_WARPS,
         )  # fmt: skip
     return order
