@@ -1,6 +1,6 @@
 """Time RetroInfer's per-layer kernels at one decode step's shape on a GPU (CUDA-graph replay): the ranking
-order (torch's softmax + stable sort against the Triton chunk sort at several chunk sizes), the ranking
-logits, the picks and the estimation at several tilings. Prints one table; checks the variants agree.
+order (torch's softmax + stable sort against the Triton chunk sort at several chunk sizes and warps), the
+ranking logits and the estimation at several settings. Prints one table; checks the variants agree.
 
     python benchmarks/retroinfer_kernel_probe.py [--batch 5] [--context 131072]
 """
@@ -8,30 +8,21 @@ logits, the picks and the estimation at several tilings. Prints one table; check
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages/sparse-kernels/benchmarks"))
 
-def graph_ms(fn, reps: int = 36, replays: int = 20) -> float:
-    """ms per call: ``reps`` calls captured in one CUDA graph, replayed."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / (reps * replays)
+
+def graph_ms(fn, reps: int = 36) -> float:
+    """ms per call: ``reps`` calls (a step's layers) captured in one CUDA graph (``_timing.capture``), its replay
+    timed by ``_timing.median_ms``."""
+    from _timing import capture, median_ms
+
+    graph = capture(lambda: [fn() for _ in range(reps)])
+    return median_ms(graph.replay) / reps
 
 
 def main() -> None:

@@ -60,6 +60,10 @@ def cluster_logits(
     q = query.float().view(n, heads, -1, dim)
     logits = torch.einsum("nhgd,nhcd->nhgc", q, centroids[:, cid].permute(1, 0, 2, 3).float()) * scale
     logits.masked_fill_((size == 0)[:, :, None], float("-inf"))
-    tile_max = logits.amax(-1, keepdim=True)
-    tile_sum = (logits - tile_max.nan_to_num(neginf=0.0)).exp().sum(-1, keepdim=True)
-    return ClusterLogits(logits, size, tile_max, tile_sum)
+    return ClusterLogits(logits, size, *softmax_statistics(logits))
+
+
+def softmax_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tile of all the columns: ``(max, sum of exp(logit - max))`` ``[..., 1]`` (0 where all are ``-inf``)."""
+    top = logits.amax(-1, keepdim=True)
+    return top, (logits - top.nan_to_num(neginf=0.0)).exp().sum(-1, keepdim=True)

@@ -39,10 +39,10 @@ def cluster_order(
         raise ValueError(f"sizes must be [{n}, {heads}, {columns}] and top in [1, {columns}], got {top}")
     if resolve_backend(backend, logits.device) == "triton":
         from sparse_kernels._triton.cluster_order import cluster_order_triton
+        from sparse_kernels.cluster_logits import softmax_statistics
 
         if tile_max is None or tile_sum is None:
-            tile_max = logits.amax(-1, keepdim=True)
-            tile_sum = (logits - tile_max.nan_to_num(neginf=0.0)).exp().sum(-1, keepdim=True)
+            tile_max, tile_sum = softmax_statistics(logits)
         return cluster_order_triton(logits, sizes, tile_max, tile_sum, top)
     empty = sizes == 0
     probs = torch.softmax(logits, dim=-1).sum(2)  # a row with no live cluster: NaN, then -inf below

@@ -26,7 +26,7 @@ PROGRAMS_PER_SM = 4
 # output moved by at most 8e-6 (it is merged into a bf16 attention output). 4 warps, 32 clusters per tile and
 # 4 programs per multiprocessor stay the best of the 2-8 warps, 32 / 64 and 4 / 8 tried.
 NUM_WARPS = 4
-NUM_STAGES: int | None = 2  # None: Triton's default
+NUM_STAGES = 2
 VALUE_PRECISION = "tf32"  # on CUDA; the interpreter computes in IEEE float32
 
 
@@ -144,7 +144,7 @@ def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, sca
         **dot_args(centroids.dtype if query.dtype == centroids.dtype else torch.float32, query.device),
         VALUE_PRECISION="ieee" if query.device.type == "cpu" else VALUE_PRECISION,
         num_warps=NUM_WARPS,
-        **({} if NUM_STAGES is None else {"num_stages": NUM_STAGES}),
+        num_stages=NUM_STAGES,
     )
     out = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=query.device)
