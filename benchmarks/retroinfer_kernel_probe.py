@@ -35,6 +35,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=5)
     ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--order-sweep", action="store_true", help="sweep the chunk order's settings (else its defaults)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -68,9 +69,9 @@ def main() -> None:
 
     names = ("CHUNK_WARPS", "MERGE_WARPS", "SLICE")
     defaults = [getattr(order_mod, name) for name in names]
-    merges = ((4, 128), (8, 128), (4, 64), (4, 256))
-    for chunk in (1024, 2048, 4096):
-        for chunk_warps in (8, 16):
+    merges = ((4, 128), (8, 128), (4, 64), (4, 256)) if args.order_sweep else ((defaults[1], defaults[2]),)
+    for chunk in (1024, 2048, 4096) if args.order_sweep else (order_mod.CHUNK,):
+        for chunk_warps in (8, 16) if args.order_sweep else (defaults[0],):
             for merge_warps, slice_ in merges:
                 for name, value in zip(names, (chunk_warps, merge_warps, slice_), strict=True):
                     setattr(order_mod, name, value)
@@ -89,6 +90,27 @@ def main() -> None:
                 )  # fmt: skip
     for name, value in zip(names, defaults, strict=True):
         setattr(order_mod, name, value)
+
+    from sparse_kernels._triton import cluster_select as select_mod
+    from sparse_kernels.cluster_select import cluster_select
+
+    count = args.context // avg
+    retrieved = torch.full((n,), min(max(round(count * 0.018), 1), count), device=dev)
+    estimated = torch.minimum(torch.full((n,), round(count * 0.232), device=dev), count - retrieved)
+    widths = dict(read_width=round(columns * 0.018), estimate_width=round(columns * 0.232))
+    sel_args = (logits.logits, logits.sizes, retrieved, estimated)
+    sel_want = cluster_select(*sel_args, **widths, backend="reference")
+    sel_defaults = select_mod.CHUNK, select_mod.NUM_WARPS
+    for sub in (256, 512, 1024, 2048):
+        for warps in (1, 2, 4, 8):
+            select_mod.CHUNK, select_mod.NUM_WARPS = sub, warps
+            stats = dict(tile_max=logits.tile_max, tile_sum=logits.tile_sum)
+            got = cluster_select(*sel_args, **widths, **stats)
+            differ = int((got != sel_want).sum())
+            ms = graph_ms(lambda s=stats: cluster_select(*sel_args, **widths, **s))
+            name = f"select by count: chunk {sub}, warps {warps}"
+            rows.append((f"{name} ({differ} of {got.numel()} places differ)", ms))
+    select_mod.CHUNK, select_mod.NUM_WARPS = sel_defaults
 
     num_est = round(columns * 0.232)
     ids = torch.stack([torch.randperm(columns, device=dev)[:num_est] for _ in range(n * heads)]).view(n, heads, num_est)

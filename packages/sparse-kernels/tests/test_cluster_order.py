@@ -5,32 +5,15 @@ equals the reference but for columns whose scores agree to float32 rounding."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from cluster_ranking_cases import case, plain_scores
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_kernels._triton.cluster_order import cluster_order_triton
 from sparse_kernels.cluster_logits import cluster_logits, softmax_statistics
 from sparse_kernels.cluster_order import cluster_order
-
-
-def _plain_scores(logits, sizes):
-    """float64 ``[n, H, Cw]`` scores, by the formula: sum over the group of each head's softmax."""
-    n, heads, group, columns = logits.shape
-    out = torch.full((n, heads, columns), float("-inf"), dtype=torch.float64)
-    for r in range(n):
-        for h in range(heads):
-            live = [c for c in range(columns) if sizes[r, h, c] > 0]
-            for g in range(group):
-                top = max(float(logits[r, h, g, c]) for c in live) if live else 0.0
-                total = sum(math.exp(float(logits[r, h, g, c]) - top) for c in live)
-                for c in live:
-                    p = math.exp(float(logits[r, h, g, c]) - top) / total
-                    out[r, h, c] = p if g == 0 else out[r, h, c] + p
-    return out
 
 
 def _plain_order(scores, top):
@@ -41,18 +24,6 @@ def _plain_order(scores, top):
             for r in range(n)
         ]
     )
-
-
-def _case(seed, n=2, heads=2, group=4, columns=70, ties=False):
-    gen = torch.Generator().manual_seed(seed)
-    logits = torch.randn(n, heads, group, columns, generator=gen) * 2
-    if ties:  # whole columns repeated: equal scores, ranked by column
-        logits = logits.round()
-        logits[..., 1::3] = logits[..., ::3][..., : logits[..., 1::3].shape[-1]]
-    sizes = torch.randint(0, 4, (n, heads, columns), generator=gen, dtype=torch.int32)
-    sizes[0, 1] = 0  # a row with no live cluster
-    logits.masked_fill_((sizes == 0)[:, :, None], float("-inf"))
-    return logits, sizes
 
 
 def _assert_same_but_near_ties(got, want, scores):
@@ -66,8 +37,8 @@ def _assert_same_but_near_ties(got, want, scores):
 
 @pytest.mark.parametrize("ties", [False, True])
 def test_reference_equals_the_plain_ranking(ties):
-    logits, sizes = _case(0, ties=ties)
-    scores = _plain_scores(logits, sizes)
+    logits, sizes = case(0, ties=ties)
+    scores = plain_scores(logits, sizes)
     got = cluster_order(logits, sizes, 50, backend="reference")
     _assert_same_but_near_ties(got, _plain_order(scores, 50), scores)
     if ties:
@@ -83,11 +54,11 @@ def test_reference_equals_the_plain_ranking(ties):
     ties=st.booleans(),
 )
 def test_triton_equals_reference(seed, columns, top_frac, chunk, ties):
-    logits, sizes = _case(seed, columns=columns, ties=ties)
+    logits, sizes = case(seed, columns=columns, ties=ties)
     top = max(1, round(columns * top_frac))
     want = cluster_order(logits, sizes, top, backend="reference")
     got = cluster_order_triton(logits, sizes, *softmax_statistics(logits), top, chunk=chunk)
-    _assert_same_but_near_ties(got, want, _plain_scores(logits, sizes))
+    _assert_same_but_near_ties(got, want, plain_scores(logits, sizes))
 
 
 def test_triton_with_the_logits_kernels_tile_statistics(triton_device):
@@ -103,11 +74,11 @@ def test_triton_with_the_logits_kernels_tile_statistics(triton_device):
     got = cluster_order(ranked.logits, ranked.sizes, 200, tile_max=ranked.tile_max, tile_sum=ranked.tile_sum)
     logits, size = ranked.logits.cpu(), ranked.sizes.cpu()
     want = cluster_order(logits, size, 200, backend="reference")
-    _assert_same_but_near_ties(got.cpu(), want, _plain_scores(logits, size))
+    _assert_same_but_near_ties(got.cpu(), want, plain_scores(logits, size))
 
 
 def test_bad_arguments_are_refused():
-    logits, sizes = _case(0)
+    logits, sizes = case(0)
     with pytest.raises(ValueError, match="top"):
         cluster_order(logits, sizes, 0)
     with pytest.raises(ValueError, match="sizes"):

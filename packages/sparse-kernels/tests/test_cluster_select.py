@@ -1,0 +1,121 @@
+"""RetroInfer's selection by count: the reference equals a plain per-row ranking (the best ``k1`` columns best
+first, then the next ``k2 - k1`` in column order, then the rest in column order); the Triton path (a radix
+select over chunks of columns, one chunk or several, and a sort of the retrieved only) equals the reference
+but for columns whose scores agree to float32 rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cluster_ranking_cases import case, plain_scores
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_kernels._triton import cluster_select as select_mod
+from sparse_kernels.cluster_logits import cluster_logits, softmax_statistics
+from sparse_kernels.cluster_select import cluster_select, selection_counts
+
+
+def _plain_select(scores, retrieved, estimated, read_width, estimate_width):
+    n, heads, columns = scores.shape
+    out = torch.zeros(n, heads, columns, dtype=torch.int64)
+    for r in range(n):
+        k1 = min(max(int(retrieved[r]), 0), read_width, columns)
+        k2 = min(k1 + min(max(int(estimated[r]), 0), estimate_width), columns)
+        for h in range(heads):
+            ranked = sorted(range(columns), key=lambda c: (-float(scores[r, h, c]), c))
+            out[r, h] = torch.tensor(ranked[:k1] + sorted(ranked[k1:k2]) + sorted(ranked[k2:]), dtype=torch.int64)
+    return out
+
+
+def _near(scores, a, b) -> bool:
+    return abs(float(scores[a]) - float(scores[b])) <= 1e-6 * max(1.0, abs(float(scores[a])))
+
+
+def _assert_same_but_near_ties(got, want, scores, counts):
+    """Equal, except that columns of scores equal to float32 rounding may swap: within the retrieved places
+    (compared place by place), and across the boundaries between the parts (compared as sets)."""
+    assert got.shape == want.shape and got.dtype == torch.int64
+    assert torch.equal(got.sort(-1).values, torch.arange(got.shape[-1]).expand_as(got))  # a permutation
+    for r, h in {(r, h) for r, h, _ in (got != want).nonzero().tolist()}:
+        k1, k2 = int(counts[0][r]), int(counts[1][r])
+        row = scores[r, h]
+        for k in range(k1):
+            assert got[r, h, k] == want[r, h, k] or _near(row, got[r, h, k], want[r, h, k]), (r, h, k)
+        moved = set()
+        for lo, hi in ((0, k1), (k1, k2), (k2, got.shape[-1])):
+            moved |= set(got[r, h, lo:hi].tolist()) ^ set(want[r, h, lo:hi].tolist())
+        for c in moved:  # a column in one part here and another there: its score ties a kept one's
+            assert any(_near(row, c, d) for d in want[r, h].tolist() if d != c), (r, h, c)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_reference_equals_the_plain_selection(ties):
+    logits, sizes = case(0, ties=ties)
+    scores = plain_scores(logits, sizes)
+    retrieved, estimated = torch.tensor([5, 9]), torch.tensor([20, 70])
+    got = cluster_select(logits, sizes, retrieved, estimated, read_width=9, estimate_width=40, backend="reference")
+    want = _plain_select(scores, retrieved, estimated, 9, 40)
+    _assert_same_but_near_ties(got, want, scores, selection_counts(retrieved, estimated, 70, 9, 40))
+    if ties:
+        assert torch.equal(got, want)
+
+
+@settings(max_examples=14, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    columns=st.integers(1, 90),
+    ratios=st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+    chunk=st.sampled_from([16, 32, 128]),
+    ties=st.booleans(),
+)
+def test_triton_equals_reference(seed, columns, ratios, chunk, ties):
+    logits, sizes = case(seed, columns=columns, ties=ties)
+    read_width = max(1, round(columns * ratios[0]))
+    estimate_width = round(columns * ratios[1])
+    retrieved = torch.tensor([read_width, max(0, read_width - 2)])
+    estimated = torch.tensor([estimate_width, estimate_width + 5])
+    want = cluster_select(
+        logits, sizes, retrieved, estimated, read_width=read_width, estimate_width=estimate_width, backend="reference"
+    )
+    old, select_mod.CHUNK = select_mod.CHUNK, chunk
+    try:
+        got = select_mod.cluster_select_triton(
+            logits, sizes, *softmax_statistics(logits), retrieved, estimated, read_width, estimate_width
+        )
+    finally:
+        select_mod.CHUNK = old
+    counts = selection_counts(retrieved, estimated, columns, read_width, estimate_width)
+    _assert_same_but_near_ties(got, want, plain_scores(logits, sizes), counts)
+
+
+def test_triton_with_the_logits_kernels_tile_statistics(triton_device):
+    gen = torch.Generator().manual_seed(3)
+    n, heads, group, dim, total, columns = 2, 2, 4, 32, 400, 300
+    query = torch.randn(n, heads * group, dim, generator=gen)
+    centroids = torch.randn(heads, total, dim, generator=gen)
+    sizes = torch.randint(0, 5, (heads, total), generator=gen, dtype=torch.int32)
+    bases, counts = torch.tensor([0, 120]), torch.tensor([300, 250])
+    args = [t.to(triton_device) for t in (query, centroids, sizes, bases, counts)]
+    ranked = cluster_logits(*args, columns, scale=0.2, backend="triton")
+    retrieved, estimated = torch.tensor([6, 5]), torch.tensor([70, 58])
+    got = cluster_select(
+        ranked.logits, ranked.sizes, retrieved.to(triton_device), estimated.to(triton_device), read_width=6,
+        estimate_width=70, tile_max=ranked.tile_max, tile_sum=ranked.tile_sum,
+    )  # fmt: skip
+    logits, size = ranked.logits.cpu(), ranked.sizes.cpu()
+    want = cluster_select(logits, size, retrieved, estimated, read_width=6, estimate_width=70, backend="reference")
+    _assert_same_but_near_ties(
+        got.cpu(), want, plain_scores(logits, size), selection_counts(retrieved, estimated, 300, 6, 70)
+    )
+
+
+def test_bad_arguments_are_refused():
+    logits, sizes = case(0)
+    counts = torch.tensor([1, 1])
+    with pytest.raises(ValueError, match="sizes"):
+        cluster_select(logits, sizes[:, :1], counts, counts, read_width=1, estimate_width=1)
+    with pytest.raises(ValueError, match="read_width"):
+        cluster_select(logits, sizes, counts, counts, read_width=0, estimate_width=1)
+    with pytest.raises(ValueError, match="count per row"):
+        cluster_select(logits, sizes, counts[:1], counts, read_width=1, estimate_width=1)
