@@ -31,13 +31,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import sparse_methods as sm
+from sparse_kernels.cluster_attention import cluster_counts
 from sparse_methods import ClusterArena
 from sparse_methods.base import DecodeBatch
 from sparse_methods.cluster_selection import (
     cluster_columns,
-    clusters_needed,
     pick_clusters,
     rank_arena_clusters,
+    selection_widths,
 )
 from sparse_methods.cluster_selection_reference import (
     cluster_slots_reference,
@@ -76,7 +77,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def setup(batch: int, context: int, device: str, seed: int = 0):
-    """``(arena, decode batch, sink, width, ratio, avg)``: ``batch`` rows of a ``context``-token decode, each
+    """``(arena, decode batch, sink, width, widths, avg)``: ``batch`` rows of a ``context``-token decode, each
     with its own index in the arena (random clusters, as unequal as k-means leaves them; no data on meta)."""
     method = sm.build_method("retroinfer", SHAPE)
     c = method.config
@@ -87,17 +88,20 @@ def setup(batch: int, context: int, device: str, seed: int = 0):
     arena = ClusterArena(1, batch, tokens, clusters, heads, dim, torch.bfloat16, device, plan_rows=batch)
     end = context - c.retroinfer_recent_tokens - c.retroinfer_update_tokens // 2
     count, width = (end - sink) // avg, method.selection_size(context, BLOCK)
-    budget, estimated = width - sink - (context - end), round(count * ratio)
+    budget = width - sink - (context - end)
+    retrieved, estimated = cluster_counts(count, c.retroinfer_retrieval_ratio, ratio)
     if device != "meta":  # on meta only the shapes count
         for r in range(batch):
             _fill_row(arena, r, count, end, sink, torch.Generator().manual_seed(seed + r))
-        arena.plan_rows([(r * tokens, r * clusters, count, end, budget, estimated) for r in range(batch)])
+        rows = [(r * tokens, r * clusters, count, end, budget, retrieved, estimated) for r in range(batch)]
+        arena.plan_rows(rows)
     gen = torch.Generator().manual_seed(seed)
     query = torch.randint(-3, 4, (batch, SHAPE.num_q_heads, dim), generator=gen).to(device, torch.bfloat16)
     kv = torch.full((batch,), context, dtype=torch.int64, device=device)
     max_pages = -(-(context + PLANNED_OUTPUT) // BLOCK)
     decode = DecodeBatch(query, kv, kv[:0], kv, max_pages, BLOCK, sm_scale=dim**-0.5)
-    return arena, decode, sink, width, ratio, avg
+    widths = selection_widths(cluster_columns(decode, avg), c.retroinfer_retrieval_ratio, ratio)
+    return arena, decode, sink, width, widths, avg
 
 
 def _fill_row(arena: ClusterArena, row: int, count: int, end: int, sink: int, gen: torch.Generator) -> None:
@@ -116,22 +120,21 @@ def _fill_row(arena: ClusterArena, row: int, count: int, end: int, sink: int, ge
     positions[:, t0 : t0 + tokens] = (torch.sort(assign, dim=1, stable=True).indices + sink).to(device)
 
 
-def rank_fast(arena, batch, sink, width, ratio, avg):
-    top = clusters_needed(cluster_columns(batch, avg), width, sink, ratio)
-    return rank_arena_clusters(arena, 0, batch, avg, SHAPE.head_dim, top=top)
+def rank_fast(arena, batch, sink, width, widths, avg):
+    return rank_arena_clusters(arena, 0, batch, avg, SHAPE.head_dim, widths=widths)
 
 
-def select_fast(ranking, arena, batch, sink, width, ratio, avg):
-    return pick_clusters(arena, 0, batch, ranking, sink=sink, width=width, ratio=ratio)
+def select_fast(ranking, arena, batch, sink, width, widths, avg):
+    return pick_clusters(arena, 0, batch, ranking, sink=sink, width=width, widths=widths)
 
 
-def rank_reference(arena, batch, sink, width, ratio, avg):
-    return rank_arena_clusters_reference(arena, 0, batch, avg, SHAPE.head_dim)
+def rank_reference(arena, batch, sink, width, widths, avg):
+    return rank_arena_clusters_reference(arena, 0, batch, avg, SHAPE.head_dim, widths=widths)
 
 
-def select_reference(ranking, arena, batch, sink, width, ratio, avg):
+def select_reference(ranking, arena, batch, sink, width, widths, avg):
     slots = cluster_slots_reference(arena, 0, batch, ranking, sink=sink, width=width)
-    return slots, estimated_cluster_ids_reference(arena, batch, ranking, ratio)
+    return slots, estimated_cluster_ids_reference(arena, batch, ranking, sum(widths))
 
 
 PATHS = {"reference": (rank_reference, select_reference), "fast": (rank_fast, select_fast)}

@@ -88,16 +88,20 @@ def test_single_token_clusters_read_or_estimated_equal_dense(monkeypatch):
 
 
 def _reference(method, index, query, kv_len):
-    """RetroInfer's decode read written plainly, per KV head: the sink, the unindexed tail, then the
-    clusters' tokens best first (softmax over clusters of q . centroid / sqrt(D), summed over the group;
-    ties to the lower cluster) until ``selection_size`` slots are read (the last cluster truncated). No index
-    yet (a context that arrived unobserved): the sink and the newest tokens."""
+    """RetroInfer's decode read written plainly, per KV head: the sink, the unindexed tail, then the tokens of
+    the ``R = round(C * retrieval_ratio)`` best clusters best first (softmax over clusters of q . centroid /
+    sqrt(D), summed over the group; ties to the lower cluster), then of the ``E`` ranked next and then of the
+    rest, each of those in cluster order, until ``selection_size`` slots are read (the last cluster
+    truncated). No index yet (a context that arrived unobserved): the sink and the newest tokens."""
+    from sparse_kernels.cluster_attention import cluster_counts
+
     c, shape = method.config, method.shape
     width = method.selection_size(kv_len, 1)
     if index is None:
         sink = c.retroinfer_sink_tokens
         return [list(range(sink)) + list(range(kv_len - (width - sink), kv_len))] * shape.num_kv_heads
     q = query.float().view(shape.num_kv_heads, -1, shape.head_dim)
+    counts = cluster_counts(index.num_clusters, c.retroinfer_retrieval_ratio, c.retroinfer_estimation_ratio)
     rows = []
     for h in range(shape.num_kv_heads):
         logits = q[h] @ index.centroids[h].float().T * shape.head_dim**-0.5
@@ -105,7 +109,9 @@ def _reference(method, index, query, kv_len):
         scores = torch.softmax(logits, dim=-1).sum(0)
         exact = list(range(min(c.retroinfer_sink_tokens, index.start))) + list(range(index.end, kv_len))
         budget, picked = width - len(exact), []
-        for cl in sorted(range(index.num_clusters), key=lambda i: (-float(scores[i]), i)):
+        ranked = sorted(range(index.num_clusters), key=lambda i: (-float(scores[i]), i))
+        retrieved, ranked_next = ranked[: counts[0]], ranked[counts[0] : sum(counts)]
+        for cl in retrieved + sorted(ranked_next) + sorted(ranked[sum(counts) :]):
             o, n = int(index.offsets[h, cl]), int(index.sizes[h, cl])
             picked += index.sorted_positions[h, o : o + n].tolist()
         rows.append(sorted(exact + picked[:budget]))
@@ -139,17 +145,11 @@ def test_decode_equals_plain_references_under_continuous_batching(kernels, monke
     row reads exactly what the plain reference says, its output (exact part merged with the estimated
     clusters) equals ``cluster_decode_attention`` over the cached K/V for its index and token budget, the
     value sums are plain sums, and the index grows in whole update blocks. With ``triton`` the kernels run
-    under the interpreter (the ranking logits, the picks, the estimation, the in-place merge, the decode); the
-    ranking order stays on its reference: its interpreted ``tl.sort`` took this test past 20 minutes, and its
-    kernels are held to that reference on their own (``test_cluster_order``, interpreted and on the GPU)."""
-    import sparse_kernels.cluster_order as order_module
-    from sparse_kernels.cluster_attention import cluster_decode_attention
+    under the interpreter (the ranking logits, the selection by count, the picks, the estimation, the in-place
+    merge, the decode)."""
+    from sparse_kernels.cluster_attention import cluster_counts, cluster_decode_attention
 
     monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
-    reference_order = order_module.cluster_order
-    monkeypatch.setattr(
-        order_module, "cluster_order", lambda *a, **kw: reference_order(*a, **{**kw, "backend": "reference"})
-    )
     llm = _llm(**SMALL, retroinfer_retrieval_ratio=0.1, max_num_batched_tokens=48)
     engine, method, c = llm.engine, llm.engine.method, llm.engine.method.config
     seen = _record_indexes(llm)
@@ -187,14 +187,15 @@ def test_decode_equals_plain_references_under_continuous_batching(kernels, monke
                 continue
             keys, values = _request_kv(batches[layer], row, kv_len, k_cache, v_cache)
             sink, size = c.retroinfer_sink_tokens, method.selection_size(kv_len, 1)
+            counts = cluster_counts(index.num_clusters, c.retroinfer_retrieval_ratio, c.retroinfer_estimation_ratio)
             want = cluster_decode_attention(
                 q[i],
                 keys,
                 values,
                 index,
                 sink=sink,
-                retrieved=0,
-                estimated=round(index.num_clusters * c.retroinfer_estimation_ratio),
+                retrieved=counts[0],
+                estimated=counts[1],
                 scale=method.shape.head_dim**-0.5,
                 budget=size - sink - (kv_len - index.end),
             )

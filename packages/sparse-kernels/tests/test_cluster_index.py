@@ -127,9 +127,10 @@ def test_estimated_clusters_of_identical_keys_are_exact():
 
 
 def test_a_token_budget_reads_clusters_in_rank_order():
-    """A budget at a cluster boundary reads those clusters whole (as ``retrieved``); a budget of every
-    cluster token is dense; one token short of a boundary leaves the last cluster's final token out (neither
-    read nor estimated), which changes the output. One KV head (a budget's clusters differ per head)."""
+    """A budget at the retrieved clusters' boundary reads them whole; a budget of every cluster token with every
+    cluster retrieved is dense; one token short of the boundary leaves the last cluster's final token out
+    (neither read nor estimated), and fewer retrieved clusters than the budget reaches estimate the rest: both
+    change the output. One KV head (a budget's clusters differ per head)."""
     gen = torch.Generator().manual_seed(6)
     sink, avg, dim, n = 4, 8, 16, 96
     keys = torch.randn(sink + n + 7, 1, dim, generator=gen, dtype=torch.float64)
@@ -144,11 +145,14 @@ def test_a_token_budget_reads_clusters_in_rank_order():
     short, reached = budget_positions(index, ranked, 0, first - 1)
     assert reached == 3 and short.numel() == first - 1
     whole = cluster_decode_attention(query, keys, values, index, retrieved=3, estimated=4, **kw)
-    budget = cluster_decode_attention(query, keys, values, index, retrieved=0, estimated=4, budget=first, **kw)
-    torch.testing.assert_close(budget, whole, atol=1e-12, rtol=0)
-    cut = cluster_decode_attention(query, keys, values, index, retrieved=0, estimated=4, budget=first - 1, **kw)
+    budget = cluster_decode_attention(query, keys, values, index, retrieved=3, estimated=4, budget=first, **kw)
+    torch.testing.assert_close(budget, whole, atol=1e-6, rtol=0)  # the estimated summed in another order
+    cut = cluster_decode_attention(query, keys, values, index, retrieved=3, estimated=4, budget=first - 1, **kw)
     assert not torch.allclose(cut, whole)
-    every = cluster_decode_attention(query, keys, values, index, retrieved=0, estimated=0, budget=n, **kw)
+    fewer = cluster_decode_attention(query, keys, values, index, retrieved=2, estimated=5, budget=first, **kw)
+    assert not torch.allclose(fewer, whole)  # the budget reaches a third cluster, but only two are retrieved
+    count = index.num_clusters
+    every = cluster_decode_attention(query, keys, values, index, retrieved=count, estimated=0, budget=n, **kw)
     torch.testing.assert_close(every, _dense(query, keys, values, 0.3).double(), atol=1e-6, rtol=0)  # float32 inside
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from sparse_kernels._triton import cluster_select as select_module
 from sparse_kernels._triton.cluster_order import cluster_order_triton
 from sparse_kernels._triton.compile_check import compiling_for
 from sparse_kernels.cluster_estimation import cluster_estimation
 from sparse_kernels.cluster_logits import cluster_logits
 from sparse_kernels.cluster_order import cluster_order
 from sparse_kernels.cluster_picks import cluster_picks
+from sparse_kernels.cluster_select import cluster_select
 from sparse_kernels.merge_states import merge_states, merge_states_
 
 
@@ -35,13 +37,24 @@ def test_retroinfer_kernels_compile_for_hopper():
     reference = cluster_order(logits, size, 30, backend="reference")
     assert torch.equal(direct, reference) and torch.equal(merged, reference)
 
+    counts = (torch.tensor([6, 5]), torch.tensor([9, 8]))
+    with compiling_for():  # one chunk of columns; then several
+        one = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, backend="triton")
+        select_module.CHUNK, chunk = 16, select_module.CHUNK
+        try:
+            several = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, backend="triton")
+        finally:
+            select_module.CHUNK = chunk
+    want = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, backend="reference")
+    assert torch.equal(one, want) and torch.equal(several, want)
+
     order = torch.sort(torch.rand(n, heads, columns, generator=gen), dim=-1, descending=True, stable=True).indices
     offsets = torch.randint(0, 50, (heads, total), generator=gen, dtype=torch.int32)
     positions = torch.randint(0, 500, (heads, 200), generator=gen, dtype=torch.int32)
-    plan = torch.tensor([[0, 100], [0, 48], [40, 30], [300, 280], [20, 35], [7, 9]])
+    plan = torch.tensor([[0, 100], [0, 48], [40, 30], [300, 280], [20, 35], [6, 5], [7, 9]])
     kv = torch.tensor([310, 290])
     args = (order[..., :30], size, offsets, positions, plan, kv)
-    kw = dict(sink=4, width=60, reach=56, estimate_width=9)
+    kw = dict(sink=4, width=60, reach=56, estimate_width=15)
     with compiling_for():
         got = cluster_picks(*args, **kw, backend="triton")
     want = cluster_picks(*args, **kw, backend="reference")

@@ -1,9 +1,10 @@
 """RetroInfer's device selection (``cluster_selection``) equals its full-sort, per-context-token reference
 (``cluster_selection_reference``) exactly over random arenas: decode rows with an index (any cluster
-counts, empty clusters, tied scores, budgets cut inside a cluster, 0 to many clusters estimated), rows
-without an index yet, a graph's padding rows, rows that read past the selection width, garbage in the arena
-around the rows' indexes. The ranking keeps the reference's first ``top`` clusters, the slots and the
-estimated clusters are the same tensors. On CUDA the half-precision ranking (one matmul accumulating in
+counts, empty clusters, tied scores, budgets cut inside a cluster or past the retrieved clusters, 0 to many
+clusters retrieved and estimated), rows without an index yet, a graph's padding rows, rows that read past the
+selection width, garbage in the arena around the rows' indexes. The ranking keeps the reference's retrieved
+clusters in order and its estimated ones as a set, the slots are the same and so are the estimated clusters
+(as sets). On CUDA the half-precision ranking (one matmul accumulating in
 float32) equals the reference where the dot products are exact."""
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from sparse_kernels.cluster_index import ClusterIndex
 from sparse_methods import ClusterArena
 from sparse_methods.base import DecodeBatch
 from sparse_methods.cluster_selection import (
-    cluster_columns,
-    clusters_needed,
     estimate_clusters,
     pick_clusters,
     rank_arena_clusters,
@@ -69,12 +68,13 @@ def _partition(draw, total: int, parts: int) -> list[int]:
 
 @st.composite
 def _scenario(draw):
-    """``(arena, batch, sink, width, ratio, avg)`` as a step's plan makes them: every selecting row's budget at
-    most ``width - sink``; its index's positions a permutation of ``[sink, end)``, then a tail of at least
-    one token. The arena holds garbage wherever no index was written."""
+    """``(arena, batch, sink, width, widths, avg)`` as a step's plan makes them: every selecting row's budget at
+    most ``width - sink``, its retrieved and estimated counts within ``widths`` and together at most its
+    clusters; its index's positions a permutation of ``[sink, end)``, then a tail of at least one token. The
+    arena holds garbage wherever no index was written."""
     heads, group, sink = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(0, 4))
     avg, block = draw(st.integers(1, 3)), draw(st.sampled_from([1, 4]))
-    width, ratio = draw(st.integers(1, 24)), draw(st.sampled_from([0.0, 0.1, 0.3, 1.0]))
+    width, estimating = draw(st.integers(1, 24)), draw(st.booleans())
     kinds = draw(st.lists(st.sampled_from(["indexed", "indexed", "unindexed", "padding"]), min_size=1, max_size=4))
     values, dtype = draw(st.sampled_from([0, 1, 2])), draw(st.sampled_from([torch.float32, torch.bfloat16]))
     gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
@@ -85,37 +85,42 @@ def _scenario(draw):
             sizes = [draw(_partition(tokens, count)) for _ in range(heads)]
             perms = [draw(st.permutations(range(tokens))) for _ in range(heads)]
             kv = sink + tokens + draw(st.integers(1, 6))
-            budget, estimated = draw(st.integers(0, max(0, width - sink))), draw(st.integers(0, count + 1))
-            rows.append((kind, _index(sizes, perms, sink, gen, dtype, values), kv, budget, estimated))
+            budget = draw(st.integers(0, max(0, width - sink)))
+            rows.append((kind, _index(sizes, perms, sink, gen, dtype, values), kv, budget))
         elif kind == "unindexed":  # reads the sink and [end, kv)
             kv = draw(st.integers(1, 20))
-            rows.append((kind, draw(st.integers(0, kv + 1)), kv, 0, 0))
+            rows.append((kind, draw(st.integers(0, kv + 1)), kv, 0))
         else:
-            rows.append((kind, None, draw(st.integers(0, 3)), 0, 0))
+            rows.append((kind, None, draw(st.integers(0, 3)), 0))
     indexes = [r[1] for r in rows if r[0] == "indexed"]
     cap_tokens = max([i.sorted_positions.shape[1] for i in indexes] + [1]) + draw(st.integers(0, 2))
     cap_clusters = max([i.num_clusters for i in indexes] + [1]) + draw(st.integers(0, 2))
-    need = max([kv for _, _, kv, _, _ in rows] + [cap_clusters * avg])
+    need = max([kv for _, _, kv, _ in rows] + [cap_clusters * avg])
     max_pages = -(-need // block) + draw(st.integers(0, 1))
     num_rows = max(1, len(indexes)) + draw(st.integers(0, 1))
     arena = ClusterArena(1, num_rows, cap_tokens, cap_clusters, heads, DIM, dtype, "cpu", plan_rows=len(rows) + 1)
     _garbage(arena, gen, values, cap_tokens)
     for i in draw(st.permutations(range(len(indexes)))):  # decode rows in another order than arena rows
         arena.write(i, 0, indexes[i])
+    columns = max(1, max_pages * block // avg)
+    widths = (draw(st.integers(1, columns)), draw(st.integers(1, columns)) if estimating else 0)
     plan, written = [], 0
-    for kind, index, _, budget, estimated in rows:
+    for kind, index, _, budget in rows:
         if kind == "indexed":
             tokens, clusters = arena.bases(written)
-            plan.append((tokens, clusters, index.num_clusters, index.end, budget, estimated))
+            count = index.num_clusters
+            retrieved = draw(st.integers(1, min(count, widths[0])))
+            estimated = draw(st.integers(0, min(count - retrieved, widths[1])))
+            plan.append((tokens, clusters, count, index.end, budget, retrieved, estimated))
             written += 1
         else:
-            plan.append((0, 0, 0, index or 0, 0, 0))
+            plan.append((0, 0, 0, index or 0, 0, 0, 0))
     arena.plan_rows(plan)
     query = _values(gen, (len(rows), heads * group, DIM), values).to(dtype)
     kv_lens = torch.tensor([r[2] for r in rows], dtype=torch.int64)
     empty = torch.zeros(0, dtype=torch.int32)
     batch = DecodeBatch(query, kv_lens, empty, torch.zeros_like(kv_lens), max_pages, block, sm_scale=DIM**-0.5)
-    return arena, batch, sink, width, ratio, avg
+    return arena, batch, sink, width, widths, avg
 
 
 def _garbage(arena: ClusterArena, gen, values: int, tokens: int) -> None:
@@ -128,24 +133,22 @@ def _garbage(arena: ClusterArena, gen, values: int, tokens: int) -> None:
     value_sums.copy_(torch.randn(value_sums.shape, generator=gen))
 
 
-def _both(arena, batch, sink: int, width: int, ratio: float, avg: int = 1):
-    top = clusters_needed(cluster_columns(batch, avg), width, sink, ratio)
-    fast = rank_arena_clusters(arena, 0, batch, avg, DIM, top=top)
-    ref = rank_arena_clusters_reference(arena, 0, batch, avg, DIM)
-    return fast, ref, top
+def _both(arena, batch, sink: int, width: int, widths: tuple[int, int], avg: int = 1):
+    fast = rank_arena_clusters(arena, 0, batch, avg, DIM, widths=widths)
+    ref = rank_arena_clusters_reference(arena, 0, batch, avg, DIM, widths=widths)
+    return fast, ref
 
 
-def _assert_equal(arena, batch, sink: int, width: int, ratio: float, avg: int = 1, backend: str = "auto") -> None:
-    fast, ref, top = _both(arena, batch, sink, width, ratio, avg)
-    assert fast.columns == ref.columns and fast.order.shape[-1] == top
-    for got, want in ((fast.order, ref.order), (fast.ranked, ref.ranked), (fast.cum, ref.cum)):
-        assert torch.equal(got, want[..., :top])
-    slots, ids = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, ratio=ratio, backend=backend)
+def _assert_equal(arena, batch, sink, width, widths, avg: int = 1, backend: str = "auto") -> None:
+    fast, ref = _both(arena, batch, sink, width, widths, avg)
+    assert fast.columns == ref.columns and torch.equal(fast.order, ref.order)  # the same layout
+    slots, ids = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, widths=widths, backend=backend)
     want = cluster_slots_reference(arena, 0, batch, ref, sink=sink, width=width)
     assert torch.equal(slots.sort(-1).values, want)  # the same slots; the fast path leaves them in rank order
-    assert (ids is None) == (ratio == 0)
-    if ratio > 0:
-        assert torch.equal(ids, estimated_cluster_ids_reference(arena, batch, ref, ratio))
+    assert (ids is None) == (widths[1] == 0)
+    if widths[1] > 0:
+        want = estimated_cluster_ids_reference(arena, batch, ref, sum(widths))
+        assert torch.equal(ids, want)
 
 
 @settings(max_examples=250, deadline=None)
@@ -159,12 +162,12 @@ def test_fast_selection_equals_the_full_sort_reference(case):
 def test_triton_picks_equal_the_full_sort_reference(case):
     """The picks' Triton kernels (interpreted on CPU, native on CUDA) give the torch path's slots, in the same
     rank order, and its estimated clusters."""
-    arena, batch, sink, width, ratio, avg = case
+    arena, batch, sink, width, widths, avg = case
     _assert_equal(*case, backend="triton")
     fast = _both(*case)[0]
-    got = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, ratio=ratio, backend="triton")
-    want = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, ratio=ratio, backend="reference")
-    assert torch.equal(got[0], want[0]) and (ratio == 0 or torch.equal(got[1], want[1]))
+    got = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, widths=widths, backend="triton")
+    want = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, widths=widths, backend="reference")
+    assert torch.equal(got[0], want[0]) and (widths[1] == 0 or torch.equal(got[1], want[1]))
 
 
 def _single_token_clusters(heads: int = 2, count: int = 12, sink: int = 2):
@@ -183,21 +186,24 @@ def _single_token_clusters(heads: int = 2, count: int = 12, sink: int = 2):
     return arena, batch, index
 
 
-@pytest.mark.parametrize("budget", [0, 1, 2, 5, 9])
-def test_a_budget_of_one_token_clusters_reaches_the_most_clusters(budget):
-    """The bound ``clusters_needed`` relies on: each cluster read holds at least one token, so a budget of
-    ``width - sink`` tokens reads that many clusters; the estimated ones follow them, ties to the lower."""
-    sink, width, ratio = 2, 2 + budget, 0.25
+@pytest.mark.parametrize(("budget", "retrieved"), [(0, 3), (1, 3), (2, 3), (5, 3), (9, 3), (5, 12)])
+def test_a_budget_reads_the_retrieved_clusters_first_and_the_rest_are_estimated(budget, retrieved):
+    """One-token clusters (the most clusters a budget can reach): a row reads ``budget`` clusters in the
+    selection's order, the retrieved ones best first (ties to the lower cluster), then the estimated ones in
+    cluster order; the best ``retrieved + estimated`` it does not read are estimated."""
+    sink, width, estimated = 2, 2 + budget, 4
     arena, batch, index = _single_token_clusters(sink=sink)
-    arena.plan_rows([(0, 0, index.num_clusters, index.end, budget, index.num_clusters)])
-    _assert_equal(arena, batch, sink, width, ratio)
-    fast, _, top = _both(arena, batch, sink, width, ratio)
-    assert top == min(index.num_clusters + 5, max(1, budget) + 4) < fast.columns
+    arena.plan_rows([(0, 0, index.num_clusters, index.end, budget, retrieved, estimated)])
+    widths = (index.num_clusters, estimated)
+    _assert_equal(arena, batch, sink, width, widths)
+    fast = _both(arena, batch, sink, width, widths)[0]
     assert fast.order[0, :, :3].tolist() == [[5, 9, 0]] * 2  # the two best, then ties to the lower cluster
-    _, ids = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, ratio=ratio)
-    assert (ids[0] >= 0).sum(-1).tolist() == [min(4, index.num_clusters - budget)] * 2
+    _, ids = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, widths=widths)
+    read, ranked = min(budget, index.num_clusters), min(retrieved + estimated, index.num_clusters)
+    assert (ids[0] >= 0).sum(-1).tolist() == [max(0, ranked - read)] * 2
+    assert torch.equal(ids[0, :, : max(0, ranked - read)], fast.order[0, :, read:ranked])
     state = estimate_clusters(arena, 0, batch, ids)
-    assert bool(state.lse[0].isfinite().all()) == (budget < index.num_clusters) and not state.lse[1].isfinite().any()
+    assert bool(state.lse[0].isfinite().all()) == (read < ranked) and not state.lse[1].isfinite().any()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the half-precision ranking runs on CUDA")
@@ -207,7 +213,7 @@ def test_cuda_half_precision_ranking_equals_the_reference(dtype):
     the centroids): with small integers every product and sum is exact, so it equals the reference's
     float32 einsum bit for bit, and so do the slots and estimated clusters."""
     gen = torch.Generator().manual_seed(5)
-    heads, count, sink, width, ratio = 4, 64, 3, 40, 0.25
+    heads, count, sink, width, widths = 4, 64, 3, 40, (12, 16)
     arena = ClusterArena(1, 3, 4 * count, count, heads, DIM, dtype, "cuda", plan_rows=3)
     plan = []
     for r in range(3):
@@ -215,12 +221,12 @@ def test_cuda_half_precision_ranking_equals_the_reference(dtype):
         perms = [torch.randperm(4 * count, generator=gen).tolist() for _ in range(heads)]
         index = _index([sizes[0].tolist()] * heads, perms, sink, gen, dtype, values=2)
         arena.write(r, 0, ClusterIndex(*[t.cuda() if torch.is_tensor(t) else t for t in _fields(index)]))
-        plan.append((*arena.bases(r), count, index.end, width - sink - 5 * r, 10 + r))
+        plan.append((*arena.bases(r), count, index.end, width - sink - 5 * r, 10 + r, 14 + r))
     arena.plan_rows(plan)
     query = _values(gen, (3, heads * 2, DIM), 2).to(dtype).cuda()
     kv = torch.tensor([4 * count + sink + 4] * 3, device="cuda")
     batch = DecodeBatch(query, kv, kv[:0], kv, -(-int(kv[0]) // 16), 16, sm_scale=DIM**-0.5)
-    _assert_equal(arena, batch, sink, width, ratio)
+    _assert_equal(arena, batch, sink, width, widths)
 
 
 def _fields(index: ClusterIndex) -> tuple:

@@ -4,9 +4,11 @@ Per KV head, the clusters are ranked by the group's query heads: softmax over th
 ``scale * q . centroid`` (empty clusters masked), summed over the group's query heads (a stable sort:
 ties to the lower cluster, empty clusters last); the best ``retrieved`` are read exactly, the next
 ``estimated`` are estimated, the rest omitted. A token ``budget`` instead reads, per KV head, the first
-``budget`` tokens of the clusters in rank order (each cluster's in index order; the last cluster reached
-is cut short and its remaining tokens omitted), as an engine whose reads have a fixed width does; the
-clusters it reaches count as retrieved. Each query head then runs one softmax over
+``budget`` tokens of the clusters in the selection's order (``cluster_select``: the retrieved in rank order,
+then the estimated and then the rest, each part in cluster order; each cluster's tokens in index order; the
+last cluster reached is cut short and its remaining tokens omitted), as an engine whose reads have a fixed
+width does; the clusters among the best ``retrieved + estimated`` it does not reach are estimated. Each query
+head then runs one softmax over
 
 - every token read exactly: the sink ``[0, sink)``, the unindexed tokens ``[index.end, kv_len)``
   (the recent ones) and every token of the retrieved clusters, ``exp(scale * q . k) * v``;
@@ -42,6 +44,13 @@ def rank_clusters(query: torch.Tensor, index: ClusterIndex, scale: float, top: i
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(top, count)]
 
 
+def selection_order(ranked: torch.Tensor, retrieved: int, estimated: int) -> torch.Tensor:
+    """``cluster_select``'s order of one KV head's clusters ``ranked`` best first: the first ``retrieved`` as
+    they are, then the next ``estimated`` and then the rest, each of those parts in ascending cluster order."""
+    middle = ranked[retrieved : retrieved + estimated].sort().values
+    return torch.cat([ranked[:retrieved], middle, ranked[retrieved + estimated :].sort().values])
+
+
 def exact_positions(index: ClusterIndex, retrieved: torch.Tensor, head: int, *, sink: int, kv_len: int) -> torch.Tensor:
     """Ascending positions KV head ``head`` reads exactly: sink, retrieved clusters, unindexed tail."""
     return _with_sink_and_tail(index, index.cluster_positions(head, retrieved), sink=sink, kv_len=kv_len)
@@ -49,7 +58,8 @@ def exact_positions(index: ClusterIndex, retrieved: torch.Tensor, head: int, *, 
 
 def budget_positions(index: ClusterIndex, ranked: torch.Tensor, head: int, budget: int) -> tuple[torch.Tensor, int]:
     """The first ``budget`` tokens of the clusters ``ranked`` (int64 ``[k]``, best first) of KV head ``head``,
-    each cluster's in index order, ascending; and how many clusters they reach (empty ones never count)."""
+    each cluster's in index order, ascending; and how many places of ``ranked`` they reach (an empty cluster
+    counts when the budget reaches its place)."""
     offsets, sizes = index.offsets[head, ranked].tolist(), index.sizes[head, ranked].tolist()
     parts, reached, taken = [], 0, 0
     for o, n in zip(offsets, sizes, strict=True):
@@ -57,9 +67,9 @@ def budget_positions(index: ClusterIndex, ranked: torch.Tensor, head: int, budge
             break
         if n:
             parts.append(index.sorted_positions[head, o : o + min(n, budget - taken)])
-            reached, taken = reached + 1, taken + n
+        reached, taken = reached + 1, taken + n
     if not parts:
-        return torch.empty(0, dtype=torch.int64, device=index.centroids.device), 0
+        return torch.empty(0, dtype=torch.int64, device=index.centroids.device), reached
     return torch.cat(parts).to(torch.int64).sort().values, reached
 
 
@@ -86,29 +96,32 @@ def cluster_decode_attention(
     """Attention output ``[Hq, D]`` (query's dtype) of one decode query ``[Hq, D]`` over a layer's
     ``keys`` / ``values`` ``[kv_len, H, D]`` through ``index``: the exact tokens' softmax merged with
     the estimated clusters' (``cluster_estimation``, on ``backend``), i.e. one softmax over both.
-    ``budget`` (None: ``retrieved`` whole clusters) reads that many cluster tokens per KV head instead
-    (module docstring; ``retrieved`` is then ignored); per head at most ``C - retrieved`` are estimated."""
+    ``budget`` (None: ``retrieved`` whole clusters) reads that many cluster tokens per KV head in the selection's
+    order instead (module docstring); per head the best ``retrieved + estimated`` not read are estimated (none
+    when ``estimated`` is 0)."""
     if estimated and index.value_sums is None:
         raise ValueError("estimating clusters needs an index built with values (value_sums)")
     heads, count, dim = index.centroids.shape
     group = query.shape[0] // heads
-    ranked = rank_clusters(query, index, scale, count if budget is not None else retrieved + estimated)
+    ranked = rank_clusters(query, index, scale, count)
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.empty(query.shape[0], dtype=torch.float32, device=query.device)
-    est = torch.full((heads, max(estimated, 1)), -1, dtype=torch.int64, device=query.device)
+    est = torch.full((heads, max(retrieved + estimated, 1)), -1, dtype=torch.int64, device=query.device)
     for h in range(heads):
         q = query[h * group : (h + 1) * group].float()
         if budget is None:
             read, middle = retrieved, index.cluster_positions(h, ranked[h, :retrieved])
         else:
-            middle, read = budget_positions(index, ranked[h], h, budget)
+            read_order = selection_order(ranked[h], retrieved, estimated)
+            middle, read = budget_positions(index, read_order, h, budget)
+            ranked[h] = read_order
         pos = _with_sink_and_tail(index, middle, sink=sink, kv_len=keys.shape[0])
         logits = q @ keys[pos, h].float().T * scale  # [g, n]
         lse[h * group : (h + 1) * group] = torch.logsumexp(logits, dim=-1)
         out[h * group : (h + 1) * group] = torch.softmax(logits, dim=-1) @ values[pos, h].float()
-        ids = ranked[h, read : read + min(estimated, count - read)]
+        ids = ranked[h, read : retrieved + estimated]
         est[h, : ids.numel()] = ids
-    if estimated:
+    if estimated:  # (without estimation, retrieved clusters past the budget are omitted)
         est_out, est_lse = cluster_estimation(
             query[None], index.centroids, index.value_sums, index.sizes, est[None], scale=scale, backend=backend
         )

@@ -1,22 +1,23 @@
 """RetroInfer's decode picks from a ranking of cluster columns: the slots a row reads exactly and the clusters
 it estimates, per decode row and KV head.
 
-Inputs, for ``n`` rows and ``H`` KV heads: ``order`` int64 ``[n, H, top]`` cluster columns best first (from
-the row's first column); ``sizes`` int ``[n, H, Cw]`` each column's size (0: empty, or past the row's
-index); the arena's ``offsets`` ``[H, C]`` (a cluster's first entry in ``positions``) and ``positions``
-``[H, P]`` (token positions grouped by cluster); ``plan`` int64 ``[6, n]`` per row (token base, cluster
-base, clusters, index end, cluster-token budget, clusters to estimate) and ``kv_lens`` ``[n]``.
+Inputs, for ``n`` rows and ``H`` KV heads: ``order`` int64 ``[n, H, top]`` cluster columns in the order they
+are read (from the row's first column; ``cluster_select``'s: the retrieved best first, then the estimated);
+``sizes`` int ``[n, H, Cw]`` each column's size (0: empty, or past the row's index); the arena's
+``offsets`` ``[H, C]`` (a cluster's first entry in ``positions``) and ``positions`` ``[H, P]`` (token positions
+grouped by cluster); ``plan`` int64 ``[7, n]`` per row (token base, cluster base, clusters, index end,
+cluster-token budget, clusters retrieved, clusters estimated) and ``kv_lens`` ``[n]``.
 
-With ``ranked`` the ranked columns' sizes and ``cum`` their running sums:
+With ``ranked`` the ordered columns' sizes and ``cum`` their running sums:
 
 - ``slots`` int64 ``[n, H, width]``: the first ``min(sink, kv)`` positions; then the first
   ``picked = clamp(min(budget, cum[-1]), 0, reach)`` tokens of the ranked clusters (the ``j``-th in the
   cluster whose running size first passes ``j``, at ``positions[tok_base + offset + j - (cum - ranked)]``);
   then the unindexed tail ``[max(end, min(sink, kv)), kv)``; past those the newest position ``kv - 1``.
-- ``ids`` int64 ``[n, H, estimate_width]`` (None when ``estimate_width`` is 0): with ``read`` the ranked
-  clusters the row reads (wholly or in part: running start below the budget, non-empty), the
-  ``min(estimated, clusters - read)`` columns ranked next, as arena columns (plus the cluster base); ``-1``
-  past them.
+- ``ids`` int64 ``[n, H, estimate_width]`` (None when ``estimate_width`` is 0): with ``read`` the places the
+  row's reads reach (wholly or in part: running start below the budget; empty clusters too), the columns ordered
+  from ``read`` up to ``min(retrieved + estimated, clusters)``, as arena columns (plus the cluster base);
+  ``-1`` past them.
 
 The reference is plain torch (a searchsorted over ``cum`` for the picked tokens); the Triton path runs two
 kernels: one program per (row, KV head) for the running sums, the read count and the estimated ids, then one
@@ -48,15 +49,15 @@ def cluster_picks(
     n, heads, top = order.shape
     if sizes.shape[:2] != (n, heads) or offsets.shape[0] != heads or positions.shape[0] != heads:
         raise ValueError(f"sizes must be [{n}, {heads}, Cw] and offsets / positions have {heads} heads")
-    if plan.shape[0] != 6 or plan.shape[1] < n or kv_lens.shape[0] < n or min(top, reach, width) < 1:
-        raise ValueError("plan must be [6, >= n], kv_lens cover every row, and top, reach, width be positive")
+    if plan.shape[0] != 7 or plan.shape[1] < n or kv_lens.shape[0] < n or min(top, reach, width) < 1:
+        raise ValueError("plan must be [7, >= n], kv_lens cover every row, and top, reach, width be positive")
     if resolve_backend(backend, order.device) == "triton":
         from sparse_kernels._triton.cluster_picks import cluster_picks_triton
 
         return cluster_picks_triton(
             order, sizes, offsets, positions, plan, kv_lens, sink=sink, width=width, reach=reach, est=estimate_width
         )
-    ranked = sizes.gather(-1, order)  # the ranked clusters' sizes and their running sums, shared by both parts
+    ranked = sizes.gather(-1, order)  # the ordered clusters' sizes and their running sums, shared by both parts
     cum = ranked.cumsum(-1)
     plan = plan[:, :n]
     slots = _slots(order, ranked, cum, offsets, positions, plan, kv_lens[:n], sink, width, reach)
@@ -66,7 +67,7 @@ def cluster_picks(
 def _slots(order, ranked, cum, offsets_all, positions, plan, kv, sink: int, width: int, reach: int) -> torch.Tensor:
     n, heads, top = order.shape
     device = order.device
-    tok_base, clu_base, _, end, budget, _ = plan
+    tok_base, clu_base, _, end, budget, _, _ = plan
     head = torch.arange(heads, device=device)[None, :, None]
     first = offsets_all[head, (clu_base[:, None, None] + order).clamp_(max=offsets_all.shape[1] - 1)]  # [n, H, k]
     j = torch.arange(reach, device=device).expand(n, heads, reach).contiguous()
@@ -89,10 +90,10 @@ def _slots(order, ranked, cum, offsets_all, positions, plan, kv, sink: int, widt
 
 def _estimated(order, ranked, cum, plan, width: int) -> torch.Tensor:
     top = order.shape[-1]
-    _, clu_base, count, _, budget, estimated = plan
-    read = (((cum - ranked) < budget[:, None, None]) & (ranked > 0)).sum(-1)  # [n, H]
+    _, clu_base, count, _, budget, retrieved, estimated = plan
+    read = ((cum - ranked) < budget[:, None, None]).sum(-1)  # [n, H] places read (empty ones too)
     k = torch.arange(width, device=order.device)
     rank = read[..., None] + k  # [n, H, E]
-    wanted = torch.minimum(estimated[:, None], count[:, None] - read)  # [n, H]
+    wanted = torch.minimum(retrieved + estimated, count)[:, None] - read  # [n, H]
     ids = clu_base[:, None, None] + order.gather(-1, rank.clamp(max=top - 1))
     return torch.where((k < wanted[..., None]) & (rank < top), ids, -1)

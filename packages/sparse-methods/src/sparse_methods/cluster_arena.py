@@ -23,8 +23,9 @@ import torch
 
 from sparse_methods.request_rows import RequestRows, fill
 
-PLAN_FIELDS = 6
-"""Per decode row: token base, cluster base, clusters, index end, cluster-token budget, clusters to estimate."""
+PLAN_FIELDS = 7
+"""Per decode row: token base, cluster base, clusters, index end, cluster-token budget, clusters retrieved,
+clusters estimated."""
 
 
 class ClusterArena:

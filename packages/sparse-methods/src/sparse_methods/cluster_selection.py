@@ -2,22 +2,21 @@
 the slots the row reads exactly, and estimate the clusters ranked next (``RetroInfer.select_decode``).
 
 The arena's per-step plan (``ClusterArena.plan``) says per row where its index lives, how many clusters it
-has, where it ends, how many cluster tokens the row reads (its budget) and how many clusters it estimates.
-Every shape comes from ``DecodeBatch.max_pages`` (``Cw = max_pages * block_size // avg`` cluster columns),
-the step's selection width and the estimation ratio, so the ops run under CUDA graphs with no host sync;
-columns past a row's index, and empty clusters, rank last with size 0.
+has, where it ends, how many cluster tokens the row reads (its budget), how many clusters it retrieves and
+how many it estimates (the published system's counts, ``cluster_counts``). Every shape comes from
+``DecodeBatch.max_pages`` (``Cw = max_pages * block_size // avg`` cluster columns), the step's selection width
+and the ratios, so the ops run under CUDA graphs with no host sync; columns past a row's index, and empty
+clusters, rank last with size 0.
 
 The work grows with what a row reads, not with its context: the ranking reads the centroids in their stored
 dtype straight from the arena (``sparse_kernels.cluster_logits``: on CUDA a Triton kernel accumulating in
-float32, no gathered copy) and keeps only the ``top`` clusters a row can reach
-(``clusters_needed``: a row reads at most ``width - sink`` cluster tokens, so at most that many clusters,
-then estimates at most ``estimation_width``), the first ``top`` of a stable descending order
-(``sparse_kernels.cluster_order``: on CUDA chunks sorted in registers and merged by rank); the picks
-(``sparse_kernels.cluster_picks``: on CUDA two Triton kernels) take those clusters' tokens in rank order up
-to each row's budget, with the sink and the unindexed tail, and the estimated clusters ranked next; the
-estimation is ``sparse_kernels.cluster_estimation``. ``cluster_selection_reference`` is the full-sort,
-per-context-token version the tests hold this equal to; ``sparse_kernels.cluster_attention`` the plain
-per-request reference of the whole.
+float32, no gathered copy) and selects by count (``sparse_kernels.cluster_select``: the retrieved clusters in
+rank order, the estimated ones as a set; on CUDA a radix select, no sort of the row); the picks
+(``sparse_kernels.cluster_picks``: on CUDA two Triton kernels) take the retrieved clusters' tokens in rank
+order up to each row's budget, with the sink and the unindexed tail, and estimate the retrieved clusters the
+budget cut off with the estimated ones; the estimation is ``sparse_kernels.cluster_estimation``.
+``cluster_selection_reference`` is the full-sort, per-context-token version the tests hold this equal to;
+``sparse_kernels.cluster_attention`` the plain per-request reference of the whole.
 """
 
 from __future__ import annotations
@@ -32,11 +31,11 @@ from sparse_methods.cluster_arena import ClusterArena
 
 @dataclass(frozen=True, slots=True)
 class ClusterRanking:
-    """One layer's ranking of a decode batch's clusters, per row and KV head, best first: ``order`` int64
-    ``[n, H, k]`` cluster columns (from the row's cluster base); ``sizes`` int32 ``[n, H, Cw]`` every column's
-    size (0: empty or past the row's index); ``columns`` the ``Cw`` columns ranked (``k <= Cw``: the first
-    ``k`` of a stable descending sort of all of them). ``ranked`` (the ranked columns' sizes) and ``cum``
-    (their running sums) are computed on demand: the device picks make their own."""
+    """One layer's ranking of a decode batch's clusters, per row and KV head: ``order`` int64 ``[n, H, k]``
+    cluster columns (from the row's cluster base), a row's retrieved ones best first, then its estimated ones
+    (any order; the reference ranks every column); ``sizes`` int32 ``[n, H, Cw]`` every column's size (0:
+    empty or past the row's index); ``columns`` the ``Cw`` columns ranked. ``ranked`` (the ordered columns'
+    sizes) and ``cum`` (their running sums) are computed on demand: the device picks make their own."""
 
     order: torch.Tensor
     sizes: torch.Tensor
@@ -56,35 +55,36 @@ def cluster_columns(batch: DecodeBatch, avg_cluster_size: int) -> int:
     return max(1, batch.max_pages * batch.block_size // avg_cluster_size)
 
 
-def estimation_width(columns: int, ratio: float) -> int:
-    """Estimated clusters per row and KV head, fixed: ``round(Cw * ratio)`` (no row estimates more)."""
-    return max(1, min(columns, round(columns * ratio)))
-
-
-def clusters_needed(columns: int, width: int, sink: int, ratio: float) -> int:
-    """Ranked clusters a step's rows can use: a row's budget is at most ``width - sink`` tokens, and every
-    cluster it reads holds one at least, so it reads at most that many clusters; then it estimates at most
-    ``estimation_width`` (none at ``ratio = 0``)."""
-    estimated = estimation_width(columns, ratio) if ratio > 0 else 0
-    return min(columns, max(1, width - sink) + estimated)
+def selection_widths(columns: int, retrieval_ratio: float, estimation_ratio: float) -> tuple[int, int]:
+    """Retrieved and estimated clusters per row and KV head, fixed for ``Cw`` columns: no row's counts
+    (``cluster_counts`` of its clusters, at most ``Cw``) exceed them; 0 estimated at ratio 0."""
+    retrieved = max(1, min(columns, round(columns * retrieval_ratio)))
+    return retrieved, min(columns, round(columns * estimation_ratio)) if estimation_ratio > 0 else 0
 
 
 def rank_arena_clusters(
-    arena: ClusterArena, layer: int, batch: DecodeBatch, avg_cluster_size: int, head_dim: int, *, top: int
+    arena: ClusterArena,
+    layer: int,
+    batch: DecodeBatch,
+    avg_cluster_size: int,
+    head_dim: int,
+    *,
+    widths: tuple[int, int],
 ) -> ClusterRanking:
     """Per row and KV head: softmax over the row's clusters of ``q . centroid * head_dim ** -0.5`` (empty ones
-    masked), summed over the group's query heads; the ``top`` best (``clusters_needed``), ties to the lower
-    cluster (a stable descending sort's first ``top``)."""
+    masked), summed over the group's query heads; the row's retrieved clusters best first (ties to the lower
+    cluster), then its estimated ones (``sparse_kernels.cluster_select``, ``widths`` from ``selection_widths``)."""
     from sparse_kernels.cluster_logits import cluster_logits
-    from sparse_kernels.cluster_order import cluster_order
+    from sparse_kernels.cluster_select import cluster_select
 
     centroids, sizes_all = arena.layers[layer][:2]
     n, columns = batch.query.shape[0], cluster_columns(batch, avg_cluster_size)
     clu_base, count = arena.plan[1:3, :n]
     ranked = cluster_logits(batch.query, centroids, sizes_all, clu_base, count, columns, scale=head_dim**-0.5)
-    order = cluster_order(
-        ranked.logits, ranked.sizes, min(top, columns), tile_max=ranked.tile_max, tile_sum=ranked.tile_sum
-    )
+    order = cluster_select(
+        ranked.logits, ranked.sizes, arena.plan[5, :n], arena.plan[6, :n], read_width=widths[0],
+        estimate_width=widths[1], tile_max=ranked.tile_max, tile_sum=ranked.tile_sum,
+    )  # fmt: skip
     return ClusterRanking(order, ranked.sizes, columns)
 
 
@@ -96,7 +96,7 @@ def pick_clusters(
     *,
     sink: int,
     width: int,
-    ratio: float,
+    widths: tuple[int, int],
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(slots, ids)`` per row and KV head (``sparse_kernels.cluster_picks``).
@@ -110,9 +110,9 @@ def pick_clusters(
     layer at batch 5 / 128K on the H200 (``radixSortKVInPlace``, 0.73 ms per step in
     ``results/bench/h200/session11/retro_2f862a4``).
 
-    ``ids`` int64 ``[n, H, estimation_width]`` (None at ``ratio`` 0): arena columns of the estimated
-    clusters, the ``min(estimated, C - read)`` ranked after the ``read`` ones whose tokens the slots hold
-    (wholly or in part), best first; ``-1`` past them."""
+    ``ids`` int64 ``[n, H, retrieved + estimated]`` (the ``widths``; None when no cluster is estimated): arena
+    columns of the estimated clusters, those ordered after the ``read`` ones whose tokens the slots hold (wholly
+    or in part) up to the row's retrieved plus estimated; ``-1`` past them."""
     from sparse_kernels.cluster_picks import cluster_picks
 
     offsets_all, positions = arena.layers[layer][2:4]
@@ -128,7 +128,7 @@ def pick_clusters(
         sink=sink,
         width=width,
         reach=reach,
-        estimate_width=estimation_width(ranking.columns, ratio) if ratio > 0 else 0,
+        estimate_width=sum(widths) if widths[1] > 0 else 0,
         backend=backend,
     )
 

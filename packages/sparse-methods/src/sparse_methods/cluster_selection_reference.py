@@ -2,9 +2,10 @@
 full stable sort of every row's clusters and per-token tensors of the whole context (``[n, H, tokens_w]``).
 
 It is the implementation the engine ran first, kept as the oracle that ``tests/test_cluster_selection.py``
-holds the fast path equal to: the same ranking (its first ``top`` columns), the same slots and the same
-estimated clusters. Its cost grows with the context (a float32 copy of the centroids, a sort of every
-cluster and a dozen int64 tensors per context token); the fast path's grows with what a row reads.
+holds the fast path equal to: the same ranking (the retrieved clusters in order, the estimated as a set), the
+same slots and the same estimated clusters. Its cost grows with the context (a float32 copy of the centroids, a
+sort of every cluster and a dozen int64 tensors per context token); the fast path's grows with what a row
+reads.
 """
 
 from __future__ import annotations
@@ -13,15 +14,23 @@ import torch
 
 from sparse_methods.base import DecodeBatch
 from sparse_methods.cluster_arena import ClusterArena
-from sparse_methods.cluster_selection import ClusterRanking, cluster_columns, estimation_width
+from sparse_methods.cluster_selection import ClusterRanking, cluster_columns
 
 
 def rank_arena_clusters_reference(
-    arena: ClusterArena, layer: int, batch: DecodeBatch, avg_cluster_size: int, head_dim: int
+    arena: ClusterArena,
+    layer: int,
+    batch: DecodeBatch,
+    avg_cluster_size: int,
+    head_dim: int,
+    *,
+    widths: tuple[int, int],
 ) -> ClusterRanking:
     """Every one of a row's ``Cw`` cluster columns ranked: softmax over the row's clusters of ``q . centroid
     * head_dim ** -0.5`` (empty ones masked), summed over the group's query heads, sorted descending (stable:
-    ties to the lower cluster)."""
+    ties to the lower cluster); then in the selection's layout for the plan's counts (``selection_layout``)."""
+    from sparse_kernels.cluster_select import selection_counts, selection_layout
+
     centroids, sizes_all = arena.layers[layer][:2]
     n, heads = batch.query.shape[0], centroids.shape[0]
     clusters_w = cluster_columns(batch, avg_cluster_size)
@@ -37,7 +46,8 @@ def rank_arena_clusters_reference(
     probs = torch.softmax(logits.masked_fill(empty[:, :, None], float("-inf")), dim=-1).sum(2)
     scores = probs.nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [n, H, Cw]
-    return ClusterRanking(order, sizes, clusters_w)
+    k1, k2 = selection_counts(arena.plan[5, :n], arena.plan[6, :n], clusters_w, *widths)
+    return ClusterRanking(selection_layout(order, k1, k2), sizes, clusters_w)
 
 
 def cluster_slots_reference(
@@ -50,7 +60,7 @@ def cluster_slots_reference(
     n, heads = batch.query.shape[0], positions.shape[0]
     device = batch.query.device
     tokens_w = batch.max_pages * batch.block_size
-    tok_base, clu_base, _, end, budget, _ = arena.plan[:, :n]
+    tok_base, clu_base, _, end, budget, _, _ = arena.plan[:, :n]
     kv = batch.kv_lens
     order, ranked, cum = ranking.order, ranking.ranked, ranking.cum
     cid = (clu_base[:, None] + torch.arange(ranking.columns, device=device)).clamp_(max=offsets_all.shape[1] - 1)
@@ -74,17 +84,14 @@ def cluster_slots_reference(
     return out[..., :width]
 
 
-def estimated_cluster_ids_reference(
-    arena: ClusterArena, batch: DecodeBatch, ranking: ClusterRanking, ratio: float
-) -> torch.Tensor:
-    """``estimated_cluster_ids`` from a ranking of every column."""
+def estimated_cluster_ids_reference(arena: ClusterArena, batch: DecodeBatch, ranking: ClusterRanking, width: int):
+    """``estimated_cluster_ids`` (``width`` ids) from a ranking of every column."""
     n, clusters_w = batch.query.shape[0], ranking.order.shape[-1]
-    _, clu_base, count, _, budget, estimated = arena.plan[:, :n]
+    _, clu_base, count, _, budget, retrieved, estimated = arena.plan[:, :n]
     ranked, cum = ranking.ranked, ranking.cum
-    read = (((cum - ranked) < budget[:, None, None]) & (ranked > 0)).sum(-1)  # [n, H]
-    width = estimation_width(clusters_w, ratio)
+    read = ((cum - ranked) < budget[:, None, None]).sum(-1)  # [n, H] places read (empty ones too)
     k = torch.arange(width, device=ranked.device)
     rank = read[..., None] + k  # [n, H, E]
-    wanted = torch.minimum(estimated[:, None], count[:, None] - read)  # [n, H]
+    wanted = torch.minimum(retrieved + estimated, count)[:, None] - read  # [n, H]
     ids = clu_base[:, None, None] + ranking.order.gather(-1, rank.clamp(max=clusters_w - 1))
     return torch.where((k < wanted[..., None]) & (rank < clusters_w), ids, -1)

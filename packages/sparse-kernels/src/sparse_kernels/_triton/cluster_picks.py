@@ -1,4 +1,4 @@
-"""Triton ``cluster_picks``: the running sums of the ranked clusters' sizes (tile by tile until they pass the
+"""Triton ``cluster_picks``: the running sums of the ordered clusters' sizes (tile by tile until they pass the
 row's budget), the read count and the estimated ids in one program per (row, KV head); then the slots in one
 program per (row, KV head, tile of slots), each picked token's cluster found by a binary search over the
 running sums written (searchsorted, right side)."""
@@ -35,14 +35,15 @@ def _cluster_runs_kernel(
         s = tl.load(sizes_ptr + row * columns + o, mask=m, other=0).to(tl.int64)
         c = tl.cumsum(s, axis=0) + carry
         tl.store(cum_ptr + row * top + t, c, mask=m)
-        read += tl.sum((((c - s) < budget) & (s > 0) & m).to(tl.int64), axis=0)
+        read += tl.sum((((c - s) < budget) & m).to(tl.int64), axis=0)  # places read, empty ones too
         carry += tl.sum(s, axis=0)
         start += BLOCK
     tl.store(picked_ptr + row, tl.minimum(tl.maximum(tl.minimum(budget, carry), 0), reach))
     tl.store(covered_ptr + row, tl.minimum(start, top))
     if ESTIMATE:
         clu_base = tl.load(plan_ptr + plan_stride + r)
-        wanted = tl.minimum(tl.load(plan_ptr + 5 * plan_stride + r), tl.load(plan_ptr + 2 * plan_stride + r) - read)
+        ranked = tl.load(plan_ptr + 5 * plan_stride + r) + tl.load(plan_ptr + 6 * plan_stride + r)
+        wanted = tl.minimum(ranked, tl.load(plan_ptr + 2 * plan_stride + r)) - read
         for e0 in range(0, est, BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E)
             em = e < est

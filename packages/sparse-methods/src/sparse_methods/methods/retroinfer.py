@@ -7,13 +7,14 @@ past the ``retroinfer_sink_tokens`` sink, the method clusters them (``sparse_ker
 segmented spherical k-means over the centred keys, about ``retroinfer_avg_cluster_size`` tokens per
 cluster); each further ``retroinfer_update_tokens`` tokens (the recent ones still held back) get
 their own clusters, appended. A decode query then reads, per KV head, the sink, every unindexed
-token (the recent ones, the newest included) and every token of the ``round(C *
-retroinfer_retrieval_ratio)`` clusters that rank best (softmax over clusters of ``q . centroid``
-summed over the group's query heads); before an index exists it reads everything. The clusters ranked
-next, ``min(round(C * retroinfer_estimation_ratio), C - read)`` of them (``read``: those whose tokens the
-query reads, wholly or in part), are estimated in the same softmax: each as ``size`` tokens sharing the
-key ``centroid`` and the values' sum ``value_sum`` (``sparse_kernels.cluster_estimation``); the rest are
-omitted. ``sparse_kernels.cluster_attention`` is the plain reference of the whole decode.
+token (the recent ones, the newest included) and the tokens of the ``R = clamp(round(C *
+retroinfer_retrieval_ratio), 1, C)`` clusters that rank best (softmax over clusters of ``q . centroid``
+summed over the group's query heads), up to a token budget (below); before an index exists it reads
+everything. The retrieved clusters the budget does not reach and the ``min(round(C *
+retroinfer_estimation_ratio), C - R)`` ranked next (the published system's counts) are estimated in the
+same softmax: each as ``size`` tokens sharing the key ``centroid`` and the values' sum ``value_sum``
+(``sparse_kernels.cluster_estimation``); the rest are omitted. ``sparse_kernels.cluster_attention`` is the
+plain reference of the whole decode.
 
 On the engine, one selection path (``select_decode``, slot entries, no host sync, CUDA-graph safe): the
 index is built or extended outside graphs, from the keys ``on_attention_end`` hands over at the steps
@@ -26,13 +27,14 @@ while its estimation ratio is positive. A decode row then reads a fixed number o
 ``selection_size(kv_len)`` = ``min(kv_len, sink + recent + update + k * avg)`` with
 ``k = clamp(round(C' * ratio), 1, C')`` and ``C' = (kv_len - 1 - recent - sink) // avg`` (the clusters a
 fresh index would have): the sink, every unindexed token (at most ``recent + update``) and, filling the
-rest, the tokens of the clusters in rank order (the last one truncated; ties in rank to the lower
-cluster). So a row reads at least the published ``round(C * ratio)`` clusters' worth of tokens, more right
-after an index update, and with ``ratio = 1`` everything (dense). The estimation rides on the same ranking:
+rest, the tokens of the retrieved clusters in rank order (the last one truncated; ties in rank to the lower
+cluster). So a row reads the published ``R`` clusters when they hold at most ``R * avg`` tokens (more right
+after an index update), and with ``ratio = 1`` everything (dense). The estimation rides on the same ranking:
 ``select_decode`` answers a ``DecodeSelection`` whose ``extra`` is the estimated clusters' attention state
-(fixed width ``round(Cw * estimation_ratio)`` for the batch's widest cluster count ``Cw``, unused entries
-``-1``), which the engine merges into the decode kernel's softmax; the truncated cluster's unread tokens
-are omitted (its value sum covers the tokens read too, so it cannot stand for the rest). With prefix
+(fixed width ``round(Cw * retrieval_ratio) + round(Cw * estimation_ratio)`` for the batch's widest cluster
+count ``Cw``, unused entries ``-1``), which the engine merges into the decode kernel's softmax; the truncated
+cluster's unread tokens are omitted (its value sum covers the tokens read too, so it cannot stand for the
+rest). With prefix
 caching a hit simply indexes the cached keys. Ranking uses the usual ``head_dim ** -0.5`` scale, the
 estimation the attention's own. A request whose context arrives without a step observing it (a prefix hit
 of all but its last token, a benchmark's synthetic prefill) past the index threshold has no index at its
@@ -70,10 +72,10 @@ from sparse_methods.base import (
 from sparse_methods.cluster_arena import ClusterArena
 from sparse_methods.cluster_selection import (
     cluster_columns,
-    clusters_needed,
     estimate_clusters,
     pick_clusters,
     rank_arena_clusters,
+    selection_widths,
 )
 from sparse_methods.registry import register
 
@@ -186,7 +188,10 @@ class RetroInfer(SparseMethod):
         for r in step.requests:
             if r.replay is None and self._due(r.request_id, r.end):
                 self._observing[r.request_id] = r.end
-        rows, width, ratio = [], 0, self.config.retroinfer_estimation_ratio
+        from sparse_kernels.cluster_attention import cluster_counts
+
+        c = self.config
+        rows, width, ratio = [], 0, c.retroinfer_estimation_ratio
         for r in step.requests:
             if r.num_new_tokens != 1:
                 break
@@ -194,13 +199,14 @@ class RetroInfer(SparseMethod):
             size = self.selection_size(kv_len, 1)
             if size is None:
                 continue
-            index, sink = self._index.get((r.request_id, 0)), self.config.retroinfer_sink_tokens
+            index, sink = self._index.get((r.request_id, 0)), c.retroinfer_sink_tokens
             if index is None:  # its context arrived unobserved (a prefix hit, a synthetic prefill): no index
-                rows.append((0, 0, 0, kv_len - (size - sink), 0, 0))  # until this step's end: sink + newest tokens
+                rows.append((0, 0, 0, kv_len - (size - sink), 0, 0, 0))  # until this step's end: sink + newest tokens
             else:
                 tokens, clusters = self.arena.bases(r.request_id)
-                budget, estimated = size - sink - (kv_len - index.end), round(index.num_clusters * ratio)
-                rows.append((tokens, clusters, index.num_clusters, index.end, budget, estimated))
+                budget = size - sink - (kv_len - index.end)
+                retrieved, estimated = cluster_counts(index.num_clusters, c.retroinfer_retrieval_ratio, ratio)
+                rows.append((tokens, clusters, index.num_clusters, index.end, budget, retrieved, estimated))
             width = max(width, size)
         self._width = width
         if rows:
@@ -260,15 +266,16 @@ class RetroInfer(SparseMethod):
         return index
 
     def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | DecodeSelection:
-        """Per row and KV head, slots: the sink, the clusters' tokens in rank order up to the row's budget and
-        the unindexed tail (``cluster_selection``); ``[B, H, width]``, a narrower row's entries past
+        """Per row and KV head, slots: the sink, the retrieved clusters' tokens in rank order up to the row's
+        budget and the unindexed tail (``cluster_selection``); ``[B, H, width]``, a narrower row's entries past
         its own width repeat its newest slot. With a positive estimation ratio, a ``DecodeSelection`` whose
-        ``extra`` estimates the clusters ranked next. Device only, fixed shapes (from ``batch.max_pages``)."""
+        ``extra`` estimates the retrieved clusters the budget cut off and the estimated ones. Device only, fixed
+        shapes (from ``batch.max_pages``)."""
         c, sink, avg = self.config, self.config.retroinfer_sink_tokens, self.config.retroinfer_avg_cluster_size
         ratio = c.retroinfer_estimation_ratio if self.observes_values else 0.0
-        top = clusters_needed(cluster_columns(batch, avg), self._width, sink, ratio)
-        ranking = rank_arena_clusters(self.arena, layer, batch, avg, self.shape.head_dim, top=top)
-        slots, ids = pick_clusters(self.arena, layer, batch, ranking, sink=sink, width=self._width, ratio=ratio)
+        widths = selection_widths(cluster_columns(batch, avg), c.retroinfer_retrieval_ratio, ratio)
+        ranking = rank_arena_clusters(self.arena, layer, batch, avg, self.shape.head_dim, widths=widths)
+        slots, ids = pick_clusters(self.arena, layer, batch, ranking, sink=sink, width=self._width, widths=widths)
         if ids is None:
             return slots
         return DecodeSelection(slots, estimate_clusters(self.arena, layer, batch, ids))
