@@ -36,6 +36,7 @@ from sparse_methods import ClusterArena
 from sparse_methods.base import DecodeBatch
 from sparse_methods.cluster_selection import (
     cluster_columns,
+    ordered_clusters,
     pick_clusters,
     rank_arena_clusters,
     selection_widths,
@@ -90,6 +91,7 @@ def setup(batch: int, context: int, device: str, seed: int = 0):
     count, width = (end - sink) // avg, method.selection_size(context, BLOCK)
     budget = width - sink - (context - end)
     retrieved, estimated = cluster_counts(count, c.retroinfer_retrieval_ratio, ratio)
+    retrieved = ordered_clusters(retrieved, budget, avg, count)
     if device != "meta":  # on meta only the shapes count
         for r in range(batch):
             _fill_row(arena, r, count, end, sink, torch.Generator().manual_seed(seed + r))
@@ -100,7 +102,7 @@ def setup(batch: int, context: int, device: str, seed: int = 0):
     kv = torch.full((batch,), context, dtype=torch.int64, device=device)
     max_pages = -(-(context + PLANNED_OUTPUT) // BLOCK)
     decode = DecodeBatch(query, kv, kv[:0], kv, max_pages, BLOCK, sm_scale=dim**-0.5)
-    widths = selection_widths(cluster_columns(decode, avg), c.retroinfer_retrieval_ratio, ratio)
+    widths = selection_widths(cluster_columns(decode, avg), c.retroinfer_retrieval_ratio, ratio, width - sink, avg)
     return arena, decode, sink, width, widths, avg
 
 

@@ -87,21 +87,32 @@ def test_single_token_clusters_read_or_estimated_equal_dense(monkeypatch):
     assert seen and all((index.sizes <= 1).all() for _, _, index in seen) and max(estimated) > 0
 
 
-def _reference(method, index, query, kv_len):
-    """RetroInfer's decode read written plainly, per KV head: the sink, the unindexed tail, then the tokens of
-    the ``R = round(C * retrieval_ratio)`` best clusters best first (softmax over clusters of q . centroid /
-    sqrt(D), summed over the group; ties to the lower cluster), then of the ``E`` ranked next and then of the
-    rest, each of those in cluster order, until ``selection_size`` slots are read (the last cluster
-    truncated). No index yet (a context that arrived unobserved): the sink and the newest tokens."""
+def _counts(method, index, kv_len) -> tuple[int, int]:
+    """A row's clusters taken in rank order (the published count, or enough for twice its token budget at the
+    average cluster size) and its estimated ones."""
     from sparse_kernels.cluster_attention import cluster_counts
 
+    c = method.config
+    count = index.num_clusters
+    retrieved, estimated = cluster_counts(count, c.retroinfer_retrieval_ratio, c.retroinfer_estimation_ratio)
+    budget = method.selection_size(kv_len, 1) - c.retroinfer_sink_tokens - (kv_len - index.end)
+    ordered = -(-2 * budget // c.retroinfer_avg_cluster_size)
+    return min(count, max(retrieved, ordered)), estimated
+
+
+def _reference(method, index, query, kv_len):
+    """RetroInfer's decode read written plainly, per KV head: the sink, the unindexed tail, then the tokens of
+    the ``_counts`` best clusters best first (softmax over clusters of q . centroid / sqrt(D), summed over the
+    group; ties to the lower cluster), then of the ``E`` ranked next and then of the rest, each of those in
+    cluster order, until ``selection_size`` slots are read (the last cluster truncated). No index yet (a
+    context that arrived unobserved): the sink and the newest tokens."""
     c, shape = method.config, method.shape
     width = method.selection_size(kv_len, 1)
     if index is None:
         sink = c.retroinfer_sink_tokens
         return [list(range(sink)) + list(range(kv_len - (width - sink), kv_len))] * shape.num_kv_heads
     q = query.float().view(shape.num_kv_heads, -1, shape.head_dim)
-    counts = cluster_counts(index.num_clusters, c.retroinfer_retrieval_ratio, c.retroinfer_estimation_ratio)
+    counts = _counts(method, index, kv_len)
     rows = []
     for h in range(shape.num_kv_heads):
         logits = q[h] @ index.centroids[h].float().T * shape.head_dim**-0.5
@@ -147,7 +158,7 @@ def test_decode_equals_plain_references_under_continuous_batching(kernels, monke
     value sums are plain sums, and the index grows in whole update blocks. With ``triton`` the kernels run
     under the interpreter (the ranking logits, the selection by count, the picks, the estimation, the in-place
     merge, the decode)."""
-    from sparse_kernels.cluster_attention import cluster_counts, cluster_decode_attention
+    from sparse_kernels.cluster_attention import cluster_decode_attention
 
     monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
     llm = _llm(**SMALL, retroinfer_retrieval_ratio=0.1, max_num_batched_tokens=48)
@@ -187,7 +198,7 @@ def test_decode_equals_plain_references_under_continuous_batching(kernels, monke
                 continue
             keys, values = _request_kv(batches[layer], row, kv_len, k_cache, v_cache)
             sink, size = c.retroinfer_sink_tokens, method.selection_size(kv_len, 1)
-            counts = cluster_counts(index.num_clusters, c.retroinfer_retrieval_ratio, c.retroinfer_estimation_ratio)
+            counts = _counts(method, index, kv_len)
             want = cluster_decode_attention(
                 q[i],
                 keys,

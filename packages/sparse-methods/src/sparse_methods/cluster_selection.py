@@ -55,10 +55,25 @@ def cluster_columns(batch: DecodeBatch, avg_cluster_size: int) -> int:
     return max(1, batch.max_pages * batch.block_size // avg_cluster_size)
 
 
-def selection_widths(columns: int, retrieval_ratio: float, estimation_ratio: float) -> tuple[int, int]:
-    """Retrieved and estimated clusters per row and KV head, fixed for ``Cw`` columns: no row's counts
-    (``cluster_counts`` of its clusters, at most ``Cw``) exceed them; 0 estimated at ratio 0."""
-    retrieved = max(1, min(columns, round(columns * retrieval_ratio)))
+ORDERED_PER_BUDGET = 2
+"""A row ranks in order at least this many clusters per average cluster's worth of its token budget."""
+
+
+def ordered_clusters(retrieved: int, budget: int, avg_cluster_size: int, clusters: int) -> int:
+    """Clusters a row takes in rank order: the published ``retrieved``, or more when its token budget holds
+    more (a row's fixed width also holds the unindexed tokens' share, which right after an index update it
+    reads from clusters): enough to fill the budget twice over at the average cluster size, so that it is
+    read best first unless the best clusters run small."""
+    return min(clusters, max(retrieved, -(-ORDERED_PER_BUDGET * budget // avg_cluster_size)))
+
+
+def selection_widths(
+    columns: int, retrieval_ratio: float, estimation_ratio: float, budget: int, avg_cluster_size: int
+) -> tuple[int, int]:
+    """Ordered and estimated clusters per row and KV head, fixed for ``Cw`` columns and the step's largest
+    token ``budget``: no row's counts (``ordered_clusters`` and ``cluster_counts`` of its clusters, at most
+    ``Cw``) exceed them; 0 estimated at ratio 0."""
+    retrieved = ordered_clusters(max(1, round(columns * retrieval_ratio)), budget, avg_cluster_size, columns)
     return retrieved, min(columns, round(columns * estimation_ratio)) if estimation_ratio > 0 else 0
 
 

@@ -73,6 +73,7 @@ from sparse_methods.cluster_arena import ClusterArena
 from sparse_methods.cluster_selection import (
     cluster_columns,
     estimate_clusters,
+    ordered_clusters,
     pick_clusters,
     rank_arena_clusters,
     selection_widths,
@@ -206,6 +207,7 @@ class RetroInfer(SparseMethod):
                 tokens, clusters = self.arena.bases(r.request_id)
                 budget = size - sink - (kv_len - index.end)
                 retrieved, estimated = cluster_counts(index.num_clusters, c.retroinfer_retrieval_ratio, ratio)
+                retrieved = ordered_clusters(retrieved, budget, c.retroinfer_avg_cluster_size, index.num_clusters)
                 rows.append((tokens, clusters, index.num_clusters, index.end, budget, retrieved, estimated))
             width = max(width, size)
         self._width = width
@@ -273,7 +275,8 @@ class RetroInfer(SparseMethod):
         shapes (from ``batch.max_pages``)."""
         c, sink, avg = self.config, self.config.retroinfer_sink_tokens, self.config.retroinfer_avg_cluster_size
         ratio = c.retroinfer_estimation_ratio if self.observes_values else 0.0
-        widths = selection_widths(cluster_columns(batch, avg), c.retroinfer_retrieval_ratio, ratio)
+        budget = max(0, self._width - sink)
+        widths = selection_widths(cluster_columns(batch, avg), c.retroinfer_retrieval_ratio, ratio, budget, avg)
         ranking = rank_arena_clusters(self.arena, layer, batch, avg, self.shape.head_dim, widths=widths)
         slots, ids = pick_clusters(self.arena, layer, batch, ranking, sink=sink, width=self._width, widths=widths)
         if ids is None:
