@@ -145,8 +145,9 @@ class LLMEngine:
         if self.runner.device.type == "cuda":
             # What start-up made (the model, its weights' Python objects) lives as long as the engine: moved
             # out of the collector's generations, a full collection during serving no longer walks it (as
-            # vLLM does after start-up). Decode steps that ran a collection took 12-15 ms more on the H200 at
-            # batch 5 / 128K (session 13). On CPU (tests) engines come and go: nothing is frozen.
+            # vLLM does after start-up). A full collection at start-up took 130-150 ms on the H200 host
+            # (session 13, logged through gc.callbacks): one inside a decode step would stall the pipeline that
+            # long. On CPU (tests) engines come and go: nothing is frozen.
             gc.collect()
             gc.freeze()
 
