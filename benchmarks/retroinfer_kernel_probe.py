@@ -1,6 +1,7 @@
-"""Time RetroInfer's per-layer kernels at one decode step's shape on a GPU (CUDA-graph replay): the ranking
-order (torch's softmax + stable sort against the Triton chunk sort at several chunk sizes and warps), the
-ranking logits and the estimation at several settings. Prints one table; checks the variants agree.
+"""Time RetroInfer's per-layer kernels at one decode step's shape on a GPU (CUDA-graph replay): the selection
+by count (its torch reference, a softmax + stable sort, against the Triton radix select at several chunk sizes
+and warps), the ranking logits and the estimation at several settings. Prints one table; checks the variants
+agree with the references.
 
     python benchmarks/retroinfer_kernel_probe.py [--batch 5] [--context 131072]
 """
@@ -27,22 +28,18 @@ def graph_ms(fn, reps: int = 36) -> float:
 
 def main() -> None:
     from sparse_kernels._triton import cluster_estimation as est_mod
-    from sparse_kernels._triton.cluster_order import cluster_order_triton
     from sparse_kernels.cluster_estimation import cluster_estimation
     from sparse_kernels.cluster_logits import cluster_logits
-    from sparse_kernels.cluster_order import cluster_order
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=5)
     ap.add_argument("--context", type=int, default=131072)
-    ap.add_argument("--order-sweep", action="store_true", help="sweep the chunk order's settings (else its defaults)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     n, heads, group, dim, avg = args.batch, 8, 4, 128, 16
     columns = (args.context + 2048) // avg
     total = n * columns
-    top = 3500 - 4 + round(columns * 0.232)
     query = torch.randn(n, heads * group, dim, device=dev, generator=gen, dtype=torch.bfloat16)
     centroids = torch.randn(heads, total, dim, device=dev, generator=gen).to(torch.bfloat16)
     value_sums = torch.randn(heads, total, dim, device=dev, generator=gen)
@@ -58,39 +55,6 @@ def main() -> None:
             graph_ms(lambda: cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5)),
         )
     )
-    want = cluster_order(logits.logits, logits.sizes, top, backend="reference")
-    rows.append(
-        (
-            "order: torch softmax + sum + stable sort",
-            graph_ms(lambda: cluster_order(logits.logits, logits.sizes, top, backend="reference")),
-        )
-    )
-    from sparse_kernels._triton import cluster_order as order_mod
-
-    names = ("CHUNK_WARPS", "MERGE_WARPS", "SLICE")
-    defaults = [getattr(order_mod, name) for name in names]
-    merges = ((4, 128), (8, 128), (4, 64), (4, 256)) if args.order_sweep else ((defaults[1], defaults[2]),)
-    for chunk in (1024, 2048, 4096) if args.order_sweep else (order_mod.CHUNK,):
-        for chunk_warps in (8, 16) if args.order_sweep else (defaults[0],):
-            for merge_warps, slice_ in merges:
-                for name, value in zip(names, (chunk_warps, merge_warps, slice_), strict=True):
-                    setattr(order_mod, name, value)
-                got = cluster_order_triton(
-                    logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=chunk
-                )
-                differ = int((got != want).sum())
-                ms = graph_ms(
-                    lambda c=chunk: cluster_order_triton(
-                        logits.logits, logits.sizes, logits.tile_max, logits.tile_sum, top, chunk=c
-                    )
-                )
-                rows.append(
-                    (f"order: triton chunk {chunk} warps {chunk_warps}, merge slice {slice_} "
-                     f"warps {merge_warps} ({differ} of {got.numel()} places differ)", ms)
-                )  # fmt: skip
-    for name, value in zip(names, defaults, strict=True):
-        setattr(order_mod, name, value)
-
     from sparse_kernels._triton import cluster_select as select_mod
     from sparse_kernels.cluster_select import cluster_select
 
@@ -100,6 +64,8 @@ def main() -> None:
     widths = dict(read_width=round(columns * 0.018), estimate_width=round(columns * 0.232))
     sel_args = (logits.logits, logits.sizes, retrieved, estimated)
     sel_want = cluster_select(*sel_args, **widths, backend="reference")
+    ms = graph_ms(lambda: cluster_select(*sel_args, **widths, backend="reference"))
+    rows.append(("select by count: torch softmax + sum + stable sort (the reference)", ms))
     sel_defaults = select_mod.CHUNK, select_mod.NUM_WARPS
     for sub in (256, 512, 1024, 2048):
         for warps in (1, 2, 4, 8):
@@ -126,7 +92,7 @@ def main() -> None:
     est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS = est_defaults
     est_bytes = n * heads * num_est * (dim * 2 + dim * 4 + 4 + 8)
     print(
-        f"batch {n}, context {args.context}, {columns} columns, top {top}, {num_est} estimated per row and head; "
+        f"batch {n}, context {args.context}, {columns} columns, {num_est} estimated per row and head; "
         f"estimation bytes per layer {est_bytes / 1e6:.1f} MB"
     )
     print("| kernel(s), one layer | us | ms per 36 layers |")

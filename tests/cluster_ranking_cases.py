@@ -1,5 +1,5 @@
-"""Cases shared by the tests of RetroInfer's cluster ranking (``cluster_order``, ``cluster_select``): random
-logits with empty columns (and optionally tied columns), and the plain float64 scores they rank by."""
+"""Cases for the tests of RetroInfer's cluster ranking (``cluster_select``): random logits with empty columns
+(and optionally tied columns), and the plain float64 scores they rank by."""
 
 from __future__ import annotations
 

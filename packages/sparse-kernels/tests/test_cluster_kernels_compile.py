@@ -7,11 +7,9 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._triton import cluster_select as select_module
-from sparse_kernels._triton.cluster_order import cluster_order_triton
 from sparse_kernels._triton.compile_check import compiling_for
 from sparse_kernels.cluster_estimation import cluster_estimation
 from sparse_kernels.cluster_logits import cluster_logits
-from sparse_kernels.cluster_order import cluster_order
 from sparse_kernels.cluster_picks import cluster_picks
 from sparse_kernels.cluster_select import cluster_select
 from sparse_kernels.merge_states import merge_states, merge_states_
@@ -31,15 +29,10 @@ def test_retroinfer_kernels_compile_for_hopper():
     want = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=0.1, backend="reference")
     torch.testing.assert_close(logits, want[0], rtol=1e-3, atol=1e-3)
 
-    with compiling_for():  # one chunk, written directly; then chunks merged by rank
-        direct = cluster_order(logits, size, 30, tile_max=tile_max, tile_sum=tile_sum, backend="triton")
-        merged = cluster_order_triton(logits, size, tile_max, tile_sum, 30, chunk=16)
-    reference = cluster_order(logits, size, 30, backend="reference")
-    assert torch.equal(direct, reference) and torch.equal(merged, reference)
-
     counts = (torch.tensor([6, 5]), torch.tensor([9, 8]))
     with compiling_for():  # one chunk of columns; then several
-        one = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, backend="triton")
+        stats = dict(tile_max=tile_max, tile_sum=tile_sum)
+        one = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, **stats, backend="triton")
         select_module.CHUNK, chunk = 16, select_module.CHUNK
         try:
             several = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, backend="triton")
@@ -48,7 +41,7 @@ def test_retroinfer_kernels_compile_for_hopper():
     want = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, backend="reference")
     assert torch.equal(one, want) and torch.equal(several, want)
 
-    order = torch.sort(torch.rand(n, heads, columns, generator=gen), dim=-1, descending=True, stable=True).indices
+    order = one  # a selection's order
     offsets = torch.randint(0, 50, (heads, total), generator=gen, dtype=torch.int32)
     positions = torch.randint(0, 500, (heads, 200), generator=gen, dtype=torch.int32)
     plan = torch.tensor([[0, 100], [0, 48], [40, 30], [300, 280], [20, 35], [6, 5], [7, 9]])

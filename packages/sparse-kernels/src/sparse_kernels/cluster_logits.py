@@ -4,7 +4,7 @@ query head of its group, ``q . centroid * scale`` over the row's ``columns`` clu
 Row ``r``'s clusters are the arena columns ``bases[r] + c`` for ``c < columns`` (clamped to the arena);
 columns at or past ``counts[r]`` and empty clusters (size 0) get logit ``-inf`` and size 0. With them come
 softmax statistics over tiles of columns, per query head: each tile's largest logit and the sum of
-``exp(logit - that max)`` (0 and max ``-inf`` for a tile with no live cluster), which ``cluster_order``
+``exp(logit - that max)`` (0 and max ``-inf`` for a tile with no live cluster), which ``cluster_select``
 merges instead of reading the logits twice. The reference gathers the rows' centroids and multiplies in
 float32, with one tile of all the columns; the Triton kernel reads each centroid tile once per group from
 the arena (no gathered copy), accumulates its dot products in float32 and has one tile per program.

@@ -3,9 +3,9 @@ rank order, then the ``estimated`` ranked next and then the rest, each of those 
 published system takes the top ``retrieved + estimated`` and splits them, a reader with a token budget reads
 in this order (past the retrieved only when they hold fewer tokens than its budget).
 
-The rank is ``cluster_order``'s: the softmax of each query head's logits over the row's clusters summed over
-the group, empty clusters last, ties to the lower column. Inputs as ``cluster_order`` takes them (``logits``
-float32 ``[n, H, G, Cw]``, ``sizes`` ``[n, H, Cw]``, the logits' tile statistics) plus per row
+The rank: the softmax of each query head's logits over the row's clusters, summed over the group, best first;
+empty clusters last, ties to the lower column. Inputs from ``cluster_logits`` (``logits`` float32 ``[n, H, G,
+Cw]``, ``-inf`` for an empty column, ``sizes`` ``[n, H, Cw]``, the logits' tile statistics) plus per row
 ``retrieved`` / ``estimated`` int ``[n]`` (a row's counts; at most ``read_width`` / ``estimate_width``, and
 clamped to them and to ``Cw``). Out: int64 ``[n, H, Cw]``, a permutation of the columns: with ``k1`` and ``k2``
 a row's retrieved and retrieved-plus-estimated counts, places ``[0, k1)`` hold the best ``k1`` columns best
