@@ -149,7 +149,7 @@ def _check_value_sums(method, rid, layer: int, index, values) -> None:
     assert torch.equal(method.arena.layers[layer][4][:, c0 : c0 + index.num_clusters], index.value_sums)
 
 
-@pytest.mark.parametrize("kernels", ["auto", pytest.param("triton", marks=pytest.mark.slow)])  # interpreted: ~10 min
+@pytest.mark.parametrize("kernels", ["auto", pytest.param("triton", marks=pytest.mark.slow)])  # interpreted: ~26 min
 def test_decode_equals_plain_references_under_continuous_batching(kernels, monkeypatch):
     """Rows of different lengths, some indexed, some not yet, requests arriving while others decode (chunked
     prefill, a shared prefix from the radix cache, a prompt cached whole but its last token): every selecting
