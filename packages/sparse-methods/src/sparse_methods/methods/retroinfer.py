@@ -160,16 +160,22 @@ class RetroInfer(SparseMethod):
     def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
         """The tokens a decode query reads exactly, plus its index reads in token equivalents (one token: K and
         V of one KV head in the 2-byte KV dtype RetroInfer runs on): every cluster's centroid (model dtype),
-        size and offset (int32), and the estimated clusters' float32 value sums."""
+        size and offset (int32), and the estimated clusters' float32 value sums. Estimated: the best
+        ``ordered_clusters + E`` less those the budget reads, at a budget whose unindexed tail is the average
+        between index updates (``recent + update / 2``) and clusters of the average size."""
         from sparse_kernels.cluster_attention import cluster_counts
 
         tokens = super().decode_read_tokens(layer, kv_len, block_size)
-        c, dim = self.config, self.shape.head_dim
+        c, dim, avg = self.config, self.shape.head_dim, self.config.retroinfer_avg_cluster_size
         indexed = kv_len - 1 - c.retroinfer_recent_tokens - c.retroinfer_sink_tokens
         if indexed < c.retroinfer_min_index_tokens:
             return tokens
-        count = indexed // c.retroinfer_avg_cluster_size
-        _, estimated = cluster_counts(count, c.retroinfer_retrieval_ratio, c.retroinfer_estimation_ratio)
+        count = indexed // avg
+        retrieved, estimated = cluster_counts(count, c.retroinfer_retrieval_ratio, c.retroinfer_estimation_ratio)
+        tail = c.retroinfer_recent_tokens + c.retroinfer_update_tokens // 2
+        budget = max(0, self.selection_size(kv_len, block_size) - c.retroinfer_sink_tokens - tail)
+        ranked = min(count, ordered_clusters(retrieved, budget, avg, count) + estimated)
+        estimated = ranked - min(ranked, -(-budget // avg))
         index_bytes = count * (2 * dim + 8) + estimated * 4 * dim
         return tokens + -(-index_bytes // (4 * dim))
 
