@@ -24,6 +24,7 @@ import torch
 
 from sparse_kernels.cluster_estimation import cluster_estimation
 from sparse_kernels.cluster_index import ClusterIndex
+from sparse_kernels.cluster_select import selection_layout
 from sparse_kernels.merge_states import merge_states
 
 
@@ -42,13 +43,6 @@ def rank_clusters(query: torch.Tensor, index: ClusterIndex, scale: float, top: i
     logits = logits.masked_fill(empty.unsqueeze(1), float("-inf"))
     scores = torch.softmax(logits, dim=-1).sum(dim=1).nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, : min(top, count)]
-
-
-def selection_order(ranked: torch.Tensor, retrieved: int, estimated: int) -> torch.Tensor:
-    """``cluster_select``'s order of one KV head's clusters ``ranked`` best first: the first ``retrieved`` as
-    they are, then the next ``estimated`` and then the rest, each of those parts in ascending cluster order."""
-    middle = ranked[retrieved : retrieved + estimated].sort().values
-    return torch.cat([ranked[:retrieved], middle, ranked[retrieved + estimated :].sort().values])
 
 
 def exact_positions(index: ClusterIndex, retrieved: torch.Tensor, head: int, *, sink: int, kv_len: int) -> torch.Tensor:
@@ -104,6 +98,9 @@ def cluster_decode_attention(
     heads, count, dim = index.centroids.shape
     group = query.shape[0] // heads
     ranked = rank_clusters(query, index, scale, count)
+    if budget is not None:  # read in the selection's order
+        k = [min(retrieved, count), min(retrieved + estimated, count)]
+        ranked = selection_layout(ranked[None], *torch.tensor(k, device=ranked.device)[:, None])[0]
     out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
     lse = torch.empty(query.shape[0], dtype=torch.float32, device=query.device)
     est = torch.full((heads, max(retrieved + estimated, 1)), -1, dtype=torch.int64, device=query.device)
@@ -112,9 +109,7 @@ def cluster_decode_attention(
         if budget is None:
             read, middle = retrieved, index.cluster_positions(h, ranked[h, :retrieved])
         else:
-            read_order = selection_order(ranked[h], retrieved, estimated)
-            middle, read = budget_positions(index, read_order, h, budget)
-            ranked[h] = read_order
+            middle, read = budget_positions(index, ranked[h], h, budget)
         pos = _with_sink_and_tail(index, middle, sink=sink, kv_len=keys.shape[0])
         logits = q @ keys[pos, h].float().T * scale  # [g, n]
         lse[h * group : (h + 1) * group] = torch.logsumexp(logits, dim=-1)

@@ -117,7 +117,7 @@ def pick_clusters(
     """``(slots, ids)`` per row and KV head (``sparse_kernels.cluster_picks``).
 
     ``slots`` ``[n, H, width]``: the ``sink`` first slots, then the first ``budget`` tokens of the clusters in
-    rank order (each cluster's in index order, the last one cut short), then the unindexed tail (the newest
+    the ranking's order (each cluster's in index order, the last one cut short), then the unindexed tail (the newest
     last); entries past a row's own count repeat its newest slot. As the plan makes them (a row's budget is
     at most ``width - sink``, its index holds distinct positions in ``[sink, end)``) the three parts are
     disjoint; sorted, a row is the reference's ascending one (``cluster_slots_reference``). Not sorted here:
