@@ -64,10 +64,12 @@ def test_split_k_matches_f_linear_and_leaves_counters_at_zero(config, split_k, m
 
     x, w, b = _inputs(m, n, k, torch.float32, bias, seed=split_k)
     dev = lambda t: None if t is None else t.to(triton_device)  # noqa: E731
+    splits = min(split_k, -(-k // config["BLOCK_K"]))  # one slice (no scratch) when K fits one tile
     for _ in range(2):
         _check_close(small_m_linear_triton(dev(x), dev(w), dev(b), {**config, "SPLIT_K": split_k}), x, w, b)
-        _, arrivals = triton_linear._SCRATCH[dev(x).device]
-        assert not arrivals.any()
+        if splits > 1:  # a test alone in its process has no scratch from earlier tests
+            _, arrivals = triton_linear._SCRATCH[dev(x).device]
+            assert not arrivals.any()
 
 
 def test_public_entry_point_reshapes_and_reads_strided_rows(triton_device):
