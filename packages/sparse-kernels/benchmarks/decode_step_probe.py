@@ -3,12 +3,12 @@
 Per layer, as the engine runs it: fused add + RMSNorm, qkv (small-M linear), q/k norm + RoPE, KV store,
 split-K paged decode + reduce, o, fused add + RMSNorm, gate/up, SiLU*mul, down; then the final norm and the
 LM head. Distinct weights per layer (15.1 GB, far past the L2), ``--batch`` requests of ``--kv-len`` tokens
-each in shuffled 16-token pages. Variants: the layer as separate kernels, or as the model's residual stream
-(``norm_linear`` / ``residual_linear``: the norms and SiLU * up inside the projections), each at the decode
-split targets of ``--per-sm`` (``_decode_buffers.PROGRAMS_PER_SM``), with PDL off once for scale. Logits are
-compared with the first variant's (max |diff|: the fused norm sums its statistic in another order).
-Reported: ms per step and the fraction of the copy bandwidth for the bytes a step must read (weights once,
-every KV slot once).
+each in shuffled 16-token pages. Variants: the decode split targets of ``--per-sm``
+(``_decode_buffers.PROGRAMS_PER_SM``), and PDL off once for scale; logits are compared with the first
+variant's (max |diff|: another split count sums the attention in another order). Reported: ms per step and
+the fraction of the copy bandwidth for the bytes a step must read (weights once, every KV slot once). A
+change to the step's kernels is timed here in one process before an engine run; what was tried this way is
+in ``NOTES.md`` (session 14).
 
 Usage: ``python packages/sparse-kernels/benchmarks/decode_step_probe.py [--batch 5] [--kv-len 8192,131072]
 [--per-sm 8,4] [--json PATH]``.
@@ -27,8 +27,6 @@ from sparse_kernels import (
     BatchDecodeWithPagedKVCache,
     fused_add_rms_norm,
     linear,
-    norm_linear,
-    residual_linear,
     rms_norm,
     rope_qk,
     silu_and_mul,
@@ -76,7 +74,7 @@ def make_kv(batch: int, kv_len: int, gen: torch.Generator):
     return caches, (indptr, order, last_len), slots
 
 
-def build_step(model: dict, caches, csr, slots: torch.Tensor, batch: int, kv_len: int, fused: bool):
+def build_step(model: dict, caches, csr, slots: torch.Tensor, batch: int, kv_len: int):
     wrapper = BatchDecodeWithPagedKVCache("cuda", backend="triton", max_batch_size=batch)
     wrapper.plan(*csr, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=DIM, block_size=PAGE)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -118,16 +116,7 @@ def build_step(model: dict, caches, csr, slots: torch.Tensor, batch: int, kv_len
         h, _ = fused_add_rms_norm(x, res, model["norm"], 1e-6)
         logits.copy_(linear(h, model["lm_head"]))
 
-    def stream_step():  # the model's residual stream (LlamaModel.forward on one rank)
-        h, squares = x0, None
-        for layer, (kc, vc) in zip(model["layers"], caches, strict=True):
-            qkv = norm_linear(h, squares, layer["in_norm"], 1e-6, layer["qkv"])
-            h, squares = residual_linear(attend(layer, qkv, kc, vc), layer["o"], h)
-            gate_up = norm_linear(h, squares, layer["post_norm"], 1e-6, layer["gate_up"])
-            h, squares = residual_linear(gate_up, layer["down"], h, gated=True)
-        logits.copy_(linear(rms_norm(h, model["norm"], 1e-6), model["lm_head"]))
-
-    return (stream_step if fused else step), logits
+    return step, logits
 
 
 def step_bytes(batch: int, kv_len: int) -> int:
@@ -148,17 +137,15 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + written)")
     per_sm = [int(v) for v in args.per_sm.split(",")]
-    variants = [("separate, pdl off", False, False, per_sm[0])]
-    for target in per_sm:
-        variants += [(f"separate, {target}/SM", True, False, target), (f"stream, {target}/SM", True, True, target)]
+    variants = [(f"pdl off, {per_sm[0]}/SM", False, per_sm[0])] + [(f"{t}/SM", True, t) for t in per_sm]
     rows = []
     for kv_len in (int(v) for v in args.kv_len.split(",")):
         caches, csr, slots = make_kv(args.batch, kv_len, gen)
         nbytes = step_bytes(args.batch, kv_len)
         reference = None
-        for name, pdl, fused, target in variants:
+        for name, pdl, target in variants:
             launch.PDL, buffers.PROGRAMS_PER_SM = pdl, target
-            step, logits = build_step(model, caches, csr, slots, args.batch, kv_len, fused)
+            step, logits = build_step(model, caches, csr, slots, args.batch, kv_len)
             graph = capture(step)
             ms = median_ms(graph.replay, iters=10, reps=7)
             out = logits.float().clone()

@@ -58,29 +58,3 @@ def test_bf16_close_to_hf(hf_checkpoint, random_batch, our_logits, hf_logits):
     ours = our_logits(model, seqs)
     assert ours.dtype == torch.float32
     torch.testing.assert_close(ours, hf_logits(hf_model.to(torch.bfloat16), seqs), atol=5e-2, rtol=0)
-
-
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
-def test_residual_stream_on_the_small_m_kernel(family, hf_checkpoint, random_batch, our_logits, monkeypatch):
-    """A step of few rows (<= SMALL_M_MAX) on the small-M kernel (interpreted here): the residual stream's
-    fused projections (norm in qkv and gate/up, residual add in o and down, SiLU * up in down) give the
-    logits of the plain ops to bf16 roundings, and do run fused (norm_linear gets the writer's squares)."""
-    import sparse_kernels
-    from sparse_models.models import llama
-
-    _, path = hf_checkpoint(family)
-    model, config = load_model(path, dtype=torch.bfloat16)
-    assert model.model.streams()
-    seqs = random_batch(config.vocab_size, seq_lens=[5, 4, 3])  # 12 rows
-    plain = our_logits(model, seqs)
-    seen = []
-
-    def spy(h, squares, *args, **kwargs):
-        seen.append(squares is not None)
-        return sparse_kernels.norm_linear(h, squares, *args, **kwargs)
-
-    monkeypatch.setattr(llama, "norm_linear", spy)
-    monkeypatch.setenv("SPARSE_KERNELS_BACKEND", "triton")
-    fused = our_logits(model, seqs)
-    assert seen == [False] + [True] * (2 * config.num_hidden_layers - 1)  # the embedding has no squares
-    torch.testing.assert_close(fused, plain, atol=5e-2, rtol=0)

@@ -27,7 +27,7 @@ from sparse_kernels.kv_quant import (
     unpack_codes,
 )
 from sparse_kernels.kv_store import store_kv
-from sparse_kernels.linear import gated_linear, linear, norm_linear, residual_linear
+from sparse_kernels.linear import linear
 from sparse_kernels.logits_attention import logits_attention, softmax_stats
 from sparse_kernels.merge_states import merge_states, merge_states_
 from sparse_kernels.moe import fused_moe
@@ -60,9 +60,6 @@ __all__ = [
     "head_max_probs",
     "launch_settings",
     "linear",
-    "gated_linear",
-    "norm_linear",
-    "residual_linear",
     "logits_attention",
     "merge_states",
     "merge_states_",

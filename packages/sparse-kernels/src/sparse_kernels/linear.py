@@ -5,10 +5,6 @@ weight's bytes over memory bandwidth. cuBLAS picks split-K kernels for these sha
 launch per call; ``sparse_kernels._triton.linear`` streams each weight once in a single launch. Rows
 above ``SMALL_M_MAX`` (prefill, large batches), other dtypes on ``auto``, and the reference backend use
 ``torch.nn.functional.linear``, which is also the reference the kernel is tested against.
-
-Between a decoder's projections sit small kernels (SiLU * up, the residual add and RMSNorm) whose launches
-cost a decode step more than their bytes: ``gated_linear``, ``residual_linear`` and ``norm_linear`` carry
-them inside the projections' launches, each equal to its unfused composition (the reference).
 """
 
 from __future__ import annotations
@@ -51,99 +47,16 @@ def linear(
     backend = check_backend(backend)
     if not rows or not _use_triton(backend, x, rows):
         return F.linear(x, weight, bias)
-    return _launch(x, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
-
-
-def gated_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, backend: str = "auto"
-) -> torch.Tensor:
-    """``linear(silu_and_mul(x), weight, bias)``: a SwiGLU MLP's down projection over the merged
-    ``[..., 2K]`` gate/up output, with SiLU * up computed as the kernel reads its input tiles (one launch
-    instead of two where the kernel runs; the product rounded as ``silu_and_mul`` rounds it)."""
-    if x.shape[-1] != 2 * weight.shape[-1]:
-        raise ValueError(f"x must be [..., 2 * K] = [..., {2 * weight.shape[-1]}], got {list(x.shape)}")
-    from sparse_kernels.silu_mul import silu_and_mul
-
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not rows or not _use_triton(check_backend(backend), x, rows):
-        return linear(silu_and_mul(x, backend=backend), weight, bias, backend=backend)
-    _check(x[..., : weight.shape[-1]], weight, bias)
-    out = _launch(x, weight, bias, gated=True)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def residual_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    residual: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    gated: bool = False,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(h, squares)``: ``h = linear(x, weight, bias) + residual`` (each rounded as its own op), the
-    residual stream after a pre-norm block's projection; with ``gated``, ``x`` is ``[gate | up]`` as in
-    ``gated_linear``. Where the kernel runs it also leaves each row's sum of squares of ``h`` as partial
-    sums per column tile (``squares``, ``[rows, tiles]`` fp32) for ``norm_linear``, so the next RMSNorm
-    needs no pass of its own; elsewhere ``squares`` is None."""
-    if residual.shape != (*x.shape[:-1], weight.shape[0]) or residual.dtype != x.dtype:
-        raise ValueError(
-            f"residual must be [{', '.join(map(str, (*x.shape[:-1], weight.shape[0])))}] in {x.dtype}, "
-            f"got {list(residual.shape)} in {residual.dtype}"
-        )
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not rows or not _use_triton(check_backend(backend), x, rows):
-        y = gated_linear(x, weight, bias, backend=backend) if gated else linear(x, weight, bias, backend=backend)
-        return y + residual, None
-    _check(x[..., : weight.shape[-1]] if gated else x, weight, bias)
-    if gated and x.shape[-1] != 2 * weight.shape[-1]:
-        raise ValueError(f"x must be [..., 2 * K] = [..., {2 * weight.shape[-1]}], got {list(x.shape)}")
-    r2 = residual.reshape(rows, weight.shape[0])
-    if r2.stride(-1) != 1:
-        r2 = r2.contiguous()
-    out, squares = _launch(x, weight, bias, gated=gated, residual=r2)
-    return out.reshape(residual.shape), squares
-
-
-def norm_linear(
-    h: torch.Tensor,
-    squares: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    *,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """``linear(rms_norm(h, norm_weight, eps), weight, bias)``: a pre-norm block's first projection. With
-    ``squares`` from the ``residual_linear`` that wrote ``h``, the kernel normalises each input tile as it
-    reads it (no norm launch; ``rms_norm``'s roundings, the row's statistic summed in another order);
-    without them, or off the kernel, ``rms_norm`` then ``linear``."""
-    from sparse_kernels.rms_norm import rms_norm
-
-    rows = h.numel() // h.shape[-1] if h.shape[-1] else 0
-    if squares is None or not rows or not _use_triton(check_backend(backend), h, rows):
-        return linear(rms_norm(h, norm_weight, eps, backend=backend), weight, bias, backend=backend)
-    _check(h, weight, bias)
-    if norm_weight.shape != (h.shape[-1],) or norm_weight.dtype != h.dtype:
-        raise ValueError(f"norm_weight must be [{h.shape[-1]}] in {h.dtype}, got {list(norm_weight.shape)}")
-    if squares.dim() != 2 or squares.shape[0] != rows or squares.dtype != torch.float32:
-        raise ValueError(f"squares must be [{rows}, tiles] float32 (from residual_linear), got {list(squares.shape)}")
-    out = _launch(h, weight, bias, norm=(squares, norm_weight, float(eps)))
-    return out.reshape(*h.shape[:-1], weight.shape[0])
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **fused):
-    """The small-M kernel over ``x``'s rows with the fused parts (``small_m_linear_triton``'s keywords)."""
     if weight.stride(1) != 1:
         raise ValueError("the Triton path needs the weight with unit stride along K")
+    config = linear_config(rows, weight.shape[0], weight.shape[1])
     from sparse_kernels._triton.linear import small_m_linear_triton
 
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    config = linear_config(x2.shape[0], weight.shape[0], weight.shape[1])
-    return small_m_linear_triton(x2, weight, bias, config, **fused)
+    out = small_m_linear_triton(x2, weight, bias, config)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def linear_config(rows: int, n: int, k: int) -> dict:

@@ -11,14 +11,6 @@ launch either way (cuBLAS's small-M kernels add a separate split-K reduce per ca
 
 ``USE_DOT`` picks ``tl.dot`` on a ``BLOCK_M >= 16`` tile (rows past M masked; tensor cores are idle
 anyway), else a broadcast multiply and a sum over K in fp32 (``BLOCK_M`` up to a few rows).
-
-The small kernels between a decoder's projections ride in them (``sparse_kernels.linear``'s fused entry
-points), each rounding where its standalone kernel rounds:
-- ``GATED``: ``x`` is ``[gate | up]`` (``2K`` wide) and each K tile of the input is ``silu(gate) * up``.
-- ``NORM``: each K tile of the input is ``rms_norm(x)``'s, from the row's sum of squares, which the kernel
-  that wrote ``x`` left as partial sums per column tile (``sq_in``, ``[M, tiles_in]`` fp32).
-- ``RESIDUAL``: the output is ``x W^T + residual`` (rounded as a separate add) and each column tile also
-  writes its rows' partial sum of squares of that output (``sq_out``, ``[M, tiles]``) for a ``NORM`` consumer.
 """
 
 from __future__ import annotations
@@ -37,12 +29,6 @@ def _small_m_linear_kernel(
     out_ptr,
     part_ptr,
     arrivals_ptr,
-    res_ptr,
-    sq_out_ptr,
-    norm_w_ptr,
-    sq_in_ptr,
-    tiles_in,
-    eps,
     M,
     N,
     K,
@@ -50,12 +36,7 @@ def _small_m_linear_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
     HAS_BIAS: tl.constexpr,
-    GATED: tl.constexpr,
-    NORM: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    BLOCK_T: tl.constexpr,
     USE_DOT: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -77,28 +58,10 @@ def _small_m_linear_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k_lo = tl.program_id(1) * k_per_split  # k_per_split: K (one split) or a multiple of BLOCK_K
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if NORM:  # the row's 1 / rms from the writer's partial sums of squares
-        offs_t = tl.arange(0, BLOCK_T)
-        sq = tl.load(
-            sq_in_ptr + offs_m[:, None] * tiles_in + offs_t[None, :],
-            mask=mask_m[:, None] & (offs_t < tiles_in)[None, :],
-            other=0.0,
-        )
-        inv_rms = tl.math.rsqrt(tl.sum(sq, 1) / K + eps)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < k_hi
-        mask_x = mask_m[:, None] & mask_k[None, :]
-        x = tl.load(x_rows[:, None] + k[None, :], mask=mask_x, other=0.0)
-        if GATED:  # silu(gate) * up, rounded as silu_and_mul rounds
-            up = tl.load(x_rows[:, None] + K + k[None, :], mask=mask_x, other=0.0)
-            gate = x.to(tl.float32)
-            act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
-            x = (act * up.to(tl.float32)).to(x.dtype)
-        if NORM:  # rms_norm's roundings: the normalised row, then the weight
-            nw = tl.load(norm_w_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
-            y = (x.to(tl.float32) * inv_rms[:, None]).to(x.dtype).to(tl.float32)
-            x = (nw[None, :] * y).to(x.dtype)
+        x = tl.load(x_rows[:, None] + k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if USE_DOT:
             w = tl.load(w_rows[None, :] + k[:, None], mask=mask_n[None, :] & mask_k[:, None], other=0.0)
             acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_K, BLOCK_N]
@@ -121,14 +84,8 @@ def _small_m_linear_kernel(
     if last:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        mask_o = mask_m[:, None] & mask_n[None, :]
-        y = acc.to(out_ptr.dtype.element_ty)
-        if RESIDUAL:  # + residual, rounded like a separate add; the tile's part of each row's sum of squares
-            r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask_o, other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-            yf = tl.where(mask_o, y.to(tl.float32), 0.0)
-            tl.store(sq_out_ptr + offs_m * tl.num_programs(0) + pid, tl.sum(yf * yf, 1), mask=mask_m)
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask_o)
+        out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
     pdl_exit(USE_GDC)
 
 
@@ -156,26 +113,16 @@ def split_scratch(device: torch.device, partial_elements: int, tiles: int) -> tu
 
 
 def small_m_linear_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    config: dict,
-    *,
-    gated: bool = False,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict
+) -> torch.Tensor:
     """Inputs checked by ``sparse_kernels.linear``; ``x`` is 2-D with unit stride on K.
 
     ``config``: ``USE_DOT``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages`` (``BLOCK_M`` is
-    derived from M: the next power of two, at least 16 for ``tl.dot``). ``gated``: ``x`` is
-    ``[M, 2K]`` (gate | up); ``norm``: ``(squares [M, tiles_in] fp32, norm weight [K], eps)``;
-    ``residual``: ``[M, N]``, then returns ``(out, squares [M, tiles])``.
+    derived from M: the next power of two, at least 16 for ``tl.dot``).
     """
     from sparse_kernels._triton.launch import dot_args
 
-    m = x.shape[0]
-    k = weight.shape[1]
+    m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     use_dot = bool(config["USE_DOT"])
@@ -187,8 +134,6 @@ def small_m_linear_triton(
     part, arrivals = (
         (out, out) if split_k == 1 else split_scratch(x.device, tiles * split_k * block_m * config["BLOCK_N"], tiles)
     )
-    squares = torch.empty(m, tiles, dtype=torch.float32, device=x.device) if residual is not None else None
-    sq_in, norm_weight, eps = norm if norm is not None else (out, weight, 0.0)
     small_m_linear_kernel[(tiles, split_k)](
         x,
         weight,
@@ -196,12 +141,6 @@ def small_m_linear_triton(
         out,
         part,
         arrivals,
-        residual if residual is not None else out,
-        squares if squares is not None else out,
-        norm_weight,
-        sq_in,
-        sq_in.shape[-1],
-        eps,
         m,
         n,
         k,
@@ -209,12 +148,7 @@ def small_m_linear_triton(
         x.stride(0),
         weight.stride(0),
         out.stride(0),
-        residual.stride(0) if residual is not None else 0,
         HAS_BIAS=bias is not None,
-        GATED=gated,
-        NORM=norm is not None,
-        RESIDUAL=residual is not None,
-        BLOCK_T=max(2, triton.next_power_of_2(sq_in.shape[-1])) if norm is not None else 2,
         USE_DOT=use_dot,
         SPLIT_K=split_k,
         BLOCK_M=block_m,
@@ -225,4 +159,4 @@ def small_m_linear_triton(
         num_stages=config["num_stages"],
         **pdl_args(x.device),
     )
-    return out if residual is None else (out, squares)
+    return out

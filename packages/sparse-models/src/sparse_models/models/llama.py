@@ -14,13 +14,6 @@ the MLP's width: q/k/v and gate/up are column-parallel, o and down row-parallel 
 Each decoder layer returns its MLP output and the residual stream apart; the next layer's first norm
 adds them (vLLM's ``RMSNorm(x, residual)``), so on CUDA every residual add rides in a fused add+norm
 kernel, and q/k norm + RoPE, SiLU*mul are one kernel each. On CPU the same calls run HF's ops.
-
-On one rank with every layer a GQA attention and a dense MLP, the model instead carries the residual
-stream itself from projection to projection (``DecoderLayer.forward_stream``): o and down add the residual
-in their epilogue (``residual_linear``), qkv and gate/up apply the RMSNorm as they read their input
-(``norm_linear``), and down reads SiLU * up directly (``gated_linear``'s path): at a decode step's few rows
-the norms and SiLU * up then launch no kernels of their own. Off the small-M kernel (CPU, prefill chunks)
-the same calls are the plain ops in the same order, with the values of the path above.
 """
 
 from __future__ import annotations
@@ -30,10 +23,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sparse_kernels import norm_linear, residual_linear
 from sparse_models.attention import AttentionBackend
 from sparse_models.config import ModelConfig
-from sparse_models.distributed import tp_world_size
 from sparse_models.layers import LMHead, RMSNorm, RotaryEmbedding, SiluAndMul, VocabEmbedding
 from sparse_models.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear, qkv_parallel_linear
 from sparse_models.registry import register_model
@@ -61,20 +52,14 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: AttentionBackend
     ) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(x), positions, rotary, attn))
-
-    def attend(
-        self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: AttentionBackend
-    ) -> torch.Tensor:
-        """Attention from the merged q/k/v projection's output to o_proj's input ``[T, Hq * D]``."""
         # Views of the merged projection, no copies: the RoPE kernel and the KV store read strided rows.
-        q, k, v = self.qkv_proj.split(qkv)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 norms each head first
         o = attn.forward(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
-        return o.reshape(-1, self.num_heads * self.head_dim)  # a view of the kernels' output
+        return self.o_proj(o.reshape(-1, self.num_heads * self.head_dim))  # a view of the kernels' output
 
 
 class MLP(nn.Module):
@@ -124,26 +109,6 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def forward_stream(
-        self,
-        h: torch.Tensor,
-        squares: torch.Tensor | None,
-        positions: torch.Tensor,
-        rotary: RotaryEmbedding,
-        attn: AttentionBackend,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(h, squares) -> (h', squares')`` over the residual stream itself (``h = x + residual`` of
-        ``forward``; ``squares`` its rows' partial sums of squares from the projection that wrote it, None
-        for the embedding). One rank, GQA ``Attention`` and dense ``MLP`` only (``LlamaModel.streams``)."""
-        att, mlp = self.self_attn, self.mlp
-        norm = self.input_layernorm
-        qkv = norm_linear(h, squares, norm.weight, norm.eps, att.qkv_proj.weight, att.qkv_proj.bias)
-        o = att.attend(qkv, positions, rotary, attn)
-        h, squares = residual_linear(o, att.o_proj.weight, h, att.o_proj.bias)
-        norm = self.post_attention_layernorm
-        gate_up = norm_linear(h, squares, norm.weight, norm.eps, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        return residual_linear(gate_up, mlp.down_proj.weight, h, mlp.down_proj.bias, gated=True)
-
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, make_mlp: Callable[[ModelConfig, int], nn.Module]):
@@ -157,20 +122,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def streams(self) -> bool:
-        """Whether ``forward`` carries the residual stream through the projections (``forward_stream``):
-        one rank, and every layer a GQA ``Attention`` with a dense ``MLP``."""
-        return tp_world_size() == 1 and all(
-            type(layer.self_attn) is Attention and type(layer.mlp) is MLP for layer in self.layers
-        )
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # [T, hidden]
-        if self.streams():
-            squares = None
-            for layer in self.layers:
-                x, squares = layer.forward_stream(x, squares, positions, self.rotary_emb, attn)
-            return self.norm(x)
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary_emb, attn)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
