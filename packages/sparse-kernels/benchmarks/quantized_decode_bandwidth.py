@@ -126,7 +126,7 @@ def apply(cfg: dict, scheme: str) -> None:
     if "UNPACK_WORDS" in cfg:
         qlaunch.QUANT_DECODE_CONFIG["UNPACK_WORDS"] = cfg["UNPACK_WORDS"]
     if "per_sm" in cfg:
-        buffers.PROGRAMS_PER_SM = cfg["per_sm"]
+        buffers.QUANTIZED_PROGRAMS_PER_SM = cfg["per_sm"]
 
 
 def main() -> None:
@@ -150,12 +150,12 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth() if DEVICE == "cuda" else 1e12
     emit({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "copy_tb_s": copy_bw / 1e12})
-    defaults = (dict(qlaunch.QUANT_DECODE_CONFIG), dict(qlaunch.KIVI_DECODE_CONFIG), buffers.PROGRAMS_PER_SM)
+    defaults = (dict(qlaunch.QUANT_DECODE_CONFIG), dict(qlaunch.KIVI_DECODE_CONFIG), buffers.QUANTIZED_PROGRAMS_PER_SM)
 
     def restore():
         qlaunch.QUANT_DECODE_CONFIG.update(defaults[0])
         qlaunch.KIVI_DECODE_CONFIG.update(defaults[1])
-        buffers.PROGRAMS_PER_SM = defaults[2]
+        buffers.QUANTIZED_PROGRAMS_PER_SM = defaults[2]
 
     table, sweep_jobs, sweep_rows = [], [], []
     for batch in [int(b) for b in args.batches.split(",")]:

@@ -51,7 +51,7 @@ def test_scratch_is_sized_once_for_every_batch_up_to_the_capacity():
     bufs = DecodeBuffers(torch.device("cpu"), max_batch_size=8, max_num_pages=10, num_splits=None)
     bufs.reserve_scratch(1, 8, 2, 16)
     sizes = (bufs.o_part.numel(), bufs.lse_part.numel(), bufs.lse.numel())
-    rows = max(b * 8 * bufs.num_splits(b, 2) for b in range(1, 9))
+    rows = max(b * 8 * max(bufs.num_splits(b, 2), bufs.num_splits(b, 2, quantized=True)) for b in range(1, 9))
     assert sizes[0] >= rows * 16 and sizes[1] >= rows and sizes[2] >= 8 * 8
     bufs.reserve_scratch(8, 8, 2, 16)
     assert (bufs.o_part.numel(), bufs.lse_part.numel(), bufs.lse.numel()) == sizes
@@ -63,7 +63,11 @@ def test_split_target_rises_once_the_lists_alone_cover_every_sm(monkeypatch):
     import sparse_kernels._decode_buffers as buffers
 
     monkeypatch.setattr(buffers, "num_sms", lambda device: 132)
-    splits = {lists: buffers.choose_num_splits(lists, 1, torch.device("cpu")) for lists in (1, 40, 131, 132, 728)}
-    # fewer lists than SMs: 8 programs per SM (capped at 64 splits); from 132 lists on: 32 per SM.
-    assert splits == {1: 64, 40: 27, 131: 9, 132: 32, 728: 6}
-    assert buffers.choose_num_splits(91, 8, torch.device("cpu")) == 6  # 728 lists of (request, KV head)
+    cpu = torch.device("cpu")
+    splits = {lists: buffers.choose_num_splits(lists, 1, cpu) for lists in (1, 40, 131, 132, 728)}
+    # fewer lists than SMs: 4 programs per SM for bf16 KV (capped at 64 splits); from 132 lists on: 32 per SM.
+    assert splits == {1: 64, 40: 14, 131: 5, 132: 32, 728: 6}
+    assert buffers.choose_num_splits(91, 8, cpu) == 6  # 728 lists of (request, KV head)
+    # quantized stores keep 8 per SM below the SM count; the same 32 above it
+    quantized = {lists: buffers.choose_num_splits(lists, 1, cpu, quantized=True) for lists in (1, 40, 131, 132)}
+    assert quantized == {1: 64, 40: 27, 131: 9, 132: 32}

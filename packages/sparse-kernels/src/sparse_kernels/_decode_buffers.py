@@ -18,12 +18,17 @@ import functools
 import torch
 
 # Split-K sizing: aim for this many programs per SM (decode is bandwidth-bound; several resident
-# programs per SM hide load latency), with at most MAX_SPLITS chunks per (request, KV head). 8 was the
-# best setting for both batch 1 and 32 at 32K context on an H200 (benchmarks/NOTES.md). When the lists
+# programs per SM hide load latency), with at most MAX_SPLITS chunks per (request, KV head). When the lists
 # alone give every SM a program (large batches of evicted 8K contexts), PROGRAMS_PER_SM_MANY_LISTS:
 # finer splits balance the last wave (H200, 91 lists of 8448 tokens x 8 heads: 2 splits 92.8% of copy
 # bandwidth, 6 splits 102.0%; short lists at small batches lose with them, e.g. 5 x 2048: 17.1 -> 19.4 us).
-PROGRAMS_PER_SM = 8
+# Fewer lists than SMs: PROGRAMS_PER_SM for bf16 KV. 8 was the best at batch 1 and 32 at 32K (session 4;
+# batch 1 reaches MAX_SPLITS at 4 or 8 alike); at batch 5 on an H200 (session 14, 40 lists) 4 beat 8 in
+# a whole decode step (128K: 27.42 -> 26.90 ms; 8K: 6.13 -> 6.05) and in the engine (dense 27.41 -> 27.10
+# ms, SnapKV-8192 over its whole 2K decode 6.33 -> 6.20, Quest-2048's median 8.07 -> 7.96). Quantized KV
+# keeps 8 (QUANTIZED_PROGRAMS_PER_SM: fp8 at batch 16 ran 1.80 ms per layer at 8, 1.93 at 4; session 5).
+PROGRAMS_PER_SM = 4
+QUANTIZED_PROGRAMS_PER_SM = 8
 PROGRAMS_PER_SM_MANY_LISTS = 32
 MAX_SPLITS = 64
 
@@ -36,11 +41,12 @@ def num_sms(device: torch.device) -> int:
     return 2
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits per list: a function of the batch size only (for a given model and GPU), so a graph
-    captured for one batch size replays for any step of that size."""
+def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device, quantized: bool = False) -> int:
+    """Splits per list: a function of the batch size only (for a given model, GPU and KV store), so a
+    graph captured for one batch size replays for any step of that size."""
     lists, sms = batch * num_kv_heads, num_sms(device)
-    target = (PROGRAMS_PER_SM_MANY_LISTS if lists >= sms else PROGRAMS_PER_SM) * sms
+    few = QUANTIZED_PROGRAMS_PER_SM if quantized else PROGRAMS_PER_SM
+    target = (PROGRAMS_PER_SM_MANY_LISTS if lists >= sms else few) * sms
     return max(1, min(MAX_SPLITS, -(-target // lists)))
 
 
@@ -145,7 +151,10 @@ class DecodeBuffers:
         if self.max_batch_size is not None and key == self._scratch_key:
             return  # sized for every batch up to the capacity already
         sizes = range(1, self.max_batch_size + 1) if self.max_batch_size is not None else (batch,)
-        rows = max(b * num_qo_heads * self.num_splits(b, num_kv_heads) for b in sizes)
+        rows = max(
+            b * num_qo_heads * max(self.num_splits(b, num_kv_heads), self.num_splits(b, num_kv_heads, quantized=True))
+            for b in sizes
+        )
         lse_rows = max(sizes) * num_qo_heads
         if self.o_part.numel() < rows * block_d:
             self.o_part = torch.empty(_grown(self.o_part.numel(), rows * block_d), device=self.device)
@@ -155,8 +164,8 @@ class DecodeBuffers:
             self.lse = torch.empty(_grown(self.lse.numel(), lse_rows), device=self.device)
         self._scratch_key = key
 
-    def num_splits(self, batch: int, num_kv_heads: int) -> int:
-        return self.forced_splits or choose_num_splits(batch, num_kv_heads, self.device)
+    def num_splits(self, batch: int, num_kv_heads: int, quantized: bool = False) -> int:
+        return self.forced_splits or choose_num_splits(batch, num_kv_heads, self.device, quantized)
 
     def _int32(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int32, device=self.device)
