@@ -23,6 +23,10 @@ STORES = {
     "kivi2": dict(sparse_method="kivi", kivi_bits=2),
     "turboquant3": dict(sparse_method="turboquant", turboquant_bits=3, turboquant_seed=7),
     "turboquant2": dict(kv_cache_dtype="turboquant", turboquant_bits=2),
+    # a query-aware method over a quantized store: pages picked from summaries of the dequantized keys
+    "quest_fp8": dict(
+        kv_cache_dtype="fp8", sparse_method="quest", sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16
+    ),
 }
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -120,7 +124,7 @@ def test_prefix_cache_hits_and_equals_a_cache_off_run(qwen3, store):
     assert llm.engine.kv.prefix_hit_tokens >= 2 * 32  # the later prompts each reused two full blocks
 
 
-@pytest.mark.parametrize("store", ["fp8", "kivi4", "turboquant3"])
+@pytest.mark.parametrize("store", ["fp8", "kivi4", "turboquant3", "quest_fp8"])
 def test_preemption_recomputes_and_gives_everything_back(qwen3, store):
     """Per-token stores recompute to the same tokens. KIVI recomputes a preempted request's generated
     tokens as prefill chunks, which quantize differently from decode steps (see the prefix-cache test),
@@ -226,10 +230,76 @@ def test_eviction_methods_compact_quantized_stores(qwen3, store, method):
     assert llm.engine.kv.pool.num_used_blocks == 0
 
 
+QUEST = {k: v for k, v in STORES["quest_fp8"].items() if k != "kv_cache_dtype"}
+
+
+def _dequantized_block_keys(kv, block: int) -> torch.Tensor:
+    """A block's keys as attention reads them, ``[block_size, H, D]`` (the formulas of the store, here)."""
+    if kv.scheme == "fp8":
+        return kv.k[block].float() * kv.k_scale[block][..., None].float()
+    from sparse_kernels.kv_quant import unpack_codes
+
+    levels = kv.codebook[unpack_codes(kv.k[block], kv.bits, kv.head_dim)]
+    return (levels * kv.k_scale[block][..., None].float()) @ kv.rotation.T
+
+
+@pytest.mark.parametrize(
+    "store", [dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="turboquant", turboquant_bits=3)], ids=["fp8", "tq3"]
+)
+def test_quest_selects_over_a_quantized_store_from_summaries_of_its_dequantized_keys(qwen3, store):
+    """Quest over fp8 / TurboQuant: the store keeps block summaries beside the codes, and after prefill
+    chunks and decode steps each held block's summary is the min / max of its dequantized keys over its
+    tokens; a budget above every context reads everything (tokens equal the plain store's), a small one
+    reads less (tokens differ somewhere), and both finish with every block back."""
+    path, _ = qwen3
+    prompts = _prompts([40, 90, 130], seed=8)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = _llm(path, **QUEST, **store)
+    pool = llm.engine.runner.kv
+    assert pool.store.summaries and pool.quantized is not None
+    rids = [llm.engine.add_request(p, params) for p in prompts]
+    checked = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        for rid in rids:
+            req = llm.engine._requests.get(rid)
+            if req is None or not req.num_output_tokens:
+                continue
+            table, kv_len = llm.engine.kv.table(rid).block_ids, max(req.kv_lens)
+            for layer in (0, 2):
+                kv, kmin, kmax = pool.quantized[layer], pool.kmin[layer], pool.kmax[layer]
+                for i, block in enumerate(table[: -(-kv_len // 16)]):
+                    keys = _dequantized_block_keys(kv, block)[: min(16, kv_len - 16 * i)]
+                    torch.testing.assert_close(kmin[block], keys.amin(0).to(kmin.dtype), atol=1e-6, rtol=1e-6)
+                    torch.testing.assert_close(kmax[block], keys.amax(0).to(kmax.dtype), atol=1e-6, rtol=1e-6)
+                    checked += 1
+    assert checked > 100 and llm.engine.kv.pool.num_used_blocks == 0
+    assert llm.engine.runner.attention.selective.num_selections > 0
+    wide = dict(QUEST, decode_keep_tokens=512)
+    plain = [o.token_ids for o in _llm(path, **store).generate(prompts, params)]
+    assert [o.token_ids for o in _llm(path, **wide, **store).generate(prompts, params)] == plain
+    assert [o.token_ids for o in _llm(path, **QUEST, **store).generate(prompts, params)] != plain
+
+
+def test_synthetic_quantized_noise_keeps_block_summaries_true(qwen3):
+    """Benchmarks' synthetic prefill over a quantized store with summaries: every block's summary is the
+    min / max of its dequantized noise keys (else Quest's page bounds tie and it reads the first pages)."""
+    path, _ = qwen3
+    runner = _llm(path, num_kv_blocks=40, **STORES["quest_fp8"]).engine.runner
+    runner.randomize_kv(seed=3)
+    pool = runner.kv
+    for kv, kmin, kmax in zip(pool.quantized, pool.kmin, pool.kmax, strict=True):
+        keys = torch.stack([_dequantized_block_keys(kv, b) for b in range(pool.num_blocks)])
+        torch.testing.assert_close(kmin, keys.amin(1).to(kmin.dtype), atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(kmax, keys.amax(1).to(kmax.dtype), atol=1e-6, rtol=1e-6)
+        assert not torch.equal(kmin, kmax)
+
+
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        (dict(sparse_method="quest", kv_cache_dtype="fp8"), "block summaries"),
+        (dict(sparse_method="quest", kv_cache_dtype="kivi"), "not over a kivi store"),
+        (dict(sparse_method="omnikv", kv_cache_dtype="fp8"), "from keys or history"),
         (dict(sparse_method="snapkv", kv_cache_dtype="kivi"), "does not survive a chain"),
         (dict(sparse_method="kivi", kv_cache_dtype="fp8"), "contradicts"),
         (dict(kivi_bits=2), "applies to kv_cache_dtype='kivi'"),
@@ -286,3 +356,18 @@ def test_fp8_static_scales_from_a_file(qwen3, tmp_path):
         with pytest.raises(ValueError, match=match):
             _llm(path, sparse_method="fp8_kv", fp8_kv_scale_path=str(f))
     assert layers == llm.engine.runner.model_config.num_hidden_layers
+
+
+@pytest.mark.slow
+def test_quest_over_fp8_with_every_kernel_interpreted_equals_the_reference_path(qwen3, monkeypatch):
+    """The Triton path of Quest over fp8 (quantize-on-write, page bounds and top-k, the head-sparse decode
+    over codes) under the interpreter gives the reference path's greedy tokens."""
+    path, _ = qwen3
+    prompt = _prompts([70], seed=9)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    store = dict(kv_cache_dtype="fp8", **QUEST)
+    reference = [o.token_ids for o in _llm(path, **store).generate(prompt, params)]
+    monkeypatch.setenv("SPARSE_KERNELS_BACKEND", "triton")
+    llm = _llm(path, **store)
+    assert [o.token_ids for o in llm.generate(prompt, params)] == reference
+    assert llm.engine.runner.attention.selective.num_selections > 0

@@ -41,6 +41,17 @@ def test_quantized_bytes_per_token(scheme, bits, per_token_head):
         assert kind.tail_bytes(2) == 2 * 32 * 8 * 128 * 2
 
 
+@pytest.mark.parametrize("scheme", ["fp8", "turboquant"])
+def test_quantized_summaries_add_a_model_dtype_min_and_max_per_block(scheme):
+    # Quest over a per-token store: each block's key min / max [H, D] in the model dtype beside the codes.
+    plain, summarised = (quantized_paged(scheme, 8 if scheme == "fp8" else 4, 16, 8, 128, summaries=s) for s in (0, 1))
+    assert summarised.summaries and not plain.summaries and summarised.quantized
+    assert summarised.bytes_per_block(2) == plain.bytes_per_block(2) + 2 * 8 * 128 * 2
+    assert "block summaries" in summarised.describe()
+    with pytest.raises(ValueError, match="KIVI"):
+        quantized_paged("kivi", 4, 16, 8, 128, summaries=True)
+
+
 def test_compression_ratios_against_bf16():
     bf16 = paged(32, 8, 128).bytes_per_token(2)
     assert bf16 / quantized_paged("fp8", 8, 32, 8, 128).bytes_per_token(2) == pytest.approx(1.94, abs=0.01)

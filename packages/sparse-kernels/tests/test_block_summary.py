@@ -81,3 +81,33 @@ def test_upper_bound_bounds_every_key_and_matches_formula(group):
             assert bound[hq, i] >= exact.max() - 1e-5
             formula = torch.maximum(q[b, hq] * kmax[block, h], q[b, hq] * kmin[block, h]).sum()
             torch.testing.assert_close(bound[hq, i], formula)
+
+
+@pytest.mark.parametrize(("scheme", "bits"), [("fp8", 8), ("turboquant", 3)])
+def test_quantized_summary_is_the_min_max_of_the_dequantized_keys(scheme, bits):
+    """Per listed block, the min / max over its first num_valid tokens of the keys attention reads (fp8:
+    codes x scale; TurboQuant: codebook level x scale, rotated back), written at the block's row; a row
+    with num_valid 0 (a padded decode row) writes nothing (it repeats row 0's write)."""
+    from sparse_kernels.block_summary import quantized_block_summary
+    from sparse_kernels.kv_quant import allocate_quantized_kv, unpack_codes
+    from sparse_kernels.quantized_store import store_kv_quantized
+
+    g = torch.Generator().manual_seed(3)
+    blocks, bs, h, d = 6, 4, 2, 32
+    kv = allocate_quantized_kv(scheme, bits, blocks, bs, h, d, torch.float32, "cpu", seed=1)
+    keys = torch.randn(blocks * bs, h, d, generator=g)
+    store_kv_quantized(keys, torch.randn_like(keys), kv, torch.arange(blocks * bs, dtype=torch.int32))
+    if scheme == "fp8":
+        read = kv.k.float() * kv.k_scale[..., None].float()
+    else:
+        read = (kv.codebook[unpack_codes(kv.k, bits, d)] * kv.k_scale[..., None].float()) @ kv.rotation.T
+    kmin = torch.full((blocks, h, d), 7.0)
+    kmax = torch.full((blocks, h, d), -7.0)
+    ids, valid = torch.tensor([3, 1, 5, 0]), torch.tensor([2, 4, 1, 0])  # the last row: padding
+    quantized_block_summary(kv, ids, valid, kmin, kmax)
+    for b, n in zip(ids[:3].tolist(), valid[:3].tolist(), strict=True):
+        torch.testing.assert_close(kmin[b], read[b, :n].amin(0))
+        torch.testing.assert_close(kmax[b], read[b, :n].amax(0))
+    for b in (0, 2, 4):  # untouched, the padding row's block 0 included
+        assert (kmin[b] == 7.0).all() and (kmax[b] == -7.0).all()
+    assert (kmax[ids[:3]] >= kmin[ids[:3]]).all()

@@ -113,7 +113,8 @@ class StoreKind:
             return f"{self.kind}{summaries} ({self.latent_dim} latent + {self.head_dim - self.latent_dim} rope)"
         if not self.quantized:
             return self.kind
-        return f"{self.kind} ({self.scheme}, {self.bits} bits)"
+        summaries = " + block summaries" if self.summaries else ""
+        return f"{self.kind}{summaries} ({self.scheme}, {self.bits} bits)"
 
 
 def paged(block_size: int, num_kv_heads: int, head_dim: int, *, summaries: bool = False) -> StoreKind:
@@ -159,6 +160,7 @@ def quantized_paged(
     *,
     group: int | None = None,
     seed: int = 0,
+    summaries: bool = False,
 ) -> StoreKind:
     """Quantized K/V pages: codes per token plus their scales (see ``sparse_kernels.QuantizedKV``).
 
@@ -167,6 +169,8 @@ def quantized_paged(
     ``group`` must equal ``block_size``), values' per token over groups of ``group`` channels, and a
     model-dtype tail per running request for its incomplete page. ``turboquant``: rotated
     ``bits``-bit codebook indices packed in int32 words and a float32 scale per (token, KV head).
+    ``summaries`` (fp8, TurboQuant): each block's elementwise min / max of its dequantized keys
+    ``[num_kv_heads, head_dim]`` in the model dtype too, as in ``paged``.
     """
     _check_positive(block_size, num_kv_heads, head_dim)
     if scheme not in QUANT_SCHEMES:
@@ -174,6 +178,9 @@ def quantized_paged(
     if bits not in QUANT_SCHEMES[scheme]:
         raise ValueError(f"{scheme} stores {' or '.join(map(str, QUANT_SCHEMES[scheme]))} bits, not {bits}")
     s, h, d = block_size, num_kv_heads, head_dim
+    summary = (TensorSpec("kmin", (h, d), MODEL_DTYPE), TensorSpec("kmax", (h, d), MODEL_DTYPE)) if summaries else ()
+    if summaries and scheme == "kivi":
+        raise ValueError("block summaries over a KIVI store are not built (its decode reads dense lists only)")
     if scheme == "fp8":
         tensors = (
             TensorSpec("k", (s, h, d), "float8_e4m3fn"),
@@ -181,12 +188,12 @@ def quantized_paged(
             TensorSpec("k_scale", (s, h), "float32"),
             TensorSpec("v_scale", (s, h), "float32"),
         )
-        return StoreKind(QUANTIZED_PAGED, s, h, d, tensors, scheme=scheme, bits=bits)
+        return StoreKind(QUANTIZED_PAGED, s, h, d, tensors + summary, scheme=scheme, bits=bits)
     words = -(-d // (32 // bits))
     codes = (TensorSpec("k", (s, h, words), "int32"), TensorSpec("v", (s, h, words), "int32"))
     if scheme == "turboquant":
         scales = (TensorSpec("k_scale", (s, h), "float32"), TensorSpec("v_scale", (s, h), "float32"))
-        return StoreKind(QUANTIZED_PAGED, s, h, d, codes + scales, scheme=scheme, bits=bits, seed=seed)
+        return StoreKind(QUANTIZED_PAGED, s, h, d, codes + scales + summary, scheme=scheme, bits=bits, seed=seed)
     group = block_size if group is None else group
     if group != block_size:
         raise ValueError(f"KIVI quantizes keys over pages of one block: group {group} must equal block_size {s}")

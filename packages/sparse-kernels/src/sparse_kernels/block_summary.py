@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._backend import resolve_backend
+from sparse_kernels.quantized_kv import QuantizedKV
 
 
 def block_summary(
@@ -61,6 +62,42 @@ def block_summary(
     skip = (num_valid <= 0)[:, None, None]
     kmin.index_copy_(0, ids, torch.where(skip, kmin[ids], new_min.to(kmin.dtype)))
     kmax.index_copy_(0, ids, torch.where(skip, kmax[ids], new_max.to(kmax.dtype)))
+
+
+def quantized_block_summary(
+    kv: QuantizedKV,
+    block_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+) -> None:
+    """``block_summary`` of a per-token quantized store (fp8, TurboQuant): the elementwise min and max of
+    each listed block's *dequantized* keys over its first ``num_valid`` tokens (TurboQuant's rotated back,
+    so the summaries bound the original-space query's products with what attention reads), in place.
+
+    ``block_ids`` / ``num_valid``: int ``[n]`` on the store's device. A row with ``num_valid <= 0`` (a
+    padded decode row) writes nothing: it repeats row 0's write, so row 0 must be a real one; other ids
+    must be distinct. Plain torch ops with no host sync (a CUDA graph can capture it).
+    """
+    from sparse_kernels.kv_quant import decode_rows
+
+    if kv.scheme not in ("fp8", "turboquant"):
+        raise ValueError(f"block summaries of a {kv.scheme} store are not built (per-token schemes only)")
+    if block_ids.numel() == 0:
+        return
+    ids = block_ids.to(torch.int64)
+    live = num_valid > 0
+    ids = torch.where(live, ids, ids[:1])
+    keys = decode_rows(kv.k[ids], kv.k_scale[ids], kv.scheme, kv.bits, kv.head_dim, codebook=kv.codebook)
+    if kv.scheme == "turboquant":
+        keys = keys @ kv.rotation.T.to(keys.device, torch.float32)
+    valid = torch.arange(keys.shape[1], device=keys.device)[None, :] < num_valid.clamp(min=1)[:, None]
+    valid = valid[:, :, None, None]  # [n, block_size, 1, 1]
+    new_min = keys.masked_fill(~valid, float("inf")).amin(1).to(kmin.dtype)  # [n, Hkv, D]
+    new_max = keys.masked_fill(~valid, float("-inf")).amax(1).to(kmax.dtype)
+    row0 = live[:, None, None]
+    kmin.index_copy_(0, ids, torch.where(row0, new_min, new_min[:1]))
+    kmax.index_copy_(0, ids, torch.where(row0, new_max, new_max[:1]))
 
 
 def block_upper_bound(

@@ -126,16 +126,18 @@ def store_kind(
         return latent_paged(block_size, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, summaries=summaries)
     if kv_cache_dtype == "auto":
         return paged(block_size, h, d, summaries=summaries)
-    if summaries:
+    if summaries and kv_cache_dtype == "kivi":
         raise ValueError(
-            f"{method.name} keeps block summaries of bf16 keys; it does not run over a {kv_cache_dtype} store yet"
+            f"{method.name} keeps block summaries; it runs over kv_cache_dtype fp8 or turboquant, not over a kivi "
+            "store yet (KIVI's decode reads dense lists only)"
         )
     if kv_cache_dtype == "fp8":
-        return quantized_paged("fp8", 8, block_size, h, d)
+        return quantized_paged("fp8", 8, block_size, h, d, summaries=summaries)
     if kv_cache_dtype == "kivi":
         return quantized_paged("kivi", kivi_bits or 4, block_size, h, d)
     if kv_cache_dtype == "turboquant":
-        return quantized_paged("turboquant", turboquant_bits or 4, block_size, h, d, seed=turboquant_seed or 0)
+        seed = turboquant_seed or 0
+        return quantized_paged("turboquant", turboquant_bits or 4, block_size, h, d, seed=seed, summaries=summaries)
     raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
 
 
@@ -196,13 +198,14 @@ def allocate_kv_pool(
             "rotation": turboquant_rotation(store.head_dim, store.seed).to(device),
             "codebook": lloyd_max_codebook(store.bits).to(device),
         }
+    summaries = ("kmin", "kmax")  # beside the codes: the pool's, not QuantizedKV's
     quantized = tuple(
         QuantizedKV(
             store.scheme,
             store.bits,
             store.head_dim,
             group=store.group,
-            **layer,
+            **{name: t for name, t in layer.items() if name not in summaries},
             **tail,
             **extra,
         )

@@ -8,8 +8,10 @@ import torch
 
 from sparse_cache import LayerLayout, TailRows
 from sparse_kernels import block_summary
+from sparse_kernels.block_summary import quantized_block_summary
 from sparse_methods import (
     ClusterArena,
+    DecodeRead,
     DecodeScoreSums,
     DeviceState,
     PrefixCacheMode,
@@ -191,6 +193,11 @@ class ModelRunner:
         g = torch.Generator(self.device).manual_seed(seed)
         if self.kv.quantized is not None:
             randomize_quantized(self.kv, g)
+            if self.kv.kmin is not None:  # summaries of the noise's dequantized keys, a few thousand blocks at a time
+                for kv, kmin, kmax in zip(self.kv.quantized, self.kv.kmin, self.kv.kmax, strict=True):
+                    for start in range(0, self.kv.num_blocks, 4096):
+                        ids = torch.arange(start, min(start + 4096, self.kv.num_blocks), device=self.device)
+                        quantized_block_summary(kv, ids, torch.full_like(ids, self.block_size), kmin, kmax)
             return
         layers = self.kv.layers[:1] if self.kv.one_tensor else self.kv.layers
         for layer in layers:
@@ -350,10 +357,15 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
             f"a {store.scheme} KV store yet"
         )
     plans = [method.layer_plan(layer) for layer in range(num_layers)]
-    if any(plan.selects_decode or plan.prefill for plan in plans):
+    # Selection from page summaries alone runs over the per-token stores, whose summaries are kept
+    # of the dequantized keys; selections that read keys or values, or select prefill history, do not yet.
+    from_summaries = store.summaries and all(
+        plan.decode is not DecodeRead.OBSERVED and not plan.decode_keys for plan in plans
+    )
+    if any(plan.prefill for plan in plans) or (any(p.selects_decode for p in plans) and not from_summaries):
         raise ValueError(
-            f"{method.name} selects what attention reads; it does not run over a {store.scheme} KV store yet "
-            "(query-aware selection over quantized pages is future work)"
+            f"{method.name} selects what attention reads from keys or history; it does not run over a "
+            f"{store.scheme} KV store yet (selection from page summaries does: fp8 and turboquant)"
         )
     if store.has_tail and method.prefix_cache_mode is PrefixCacheMode.CHAIN:
         raise ValueError(

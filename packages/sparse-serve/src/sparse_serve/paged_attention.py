@@ -27,6 +27,7 @@ from sparse_kernels import (
     store_kv,
     update_block_summaries,
 )
+from sparse_kernels.block_summary import quantized_block_summary
 from sparse_kernels.kv_quant import dequantize_blocks
 from sparse_kernels.quantized_store import store_kv_quantized
 from sparse_methods import (
@@ -403,14 +404,32 @@ class PagedAttention:
         store_kv_quantized(
             k, v, kv, plan.slot_mapping, plan.tail_index, one_row_per_request=decode_only, static_scales=static
         )
+        kmin = kmax = None
+        if self.pool.kmin is not None:  # page summaries of the dequantized keys (a selection reads them)
+            kmin, kmax = self.pool.kmin[layer_idx], self.pool.kmax[layer_idx]
+            if self._touched is None:  # a decode step: each row's block, through its newest token
+                slots, bs = plan.slot_mapping.to(torch.int64), self.block_size
+                valid = torch.where(slots >= 0, slots % bs + 1, 0)
+                quantized_block_summary(kv, slots.clamp(min=0) // bs, valid, kmin, kmax)
+            else:
+                blocks, valid = self._touched[meta.layer_group[layer_idx]]
+                quantized_block_summary(kv, blocks, valid, kmin, kmax)
         nd = meta.num_decode_tokens
-        if decode_only:
+        layer = DENSE_LAYER if self.method is None else self.method.layer_plan(layer_idx)
+        select_decode = nd > 0 and layer.selects_decode
+        if decode_only and not select_decode:
             out = plan.decode.run_quantized(q, kv)
         else:
             out = torch.empty_like(q)
-            if nd:
+            selective = self._selectives[meta.layer_group[layer_idx]] if select_decode else None
+            if selective is not None and not selective.reads_all:
+                extra = {} if self.group_queries is None else {"select_q": self.group_queries(q[:nd])}
+                args = (self.method, layer_idx, q[:nd], None, None, kmin, kmax, out[:nd])
+                selective.run_batched(*args, dense=plan.decode, kv=kv, **extra)
+            elif nd:
                 plan.decode.run_quantized(q[:nd], kv, out=out[:nd])
-            plan.prefill.run_quantized(q[nd:], kv, out=out[nd:])
+            if not decode_only:
+                plan.prefill.run_quantized(q[nd:], kv, out=out[nd:])
         self._hand_over(layer_idx, q, None, group)
         return out
 

@@ -229,19 +229,23 @@ class SelectiveDecode:
         return (st.size, st.unit, st.max_pages, *buffers)
 
     def run_batched(
-        self, method, layer, q, k_cache, v_cache, kmin, kmax, out, dense=None, select_q=None
+        self, method, layer, q, k_cache, v_cache, kmin, kmax, out, dense=None, select_q=None, kv=None
     ) -> torch.Tensor:
         """The batched path for one layer: pick on the device, write into the plan, attend.
 
         An ``OBSERVED`` layer reads everything through ``dense`` (the step's dense decode plan) after
         handing the method the batch. ``select_q``: the
-        queries the method sees, when not ``q`` (tensor parallelism: its KV groups' query heads)."""
+        queries the method sees, when not ``q`` (tensor parallelism: its KV groups' query heads).
+        ``kv``: a per-token quantized store's layer (``k_cache`` / ``v_cache`` None): the selected entries
+        are read from its codes; only selections from page summaries run over it (no keys, no extra state)."""
         select_q = q if select_q is None else select_q
         st = self._batched
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
         plan = method.layer_plan(layer)
         observed = plan.decode is DecodeRead.OBSERVED
         logits = logit_max = logit_sum = None
+        if kv is not None and (observed or plan.decode_keys):
+            raise ValueError(f"{method.name} reads keys to select; it does not run over a {kv.scheme} store")
         if observed and st.rows is None:  # every row observed: attend from the logits the method reads
             logits, logit_max, logit_sum = self._logits(q, k_cache, st)
         batch = DecodeBatch(
@@ -289,6 +293,10 @@ class SelectiveDecode:
         elif st.positions is not None:
             wrapper.planned_kv_indices()[st.positions] = ids.view(-1) if st.take is None else ids.view(-1)[st.take]
         self.num_selections += n
+        if kv is not None:
+            if extra is not None:
+                raise ValueError(f"{method.name} merges an extra attention state; not over a {kv.scheme} store")
+            return wrapper.run_quantized(q, kv, out=out)
         if extra is None:
             return wrapper.run(q, k_cache, v_cache, out=out)
         lse = self._lse_buffer(st)[: q.shape[0] * q.shape[1]].view(q.shape[0], q.shape[1])
