@@ -54,11 +54,7 @@ def block_summary(
         block_summary_triton(k_cache, block_ids, num_valid, kmin, kmax)
         return
     ids = block_ids.to(torch.int64)
-    keys = k_cache[ids].float()  # [n, block_size, Hkv, D]
-    valid = torch.arange(k_cache.shape[1], device=k_cache.device)[None, :] < num_valid[:, None]  # [n, bs]
-    valid = valid[:, :, None, None]
-    new_min = keys.masked_fill(~valid, float("inf")).amin(1)  # [n, Hkv, D]
-    new_max = keys.masked_fill(~valid, float("-inf")).amax(1)
+    new_min, new_max = _min_max(k_cache[ids].float(), num_valid)
     skip = (num_valid <= 0)[:, None, None]
     kmin.index_copy_(0, ids, torch.where(skip, kmin[ids], new_min.to(kmin.dtype)))
     kmax.index_copy_(0, ids, torch.where(skip, kmax[ids], new_max.to(kmax.dtype)))
@@ -91,13 +87,18 @@ def quantized_block_summary(
     keys = decode_rows(kv.k[ids], kv.k_scale[ids], kv.scheme, kv.bits, kv.head_dim, codebook=kv.codebook)
     if kv.scheme == "turboquant":
         keys = keys @ kv.rotation.T.to(keys.device, torch.float32)
-    valid = torch.arange(keys.shape[1], device=keys.device)[None, :] < num_valid.clamp(min=1)[:, None]
-    valid = valid[:, :, None, None]  # [n, block_size, 1, 1]
-    new_min = keys.masked_fill(~valid, float("inf")).amin(1).to(kmin.dtype)  # [n, Hkv, D]
-    new_max = keys.masked_fill(~valid, float("-inf")).amax(1).to(kmax.dtype)
+    new_min, new_max = _min_max(keys, num_valid)
     row0 = live[:, None, None]
-    kmin.index_copy_(0, ids, torch.where(row0, new_min, new_min[:1]))
-    kmax.index_copy_(0, ids, torch.where(row0, new_max, new_max[:1]))
+    kmin.index_copy_(0, ids, torch.where(row0, new_min, new_min[:1]).to(kmin.dtype))
+    kmax.index_copy_(0, ids, torch.where(row0, new_max, new_max[:1]).to(kmax.dtype))
+
+
+def _min_max(keys: torch.Tensor, num_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elementwise min and max of ``keys [n, block_size, Hkv, D]`` over each block's first ``num_valid``
+    tokens: ``[n, Hkv, D]`` each (+inf / -inf where a block has none)."""
+    valid = torch.arange(keys.shape[1], device=keys.device)[None, :] < num_valid[:, None]  # [n, block_size]
+    valid = valid[:, :, None, None]
+    return keys.masked_fill(~valid, float("inf")).amin(1), keys.masked_fill(~valid, float("-inf")).amax(1)
 
 
 def block_upper_bound(

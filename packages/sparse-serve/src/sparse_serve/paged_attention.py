@@ -208,6 +208,7 @@ class PagedAttention:
         ]
         self.selective_prefill = SelectivePrefill(self.device, self.shape, self.sm_scale)
         self._touched: list[tuple[torch.Tensor, torch.Tensor]] | None = []  # None: summaries from slot mappings
+        self._slot_blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # quantized: a decode step's blocks
         self._observed_slots: dict[tuple, torch.Tensor] = {}  # (table, step row, kv_len) -> slots, this step
         self._observed: Collection[Hashable] = frozenset()  # requests the method observes this step
         self._observed_index: list[int] = []  # their items in the step
@@ -407,13 +408,16 @@ class PagedAttention:
         kmin = kmax = None
         if self.pool.kmin is not None:  # page summaries of the dequantized keys (a selection reads them)
             kmin, kmax = self.pool.kmin[layer_idx], self.pool.kmax[layer_idx]
-            if self._touched is None:  # a decode step: each row's block, through its newest token
-                slots, bs = plan.slot_mapping.to(torch.int64), self.block_size
-                valid = torch.where(slots >= 0, slots % bs + 1, 0)
-                quantized_block_summary(kv, slots.clamp(min=0) // bs, valid, kmin, kmax)
-            else:
-                blocks, valid = self._touched[meta.layer_group[layer_idx]]
-                quantized_block_summary(kv, blocks, valid, kmin, kmax)
+            g = meta.layer_group[layer_idx]
+            if self._touched is not None:  # prefill chunks: the blocks the step writes (host-built)
+                blocks, valid = self._touched[g]
+            else:  # a decode step: each row's block through its newest token, from the slot mapping
+                if layer_idx == meta.groups[g].layers[0] or g not in self._slot_blocks:
+                    # once per forward and layer group (a graph's warm-up and capture each run it again)
+                    slots, bs = plan.slot_mapping.to(torch.int64), self.block_size
+                    self._slot_blocks[g] = (slots.clamp(min=0) // bs, torch.where(slots >= 0, slots % bs + 1, 0))
+                blocks, valid = self._slot_blocks[g]
+            quantized_block_summary(kv, blocks, valid, kmin, kmax)
         nd = meta.num_decode_tokens
         layer = DENSE_LAYER if self.method is None else self.method.layer_plan(layer_idx)
         select_decode = nd > 0 and layer.selects_decode

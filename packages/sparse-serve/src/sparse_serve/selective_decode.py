@@ -237,15 +237,14 @@ class SelectiveDecode:
         handing the method the batch. ``select_q``: the
         queries the method sees, when not ``q`` (tensor parallelism: its KV groups' query heads).
         ``kv``: a per-token quantized store's layer (``k_cache`` / ``v_cache`` None): the selected entries
-        are read from its codes; only selections from page summaries run over it (no keys, no extra state)."""
+        are read from its codes. Only selections from page summaries run over it (no keys: the engine
+        refuses others at start-up, ``model_runner._check_method_over_store``; no extra state)."""
         select_q = q if select_q is None else select_q
         st = self._batched
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
         plan = method.layer_plan(layer)
         observed = plan.decode is DecodeRead.OBSERVED
         logits = logit_max = logit_sum = None
-        if kv is not None and (observed or plan.decode_keys):
-            raise ValueError(f"{method.name} reads keys to select; it does not run over a {kv.scheme} store")
         if observed and st.rows is None:  # every row observed: attend from the logits the method reads
             logits, logit_max, logit_sum = self._logits(q, k_cache, st)
         batch = DecodeBatch(
