@@ -3,15 +3,15 @@ head_dim 128, bf16), 16-token pages in a shuffled pool, 128K context (8193 pages
 8448 as the engine plans for 2048 more tokens), Quest budget 128 pages (4 sink + 92 + 32 recent),
 OmniKV 2048 tokens.
 
-Per batch size: ``page_bounds`` (Quest, reads kmin/kmax), ``paged_logits`` (OmniKV's filter layers, reads
-K), ``top_k_ascending`` over Quest's bounds ([B, 8, 8448], k 128) and OmniKV's scores ([B, 135168],
-k 2048) under every variant of ``TOPK_VARIANTS`` (the Triton module's ``CONFIG``: select, bits per
-pass, candidate tiles, warps; each checked against a stable sort, then timed replaying a CUDA graph,
-and tabled at the end), and each method's whole selection chain (bounds + top-k; logits + top-k)
-captured in a CUDA graph as the engine runs it. Streaming kernels print GB/s and % of the copy bandwidth measured in the
-same process; the sweep rows (``cfg ...``) try other tile / warp / stage settings. Every call rotates
-over enough layers' buffers that L2 holds none of them. Checks first: bounds and logits against the
-plain torch references, top-k equal to a stable sort.
+Per batch size: ``page_bounds`` (Quest, reads kmin/kmax; then over int8 codes with a scale), ``paged_logits``
+(OmniKV's filter layers, reads K), ``top_k_ascending`` over Quest's bounds ([B, 8, 8448], k 128) and OmniKV's
+scores ([B, 135168], k 2048) under every variant of ``TOPK_VARIANTS`` (the Triton module's ``CONFIG``: select,
+bits per pass, candidate tiles, warps; each checked against a stable sort, then timed replaying a CUDA graph,
+and tabled at the end), and each method's whole selection chain (bounds + top-k; logits + top-k) captured in a
+CUDA graph as the engine runs it. Streaming kernels print GB/s and % of the copy bandwidth measured in the
+same process; the sweep rows (``cfg ...``) try other tile / warp / stage settings. Every call rotates over
+enough layers' buffers that L2 holds none of them. Checks first: bounds and logits against the plain torch
+references, top-k equal to a stable sort.
 
 The H200 run in results/bench/h200/quest_select/ (at 848696c) also timed the kernels of 1a3af46 and a
 radix-select top-k side by side (``git show 848696c:benchmarks/quest_select_probe.py``); the radix
@@ -19,7 +19,7 @@ top-k was slower (55-87 us against 34 us for Quest's rows) and was reverted; tho
 eager back-to-back calls, where a candidate stage's launch adds host time.
 
     PYTHONPATH=$(ls -d packages/*/src | tr '\\n' ':') python3 benchmarks/quest_select_probe.py \\
-        [--batches 1,5,8] [--no-sweep] [--top-k-only] [--json OUT.json]
+        [--batches 1,5,8] [--no-sweep] [--top-k-only | --page-bounds-only] [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from sparse_kernels import page_bounds, paged_logits, top_k_ascending  # noqa: E
 from sparse_kernels._triton import page_bounds as new_pb  # noqa: E402
 from sparse_kernels._triton import paged_logits as new_pl  # noqa: E402
 from sparse_kernels._triton import top_k_ascending as new_tk  # noqa: E402
+from sparse_kernels.summary_codes import encode_summary  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 KV_LEN = 131072 + 1  # the prompt plus the token being decoded
@@ -50,7 +51,7 @@ OMNI_K = 2048
 DEVICE = "cuda"
 L2_BYTES = 256 << 20  # rotate over at least this many bytes of inputs per timed call
 
-PB_SWEEP = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (64, 8, 3), (128, 4, 2), (128, 8, 3)]  # BLOCK_P, warps, stages
+PB_SWEEP = [(64, 4, 3), (64, 2, 4), (32, 2, 3), (128, 2, 3), (64, 1, 3), (32, 1, 3), (128, 1, 2), (256, 2, 3)]
 PL_SWEEP = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 3)]  # BLOCK_N, warps, stages
 
 
@@ -67,11 +68,12 @@ class Inputs:
         self.num_pages = torch.full((batch,), pages, dtype=torch.int32, device=dev)
         self.kv_lens = torch.full((batch,), KV_LEN, dtype=torch.int32, device=dev)
         self.q = [torch.randn(batch, HQ, D, device=dev).bfloat16() for _ in range(layers)]
-        self.kmin, self.kmax = [], []
+        self.kmin, self.kmax, self.codes = [], [], []
         for _ in range(layers):
             a, b = torch.randn(2, num_blocks, HKV, D, device=dev).bfloat16()
             self.kmin.append(torch.minimum(a, b))
             self.kmax.append(torch.maximum(a, b))
+            self.codes.append(encode_summary(self.kmin[-1], self.kmax[-1]))  # int8 kmin, kmax, scale
         shape = (num_blocks, BS, HKV, D)
         self.k_cache = [torch.randn(shape, device=dev).bfloat16() for _ in range(layers)] if with_keys else []
         self.bounds = torch.empty(batch, HKV, MAX_PAGES, device=dev)
@@ -80,6 +82,9 @@ class Inputs:
 
     def summary_bytes(self) -> int:
         return self.batch * HKV * self.pages * 2 * D * 2 + self.bounds.numel() * 4
+
+    def coded_summary_bytes(self) -> int:
+        return self.batch * HKV * self.pages * (2 * D + 4) + self.bounds.numel() * 4
 
     def key_bytes(self) -> int:
         return self.batch * HKV * KV_LEN * D * 2 + self.logits.numel() * 4
@@ -118,18 +123,19 @@ def bounds_args(x: Inputs, i: int):
     return (x.q[i], x.kmin[i], x.kmax[i], x.table, x.start, x.num_pages, x.bounds)
 
 
-def probe_stream(name: str, x: Inputs, bw: float, nbytes: int, module, run_new, sweep) -> list[dict]:
-    """The kernel (``run_new(layer)``), then under each ``(tile, warps, stages)`` of ``sweep``
-    (``module.CONFIG``'s tile key first)."""
+def probe_stream(name: str, x: Inputs, bw: float, nbytes: int, module, run_new, sweep, config=None) -> list[dict]:
+    """The kernel (``run_new(layer)``), then under each ``(tile, warps, stages)`` of ``sweep`` set in
+    ``config`` (default ``module.CONFIG``; its tile key first)."""
+    config = module.CONFIG if config is None else config
     rows = [row(name, timed_us(run_new, x.layers), nbytes, bw)]
-    tile_key = next(iter(module.CONFIG))
+    tile_key = next(iter(config))
     for tile, warps, stages in sweep:
-        saved = dict(module.CONFIG)
-        module.CONFIG.update({tile_key: tile, "num_warps": warps, "num_stages": stages})
+        saved = dict(config)
+        config.update({tile_key: tile, "num_warps": warps, "num_stages": stages})
         try:
             rows.append(row(f"  cfg {tile_key}={tile} w{warps} s{stages}", timed_us(run_new, x.layers), nbytes, bw))
         finally:
-            module.CONFIG.update(saved)
+            config.update(saved)
     return rows
 
 
@@ -147,6 +153,23 @@ def probe_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
         lambda i: new_pb.page_bounds_triton(*bounds_args(x, i), SINK, RECENT),
         PB_SWEEP if sweep else [],
     )
+
+
+def probe_coded_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
+    """``page_bounds`` over int8 summary codes with a scale per (block, KV head) (half the bytes)."""
+    kmin, kmax, scale = x.codes[0]
+    ref = torch.empty_like(x.bounds)
+    args = (x.q[0], kmin, kmax, x.table, x.start, x.num_pages)
+    page_bounds(*args, ref, sink=SINK, recent=RECENT, scale=scale, backend="reference")
+    new_pb.page_bounds_triton(*args, x.bounds, SINK, RECENT, scale)
+    torch.testing.assert_close(x.bounds, ref, rtol=1e-4, atol=1e-3)
+
+    def run(i):
+        c = x.codes[i]
+        new_pb.page_bounds_triton(x.q[i], c[0], c[1], x.table, x.start, x.num_pages, x.bounds, SINK, RECENT, c[2])
+
+    sweeps = PB_SWEEP if sweep else []
+    return probe_stream("page_bounds int8", x, bw, x.coded_summary_bytes(), new_pb, run, sweeps, new_pb.CODES_CONFIG)
 
 
 def logits_args(x: Inputs, i: int):
@@ -298,6 +321,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,5,8")
     ap.add_argument("--no-sweep", action="store_true", help="skip the config sweeps")
     ap.add_argument("--top-k-only", action="store_true", help="only the top-k variants")
+    ap.add_argument("--page-bounds-only", action="store_true", help="only page_bounds (model dtype and int8 codes)")
     ap.add_argument("--top-k-variants", help="comma-separated names of TOPK_VARIANTS to time (default all)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
@@ -321,6 +345,10 @@ def main() -> None:
             x_sum = Inputs(batch, layers_for(x.summary_bytes()), with_keys=False, gen=gen)
         print(f"batch {batch}: {x.pages} pages per row, {x_sum.layers} summary / {x.layers} key layer copies")
         rows = probe_page_bounds(x_sum, bw, not args.no_sweep)
+        rows += probe_coded_page_bounds(x_sum, bw, not args.no_sweep)
+        if args.page_bounds_only:
+            results["batches"][batch] = rows
+            continue
         rows += probe_paged_logits(x, bw, not args.no_sweep)
         rows += probe_top_ks(x_sum, gen)
         rows += probe_chains(x_sum, x, omni_scores(batch, gen))

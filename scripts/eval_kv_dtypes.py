@@ -99,11 +99,23 @@ def retroinfer_settings(length: int) -> dict[str, dict]:
     }
 
 
+def quest_summary_settings(length: int) -> dict[str, dict]:
+    """Quest with its page summaries as int8 codes (the default) against the model dtype's exact min / max, at a
+    quarter of the context and at a sixteenth (fewer pages picked: the bounds' ranking matters more)."""
+    out = {"dense": {}}
+    for name, budget in (("", length // 4), ("-1/16", length // 16)):
+        quest = dict(sparse_method="quest", sink_keep_tokens=16, recent_keep_tokens=32, decode_keep_tokens=budget - 48)
+        out[f"quest{name}"] = quest
+        out[f"quest{name}-model"] = dict(quest, quest_summary_dtype="model")
+    return out
+
+
 SETS: dict[str, Callable[[int], dict[str, dict]]] = {
     "kv_dtypes": lambda _: STORES,
     "prefill": lambda _: PREFILL,
     "methods": method_settings,
     "retroinfer": retroinfer_settings,
+    "quest_summaries": quest_summary_settings,
 }
 DEPTHS = (0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 

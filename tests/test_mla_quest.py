@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from summary_checks import assert_summarizes
 from test_mla_engine import MAX_NEW, _prompts, mla_checkpoint  # noqa: F401
 from tiny_models import hf_greedy
 
+from sparse_kernels.summary_codes import decode_summary
 from sparse_serve import LLM, SamplingParams
 from sparse_serve.latent_paged_attention import LatentPagedAttention
 
@@ -41,7 +43,8 @@ def _check_pages(batch, chosen, cache, sink: int, recent: int, tol: float) -> No
     """Per row, plain torch Quest over the rows themselves: the bound of each page (max over heads of
     ``sum_d max(q_d min_d, q_d max_d)`` from the page's valid rows); the chosen pages are ascending,
     hold the sink and recent pages, and no page left out bounds higher than a chosen one (beyond
-    ``tol``, for the GPU's own arithmetic). Also checks the store's summaries equal those min / max."""
+    ``tol``, for the GPU's own arithmetic). Also checks the store's summaries hold those min / max (as
+    Quest's default int8 codes: rounded outward, bounds from the decoded codes)."""
     for b in range(batch.query.shape[0]):
         kv_len = int(batch.kv_lens[b])
         n = -(-kv_len // batch.block_size)
@@ -49,10 +52,13 @@ def _check_pages(batch, chosen, cache, sink: int, recent: int, tol: float) -> No
         bounds = []
         for p, block in enumerate(blocks.tolist()):
             valid = min(batch.block_size, kv_len - p * batch.block_size)
-            rows = cache[block, :valid, 0]
-            lo, hi = rows.min(0).values, rows.max(0).values
-            torch.testing.assert_close(batch.page_min[block, 0], lo, rtol=0, atol=0)
-            torch.testing.assert_close(batch.page_max[block, 0], hi, rtol=0, atol=0)
+            rows = cache[block, :valid]
+            scale = None if batch.page_scale is None else batch.page_scale[block]
+            assert_summarizes(batch.page_min[block], batch.page_max[block], scale, rows)
+            lo, hi = batch.page_min[block, 0].float(), batch.page_max[block, 0].float()
+            if scale is not None:  # the bounds the codes stand for
+                lo, hi = decode_summary(batch.page_min[block], batch.page_max[block], scale)
+                lo, hi = lo[0], hi[0]
             q = batch.query[b].float()
             bounds.append(torch.maximum(q * lo, q * hi).sum(-1).max())
         bounds = torch.stack(bounds)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from summary_checks import assert_summarizes
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -249,8 +250,9 @@ def _dequantized_block_keys(kv, block: int) -> torch.Tensor:
 def test_quest_selects_over_a_quantized_store_from_summaries_of_its_dequantized_keys(qwen3, store):
     """Quest over fp8 / TurboQuant: the store keeps block summaries beside the codes, and after prefill
     chunks and decode steps each held block's summary is the min / max of its dequantized keys over its
-    tokens; a budget above every context reads everything (tokens equal the plain store's), a small one
-    reads less (tokens differ somewhere), and both finish with every block back."""
+    tokens (as outward-rounded int8 codes, Quest's default); a budget above every context reads everything
+    (tokens equal the plain store's), a small one reads less (tokens differ somewhere), and both finish with
+    every block back."""
     path, _ = qwen3
     prompts = _prompts([40, 90, 130], seed=8)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -267,11 +269,11 @@ def test_quest_selects_over_a_quantized_store_from_summaries_of_its_dequantized_
                 continue
             table, kv_len = llm.engine.kv.table(rid).block_ids, max(req.kv_lens)
             for layer in (0, 2):
-                kv, kmin, kmax = pool.quantized[layer], pool.kmin[layer], pool.kmax[layer]
+                kv, (kmin, kmax, kscale) = pool.quantized[layer], pool.summary(layer)
                 for i, block in enumerate(table[: -(-kv_len // 16)]):
                     keys = _dequantized_block_keys(kv, block)[: min(16, kv_len - 16 * i)]
-                    torch.testing.assert_close(kmin[block], keys.amin(0).to(kmin.dtype), atol=1e-6, rtol=1e-6)
-                    torch.testing.assert_close(kmax[block], keys.amax(0).to(kmax.dtype), atol=1e-6, rtol=1e-6)
+                    scale = None if kscale is None else kscale[block]
+                    assert_summarizes(kmin[block], kmax[block], scale, keys, atol=1e-6)
                     checked += 1
     assert checked > 100 and llm.engine.kv.pool.num_used_blocks == 0
     assert llm.engine.runner.attention.selective.num_selections > 0
@@ -288,10 +290,10 @@ def test_synthetic_quantized_noise_keeps_block_summaries_true(qwen3):
     runner = _llm(path, num_kv_blocks=40, **STORES["quest_fp8"]).engine.runner
     runner.randomize_kv(seed=3)
     pool = runner.kv
-    for kv, kmin, kmax in zip(pool.quantized, pool.kmin, pool.kmax, strict=True):
-        keys = torch.stack([_dequantized_block_keys(kv, b) for b in range(pool.num_blocks)])
-        torch.testing.assert_close(kmin, keys.amin(1).to(kmin.dtype), atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(kmax, keys.amax(1).to(kmax.dtype), atol=1e-6, rtol=1e-6)
+    for layer, kv in enumerate(pool.quantized):
+        kmin, kmax, kscale = pool.summary(layer)
+        for b in range(pool.num_blocks):
+            assert_summarizes(kmin[b], kmax[b], kscale[b], _dequantized_block_keys(kv, b), atol=1e-6)
         assert not torch.equal(kmin, kmax)
 
 

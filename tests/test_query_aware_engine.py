@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from summary_checks import assert_summarizes, fast_args, layer_summaries
 from tiny_models import DEFAULT_MODEL
 
 from sparse_methods import DecodeRead, LayerPlan, Selection, Unit
@@ -131,7 +132,8 @@ def _read_everything(monkeypatch, method, unit: Unit) -> None:
 
 
 def _check_summaries(llm: LLM) -> int:
-    """Every block a running request holds has min/max summaries equal to its keys' (valid part)."""
+    """Every block a running request holds has min/max summaries of its keys (valid part): equal in the
+    model dtype, rounded outward as int8 codes (``summary_checks.assert_summarizes``)."""
     engine, pool, bs = llm.engine, llm.engine.runner.kv, llm.engine.config.block_size
     checked = 0
     for req in engine.scheduler.running:
@@ -141,9 +143,10 @@ def _check_summaries(llm: LLM) -> int:
             if valid <= 0:
                 continue
             for layer in range(len(pool.k)):
-                keys = pool.k[layer][block, :valid]
-                torch.testing.assert_close(pool.kmin[layer][block], keys.amin(0), rtol=0, atol=0)
-                torch.testing.assert_close(pool.kmax[layer][block], keys.amax(0), rtol=0, atol=0)
+                kmin, kmax, kscale = pool.summary(layer)
+                assert_summarizes(
+                    kmin[block], kmax[block], None if kscale is None else kscale[block], pool.k[layer][block, :valid]
+                )
             checked += 1
     return checked
 
@@ -190,8 +193,9 @@ def test_small_budget_reads_only_its_pages_with_prefix_caching_and_batching():
     block_size=st.sampled_from([4, 16]),
     chunk=st.integers(8, 96),
     lengths=st.lists(st.integers(5, 200), min_size=1, max_size=3),
+    summary_dtype=st.sampled_from(["int8", "model"]),
 )
-def test_summaries_after_append_equal_recomputation(block_size, chunk, lengths):
+def test_summaries_after_append_equal_recomputation(block_size, chunk, lengths, summary_dtype):
     llm = LLM(
         str(DEFAULT_MODEL),
         device="cpu",
@@ -203,8 +207,10 @@ def test_summaries_after_append_equal_recomputation(block_size, chunk, lengths):
         sink_keep_tokens=block_size,
         decode_keep_tokens=2 * block_size,
         recent_keep_tokens=block_size,
+        quest_summary_dtype=summary_dtype,
     )
     engine = llm.engine
+    assert engine.runner.kv.store.summary_codes == (summary_dtype == "int8")
     gen = torch.Generator().manual_seed(sum(lengths))
     for n in lengths:
         engine.add_request(
@@ -255,13 +261,15 @@ def test_batched_device_selection_equals_the_paper():
     assert meta.num_decode_tokens == 3 and len(meta.groups) == 1
     q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
     layer = 3
-    args = (pool.k[layer], pool.v[layer], pool.kmin[layer], pool.kmax[layer])
+    args, codes = fast_args(pool, layer)
+    assert codes["kscale"] is not None  # Quest's default: int8 codes, bounds from their decoded values
     reference = quest_reference(engine.method)
-    expected, selected = _reference_attention(reference, layer, q, *args, meta, meta.groups[0], attention.sm_scale)
+    ref_args = (*args[:2], *layer_summaries(pool, layer))
+    expected, selected = _reference_attention(reference, layer, q, *ref_args, meta, meta.groups[0], attention.sm_scale)
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
     fast.plan_step(engine.method, meta, meta.groups[0])
     assert fast.batched
-    got = fast.run_batched(engine.method, layer, q, *args, torch.empty_like(q))
+    got = fast.run_batched(engine.method, layer, q, *args, torch.empty_like(q), **codes)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert 1 <= fast.num_selections == selected
 
@@ -395,22 +403,30 @@ def test_omnikv_device_set_equals_the_paper(pad, kernels, backend, monkeypatch):
     assert method._device_set[:3].tolist() == host_sets
 
 
-@pytest.mark.parametrize("kernels", ["auto", "triton"])
-def test_quest_uniform_step_with_padding_rows_equals_the_paper(kernels, monkeypatch):
+@pytest.mark.parametrize(("kernels", "summary_dtype"), [("auto", "int8"), ("triton", "int8"), ("triton", "model")])
+def test_quest_uniform_step_with_padding_rows_equals_the_paper(kernels, summary_dtype, monkeypatch):
     """Quest's batched path on a step where every request selects (the CUDA-graph case), plus padding
-    rows, equals Quest written from the paper one query at a time; with ``triton`` the method's
-    kernels (page bounds, ascending top-k) run under the interpreter."""
+    rows, equals Quest written from the paper one query at a time (over the bounds the summaries stand
+    for: int8 codes decoded, or the model dtype's min / max); with ``triton`` the method's kernels (page
+    bounds, ascending top-k) run under the interpreter."""
     from sparse_serve.cuda_graphs import pad_decode_metadata
     from sparse_serve.selective_decode import SelectiveDecode
 
-    llm = _llm(sparse_method="quest", sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16)
+    llm = _llm(
+        sparse_method="quest",
+        sink_keep_tokens=16,
+        decode_keep_tokens=32,
+        recent_keep_tokens=16,
+        quest_summary_dtype=summary_dtype,
+    )
     meta = _decode_step(llm, [PROMPTS[0], PROMPTS[1], PROMPTS[3]])
     engine, attention, pool = llm.engine, llm.engine.runner.attention, llm.engine.runner.kv
     q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
     layer = 3
-    args = (pool.k[layer], pool.v[layer], pool.kmin[layer], pool.kmax[layer])
+    args, codes = fast_args(pool, layer)
     reference = quest_reference(engine.method)
-    expected, selected = _reference_attention(reference, layer, q, *args, meta, meta.groups[0], attention.sm_scale)
+    ref_args = (*args[:2], *layer_summaries(pool, layer))
+    expected, selected = _reference_attention(reference, layer, q, *ref_args, meta, meta.groups[0], attention.sm_scale)
     assert selected == 3
     padded = pad_decode_metadata(meta, 5)
     monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
@@ -418,7 +434,7 @@ def test_quest_uniform_step_with_padding_rows_equals_the_paper(kernels, monkeypa
     fast.plan_step(engine.method, padded, padded.groups[0])
     assert fast.graph_key() is not None
     q5 = torch.cat([q, torch.randn(2, 8, 64)])
-    got = fast.run_batched(engine.method, layer, q5, *args, torch.empty_like(q5))
+    got = fast.run_batched(engine.method, layer, q5, *args, torch.empty_like(q5), **codes)
     torch.testing.assert_close(got[:3], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -428,8 +444,10 @@ def test_synthetic_kv_noise_keeps_block_summaries_true():
     llm = _llm(**SMALL, num_kv_blocks=64)
     runner = llm.engine.runner
     runner.randomize_kv(seed=3)
-    for k, kmin, kmax in zip(runner.kv.k, runner.kv.kmin, runner.kv.kmax, strict=True):
-        assert torch.equal(kmin, k.amin(dim=1)) and torch.equal(kmax, k.amax(dim=1))
+    for layer, k in enumerate(runner.kv.k):
+        kmin, kmax, kscale = runner.kv.summary(layer)
+        for block in range(k.shape[0]):
+            assert_summarizes(kmin[block], kmax[block], kscale[block], k[block])
         assert not torch.equal(kmin, kmax)
 
 
@@ -465,10 +483,12 @@ def test_mixed_step_on_cpu_kernels_equals_the_paper(config, reference):
     gen = torch.Generator().manual_seed(2)
     for layer in range(4):  # OmniKV: filter layers 0, 2 and 3
         q = torch.randn(2, 8, 64, generator=gen)
-        summaries = (pool.kmin[layer], pool.kmax[layer]) if pool.kmin is not None else (None, None)
-        args = (pool.k[layer], pool.v[layer], *summaries)
-        want, chosen = _reference_attention(ref, layer, q, *args, meta, group, attention.sm_scale)
-        got = fast.run_batched(method, layer, q, *args, torch.empty_like(q), dense=dense)
+        codes = pool.summary(layer) or (None, None, None)
+        args = (pool.k[layer], pool.v[layer])
+        want, chosen = _reference_attention(
+            ref, layer, q, *args, *layer_summaries(pool, layer), meta, group, attention.sm_scale
+        )
+        got = fast.run_batched(method, layer, q, *args, *codes[:2], torch.empty_like(q), dense=dense, kscale=codes[2])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         selected += chosen
     assert selected > 0 and fast.num_selections > 0

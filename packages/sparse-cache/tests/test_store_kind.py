@@ -19,6 +19,23 @@ def test_summaries_add_two_rows_per_block():
     assert kind.bytes_per_block(2) == (2 * 16 + 2) * 8 * 128 * 2
 
 
+def test_int8_summary_codes_halve_the_summary_bytes_and_carry_a_scale_per_head():
+    exact, coded = paged(16, 8, 128, summaries=True), paged(16, 8, 128, summaries=True, summary_dtype="int8")
+    assert coded.summaries and coded.summary_codes and not exact.summary_codes
+    specs = {t.name: t for t in coded.block_tensors}
+    assert (specs["kmin"].dtype, specs["kmax"].dtype, specs["kscale"].dtype) == ("int8", "int8", "float32")
+    assert specs["kscale"].shape == (8,)
+    plain = paged(16, 8, 128).bytes_per_block(2)
+    assert coded.bytes_per_block(2) - plain == 2 * 8 * 128 + 8 * 4  # vs 2 * 8 * 128 * 2 in bf16
+    assert exact.bytes_per_block(2) - plain == 2 * 8 * 128 * 2
+    assert "int8 codes" in coded.describe()
+    fp8 = quantized_paged("fp8", 8, 16, 8, 128, summaries=True, summary_dtype="int8")
+    assert fp8.summary_codes and "int8 codes" in fp8.describe()
+    assert latent_paged(16, 512, 64, summaries=True, summary_dtype="int8").summary_codes
+    with pytest.raises(ValueError, match="int8"):
+        paged(16, 8, 128, summaries=True, summary_dtype="fp8")
+
+
 @pytest.mark.parametrize(
     ("scheme", "bits", "per_token_head"),
     [

@@ -19,6 +19,7 @@ from sparse_cache.layer_layout import LayerLayout
 from sparse_cache.pruning import PrunePlan, PruneRange, check_ranges, plan_prune
 from sparse_cache.store_kind import (
     MODEL_DTYPE,
+    SUMMARY_CODES,
     StoreKind,
     TensorSpec,
     head_major_paged,
@@ -44,6 +45,7 @@ __all__ = [
     "ChainStatus",
     "KVCacheManager",
     "MODEL_DTYPE",
+    "SUMMARY_CODES",
     "LayerLayout",
     "LayerTables",
     "RequestTables",

@@ -33,6 +33,7 @@ LATENT_PAGED = "latent paged"
 HEAD_MAJOR_PAGED = "head-major paged"
 
 QUANT_SCHEMES = {"fp8": (8,), "kivi": (2, 4), "turboquant": (2, 3, 4)}
+SUMMARY_CODES = "int8"  # block summaries as int8 codes with a float32 scale per (block, KV head)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,11 @@ class StoreKind:
         return any(t.name == "kmin" for t in self.block_tensors)
 
     @property
+    def summary_codes(self) -> bool:
+        """Block summaries held as int8 codes with a scale per (block, KV head) (``kscale``)."""
+        return any(t.name == "kscale" for t in self.block_tensors)
+
+    @property
     def has_tail(self) -> bool:
         return bool(self.tail_tensors)
 
@@ -109,24 +115,39 @@ class StoreKind:
 
     def describe(self) -> str:
         if self.latent:
-            summaries = " + block summaries" if self.summaries else ""
-            return f"{self.kind}{summaries} ({self.latent_dim} latent + {self.head_dim - self.latent_dim} rope)"
+            return f"{self.kind}{self._summaries()} ({self.latent_dim} latent + {self.head_dim - self.latent_dim} rope)"
         if not self.quantized:
-            return self.kind
-        summaries = " + block summaries" if self.summaries else ""
-        return f"{self.kind}{summaries} ({self.scheme}, {self.bits} bits)"
+            return self.kind + (" (int8 codes)" if self.summary_codes else "")
+        return f"{self.kind}{self._summaries()} ({self.scheme}, {self.bits} bits)"
+
+    def _summaries(self) -> str:
+        if not self.summaries:
+            return ""
+        return " + block summaries" + (" (int8 codes)" if self.summary_codes else "")
 
 
-def paged(block_size: int, num_kv_heads: int, head_dim: int, *, summaries: bool = False) -> StoreKind:
+def summary_tensors(num_kv_heads: int, head_dim: int, summary_dtype: str = MODEL_DTYPE) -> tuple[TensorSpec, ...]:
+    """A block's key summaries: elementwise min / max ``[num_kv_heads, head_dim]`` in the model dtype, or
+    (``summary_dtype="int8"``) as outward-rounded int8 codes with a float32 scale ``kscale [num_kv_heads]``
+    (``sparse_kernels.summary_codes``: half the bytes a page bound reads)."""
+    if summary_dtype not in (MODEL_DTYPE, SUMMARY_CODES):
+        raise ValueError(f"block summaries are kept in the model dtype or as int8 codes, not {summary_dtype!r}")
+    shape = (num_kv_heads, head_dim)
+    specs = (TensorSpec("kmin", shape, summary_dtype), TensorSpec("kmax", shape, summary_dtype))
+    return specs + ((TensorSpec("kscale", (num_kv_heads,), "float32"),) if summary_dtype == SUMMARY_CODES else ())
+
+
+def paged(
+    block_size: int, num_kv_heads: int, head_dim: int, *, summaries: bool = False, summary_dtype: str = MODEL_DTYPE
+) -> StoreKind:
     """K/V in the model dtype, ``[block_size, num_kv_heads, head_dim]`` per block (NHD); with
-    ``summaries``, each block's elementwise min / max key ``[num_kv_heads, head_dim]`` too."""
+    ``summaries``, each block's elementwise min / max key too (``summary_tensors``)."""
     _check_positive(block_size, num_kv_heads, head_dim)
     row = (block_size, num_kv_heads, head_dim)
     tensors = (TensorSpec("k", row, MODEL_DTYPE), TensorSpec("v", row, MODEL_DTYPE))
     if not summaries:
         return StoreKind(PAGED, block_size, num_kv_heads, head_dim, tensors)
-    summary = (num_kv_heads, head_dim)
-    tensors += (TensorSpec("kmin", summary, MODEL_DTYPE), TensorSpec("kmax", summary, MODEL_DTYPE))
+    tensors += summary_tensors(num_kv_heads, head_dim, summary_dtype)
     return StoreKind(PAGED_WITH_SUMMARIES, block_size, num_kv_heads, head_dim, tensors)
 
 
@@ -139,7 +160,9 @@ def head_major_paged(block_size: int, num_kv_heads: int, head_dim: int) -> Store
     return StoreKind(HEAD_MAJOR_PAGED, block_size, num_kv_heads, head_dim, tensors)
 
 
-def latent_paged(block_size: int, latent_dim: int, rope_dim: int, *, summaries: bool = False) -> StoreKind:
+def latent_paged(
+    block_size: int, latent_dim: int, rope_dim: int, *, summaries: bool = False, summary_dtype: str = MODEL_DTYPE
+) -> StoreKind:
     """Multi-head latent attention's cache: per block ``kv [block_size, 1, latent_dim + rope_dim]`` in
     the model dtype, each row the normalized latent ``c_kv`` then the post-RoPE decoupled key; with
     ``summaries``, each block's elementwise min / max row ``[1, latent_dim + rope_dim]`` too."""
@@ -147,7 +170,7 @@ def latent_paged(block_size: int, latent_dim: int, rope_dim: int, *, summaries: 
     d = latent_dim + rope_dim
     tensors = (TensorSpec("kv", (block_size, 1, d), MODEL_DTYPE),)
     if summaries:
-        tensors += (TensorSpec("kmin", (1, d), MODEL_DTYPE), TensorSpec("kmax", (1, d), MODEL_DTYPE))
+        tensors += summary_tensors(1, d, summary_dtype)
     return StoreKind(LATENT_PAGED, block_size, 1, d, tensors, latent_dim=latent_dim)
 
 
@@ -161,6 +184,7 @@ def quantized_paged(
     group: int | None = None,
     seed: int = 0,
     summaries: bool = False,
+    summary_dtype: str = MODEL_DTYPE,
 ) -> StoreKind:
     """Quantized K/V pages: codes per token plus their scales (see ``sparse_kernels.QuantizedKV``).
 
@@ -169,8 +193,8 @@ def quantized_paged(
     ``group`` must equal ``block_size``), values' per token over groups of ``group`` channels, and a
     model-dtype tail per running request for its incomplete page. ``turboquant``: rotated
     ``bits``-bit codebook indices packed in int32 words and a float32 scale per (token, KV head).
-    ``summaries`` (fp8, TurboQuant): each block's elementwise min / max of its dequantized keys
-    ``[num_kv_heads, head_dim]`` in the model dtype too, as in ``paged``.
+    ``summaries`` (fp8, TurboQuant): each block's elementwise min / max of its dequantized keys too, as in
+    ``paged`` (``summary_tensors``).
     """
     _check_positive(block_size, num_kv_heads, head_dim)
     if scheme not in QUANT_SCHEMES:
@@ -178,7 +202,7 @@ def quantized_paged(
     if bits not in QUANT_SCHEMES[scheme]:
         raise ValueError(f"{scheme} stores {' or '.join(map(str, QUANT_SCHEMES[scheme]))} bits, not {bits}")
     s, h, d = block_size, num_kv_heads, head_dim
-    summary = (TensorSpec("kmin", (h, d), MODEL_DTYPE), TensorSpec("kmax", (h, d), MODEL_DTYPE)) if summaries else ()
+    summary = summary_tensors(h, d, summary_dtype) if summaries else ()
     if summaries and scheme == "kivi":
         raise ValueError("block summaries over a KIVI store are not built (its decode reads dense lists only)")
     if scheme == "fp8":

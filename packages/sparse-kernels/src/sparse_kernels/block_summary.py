@@ -11,6 +11,7 @@ import torch
 
 from sparse_kernels._backend import resolve_backend
 from sparse_kernels.quantized_kv import QuantizedKV
+from sparse_kernels.summary_codes import encode_summary
 
 
 def block_summary(
@@ -20,6 +21,7 @@ def block_summary(
     kmin: torch.Tensor,
     kmax: torch.Tensor,
     *,
+    scale: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """Write the elementwise min and max key of each listed block and KV head, in place.
@@ -36,7 +38,10 @@ def block_summary(
     kmin, kmax : torch.Tensor
         ``[num_blocks, num_kv_heads, head_dim]``, contiguous, caller-owned; rows ``block_ids`` are
         written. Any float dtype: float32, or the cache's dtype (min and max pick existing key values,
-        so a summary in the cache dtype is exact and half the size of float32).
+        so a summary in the cache dtype is exact and half the size of float32); int8 with ``scale``.
+    scale : torch.Tensor, optional
+        float32 ``[num_blocks, num_kv_heads]``: write ``summary_codes``' outward-rounded int8 codes into
+        ``kmin`` / ``kmax`` and each listed block's scale here.
     backend : str
         ``"auto"``, ``"triton"`` or ``"reference"`` (see ``sparse_kernels.store_kv``).
 
@@ -45,19 +50,28 @@ def block_summary(
     Device-only, no host sync. Summaries are recomputed whole, so call it for a block whenever tokens
     are added to it (for decode, the block of each request's newest token).
     """
-    _check(k_cache, block_ids, num_valid, kmin, kmax)
+    _check(k_cache, block_ids, num_valid, kmin, kmax, scale)
     if block_ids.numel() == 0:
         return
     if resolve_backend(backend, k_cache.device) == "triton":
         from sparse_kernels._triton.summary import block_summary_triton
 
-        block_summary_triton(k_cache, block_ids, num_valid, kmin, kmax)
+        block_summary_triton(k_cache, block_ids, num_valid, kmin, kmax, scale)
         return
     ids = block_ids.to(torch.int64)
     new_min, new_max = _min_max(k_cache[ids].float(), num_valid)
-    skip = (num_valid <= 0)[:, None, None]
-    kmin.index_copy_(0, ids, torch.where(skip, kmin[ids], new_min.to(kmin.dtype)))
-    kmax.index_copy_(0, ids, torch.where(skip, kmax[ids], new_max.to(kmax.dtype)))
+    _write(ids, num_valid > 0, new_min, new_max, kmin, kmax, scale)
+
+
+def _write(ids, live, new_min, new_max, kmin, kmax, scale) -> None:
+    """Rows ``ids`` of the summaries (codes and scale with ``scale``) from float32 min / max, where ``live``."""
+    live = live[:, None]
+    if scale is not None:
+        new_min, new_max, new_scale = encode_summary(new_min, new_max)
+        scale.index_copy_(0, ids, torch.where(live, new_scale, scale[ids]))
+    live = live[:, :, None]
+    kmin.index_copy_(0, ids, torch.where(live, new_min.to(kmin.dtype), kmin[ids]))
+    kmax.index_copy_(0, ids, torch.where(live, new_max.to(kmax.dtype), kmax[ids]))
 
 
 def quantized_block_summary(
@@ -66,6 +80,8 @@ def quantized_block_summary(
     num_valid: torch.Tensor,
     kmin: torch.Tensor,
     kmax: torch.Tensor,
+    *,
+    scale: torch.Tensor | None = None,
 ) -> None:
     """``block_summary`` of a per-token quantized store (fp8, TurboQuant): the elementwise min and max of
     each listed block's *dequantized* keys over its first ``num_valid`` tokens (TurboQuant's rotated back,
@@ -73,7 +89,8 @@ def quantized_block_summary(
 
     ``block_ids`` / ``num_valid``: int ``[n]`` on the store's device. A row with ``num_valid <= 0`` (a
     padded decode row) writes nothing: it repeats row 0's write, so row 0 must be a real one; other ids
-    must be distinct. Plain torch ops with no host sync (a CUDA graph can capture it).
+    must be distinct. Plain torch ops with no host sync (a CUDA graph can capture it). With ``scale``, int8
+    codes as in ``block_summary``.
     """
     from sparse_kernels.kv_quant import decode_rows
 
@@ -89,8 +106,8 @@ def quantized_block_summary(
         keys = keys @ kv.rotation.T.to(keys.device, torch.float32)
     new_min, new_max = _min_max(keys, num_valid)
     row0 = live[:, None, None]
-    kmin.index_copy_(0, ids, torch.where(row0, new_min, new_min[:1]).to(kmin.dtype))
-    kmax.index_copy_(0, ids, torch.where(row0, new_max, new_max[:1]).to(kmax.dtype))
+    new_min, new_max = torch.where(row0, new_min, new_min[:1]), torch.where(row0, new_max, new_max[:1])
+    _write(ids, torch.ones_like(live), new_min, new_max, kmin, kmax, scale)
 
 
 def _min_max(keys: torch.Tensor, num_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +165,7 @@ def block_upper_bound(
     return bound.reshape(nnz, num_qo_heads).T.contiguous()
 
 
-def _check(k_cache, block_ids, num_valid, kmin, kmax) -> None:
+def _check(k_cache, block_ids, num_valid, kmin, kmax, scale=None) -> None:
     if k_cache.dim() != 4 or not k_cache.is_contiguous():
         raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, Hkv, D], got {list(k_cache.shape)}")
     num_blocks, _, num_kv_heads, head_dim = k_cache.shape
@@ -157,8 +174,14 @@ def _check(k_cache, block_ids, num_valid, kmin, kmax) -> None:
             raise ValueError(
                 f"{name} must be a contiguous [{num_blocks}, {num_kv_heads}, {head_dim}], got {list(t.shape)}"
             )
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
+        if scale is None and not t.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor (int8 codes need their scale), got {t.dtype}")
+        if scale is not None and t.dtype != torch.int8:
+            raise ValueError(f"{name} must hold int8 codes beside a scale, got {t.dtype}")
+    if scale is not None and (
+        tuple(scale.shape) != (num_blocks, num_kv_heads) or scale.dtype != torch.float32 or not scale.is_contiguous()
+    ):
+        raise ValueError(f"scale must be a contiguous float32 [{num_blocks}, {num_kv_heads}], got {list(scale.shape)}")
     if block_ids.dim() != 1 or num_valid.shape != block_ids.shape:
         raise ValueError("block_ids and num_valid must be equal-length 1-D tensors")
     for name, t in (("block_ids", block_ids), ("num_valid", num_valid)):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._backend import resolve_backend
+from sparse_kernels.summary_codes import decode_summary
 
 
 def page_bounds(
@@ -26,6 +27,7 @@ def page_bounds(
     *,
     sink: int = 0,
     recent: int = 0,
+    scale: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Write ``out[b, h, p]`` (float32 ``[B, num_kv_heads, max_pages]``) and return it.
@@ -35,7 +37,8 @@ def page_bounds(
     q : torch.Tensor
         ``[B, num_qo_heads, head_dim]``, one decode query per row (rows may be strided).
     kmin, kmax : torch.Tensor
-        ``[num_blocks, num_kv_heads, head_dim]`` block summaries (any float dtype).
+        ``[num_blocks, num_kv_heads, head_dim]`` block summaries (any float dtype), or their int8 codes
+        with ``scale``.
     table_indices : torch.Tensor
         int32 ``[nnz]`` block ids; row ``b``'s table is
         ``table_indices[table_start[b] : table_start[b] + num_pages[b]]``.
@@ -45,6 +48,9 @@ def page_bounds(
         float32 ``[B, num_kv_heads, max_pages]``, caller-owned.
     sink, recent : int
         Pages forced to ``+inf``: ``p < sink`` and ``num_pages - recent <= p < num_pages``.
+    scale : torch.Tensor, optional
+        float32 ``[num_blocks, num_kv_heads]``: the summaries are int8 codes (``sparse_kernels.summary_codes``)
+        standing for ``scale * kmin`` and ``scale * kmax``.
     """
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -52,6 +58,12 @@ def page_bounds(
         raise ValueError(f"incompatible q {list(q.shape)}, kmin {list(kmin.shape)}, kmax {list(kmax.shape)}")
     if out.dim() != 3 or tuple(out.shape[:2]) != (batch, num_kv_heads) or out.dtype != torch.float32:
         raise ValueError(f"out must be float32 [{batch}, {num_kv_heads}, max_pages], got {out.dtype} {list(out.shape)}")
+    if scale is not None and (
+        kmin.dtype != torch.int8 or kmax.dtype != torch.int8 or tuple(scale.shape) != tuple(kmin.shape[:2])
+    ):
+        raise ValueError(f"coded summaries are int8 with a scale [{kmin.shape[0]}, {num_kv_heads}]")
+    if scale is None and not (kmin.is_floating_point() and kmax.is_floating_point()):
+        raise ValueError("int8 summary codes need their scale")
     if table_start.shape != (batch,) or num_pages.shape != (batch,):
         raise ValueError(f"table_start and num_pages must be [B] = [{batch}]")
     if batch == 0:
@@ -59,7 +71,7 @@ def page_bounds(
     if resolve_backend(backend, q.device) == "triton":
         from sparse_kernels._triton.page_bounds import page_bounds_triton
 
-        return page_bounds_triton(q, kmin, kmax, table_indices, table_start, num_pages, out, sink, recent)
+        return page_bounds_triton(q, kmin, kmax, table_indices, table_start, num_pages, out, sink, recent, scale)
     max_pages = out.shape[2]
     start = table_start.to(torch.int64)[:, None]
     num_pages = num_pages.to(torch.int64)[:, None]  # [B, 1]
@@ -67,8 +79,11 @@ def page_bounds(
     ids = table_indices.to(torch.int64)[start + torch.minimum(page, num_pages - 1)]  # [B, P]
     group = num_qo_heads // num_kv_heads
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    hi = kmax[ids].float().permute(0, 2, 3, 1)  # [B, Hkv, D, P]
-    lo = kmin[ids].float().permute(0, 2, 3, 1)
+    lo, hi = (
+        (kmin[ids].float(), kmax[ids].float()) if scale is None else decode_summary(kmin[ids], kmax[ids], scale[ids])
+    )
+    hi = hi.permute(0, 2, 3, 1)  # [B, Hkv, D, P]
+    lo = lo.permute(0, 2, 3, 1)
     bound = (qg.clamp(min=0) @ hi + qg.clamp(max=0) @ lo).amax(2)  # [B, Hkv, P]
     page, num_pages = page[:, None], num_pages[:, :, None]
     forced = (page < sink) | ((page >= num_pages - recent) & (page < num_pages))

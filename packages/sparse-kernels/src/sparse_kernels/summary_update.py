@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._backend import resolve_backend
+from sparse_kernels.block_summary import block_summary
 
 
 def update_block_summaries(
@@ -21,6 +22,7 @@ def update_block_summaries(
     kmin: torch.Tensor,
     kmax: torch.Tensor,
     *,
+    scale: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> None:
     """Fold each stored key into its block's min / max summary, in place (after ``store_kv``).
@@ -51,11 +53,28 @@ def update_block_summaries(
     for name, t in (("kmin", kmin), ("kmax", kmax)):
         if tuple(t.shape) != (num_blocks, num_kv_heads, head_dim) or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous [{num_blocks}, {num_kv_heads}, {head_dim}]")
+        if (scale is not None) != (t.dtype == torch.int8):
+            raise ValueError(f"{name}: int8 summary codes go with a scale, float summaries without (got {t.dtype})")
+    if scale is not None and (tuple(scale.shape) != (num_blocks, num_kv_heads) or scale.dtype != torch.float32):
+        raise ValueError(f"scale must be a float32 [{num_blocks}, {num_kv_heads}], got {list(scale.shape)}")
     if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError("slot_mapping must be a 1-D int32/int64 tensor")
     if slot_mapping.numel() == 0:
         return
-    if resolve_backend(backend, k_cache.device) == "triton":
+    triton = resolve_backend(backend, k_cache.device) == "triton"
+    if scale is not None:  # codes: re-summarize each written block through its new token (a fresh encoding)
+        if triton:
+            from sparse_kernels._triton.summary import block_summary_triton
+
+            block_summary_triton(k_cache, slot_mapping, slot_mapping, kmin, kmax, scale, from_slots=True)
+            return
+        slots = slot_mapping.to(torch.int64)
+        slots = slots[slots >= 0]  # padding rows write nothing (and must not alias a real block)
+        block_summary(
+            k_cache, slots // block_size, slots % block_size + 1, kmin, kmax, scale=scale, backend="reference"
+        )
+        return
+    if triton:
         from sparse_kernels._triton.summary_update import update_block_summaries_triton
 
         update_block_summaries_triton(k_cache, slot_mapping, kmin, kmax)
@@ -63,7 +82,8 @@ def update_block_summaries(
     slots = slot_mapping.to(torch.int64)
     slots = slots[slots >= 0]
     block, offset = slots // block_size, slots % block_size
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots].to(kmin.dtype)  # [n, Hkv, D]
+    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # [n, Hkv, D]
     fresh = (offset == 0)[:, None, None]
+    keys = keys.to(kmin.dtype)
     kmin[block] = torch.where(fresh, keys, torch.minimum(kmin[block], keys))
     kmax[block] = torch.where(fresh, keys, torch.maximum(kmax[block], keys))

@@ -150,10 +150,13 @@ NO_DEVICE_STATE = DeviceState()
 class Storage:
     """The KV store a method needs (``SparseMethod.storage``): its kind and, for compressed-storage
     methods, the KV dtype it stores in (``fp8``, ``kivi``, ``turboquant``; None: the engine's
-    ``kv_cache_dtype`` decides, the model dtype by default). Pages are always the engine's blocks."""
+    ``kv_cache_dtype`` decides, the model dtype by default). Pages are always the engine's blocks.
+    ``summary_dtype`` (``PAGED_WITH_SUMMARIES``): the block summaries' ``"model"`` dtype, or ``"int8"``
+    codes with a scale per (block, KV head) (half the bytes; ``page_scale`` in ``DecodeBatch``)."""
 
     kind: StoreKind = StoreKind.PAGED
     kv_cache_dtype: str | None = None
+    summary_dtype: str = "model"
 
 
 class Support(enum.StrEnum):
@@ -443,7 +446,9 @@ class DecodeBatch:
     order are ``table_indices[table_start[b] : table_start[b] + ceil(kv_lens[b] / block_size)]``
     (``table_start`` int64 ``[B]``). ``max_pages``: no row holds more blocks (a static width for
     per-page or per-token outputs). ``page_min`` / ``page_max``: the pool's block summaries
-    ``[num_blocks, num_kv_heads, head_dim]`` when the store keeps them. ``key_cache``: the layer's
+    ``[num_blocks, num_kv_heads, head_dim]`` when the store keeps them; int8 codes standing for
+    ``page_scale[..., None] * page_min`` (and ``page_max``) when ``page_scale`` (float32
+    ``[num_blocks, num_kv_heads]``) is given (``Storage.summary_dtype`` int8). ``key_cache``: the layer's
     keys ``[num_blocks, block_size, num_kv_heads, head_dim]`` when the method asked for them
     (``LayerPlan.decode_keys``). ``sm_scale``: the attention's softmax scale. ``page_counts``: int64
     ``[B]`` pages each row holds (``ceil(kv_lens / block_size)``) when the caller has them already
@@ -465,6 +470,7 @@ class DecodeBatch:
     block_size: int
     page_min: torch.Tensor | None = None
     page_max: torch.Tensor | None = None
+    page_scale: torch.Tensor | None = None
     key_cache: torch.Tensor | None = None
     sm_scale: float = 1.0
     page_counts: torch.Tensor | None = None
@@ -538,8 +544,10 @@ class SparseMethod(ABC):
     Config: ClassVar[type[MethodConfig]]
     prefill_policy: ClassVar[PrefillPolicy] = PrefillPolicy.ALL_CHUNKED
     prefix_cache_mode: ClassVar[PrefixCacheMode]
-    storage: ClassVar[Storage] = Storage()
-    """The KV store the method needs (kind and KV dtype)."""
+    storage: Storage = Storage()
+    """The KV store the method needs (kind and KV dtype). The engine reads the class's before it builds the
+    method (the KV dtype it implies), the instance's for the store; a method may refine it per instance
+    from its config in ``__init__`` (the summaries' dtype), never its kind or KV dtype."""
     supports: ClassVar[frozenset[Support]] = frozenset()
     """Model and engine shapes the method runs on besides plain full attention on one rank (``Support``)."""
     head_reduction: HeadReduction = HeadReduction()

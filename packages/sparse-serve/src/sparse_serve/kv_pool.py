@@ -83,6 +83,19 @@ class KVPool:
         return tuple(layer["kmax"] for layer in self.layers) if self.store.summaries else None
 
     @property
+    def kscale(self) -> tuple[torch.Tensor, ...] | None:
+        """Summaries kept as int8 codes: per layer each block's scale ``[num_blocks, num_kv_heads]``; else None."""
+        return tuple(layer["kscale"] for layer in self.layers) if self.store.summary_codes else None
+
+    def summary(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Layer ``layer``'s block summaries ``(kmin, kmax, scale)`` (scale None in the model dtype); None
+        without summaries."""
+        if not self.store.summaries:
+            return None
+        t = self.layers[layer]
+        return t["kmin"], t["kmax"], t.get("kscale")
+
+    @property
     def one_tensor(self) -> bool:
         """The per-layer layout: every layer indexes the same tensors."""
         return len(self.layers) > 1 and self.layers[0] is self.layers[1]
@@ -111,6 +124,7 @@ def store_kind(
     """The store kind for ``method`` over a ``kv_cache_dtype`` store (``auto``: the model dtype)."""
     h, d = cfg.num_key_value_heads, cfg.head_dim
     summaries = method is not None and method.storage.kind is MethodStore.PAGED_WITH_SUMMARIES
+    summary_dtype = method.storage.summary_dtype if summaries else MODEL_DTYPE
     if method is not None and method.storage.kind is MethodStore.HEAD_MAJOR and cfg.mla is None:
         if kv_cache_dtype != "auto":
             raise ValueError(f"{method.name} keeps a head-major store in the model dtype, not {kv_cache_dtype!r}")
@@ -123,21 +137,25 @@ def store_kind(
             )
         if kv_cache_dtype != "auto":
             raise ValueError(f"MLA models keep a latent store in the model dtype, not {kv_cache_dtype!r}")
-        return latent_paged(block_size, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim, summaries=summaries)
+        rope = cfg.mla.qk_rope_head_dim
+        return latent_paged(block_size, cfg.mla.kv_lora_rank, rope, summaries=summaries, summary_dtype=summary_dtype)
     if kv_cache_dtype == "auto":
-        return paged(block_size, h, d, summaries=summaries)
+        return paged(block_size, h, d, summaries=summaries, summary_dtype=summary_dtype)
     if summaries and kv_cache_dtype == "kivi":
         raise ValueError(
             f"{method.name} keeps block summaries; it runs over kv_cache_dtype fp8 or turboquant, not over a kivi "
             "store yet (KIVI's decode reads dense lists only)"
         )
     if kv_cache_dtype == "fp8":
-        return quantized_paged("fp8", 8, block_size, h, d, summaries=summaries)
+        return quantized_paged("fp8", 8, block_size, h, d, summaries=summaries, summary_dtype=summary_dtype)
     if kv_cache_dtype == "kivi":
         return quantized_paged("kivi", kivi_bits or 4, block_size, h, d)
     if kv_cache_dtype == "turboquant":
         seed = turboquant_seed or 0
-        return quantized_paged("turboquant", turboquant_bits or 4, block_size, h, d, seed=seed, summaries=summaries)
+        bits = turboquant_bits or 4
+        return quantized_paged(
+            "turboquant", bits, block_size, h, d, seed=seed, summaries=summaries, summary_dtype=summary_dtype
+        )
     raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}")
 
 
@@ -198,7 +216,7 @@ def allocate_kv_pool(
             "rotation": turboquant_rotation(store.head_dim, store.seed).to(device),
             "codebook": lloyd_max_codebook(store.bits).to(device),
         }
-    summaries = ("kmin", "kmax")  # beside the codes: the pool's, not QuantizedKV's
+    summaries = ("kmin", "kmax", "kscale")  # beside the codes: the pool's, not QuantizedKV's
     quantized = tuple(
         QuantizedKV(
             store.scheme,

@@ -50,14 +50,16 @@ class LatentPagedAttention:
         num_heads: int,
         latent_dim: int,
         block_size: int,
-        summaries: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None,
+        summaries: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]
+        | None = None,
         method: SparseMethod | None = None,
         group_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
         capacities: tuple[int | None, int | None, int | None] = (None, None, None),
         sm_scale: float = 1.0,
     ):
-        """``summaries``: per layer the blocks' min and max rows ``[num_blocks, 1, latent + rope]`` (a
-        store with summaries); ``method``: asked which pages a selecting layer's decode rows read;
+        """``summaries``: per layer the blocks' min and max rows ``[num_blocks, 1, latent + rope]`` and,
+        for int8 codes, their scales ``[num_blocks, 1]`` (else None) (a store with summaries); ``method``:
+        asked which pages a selecting layer's decode rows read;
         ``group_queries``: under tensor parallelism, this rank's query heads -> every head of the latent
         head's group (the method selects from all of them, so every rank reads the same pages);
         ``capacities``: ``(max_num_tokens, max_batch_size, max_num_pages)`` of the fixed buffers the
@@ -157,21 +159,28 @@ class LatentPagedAttention:
         """Store ``rows [T, 1, D]`` and attend ``q [T, H, D]``; returns ``[T, H, latent_dim]``."""
         cache, slots = self.latent[layer_idx], self._slots[group_idx]
         store_latent(rows, cache, slots)
-        kmin = kmax = None
-        if self.summaries is not None:
-            kmin, kmax = self.summaries[0][layer_idx], self.summaries[1][layer_idx]
+        kmin, kmax, kscale = self._summary(layer_idx)
+        if kmin is not None:
             if self._meta.num_prefill_requests == 0:  # one new row per request, each in its own block
-                update_block_summaries(cache, slots, kmin, kmax)
+                update_block_summaries(cache, slots, kmin, kmax, scale=kscale)
             else:
-                block_summary(cache, *self._written[group_idx], kmin, kmax)
+                block_summary(cache, *self._written[group_idx], kmin, kmax, scale=kscale)
         sel = self.selective
         if sel.batched and self.method.layer_plan(layer_idx).selects_decode:  # picked on the device, no host sync
             select_q = q if self.group_queries is None else self.group_queries(q)
             out = q.new_empty(q.shape[0], q.shape[1], self.latent_dim)
-            return sel.run_batched(self.method, layer_idx, q, cache, cache, kmin, kmax, out, select_q=select_q)
+            args = (self.method, layer_idx, q, cache, cache, kmin, kmax, out)
+            return sel.run_batched(*args, select_q=select_q, kscale=kscale)
         planned = sel.batched or sel.reads_all  # a decode-only step of the batched path: nothing left to pick
         plan = None if planned else self._selected_plan(layer_idx, group_idx, q)
         return latent_attention(q, cache, plan or self._plans[group_idx])
+
+    def _summary(self, layer_idx: int) -> tuple:
+        """``(kmin, kmax, scale)`` of the layer (scale None in the model dtype; all None without summaries)."""
+        if self.summaries is None:
+            return None, None, None
+        kmin, kmax, kscale = self.summaries
+        return kmin[layer_idx], kmax[layer_idx], None if kscale is None else kscale[layer_idx]
 
     def _selected_plan(self, layer_idx: int, group_idx: int, q: torch.Tensor) -> LatentPlan | None:
         """The group's plan with the selecting decode rows reading only their chosen pages; None when
@@ -198,6 +207,7 @@ class LatentPagedAttention:
             block_size=bs,
             page_min=self.summaries[0][layer_idx],
             page_max=self.summaries[1][layer_idx],
+            page_scale=self._summary(layer_idx)[2],
             sm_scale=self._sm_scale,
         )
         chosen = dict(zip(rows, method.select_decode(layer_idx, batch)[:, 0].cpu(), strict=True))  # one KV head

@@ -194,10 +194,12 @@ class ModelRunner:
         if self.kv.quantized is not None:
             randomize_quantized(self.kv, g)
             if self.kv.kmin is not None:  # summaries of the noise's dequantized keys, a few thousand blocks at a time
-                for kv, kmin, kmax in zip(self.kv.quantized, self.kv.kmin, self.kv.kmax, strict=True):
+                for layer, kv in enumerate(self.kv.quantized):
+                    kmin, kmax, kscale = self.kv.summary(layer)
                     for start in range(0, self.kv.num_blocks, 4096):
                         ids = torch.arange(start, min(start + 4096, self.kv.num_blocks), device=self.device)
-                        quantized_block_summary(kv, ids, torch.full_like(ids, self.block_size), kmin, kmax)
+                        full = torch.full_like(ids, self.block_size)
+                        quantized_block_summary(kv, ids, full, kmin, kmax, scale=kscale)
             return
         layers = self.kv.layers[:1] if self.kv.one_tensor else self.kv.layers
         for layer in layers:
@@ -207,7 +209,8 @@ class ModelRunner:
             blocks = torch.arange(self.kv.num_blocks, dtype=torch.int32, device=self.device)
             full = torch.full_like(blocks, self.block_size)
             for layer in layers:  # a latent store summarizes its rows (latent + rope)
-                block_summary(layer["kv" if self.kv.store.latent else "k"], blocks, full, layer["kmin"], layer["kmax"])
+                keys = layer["kv" if self.kv.store.latent else "k"]
+                block_summary(keys, blocks, full, layer["kmin"], layer["kmax"], scale=layer.get("kscale"))
 
     @torch.inference_mode()
     def clear_block(self, block_id: int) -> None:
@@ -399,6 +402,8 @@ def randomize_quantized(pool, g: torch.Generator) -> None:
     to speed, but every code must decode to a finite number)."""
     for layer in pool.layers:
         for name, t in layer.items():
+            if name in ("kmin", "kmax", "kscale"):
+                continue  # the summaries: recomputed from the noise's keys afterwards
             if t.dtype == torch.float8_e4m3fn:
                 t.copy_(torch.randn(t.shape, generator=g, device=t.device).to(t.dtype))
             elif t.dtype == torch.int32:

@@ -191,7 +191,7 @@ class PagedAttention:
                 num_heads=num_q_heads,
                 latent_dim=pool.store.latent_dim,
                 block_size=block_size,
-                summaries=None if pool.kmin is None else (pool.kmin, pool.kmax),
+                summaries=None if pool.kmin is None else (pool.kmin, pool.kmax, pool.kscale),
                 method=method,
                 group_queries=group_queries,
                 capacities=(max_num_tokens, max_batch_size, max_num_pages),
@@ -313,13 +313,14 @@ class PagedAttention:
         ring_copy = self._ring_copy(layer_idx, q, window)
         store_kv(k, v, k_cache, v_cache, plan.slot_mapping, **ring_copy)
         group = meta.groups[group_idx]
-        if self.pool.kmin is not None:
-            kmin, kmax = self.pool.kmin[layer_idx], self.pool.kmax[layer_idx]
+        summary = self.pool.summary(layer_idx)
+        if summary is not None:
+            kmin, kmax, kscale = summary
             if self._touched is None:
-                update_block_summaries(k_cache, plan.slot_mapping, kmin, kmax)
+                update_block_summaries(k_cache, plan.slot_mapping, kmin, kmax, scale=kscale)
             else:
                 blocks, valid = self._touched[group_idx]
-                block_summary(k_cache, blocks, valid, kmin, kmax)
+                block_summary(k_cache, blocks, valid, kmin, kmax, scale=kscale)
         nd = meta.num_decode_tokens
         has_prefill = meta.num_prefill_requests > 0
         method = self.method if window is None else None  # sparse methods act on full-attention layers only
@@ -335,16 +336,16 @@ class PagedAttention:
             out = torch.empty_like(q)  # both kernels write their rows in place: no concatenation copy
             if select_decode:
                 selective = self._selectives[group_idx]
-                summaries = self.pool.kmin is not None
-                kmin = self.pool.kmin[layer_idx] if summaries else None
-                kmax = self.pool.kmax[layer_idx] if summaries else None
+                kmin, kmax, kscale = summary or (None, None, None)
                 if selective.reads_all:  # no row selects this step: the dense plan
                     plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd])
                 else:
                     # Tensor parallelism: the method sees the query heads of this rank's KV groups.
                     extra = {} if self.group_queries is None else {"select_q": self.group_queries(q[:nd])}
                     args = (method, layer_idx, q[:nd], k_cache, v_cache, kmin, kmax, out[:nd])
-                    selective.run_batched(*args, dense=plan.decode, **extra)  # picked on the device, no host sync
+                    selective.run_batched(
+                        *args, dense=plan.decode, kscale=kscale, **extra
+                    )  # picked on the device, no host sync
             elif nd:
                 plan.decode.run(q[:nd], k_cache, v_cache, out=out[:nd], scores_out=scores)
             if select_prefill:
@@ -405,9 +406,9 @@ class PagedAttention:
         store_kv_quantized(
             k, v, kv, plan.slot_mapping, plan.tail_index, one_row_per_request=decode_only, static_scales=static
         )
-        kmin = kmax = None
-        if self.pool.kmin is not None:  # page summaries of the dequantized keys (a selection reads them)
-            kmin, kmax = self.pool.kmin[layer_idx], self.pool.kmax[layer_idx]
+        summary = self.pool.summary(layer_idx)
+        kmin, kmax, kscale = summary or (None, None, None)
+        if summary is not None:  # page summaries of the dequantized keys (a selection reads them)
             g = meta.layer_group[layer_idx]
             if self._touched is not None:  # prefill chunks: the blocks the step writes (host-built)
                 blocks, valid = self._touched[g]
@@ -417,7 +418,7 @@ class PagedAttention:
                     slots, bs = plan.slot_mapping.to(torch.int64), self.block_size
                     self._slot_blocks[g] = (slots.clamp(min=0) // bs, torch.where(slots >= 0, slots % bs + 1, 0))
                 blocks, valid = self._slot_blocks[g]
-            quantized_block_summary(kv, blocks, valid, kmin, kmax)
+            quantized_block_summary(kv, blocks, valid, kmin, kmax, scale=kscale)
         nd = meta.num_decode_tokens
         layer = DENSE_LAYER if self.method is None else self.method.layer_plan(layer_idx)
         select_decode = nd > 0 and layer.selects_decode
@@ -429,7 +430,7 @@ class PagedAttention:
             if selective is not None and not selective.reads_all:
                 extra = {} if self.group_queries is None else {"select_q": self.group_queries(q[:nd])}
                 args = (self.method, layer_idx, q[:nd], None, None, kmin, kmax, out[:nd])
-                selective.run_batched(*args, dense=plan.decode, kv=kv, **extra)
+                selective.run_batched(*args, dense=plan.decode, kv=kv, kscale=kscale, **extra)
             elif nd:
                 plan.decode.run_quantized(q[:nd], kv, out=out[:nd])
             if not decode_only:

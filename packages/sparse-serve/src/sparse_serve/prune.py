@@ -266,7 +266,7 @@ def _copy_slots(engine: LLMEngine, copies: list[tuple[int, int]]) -> None:
     dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
     for layer in kv.layers:
         for name, cache in layer.items():  # per-token tensors: K/V, or codes and their per-token scales
-            if name not in ("kmin", "kmax"):
+            if name not in ("kmin", "kmax", "kscale"):
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[dst] = flat[src]
     if kv.kmin is not None:
@@ -275,4 +275,5 @@ def _copy_slots(engine: LLMEngine, copies: list[tuple[int, int]]) -> None:
         ids = torch.tensor(list(filled), dtype=torch.int64, device=device)
         valid = torch.tensor(list(filled.values()), dtype=torch.int64, device=device)
         for layer in range(len(kv.k)):
-            block_summary(kv.k[layer], ids, valid, kv.kmin[layer], kv.kmax[layer])
+            kmin, kmax, kscale = kv.summary(layer)
+            block_summary(kv.k[layer], ids, valid, kmin, kmax, scale=kscale)

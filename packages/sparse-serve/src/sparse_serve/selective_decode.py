@@ -229,7 +229,7 @@ class SelectiveDecode:
         return (st.size, st.unit, st.max_pages, *buffers)
 
     def run_batched(
-        self, method, layer, q, k_cache, v_cache, kmin, kmax, out, dense=None, select_q=None, kv=None
+        self, method, layer, q, k_cache, v_cache, kmin, kmax, out, dense=None, select_q=None, kv=None, kscale=None
     ) -> torch.Tensor:
         """The batched path for one layer: pick on the device, write into the plan, attend.
 
@@ -238,7 +238,8 @@ class SelectiveDecode:
         queries the method sees, when not ``q`` (tensor parallelism: its KV groups' query heads).
         ``kv``: a per-token quantized store's layer (``k_cache`` / ``v_cache`` None): the selected entries
         are read from its codes. Only selections from page summaries run over it (no keys: the engine
-        refuses others at start-up, ``model_runner._check_method_over_store``; no extra state)."""
+        refuses others at start-up, ``model_runner._check_method_over_store``; no extra state). ``kscale``:
+        the summaries' scales when ``kmin`` / ``kmax`` are int8 codes."""
         select_q = q if select_q is None else select_q
         st = self._batched
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
@@ -256,6 +257,7 @@ class SelectiveDecode:
             block_size=bs,
             page_min=kmin,
             page_max=kmax,
+            page_scale=kscale,
             key_cache=k_cache if plan.decode_keys else None,
             sm_scale=self.sm_scale,
             page_counts=st.num_pages,

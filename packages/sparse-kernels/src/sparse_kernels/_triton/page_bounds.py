@@ -18,14 +18,18 @@ import triton.language as tl
 from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
 from sparse_kernels._triton.stream_split import items_per_program
 
-# Pages per loop step and launch shape (benchmarks/quest_select_probe.py sweeps these).
-CONFIG = {"BLOCK_P": 64, "num_warps": 4, "num_stages": 3}
+# Pages per loop step and launch shape, for model-dtype summaries and for int8 codes
+# (benchmarks/quest_select_probe.py sweeps these; session 15 on the H200: 2 warps over 4, 86 -> 91% of copy
+# bandwidth for bf16, 50 -> 72% for codes, whose conversion to the dot's dtype is the work that bounds them).
+CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3}
+CODES_CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3}
 
 
 def _page_bounds_kernel(
     q_ptr,
     kmin_ptr,
     kmax_ptr,
+    scale_ptr,
     table_ptr,
     start_ptr,
     num_pages_ptr,
@@ -44,6 +48,7 @@ def _page_bounds_kernel(
     BLOCK_P: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -75,6 +80,8 @@ def _page_bounds_kernel(
         low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
         s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
         s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P, BLOCK_G]
+        if HAS_SCALE:  # int8 codes: the page's bound is its head's scale times the codes' bound
+            s = s * tl.load(scale_ptr + ids * NUM_KV_HEADS + h, mask=valid, other=0.0)[:, None]
         best = tl.max(tl.where(offs_g[None, :] < GROUP, s, float("-inf")), axis=1)
         forced = (pages < sink) | (pages >= num_pages - recent)
         best = tl.where(forced, float("inf"), best)
@@ -87,7 +94,7 @@ page_bounds_kernel = Kernel(_page_bounds_kernel)
 
 
 def page_bounds_triton(
-    q, kmin, kmax, table_indices, table_start, num_pages, out, sink: int, recent: int
+    q, kmin, kmax, table_indices, table_start, num_pages, out, sink: int, recent: int, scale=None
 ) -> torch.Tensor:
     """Inputs already validated by ``sparse_kernels.page_bounds``; ``out`` must be contiguous."""
     batch, num_qo_heads, head_dim = q.shape
@@ -98,14 +105,18 @@ def page_bounds_triton(
     if not (kmin.is_contiguous() and kmax.is_contiguous()):
         raise ValueError("kmin and kmax must be contiguous")
     group = num_qo_heads // num_kv_heads
-    block_p = CONFIG["BLOCK_P"]
+    coded = scale is not None
+    config = CODES_CONFIG if coded else CONFIG
+    block_p = config["BLOCK_P"]
     chunk = items_per_program(batch * num_kv_heads, max_pages, block_p)
-    # 16-bit dots when the query and the summaries share a 16-bit dtype, fp32 otherwise.
-    dots = dot_args(kmin.dtype if q.dtype == kmin.dtype == kmax.dtype else torch.float32, q.device)
+    # 16-bit dots when the query and the summaries share a 16-bit dtype (int8 codes are exact in the
+    # query's), fp32 otherwise.
+    dots = dot_args(q.dtype if coded or q.dtype == kmin.dtype == kmax.dtype else torch.float32, q.device)
     page_bounds_kernel[(batch, num_kv_heads, triton.cdiv(max_pages, chunk))](
         q,
         kmin,
         kmax,
+        scale if coded else kmin,
         table_indices,
         table_start,
         num_pages,
@@ -122,8 +133,9 @@ def page_bounds_triton(
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs N >= 16
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_P=block_p,
-        num_warps=CONFIG["num_warps"],
-        num_stages=CONFIG["num_stages"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+        HAS_SCALE=coded,
         **dots,
         **pdl_args(q.device),
     )

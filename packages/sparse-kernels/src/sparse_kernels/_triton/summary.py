@@ -1,4 +1,5 @@
-"""Triton ``block_summary``: one program per (listed block, KV head) reduces the block's valid keys."""
+"""Triton ``block_summary``: one program per (listed block, KV head) reduces the block's valid keys (and,
+with a scale, writes them as ``summary_codes``' outward-rounded int8 codes)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,24 @@ def _block_summary_kernel(
     valid_ptr,
     kmin_ptr,
     kmax_ptr,
+    scale_ptr,
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    FROM_SLOTS: tl.constexpr,
 ):
     i = tl.program_id(0)
     h = tl.program_id(1)
-    block = tl.load(ids_ptr + i).to(tl.int64)
-    n = tl.load(valid_ptr + i)
+    if FROM_SLOTS:  # ids are a decode step's slots: the block through the written token (-1: a padding row)
+        written = tl.load(ids_ptr + i).to(tl.int64)
+        block = tl.maximum(written, 0) // BLOCK_SIZE
+        n = tl.where(written >= 0, written % BLOCK_SIZE + 1, 0)
+    else:
+        block = tl.load(ids_ptr + i).to(tl.int64)
+        n = tl.load(valid_ptr + i).to(tl.int64)
     if n > 0:
         offs_t = tl.arange(0, BLOCK_T)
         offs_d = tl.arange(0, BLOCK_D)
@@ -35,18 +44,40 @@ def _block_summary_kernel(
         k_min = tl.min(tl.where(mask, k, float("inf")), 0)
         k_max = tl.max(tl.where(mask, k, float("-inf")), 0)
         dst = (block * NUM_KV_HEADS + h) * HEAD_DIM + offs_d
+        mask_d = offs_d < HEAD_DIM
+        if HAS_SCALE:
+            k_min, k_max = encode_codes(k_min, k_max, mask_d, scale_ptr + block * NUM_KV_HEADS + h)
         # Min and max are existing key values, so narrowing back to the cache dtype is exact.
-        tl.store(kmin_ptr + dst, k_min.to(kmin_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-        tl.store(kmax_ptr + dst, k_max.to(kmax_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        tl.store(kmin_ptr + dst, k_min.to(kmin_ptr.dtype.element_ty), mask=mask_d)
+        tl.store(kmax_ptr + dst, k_max.to(kmax_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def encode_codes(lo, hi, mask_d, scale_ptr):
+    """``summary_codes.encode_summary`` of one head's float32 ``lo`` / ``hi`` rows: stores the scale at
+    ``scale_ptr`` and returns the outward-rounded codes (as float32 integers in [-127, 127])."""
+    amax = tl.max(tl.where(mask_d, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0), 0)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
+    tl.store(scale_ptr, scale)
+    lo = tl.minimum(tl.maximum(tl.math.floor(tl.math.div_rn(lo, scale)), -127.0), 127.0)
+    hi = tl.minimum(tl.maximum(tl.math.ceil(tl.math.div_rn(hi, scale)), -127.0), 127.0)
+    return lo, hi
 
 
 block_summary_kernel = Kernel(_block_summary_kernel)
 
 
 def block_summary_triton(
-    k_cache: torch.Tensor, block_ids: torch.Tensor, num_valid: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
+    k_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    from_slots: bool = False,
 ) -> None:
-    """Inputs already validated by ``sparse_kernels.block_summary``."""
+    """Inputs already validated by ``sparse_kernels.block_summary`` (``from_slots``: ``block_ids`` is a
+    decode step's slot mapping, ``num_valid`` unused; ``update_block_summaries``)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     block_summary_kernel[(block_ids.numel(), num_kv_heads)](
         k_cache,
@@ -54,10 +85,13 @@ def block_summary_triton(
         num_valid,
         kmin,
         kmax,
+        kmin if scale is None else scale,
         BLOCK_SIZE=block_size,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_T=max(2, triton.next_power_of_2(block_size)),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        HAS_SCALE=scale is not None,
+        FROM_SLOTS=from_slots,
         num_warps=2,
     )

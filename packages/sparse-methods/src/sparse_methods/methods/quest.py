@@ -3,7 +3,8 @@ cache); at each decode step and layer, the query bounds each page's best possibl
 page's elementwise key min/max (``select_decode``) and attends only to the sink pages, the best
 ``decode_keep_tokens / quest_chunk_size`` pages and the recent pages (the newest always among them).
 
-Summaries live in the engine's ``paged + block summaries`` store, updated whenever a block is
+Summaries live in the engine's ``paged + block summaries`` store (int8 codes rounded outward with a
+scale per page and KV head by default, ``quest_summary_dtype``), updated whenever a block is
 written (prefill chunks and decode steps) and kept with the block, so prefix-cache hits reuse
 them. The first ``quest_skip_layers`` layers and contexts within the budget stay dense. GQA: a KV
 head's bound is the maximum over its query heads, so one page list serves the whole group.
@@ -12,6 +13,7 @@ head's bound is the maximum over its query heads, so one page list serves the wh
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -25,6 +27,7 @@ from sparse_methods.base import (
     LayerPlan,
     MemoryPlan,
     MethodConfig,
+    ModelShape,
     PrefixCacheMode,
     SparseMethod,
     Storage,
@@ -40,6 +43,11 @@ class QuestConfig(MethodConfig):
     recent_keep_tokens: int = Field(512, ge=1, description="Most recent tokens always read (rounded up to pages).")
     quest_chunk_size: int = Field(16, ge=1, description="Tokens per summarized page (must equal block_size).")
     quest_skip_layers: int = Field(2, ge=0, description="First layers that always read every page.")
+    quest_summary_dtype: Literal["int8", "model"] = Field(
+        "int8",
+        description="Page summaries' storage: int8 codes rounded outward with a scale per (page, KV head), half "
+        "the bytes each step's bounds read and still upper bounds, or the model dtype (exact min / max).",
+    )
 
 
 _SELECT_PAGES = LayerPlan(DecodeRead.SELECTED)
@@ -56,6 +64,10 @@ class Quest(SparseMethod):
     # bounds over the whole query group.
     supports = frozenset(Support)
     Config = QuestConfig
+
+    def __init__(self, config: QuestConfig, shape: ModelShape) -> None:
+        super().__init__(config, shape)
+        self.storage = Storage(StoreKind.PAGED_WITH_SUMMARIES, summary_dtype=config.quest_summary_dtype)
 
     @property
     def budget(self) -> int:
@@ -106,5 +118,6 @@ class Quest(SparseMethod):
             bounds,
             sink=sink,
             recent=recent,
+            scale=batch.page_scale,
         )
         return k.top_k_ascending(bounds, min(sink + keep + recent, batch.max_pages))

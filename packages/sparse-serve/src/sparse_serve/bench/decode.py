@@ -99,7 +99,7 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
     """(KV slots all layers of all running requests read this step, running requests).
 
     A layer where the method selects what a decode query reads counts the selected pages (and,
-    with block summaries, one slot-equivalent per page for its min/max keys) instead of every slot.
+    with block summaries, each page's min / max keys in slot-equivalents, ``_summary_slots``) instead of every slot.
     Layers that read everything (``DecodeRead.ALL``) are summed directly: this runs between timed steps,
     so it must stay cheap (``_step_kv_tokens_reference``).
     """
@@ -108,7 +108,7 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
         return 0, 0
     heads = engine.kv.layout.heads  # head-major: the lengths are per lane, a slot one head's
     method, bs = engine.method, engine.config.block_size
-    summaries = getattr(engine.runner.kv, "kmin", None) is not None
+    summaries = _summary_slots(engine)
     layers = range(len(running[0].kv_lens))
     special = [layer for layer in layers if method.layer_plan(layer).selects_decode]
     total = 0
@@ -117,22 +117,35 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
         for layer in special:  # ... except those that select (or count their reads themselves)
             n = r.kv_lens[layer] + 1
             read = method.decode_read_tokens(layer, n, bs)
-            total += read - n + (-(-n // bs) if summaries and read < n else 0)
+            total += read - n + (-(-n // bs) * summaries if read < n else 0)
     return -(-total // heads), len(running)
+
+
+def _summary_slots(engine: LLMEngine) -> float:
+    """Slots' worth of bytes one block's key summaries take (0 without summaries; 1 for model-dtype min /
+    max over a model-dtype store, about 0.51 for int8 codes with their scales)."""
+    store = getattr(engine.runner.kv, "store", None)
+    if store is None or not store.summaries:
+        return 0
+    itemsize = engine.runner.dtype.itemsize
+    summary = sum(t.nbytes(itemsize) for t in store.block_tensors if t.name in ("kmin", "kmax", "kscale"))
+    slot = (store.bytes_per_block(itemsize) - summary) / store.block_size
+    ratio = summary / slot
+    return int(ratio) if ratio == int(ratio) else ratio
 
 
 def _step_kv_tokens_reference(engine: LLMEngine) -> tuple[int, int]:
     """``_step_kv_tokens`` layer by layer through the method (tests hold them equal)."""
     running = engine.scheduler.running
     method, bs = engine.method, engine.config.block_size
-    summaries = getattr(engine.runner.kv, "kmin", None) is not None
+    summaries = _summary_slots(engine)
     heads = engine.kv.layout.heads  # head-major: per lane, each lane a layer's head
     total = 0
     for r in running:
         for lane, kv_len in enumerate(r.kv_lens):
             n = kv_len + 1
             read = method.decode_read_tokens(lane // heads, n, bs)
-            total += read + (-(-n // bs) if summaries and read < n else 0)
+            total += read + (-(-n // bs) * summaries if read < n else 0)
     return -(-total // heads), len(running)
 
 
