@@ -20,6 +20,7 @@ from sparse_cache.pruning import PrunePlan, PruneRange, check_ranges, plan_prune
 from sparse_cache.store_kind import (
     MODEL_DTYPE,
     SUMMARY_CODES,
+    SUMMARY_TENSORS,
     StoreKind,
     TensorSpec,
     head_major_paged,
@@ -46,6 +47,7 @@ __all__ = [
     "KVCacheManager",
     "MODEL_DTYPE",
     "SUMMARY_CODES",
+    "SUMMARY_TENSORS",
     "LayerLayout",
     "LayerTables",
     "RequestTables",

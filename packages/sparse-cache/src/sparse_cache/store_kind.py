@@ -34,6 +34,7 @@ HEAD_MAJOR_PAGED = "head-major paged"
 
 QUANT_SCHEMES = {"fp8": (8,), "kivi": (2, 4), "turboquant": (2, 3, 4)}
 SUMMARY_CODES = "int8"  # block summaries as int8 codes with a float32 scale per (block, KV head)
+SUMMARY_TENSORS = ("kmin", "kmax", "kscale")  # the block tensors that summarize keys (kscale: codes only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +105,10 @@ class StoreKind:
     def bytes_per_block(self, model_itemsize: int) -> int:
         """Bytes one pool block takes in one layer."""
         return sum(t.nbytes(model_itemsize) for t in self.block_tensors)
+
+    def summary_bytes(self, model_itemsize: int) -> int:
+        """Bytes one pool block's key summaries take in one layer (0 without summaries)."""
+        return sum(t.nbytes(model_itemsize) for t in self.block_tensors if t.name in SUMMARY_TENSORS)
 
     def bytes_per_token(self, model_itemsize: int) -> float:
         """Bytes one cached token costs in one layer (its block's bytes over the block's tokens)."""

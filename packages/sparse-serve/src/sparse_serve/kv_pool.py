@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_cache import MODEL_DTYPE, StoreKind, head_major_paged, latent_paged, paged, quantized_paged
+from sparse_cache import MODEL_DTYPE, SUMMARY_TENSORS, StoreKind, head_major_paged, latent_paged, paged, quantized_paged
 from sparse_kernels.kv_quant import lloyd_max_codebook, turboquant_rotation
 from sparse_kernels.quantized_kv import QuantizedKV
 from sparse_methods import SparseMethod, Support, get_method_class, method_names
@@ -216,14 +216,13 @@ def allocate_kv_pool(
             "rotation": turboquant_rotation(store.head_dim, store.seed).to(device),
             "codebook": lloyd_max_codebook(store.bits).to(device),
         }
-    summaries = ("kmin", "kmax", "kscale")  # beside the codes: the pool's, not QuantizedKV's
     quantized = tuple(
         QuantizedKV(
             store.scheme,
             store.bits,
             store.head_dim,
             group=store.group,
-            **{name: t for name, t in layer.items() if name not in summaries},
+            **{name: t for name, t in layer.items() if name not in SUMMARY_TENSORS},  # the pool's, not QuantizedKV's
             **tail,
             **extra,
         )

@@ -50,16 +50,15 @@ class LatentPagedAttention:
         num_heads: int,
         latent_dim: int,
         block_size: int,
-        summaries: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]
-        | None = None,
+        summary: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] | None = None,
         method: SparseMethod | None = None,
         group_queries: Callable[[torch.Tensor], torch.Tensor] | None = None,
         capacities: tuple[int | None, int | None, int | None] = (None, None, None),
         sm_scale: float = 1.0,
     ):
-        """``summaries``: per layer the blocks' min and max rows ``[num_blocks, 1, latent + rope]`` and,
-        for int8 codes, their scales ``[num_blocks, 1]`` (else None) (a store with summaries); ``method``:
-        asked which pages a selecting layer's decode rows read;
+        """``summary``: a store with summaries' ``KVPool.summary`` (layer -> the blocks' min and max rows
+        ``[num_blocks, 1, latent + rope]`` and, for int8 codes, their scales ``[num_blocks, 1]``, else None);
+        ``method``: asked which pages a selecting layer's decode rows read;
         ``group_queries``: under tensor parallelism, this rank's query heads -> every head of the latent
         head's group (the method selects from all of them, so every rank reads the same pages);
         ``capacities``: ``(max_num_tokens, max_batch_size, max_num_pages)`` of the fixed buffers the
@@ -71,12 +70,12 @@ class LatentPagedAttention:
         self.latent_dim = latent_dim
         self.rope_dim = latent[0].shape[-1] - latent_dim
         self.block_size = block_size
-        self.summaries = summaries
+        self.summary = summary
         self.method = method
         self.group_queries = group_queries
         plans = [] if method is None else [method.layer_plan(layer) for layer in range(len(latent))]
         if any(plan.selects_decode for plan in plans):
-            if summaries is None or any(plan.selects_decode and plan != _SELECT_PAGES for plan in plans):
+            if summary is None or any(plan.selects_decode and plan != _SELECT_PAGES for plan in plans):
                 raise ValueError(f"{method.name} selects latent pages on the device: it needs block summaries")
         max_tokens, max_batch_size, max_num_pages = capacities
         self._slot_buffer = torch.empty(max_tokens, dtype=torch.int32, device=self.device) if max_tokens else None
@@ -113,7 +112,7 @@ class LatentPagedAttention:
         ]
         self._plans = [self._plan_group(group, meta, first=i == 0) for i, group in enumerate(meta.groups)]
         decode_only = meta.num_prefill_requests == 0
-        if self.summaries is not None and not decode_only:
+        if self.summary is not None and not decode_only:
             self._written = [self._written_blocks(slots) for slots in self._slots]
         if method is not None and decode_only and len(meta.groups) == 1:  # the batched selection path
             self.selective.plan_step(method, meta, meta.groups[0], table=self._plans[0].kv_indices)
@@ -177,10 +176,7 @@ class LatentPagedAttention:
 
     def _summary(self, layer_idx: int) -> tuple:
         """``(kmin, kmax, scale)`` of the layer (scale None in the model dtype; all None without summaries)."""
-        if self.summaries is None:
-            return None, None, None
-        kmin, kmax, kscale = self.summaries
-        return kmin[layer_idx], kmax[layer_idx], None if kscale is None else kscale[layer_idx]
+        return (None, None, None) if self.summary is None else self.summary(layer_idx)
 
     def _selected_plan(self, layer_idx: int, group_idx: int, q: torch.Tensor) -> LatentPlan | None:
         """The group's plan with the selecting decode rows reading only their chosen pages; None when
@@ -198,6 +194,7 @@ class LatentPagedAttention:
             return None
         dev = self.device
         select_q = q[:nd] if self.group_queries is None else self.group_queries(q[:nd])
+        kmin, kmax, kscale = self._summary(layer_idx)
         batch = DecodeBatch(
             query=select_q[rows],
             kv_lens=torch.tensor([kv_lens[i] for i in rows], dtype=torch.long, device=dev),
@@ -205,9 +202,9 @@ class LatentPagedAttention:
             table_start=torch.tensor([int(indptr[i]) for i in rows], dtype=torch.long, device=dev),
             max_pages=max(pages[i] for i in rows),
             block_size=bs,
-            page_min=self.summaries[0][layer_idx],
-            page_max=self.summaries[1][layer_idx],
-            page_scale=self._summary(layer_idx)[2],
+            page_min=kmin,
+            page_max=kmax,
+            page_scale=kscale,
             sm_scale=self._sm_scale,
         )
         chosen = dict(zip(rows, method.select_decode(layer_idx, batch)[:, 0].cpu(), strict=True))  # one KV head

@@ -6,7 +6,7 @@ from collections.abc import Collection, Hashable
 
 import torch
 
-from sparse_cache import LayerLayout, TailRows
+from sparse_cache import SUMMARY_TENSORS, LayerLayout, TailRows
 from sparse_kernels import block_summary
 from sparse_kernels.block_summary import quantized_block_summary
 from sparse_methods import (
@@ -402,7 +402,7 @@ def randomize_quantized(pool, g: torch.Generator) -> None:
     to speed, but every code must decode to a finite number)."""
     for layer in pool.layers:
         for name, t in layer.items():
-            if name in ("kmin", "kmax", "kscale"):
+            if name in SUMMARY_TENSORS:
                 continue  # the summaries: recomputed from the noise's keys afterwards
             if t.dtype == torch.float8_e4m3fn:
                 t.copy_(torch.randn(t.shape, generator=g, device=t.device).to(t.dtype))

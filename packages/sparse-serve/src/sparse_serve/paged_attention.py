@@ -191,7 +191,7 @@ class PagedAttention:
                 num_heads=num_q_heads,
                 latent_dim=pool.store.latent_dim,
                 block_size=block_size,
-                summaries=None if pool.kmin is None else (pool.kmin, pool.kmax, pool.kscale),
+                summary=pool.summary if pool.store.summaries else None,
                 method=method,
                 group_queries=group_queries,
                 capacities=(max_num_tokens, max_batch_size, max_num_pages),

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparse_cache import PrefixMatch, PruneRange, check_ranges, plan_prune
+from sparse_cache import SUMMARY_TENSORS, PrefixMatch, PruneRange, check_ranges, plan_prune
 from sparse_kernels import block_summary
 from sparse_methods import LayerAttention, ModelShape, PrefixCacheMode, RequestStep
 from sparse_methods.scoring import causal_probabilities, pool_scores
@@ -266,7 +266,7 @@ def _copy_slots(engine: LLMEngine, copies: list[tuple[int, int]]) -> None:
     dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
     for layer in kv.layers:
         for name, cache in layer.items():  # per-token tensors: K/V, or codes and their per-token scales
-            if name not in ("kmin", "kmax", "kscale"):
+            if name not in SUMMARY_TENSORS:
                 flat = cache.view(-1, *cache.shape[2:])
                 flat[dst] = flat[src]
     if kv.kmin is not None:

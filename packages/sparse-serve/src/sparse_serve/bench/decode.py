@@ -128,7 +128,7 @@ def _summary_slots(engine: LLMEngine) -> float:
     if store is None or not store.summaries:
         return 0
     itemsize = engine.runner.dtype.itemsize
-    summary = sum(t.nbytes(itemsize) for t in store.block_tensors if t.name in ("kmin", "kmax", "kscale"))
+    summary = store.summary_bytes(itemsize)
     slot = (store.bytes_per_block(itemsize) - summary) / store.block_size
     ratio = summary / slot
     return int(ratio) if ratio == int(ratio) else ratio
