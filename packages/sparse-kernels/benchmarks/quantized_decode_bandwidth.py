@@ -100,7 +100,11 @@ def time_decode(layers, csr, q, backend: str = "triton"):
         return None, outs[0].clone(), 0
     graph = capture(step)
     ms = median_ms(graph.replay) / len(layers)
-    return ms, outs[0].clone(), wrapper._num_splits
+    splits = wrapper._num_splits
+    if not isinstance(layers[0], tuple):  # the quantized launch's own count (KIVI's one-warp programs: more)
+        config = qlaunch.KIVI_DECODE_CONFIG if layers[0].scheme == "kivi" else qlaunch.QUANT_DECODE_CONFIG
+        splits = wrapper._buffers.num_splits(q.shape[0], HKV, True, config["num_warps"])
+    return ms, outs[0].clone(), splits
 
 
 def variants(scheme: str, bits: int) -> list[dict]:
@@ -126,7 +130,7 @@ def apply(cfg: dict, scheme: str) -> None:
     if "UNPACK_WORDS" in cfg:
         qlaunch.QUANT_DECODE_CONFIG["UNPACK_WORDS"] = cfg["UNPACK_WORDS"]
     if "per_sm" in cfg:
-        buffers.QUANTIZED_PROGRAMS_PER_SM = cfg["per_sm"]
+        buffers.QUANTIZED_WARPS_PER_SM = cfg["per_sm"] * 4  # programs of the default 4 warps
 
 
 def main() -> None:
@@ -150,12 +154,12 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth() if DEVICE == "cuda" else 1e12
     emit({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "copy_tb_s": copy_bw / 1e12})
-    defaults = (dict(qlaunch.QUANT_DECODE_CONFIG), dict(qlaunch.KIVI_DECODE_CONFIG), buffers.QUANTIZED_PROGRAMS_PER_SM)
+    defaults = (dict(qlaunch.QUANT_DECODE_CONFIG), dict(qlaunch.KIVI_DECODE_CONFIG), buffers.QUANTIZED_WARPS_PER_SM)
 
     def restore():
         qlaunch.QUANT_DECODE_CONFIG.update(defaults[0])
         qlaunch.KIVI_DECODE_CONFIG.update(defaults[1])
-        buffers.QUANTIZED_PROGRAMS_PER_SM = defaults[2]
+        buffers.QUANTIZED_WARPS_PER_SM = defaults[2]
 
     table, sweep_jobs, sweep_rows = [], [], []
     for batch in [int(b) for b in args.batches.split(",")]:

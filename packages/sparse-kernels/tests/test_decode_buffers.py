@@ -68,6 +68,9 @@ def test_split_target_rises_once_the_lists_alone_cover_every_sm(monkeypatch):
     # fewer lists than SMs: 4 programs per SM for bf16 KV (capped at 64 splits); from 132 lists on: 32 per SM.
     assert splits == {1: 64, 40: 14, 131: 5, 132: 32, 728: 6}
     assert buffers.choose_num_splits(91, 8, cpu) == 6  # 728 lists of (request, KV head)
-    # quantized stores keep 8 per SM below the SM count; the same 32 above it
+    # quantized stores aim at 32 warps per SM below the SM count (8 four-warp programs, 32 one-warp ones,
+    # capped at 64 splits); the same 32 programs above it
     quantized = {lists: buffers.choose_num_splits(lists, 1, cpu, quantized=True) for lists in (1, 40, 131, 132)}
     assert quantized == {1: 64, 40: 27, 131: 9, 132: 32}
+    one_warp = {lists: buffers.choose_num_splits(lists, 1, cpu, True, 1) for lists in (1, 40, 131, 132)}
+    assert one_warp == {1: 64, 40: 64, 131: 33, 132: 32}

@@ -26,9 +26,11 @@ import torch
 # batch 1 reaches MAX_SPLITS at 4 or 8 alike); at batch 5 on an H200 (session 14, 40 lists) 4 beat 8 in
 # a whole decode step (128K: 27.42 -> 26.90 ms; 8K: 6.13 -> 6.05) and in the engine (dense 27.41 -> 27.10
 # ms, SnapKV-8192 over its whole 2K decode 6.33 -> 6.20, Quest-2048's median 8.07 -> 7.96). Quantized KV
-# keeps 8 (QUANTIZED_PROGRAMS_PER_SM: fp8 at batch 16 ran 1.80 ms per layer at 8, 1.93 at 4; session 5).
+# aims at QUANTIZED_WARPS_PER_SM resident warps: 8 programs of 4 warps (fp8 at batch 16 ran 1.80 ms per
+# layer at 8, 1.93 at 4; session 5), 32 of KIVI's one-warp programs (KIVI-4 at batch 16 x 128K, one
+# layer: 4.07 ms at 8 one-warp programs per SM, 2.82 at 32; session 16).
 PROGRAMS_PER_SM = 4
-QUANTIZED_PROGRAMS_PER_SM = 8
+QUANTIZED_WARPS_PER_SM = 32
 PROGRAMS_PER_SM_MANY_LISTS = 32
 MAX_SPLITS = 64
 
@@ -41,11 +43,14 @@ def num_sms(device: torch.device) -> int:
     return 2
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, device: torch.device, quantized: bool = False) -> int:
-    """Splits per list: a function of the batch size only (for a given model, GPU and KV store), so a
-    graph captured for one batch size replays for any step of that size."""
+def choose_num_splits(
+    batch: int, num_kv_heads: int, device: torch.device, quantized: bool = False, program_warps: int = 4
+) -> int:
+    """Splits per list: a function of the batch size only (for a given model, GPU, KV store and launch
+    config), so a graph captured for one batch size replays for any step of that size. ``quantized``:
+    the quantized kernel's programs of ``program_warps`` warps."""
     lists, sms = batch * num_kv_heads, num_sms(device)
-    few = QUANTIZED_PROGRAMS_PER_SM if quantized else PROGRAMS_PER_SM
+    few = max(1, QUANTIZED_WARPS_PER_SM // program_warps) if quantized else PROGRAMS_PER_SM
     target = (PROGRAMS_PER_SM_MANY_LISTS if lists >= sms else few) * sms
     return max(1, min(MAX_SPLITS, -(-target // lists)))
 
@@ -152,7 +157,7 @@ class DecodeBuffers:
             return  # sized for every batch up to the capacity already
         sizes = range(1, self.max_batch_size + 1) if self.max_batch_size is not None else (batch,)
         rows = max(
-            b * num_qo_heads * max(self.num_splits(b, num_kv_heads), self.num_splits(b, num_kv_heads, quantized=True))
+            b * num_qo_heads * max(self.num_splits(b, num_kv_heads), self.num_splits(b, num_kv_heads, True, 1))
             for b in sizes
         )
         lse_rows = max(sizes) * num_qo_heads
@@ -164,8 +169,9 @@ class DecodeBuffers:
             self.lse = torch.empty(_grown(self.lse.numel(), lse_rows), device=self.device)
         self._scratch_key = key
 
-    def num_splits(self, batch: int, num_kv_heads: int, quantized: bool = False) -> int:
-        return self.forced_splits or choose_num_splits(batch, num_kv_heads, self.device, quantized)
+    def num_splits(self, batch: int, num_kv_heads: int, quantized: bool = False, program_warps: int = 4) -> int:
+        """The split count (the scratch holds any quantized launch's, down to one-warp programs)."""
+        return self.forced_splits or choose_num_splits(batch, num_kv_heads, self.device, quantized, program_warps)
 
     def _int32(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int32, device=self.device)

@@ -59,7 +59,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         super().__init__(device, backend=backend, max_tile_elements=max_tile_elements)
         self._buffers = DecodeBuffers(self.device, max_batch_size, max_num_pages, num_splits)
         self._layout: DecodeLayout | None = None
-        self._num_splits = self._quantized_splits = 1
+        self._num_splits = 1
         self._csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # host copy, reference only
         self._list_tiles = None  # reference: per-list tiles of a dense plan, built when scores are asked
         self._tail_index: torch.Tensor | None = None  # host copy of the plan's KIVI tail rows
@@ -152,7 +152,6 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             self._buffers.reserve_scratch(layout.batch, num_qo_heads, num_kv_heads, block_d)
             self._buffers.load(kv_indptr, kv_indices, kv_last_len, num_kv_heads, tail_index)
             self._num_splits = self._buffers.num_splits(layout.batch, num_kv_heads)
-            self._quantized_splits = self._buffers.num_splits(layout.batch, num_kv_heads, quantized=True)
             self._plan = layout
         elif head_sparse or page_size not in (None, block_size):
             self._plan = build_list_plan(
@@ -260,9 +259,9 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         from sparse_kernels._triton.quantized_decode_launch import run_quantized_decode_triton
 
         if kv.rotation is None:
-            return run_quantized_decode_triton(layout, self._buffers, self._quantized_splits, q, kv, out)
+            return run_quantized_decode_triton(layout, self._buffers, q, kv, out)
         rotated = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        run_quantized_decode_triton(layout, self._buffers, self._quantized_splits, rotate(q, kv), kv, rotated)
+        run_quantized_decode_triton(layout, self._buffers, rotate(q, kv), kv, rotated)
         return rotate(rotated, kv, back=True, out=out)
 
     def _run_quantized_reference(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,11 @@ LOG2_E = 1.4426950408889634
 # Tokens per step and launch shape of the per-token schemes (fp8, TurboQuant); KIVI steps one page.
 # UNPACK_WORDS: load each packed word once and shift it into its channels (2 and 4 bits), instead of a
 # load per channel (4-10x slower on an H200; 3-bit rows, 10 codes a word, always take it). The best
-# defaults of a sweep on an H200 at 128K (benchmarks/NOTES.md, session 5).
+# defaults of a sweep on an H200 at 128K (benchmarks/NOTES.md, session 5). KIVI: one warp a program (and
+# four times the programs, see _decode_buffers.QUANTIZED_WARPS_PER_SM): 2.0x faster than 4 warps at batch
+# 16, 1.7x at batch 4 (session 16).
 QUANT_DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "UNPACK_WORDS": True}
-KIVI_DECODE_CONFIG = {"num_warps": 4, "num_stages": 2}
+KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 2}
 
 
 def block_n(kv: QuantizedKV) -> int:
@@ -81,7 +83,6 @@ def kv_pointers(kv: QuantizedKV) -> list[torch.Tensor]:
 def run_quantized_decode_triton(
     layout: DecodeLayout,
     bufs: DecodeBuffers,
-    num_splits: int,
     q: torch.Tensor,
     kv: QuantizedKV,
     out: torch.Tensor,
@@ -92,6 +93,7 @@ def run_quantized_decode_triton(
     kivi = kv.scheme == "kivi"
     config = KIVI_DECODE_CONFIG if kivi else QUANT_DECODE_CONFIG
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    num_splits = bufs.num_splits(layout.batch, layout.num_kv_heads, quantized=True, program_warps=config["num_warps"])
     scheme = scheme_args(kv)
     shape = {
         "NUM_KV_HEADS": layout.num_kv_heads,
