@@ -102,8 +102,7 @@ def time_decode(layers, csr, q, backend: str = "triton"):
     ms = median_ms(graph.replay) / len(layers)
     splits = wrapper._num_splits
     if not isinstance(layers[0], tuple):  # the quantized launch's own count (KIVI's one-warp programs: more)
-        config = qlaunch.KIVI_DECODE_CONFIG if layers[0].scheme == "kivi" else qlaunch.QUANT_DECODE_CONFIG
-        splits = wrapper._buffers.num_splits(q.shape[0], HKV, True, config["num_warps"])
+        splits = wrapper._buffers.num_splits(q.shape[0], HKV, True, qlaunch.decode_config(layers[0])["num_warps"])
     return ms, outs[0].clone(), splits
 
 
@@ -112,25 +111,27 @@ def variants(scheme: str, bits: int) -> list[dict]:
     if scheme == "bf16":
         return []
     if scheme == "kivi":
-        configs = [dict(num_warps=2), dict(num_stages=3), dict(UNPACK_WORDS=False)]
-        configs += [dict(num_stages=1), dict(num_warps=8), dict(num_warps=2, num_stages=3)]
+        configs = [dict(num_warps=2), dict(num_stages=3), dict(UNPACK_WORDS=False), dict(num_stages=1)]
+    elif scheme == "fp8":
+        configs = [dict(num_stages=2), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2), dict(BLOCK_N=128, num_warps=4)]
     else:
         configs = [dict(BLOCK_N=64), dict(num_stages=3), dict(num_warps=2), dict(num_warps=8), dict(BLOCK_N=256)]
         if bits in (2, 4):
             configs[1:1] = [dict(UNPACK_WORDS=False)]
         configs += [dict(BLOCK_N=64, num_stages=3), dict(BLOCK_N=32)]
-    return configs + [dict(per_sm=4), dict(per_sm=16)]
+    return configs + [dict(per_sm=16), dict(per_sm=64)]  # resident warps per SM (default 32)
 
 
 def apply(cfg: dict, scheme: str) -> None:
-    target = qlaunch.KIVI_DECODE_CONFIG if scheme == "kivi" else qlaunch.QUANT_DECODE_CONFIG
+    by_scheme = {"kivi": qlaunch.KIVI_DECODE_CONFIG, "fp8": qlaunch.FP8_DECODE_CONFIG}
+    target = by_scheme.get(scheme, qlaunch.QUANT_DECODE_CONFIG)
     for key in ("BLOCK_N", "num_warps", "num_stages"):
         if key in cfg:
             target[key] = cfg[key]
     if "UNPACK_WORDS" in cfg:
         qlaunch.QUANT_DECODE_CONFIG["UNPACK_WORDS"] = cfg["UNPACK_WORDS"]
     if "per_sm" in cfg:
-        buffers.QUANTIZED_WARPS_PER_SM = cfg["per_sm"] * 4  # programs of the default 4 warps
+        buffers.QUANTIZED_WARPS_PER_SM = cfg["per_sm"]  # resident warps per SM the split aims at
 
 
 def main() -> None:
@@ -154,12 +155,14 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth() if DEVICE == "cuda" else 1e12
     emit({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "copy_tb_s": copy_bw / 1e12})
-    defaults = (dict(qlaunch.QUANT_DECODE_CONFIG), dict(qlaunch.KIVI_DECODE_CONFIG), buffers.QUANTIZED_WARPS_PER_SM)
+    launch_tables = (qlaunch.QUANT_DECODE_CONFIG, qlaunch.KIVI_DECODE_CONFIG, qlaunch.FP8_DECODE_CONFIG)
+    defaults = [dict(c) for c in launch_tables], buffers.QUANTIZED_WARPS_PER_SM
 
     def restore():
-        qlaunch.QUANT_DECODE_CONFIG.update(defaults[0])
-        qlaunch.KIVI_DECODE_CONFIG.update(defaults[1])
-        buffers.QUANTIZED_WARPS_PER_SM = defaults[2]
+        for config, default in zip(launch_tables, defaults[0], strict=True):
+            config.clear()
+            config.update(default)
+        buffers.QUANTIZED_WARPS_PER_SM = defaults[1]
 
     table, sweep_jobs, sweep_rows = [], [], []
     for batch in [int(b) for b in args.batches.split(",")]:

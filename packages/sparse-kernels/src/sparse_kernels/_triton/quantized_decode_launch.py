@@ -17,19 +17,26 @@ from sparse_kernels._triton.quantized_tiles import SCHEME_IDS
 from sparse_kernels.quantized_kv import QuantizedKV, codes_per_word, words_per_row
 
 LOG2_E = 1.4426950408889634
-# Tokens per step and launch shape of the per-token schemes (fp8, TurboQuant); KIVI steps one page.
-# UNPACK_WORDS: load each packed word once and shift it into its channels (2 and 4 bits), instead of a
-# load per channel (4-10x slower on an H200; 3-bit rows, 10 codes a word, always take it). The best
-# defaults of a sweep on an H200 at 128K (benchmarks/NOTES.md, session 5). KIVI: one warp a program (and
-# four times the programs, see _decode_buffers.QUANTIZED_WARPS_PER_SM): 2.0x faster than 4 warps at batch
-# 16, 1.7x at batch 4 (session 16).
+# Tokens per step and launch shape per scheme; KIVI steps one page. UNPACK_WORDS (TurboQuant's packed
+# codes): load each packed word once and shift it into its channels, instead of a load per channel (4-10x
+# slower on an H200; 3-bit rows, 10 codes a word, always take it). The best of sweeps on an H200 at 128K
+# (benchmarks/NOTES.md): TurboQuant as in session 5; fp8 and KIVI in one-warp programs (and four times the
+# programs, _decode_buffers.QUANTIZED_WARPS_PER_SM), session 16: fp8 at 32 tokens a step 74-79% of copy
+# bandwidth at batch 5-16 against 52-61% for 128 tokens and 4 warps; KIVI 2.0x faster than 4 warps at batch
+# 16, 1.7x at batch 4.
 QUANT_DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "UNPACK_WORDS": True}
+FP8_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3}
 KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 2}
+
+
+def decode_config(kv: QuantizedKV) -> dict[str, Any]:
+    """The launch config of ``kv``'s scheme (the dicts above; benchmarks patch them in place)."""
+    return {"kivi": KIVI_DECODE_CONFIG, "fp8": FP8_DECODE_CONFIG}.get(kv.scheme, QUANT_DECODE_CONFIG)
 
 
 def block_n(kv: QuantizedKV) -> int:
     """Tokens per inner step (and the granularity of splits): a page for KIVI."""
-    return kv.block_size if kv.scheme == "kivi" else QUANT_DECODE_CONFIG["BLOCK_N"]
+    return kv.block_size if kv.scheme == "kivi" else decode_config(kv)["BLOCK_N"]
 
 
 def quant_dot_args(device: torch.device) -> dict[str, Any]:
@@ -91,7 +98,7 @@ def run_quantized_decode_triton(
     if q.stride(2) != 1:
         q = q.contiguous()
     kivi = kv.scheme == "kivi"
-    config = KIVI_DECODE_CONFIG if kivi else QUANT_DECODE_CONFIG
+    config = decode_config(kv)
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     num_splits = bufs.num_splits(layout.batch, layout.num_kv_heads, quantized=True, program_warps=config["num_warps"])
     scheme = scheme_args(kv)
