@@ -112,19 +112,16 @@ def variants(scheme: str, bits: int) -> list[dict]:
         return []
     if scheme == "kivi":
         configs = [dict(num_warps=2), dict(num_stages=3), dict(UNPACK_WORDS=False), dict(num_stages=1)]
-    elif scheme == "fp8":
-        configs = [dict(num_stages=2), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2), dict(BLOCK_N=128, num_warps=4)]
     else:
-        configs = [dict(BLOCK_N=64), dict(num_stages=3), dict(num_warps=2), dict(num_warps=8), dict(BLOCK_N=256)]
+        configs = [dict(num_stages=2), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2), dict(BLOCK_N=128, num_warps=4)]
         if bits in (2, 4):
             configs[1:1] = [dict(UNPACK_WORDS=False)]
-        configs += [dict(BLOCK_N=64, num_stages=3), dict(BLOCK_N=32)]
+        configs += [dict(BLOCK_N=64, num_warps=1), dict(BLOCK_N=16)]
     return configs + [dict(per_sm=16), dict(per_sm=64)]  # resident warps per SM (default 32)
 
 
 def apply(cfg: dict, scheme: str) -> None:
-    by_scheme = {"kivi": qlaunch.KIVI_DECODE_CONFIG, "fp8": qlaunch.FP8_DECODE_CONFIG}
-    target = by_scheme.get(scheme, qlaunch.QUANT_DECODE_CONFIG)
+    target = qlaunch.KIVI_DECODE_CONFIG if scheme == "kivi" else qlaunch.QUANT_DECODE_CONFIG
     for key in ("BLOCK_N", "num_warps", "num_stages"):
         if key in cfg:
             target[key] = cfg[key]
@@ -155,7 +152,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth() if DEVICE == "cuda" else 1e12
     emit({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "copy_tb_s": copy_bw / 1e12})
-    launch_tables = (qlaunch.QUANT_DECODE_CONFIG, qlaunch.KIVI_DECODE_CONFIG, qlaunch.FP8_DECODE_CONFIG)
+    launch_tables = (qlaunch.QUANT_DECODE_CONFIG, qlaunch.KIVI_DECODE_CONFIG)
     defaults = [dict(c) for c in launch_tables], buffers.QUANTIZED_WARPS_PER_SM
 
     def restore():

@@ -17,21 +17,20 @@ from sparse_kernels._triton.quantized_tiles import SCHEME_IDS
 from sparse_kernels.quantized_kv import QuantizedKV, codes_per_word, words_per_row
 
 LOG2_E = 1.4426950408889634
-# Tokens per step and launch shape per scheme; KIVI steps one page. UNPACK_WORDS (TurboQuant's packed
-# codes): load each packed word once and shift it into its channels, instead of a load per channel (4-10x
-# slower on an H200; 3-bit rows, 10 codes a word, always take it). The best of sweeps on an H200 at 128K
-# (benchmarks/NOTES.md): TurboQuant as in session 5; fp8 and KIVI in one-warp programs (and four times the
-# programs, _decode_buffers.QUANTIZED_WARPS_PER_SM), session 16: fp8 at 32 tokens a step 74-79% of copy
-# bandwidth at batch 5-16 against 52-61% for 128 tokens and 4 warps; KIVI 2.0x faster than 4 warps at batch
-# 16, 1.7x at batch 4.
-QUANT_DECODE_CONFIG = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "UNPACK_WORDS": True}
-FP8_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3}
+# Tokens per step and launch shape: the per-token schemes (fp8, TurboQuant), and KIVI, which steps one page.
+# Both run one-warp programs (and four times the programs, _decode_buffers.QUANTIZED_WARPS_PER_SM). The best
+# of sweeps on an H200 at 128K (benchmarks/NOTES.md, session 16): 32 tokens a step, 1 warp, 3 stages took fp8
+# from 52-61% to 74-82% of copy bandwidth at batch 5-16 and TurboQuant-4 / -3 / -2 from 14.9 / 4.6 / 9.0% to
+# 18.5 / 6.2 / 10.5% at batch 16 (128 tokens, 4 warps before); KIVI in one warp 2.0x faster than in 4 at batch
+# 16, 1.7x at batch 4. UNPACK_WORDS (packed codes): load each packed word once and shift it into its channels,
+# instead of a load per channel (4-10x slower; 3-bit rows, 10 codes a word, always take it).
+QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True}
 KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 2}
 
 
 def decode_config(kv: QuantizedKV) -> dict[str, Any]:
     """The launch config of ``kv``'s scheme (the dicts above; benchmarks patch them in place)."""
-    return {"kivi": KIVI_DECODE_CONFIG, "fp8": FP8_DECODE_CONFIG}.get(kv.scheme, QUANT_DECODE_CONFIG)
+    return KIVI_DECODE_CONFIG if kv.scheme == "kivi" else QUANT_DECODE_CONFIG
 
 
 def block_n(kv: QuantizedKV) -> int:
