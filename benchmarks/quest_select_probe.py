@@ -52,7 +52,8 @@ DEVICE = "cuda"
 L2_BYTES = 256 << 20  # rotate over at least this many bytes of inputs per timed call
 
 PB_SWEEP = [(64, 4, 3), (64, 2, 4), (32, 2, 3), (128, 2, 3), (64, 1, 3), (32, 1, 3), (128, 1, 2), (256, 2, 3)]
-PL_SWEEP = [(32, 4, 3), (64, 4, 2), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 3)]  # BLOCK_N, warps, stages
+# BLOCK_N, warps, stages
+PL_SWEEP = [(32, 1, 3), (64, 1, 3), (32, 2, 3), (64, 2, 3), (128, 2, 3), (32, 4, 3), (64, 4, 2), (128, 4, 3)]
 
 
 class Inputs:

@@ -34,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=5)
     ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--json", help="also write the rows here, with each variant's settings")
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -48,13 +49,19 @@ def main() -> None:
     counts = torch.full((n,), args.context // avg, device=dev)
     rows = []
 
+    from sparse_kernels._triton import cluster_logits as logits_mod
+
     logits = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5)
-    rows.append(
-        (
-            "ranking logits + tile statistics",
-            graph_ms(lambda: cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5)),
-        )
-    )
+    logit_defaults = logits_mod.BLOCK_C, logits_mod.NUM_WARPS
+    settings = []  # (kernel, module settings, ms) for --json
+    for block_c, warps in (logit_defaults, (128, 2), (128, 1), (64, 1), (64, 2), (256, 2), (256, 4)):
+        logits_mod.BLOCK_C, logits_mod.NUM_WARPS = block_c, warps
+        got = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5)
+        err = float((got.logits - logits.logits).abs().max())
+        ms = graph_ms(lambda: cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5))
+        rows.append((f"ranking logits + tile statistics, {block_c} columns, warps {warps} (max diff {err:.1e})", ms))
+        settings.append(("logits", dict(BLOCK_C=block_c, NUM_WARPS=warps), ms))
+    logits_mod.BLOCK_C, logits_mod.NUM_WARPS = logit_defaults
     from sparse_kernels._triton import cluster_select as select_mod
     from sparse_kernels.cluster_select import cluster_select
 
@@ -82,14 +89,22 @@ def main() -> None:
     ids = torch.stack([torch.randperm(columns, device=dev)[:num_est] for _ in range(n * heads)]).view(n, heads, num_est)
     ids = ids + bases[:, None, None]
     ref = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5, backend="reference")
-    est_defaults = est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS
-    for precision, stages, warps in (est_defaults, ("tf32x3", 2, 2), ("tf32", 3, 4), ("tf32", 2, 8)):
-        est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS = precision, stages, warps
+    est_defaults = est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS, est_mod.PROGRAMS_PER_SM
+    est_settings = [est_defaults, ("tf32", 2, 1, 16), ("tf32", 3, 1, 16), ("tf32", 2, 2, 8), ("tf32", 2, 1, 8)]
+    for precision, stages, warps, per_sm in est_settings:
+        est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS, est_mod.PROGRAMS_PER_SM = (
+            precision,
+            stages,
+            warps,
+            per_sm,
+        )
         out, lse = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5)
         err = float((out - ref[0]).abs().max())
         ms = graph_ms(lambda: cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5))
-        rows.append((f"estimation {precision} stages {stages} warps {warps} (max err {err:.1e})", ms))
-    est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS = est_defaults
+        rows.append((f"estimation {precision} stages {stages} warps {warps} per SM {per_sm} (max err {err:.1e})", ms))
+        chosen = dict(VALUE_PRECISION=precision, NUM_STAGES=stages, NUM_WARPS=warps, PROGRAMS_PER_SM=per_sm)
+        settings.append(("estimation", chosen, ms))
+    est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS, est_mod.PROGRAMS_PER_SM = est_defaults
     est_bytes = n * heads * num_est * (dim * 2 + dim * 4 + 4 + 8)
     print(
         f"batch {n}, context {args.context}, {columns} columns, {num_est} estimated per row and head; "
@@ -99,6 +114,11 @@ def main() -> None:
     print("|---|---|---|")
     for name, ms in rows:
         print(f"| {name} | {ms * 1e3:.1f} | {ms * 36:.3f} |")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "settings": settings}, f, indent=1)
 
 
 if __name__ == "__main__":

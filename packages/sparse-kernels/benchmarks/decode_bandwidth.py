@@ -9,7 +9,8 @@ split target, checks every variant's output against the default one, and prints 
 
 Usage: ``python packages/sparse-kernels/benchmarks/decode_bandwidth.py [--quick] [--json PATH]``;
 ``--kv-len 8192 --cases 5x16,76x1 --per-sm 1,2,4,8,16`` sweeps only the split target at other shapes
-(an evicting method's 8K contexts; ``BxL``: batch B cycling over L layer pools).
+(an evicting method's 8K contexts; ``BxL``: batch B cycling over L layer pools); ``--configs
+32:1:3:16,64:2:3:8`` times only the listed ``BLOCK_N:warps:stages:programs_per_sm`` besides the default.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--kv-len", type=int, default=KV_LEN)
     parser.add_argument("--cases", default="1x8,32x1", help="BxL: batch B over L layer pools")
     parser.add_argument("--per-sm", default=None, help="sweep only these split targets (programs per SM)")
+    parser.add_argument("--configs", default=None, help="only BLOCK_N:warps:stages:per_sm,...")
     parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     args = parser.parse_args()
     launch.PDL = not args.no_pdl
@@ -80,7 +82,11 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
     default = (dict(decode_launch.DECODE_CONFIG), buffers.PROGRAMS_PER_SM)
     grid = [default]
-    if args.per_sm:
+    if args.configs:
+        for spec in args.configs.split(","):
+            block_n, warps, stages, per_sm = (int(x) for x in spec.split(":"))
+            grid.append(({"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}, per_sm))
+    elif args.per_sm:
         grid += [(default[0], int(x)) for x in args.per_sm.split(",") if int(x) != default[1]]
     elif not args.quick:
         for block_n, warps, stages, per_sm in itertools.product([32, 64, 128], [4, 8], [2, 3], [2, 4, 8]):

@@ -11,6 +11,7 @@ import triton.language as tl
 from sparse_kernels._triton.launch import Kernel, dot_args
 
 BLOCK_C = 128  # cluster columns per program
+NUM_WARPS = 4  # benchmarks/retroinfer_kernel_probe.py sweeps both
 
 
 def _cluster_logits_kernel(
@@ -88,6 +89,6 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
         BLOCK_C=BLOCK_C,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         **dot_args(query.dtype if half else torch.float32, query.device),
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
     return logits, size, tile_max, tile_sum
