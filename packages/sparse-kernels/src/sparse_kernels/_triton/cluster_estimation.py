@@ -20,12 +20,13 @@ from sparse_kernels._decode_buffers import num_sms
 from sparse_kernels._triton.launch import Kernel, dot_args
 
 BLOCK_E = 32  # clusters per tile
-PROGRAMS_PER_SM = 4
+PROGRAMS_PER_SM = 8
 # On the H200 at batch 5 / 128K, per layer (``benchmarks/retroinfer_kernel_probe.py``, session 12): value sums
 # in one TF32 product with 2 stages 27.6 us, against 40.9 us in three (tf32x3) at Triton's default stages; the
-# output moved by at most 8e-6 (it is merged into a bf16 attention output). 4 warps, 32 clusters per tile and
-# 4 programs per multiprocessor stay the best of the 2-8 warps, 32 / 64 and 4 / 8 tried.
-NUM_WARPS = 4
+# output moved by at most 8e-6 (it is merged into a bf16 attention output). Session 16: one warp a program, 8
+# programs per multiprocessor, 25.1 us against 27.6 for 4 warps at 4 per SM (2 warps at 8: 36.6; one warp at 16:
+# 29.2); in the engine 1.10 -> 1.02 ms of estimation per step (results/bench/h200/session16/retro_tq_c6/).
+NUM_WARPS = 1
 NUM_STAGES = 2
 VALUE_PRECISION = "tf32"  # on CUDA; the interpreter computes in IEEE float32
 
