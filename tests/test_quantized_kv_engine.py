@@ -202,7 +202,9 @@ def test_snapkv_runs_over_fp8_and_frees_its_evicted_blocks(qwen3):
 
 
 @pytest.mark.parametrize(
-    "store", [dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="turboquant", turboquant_bits=3)], ids=["fp8", "tq3"]
+    "store",
+    [dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="turboquant", turboquant_bits=3), dict(kv_cache_dtype="kivi")],
+    ids=["fp8", "tq3", "kivi4"],
 )
 @pytest.mark.parametrize(
     "method",
@@ -245,7 +247,9 @@ def _dequantized_block_keys(kv, block: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "store", [dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="turboquant", turboquant_bits=3)], ids=["fp8", "tq3"]
+    "store",
+    [dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="turboquant", turboquant_bits=3), dict(kv_cache_dtype="kivi")],
+    ids=["fp8", "tq3", "kivi4"],
 )
 def test_quest_selects_over_a_quantized_store_from_summaries_of_its_dequantized_keys(qwen3, store):
     """Quest over fp8 / TurboQuant: the store keeps block summaries beside the codes, and after prefill
@@ -297,12 +301,52 @@ def test_synthetic_quantized_noise_keeps_block_summaries_true(qwen3):
         assert not torch.equal(kmin, kmax)
 
 
+def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_refuses_chains(qwen3):
+    """SnapKV compacts a KIVI store: each layer keeps its budget (the kept tokens re-encoded into full pages plus
+    the request's tail row), generation goes on from there, every block and tail row comes back, and a
+    block costs KIVI-4's bytes. A request on a chain is refused before anything is queued (the chain would not
+    carry the tail), and the engine serves on."""
+    path, _ = qwen3
+    snap = dict(
+        sparse_method="snapkv",
+        sink_keep_tokens=4,
+        decode_keep_tokens=20,
+        recent_keep_tokens=16,
+        observation_window_size=8,
+    )
+    prompts = _prompts([90, 120, 64], seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = _llm(path, **snap)
+    kivi = _llm(path, kv_cache_dtype="kivi", **snap)
+    engine = kivi.engine
+    rid = engine.add_request(prompts[1], params)
+    held = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        req = engine._requests.get(rid)
+        if req is not None and req.num_output_tokens:
+            held.append(list(req.kv_lens))
+    budget = 4 + 20 + 16
+    assert held[0] == [budget] * len(held[0])  # compacted at the end of prefill, every layer to its budget
+    assert held[-1] == [budget + len(held) - 1] * len(held[0])
+    a = [o.token_ids for o in plain.generate(prompts, params)]
+    b = [o.token_ids for o in kivi.generate(prompts, params)]
+    assert all(len(t) == 8 for t in b)
+    assert sum(x[0] == y[0] for x, y in zip(a, b, strict=True)) >= 2  # the choice mostly survives 4-bit keys
+    assert engine.kv.pool.num_used_blocks == 0 and engine.runner.tail_rows.num_free == engine.runner.num_tail_rows
+    # fp32 on CPU: 4-bit codes (D / 2 bytes per token, K and V) plus fp16 statistics against 4 D bytes
+    assert engine.runner.kv_bytes_per_block * 4 < plain.engine.runner.kv_bytes_per_block
+    with pytest.raises(ValueError, match="chains do not carry"):
+        engine.add_request(prompts[0], params, chain_id="conversation")
+    assert not engine.has_unfinished_requests()
+    assert len(kivi.generate(prompts[:1], params)[0].token_ids) == 8
+
+
 @pytest.mark.parametrize(
     ("config", "match"),
     [
         (dict(sparse_method="quest", kv_cache_dtype="kivi"), "not over a kivi store"),
         (dict(sparse_method="omnikv", kv_cache_dtype="fp8"), "from keys or history"),
-        (dict(sparse_method="snapkv", kv_cache_dtype="kivi"), "does not survive a chain"),
         (dict(sparse_method="kivi", kv_cache_dtype="fp8"), "contradicts"),
         (dict(kivi_bits=2), "applies to kv_cache_dtype='kivi'"),
     ],

@@ -226,6 +226,11 @@ class LLMEngine:
         problems raise ``sparse_cache.ChainError`` subclasses (a ValueError), queuing nothing.
         """
         params = sampling_params or SamplingParams()
+        if chain_id is not None and self.runner.tail_rows is not None:
+            raise ValueError(
+                f"chains do not carry a {self.runner.store.scheme} store's incomplete-page tail yet: run chains over "
+                "kv_cache_dtype fp8 or turboquant, or send this request without chain_id"
+            )
         text, token_ids = self._tokenize(prompt)
         if chain_id is not None:
             token_ids = self.chains.logical_prompt(chain_id, chain_append_start, token_ids)
@@ -593,7 +598,8 @@ class LLMEngine:
         if self.kv.layout.heads > 1:  # ragged per-head counts, each (layer, KV head) lane compacted alone
             req.kv_lens = apply_lane_compaction(self.runner.kv, self._tables(req), req.kv_lens, compaction, bs)
         else:
-            req.kv_lens = apply_compaction(self.runner.kv, self._tables(req), req.kv_lens, compaction, bs)
+            tail = self._tail_row(req)
+            req.kv_lens = apply_compaction(self.runner.kv, self._tables(req), req.kv_lens, compaction, bs, tail)
         self.kv.shrink(rid, req.kv_lens)
         return True
 
@@ -607,8 +613,13 @@ class LLMEngine:
             ]
         else:
             requests = [(self._tables(r), r.kv_lens, c) for r, c in staged]
-            new_lens = apply_compactions(self.runner.kv, requests, self.config.block_size)
+            tails = [self._tail_row(r) for r, _ in staged]
+            new_lens = apply_compactions(self.runner.kv, requests, self.config.block_size, tails)
         return {req: lens for (req, _), lens in zip(staged, new_lens, strict=True)}
+
+    def _tail_row(self, req: Request) -> int | None:
+        """The request's row of the store's full-precision tail (KIVI's incomplete page), if the store has one."""
+        return None if self.runner.tail_rows is None else self.runner.tail_rows.row(req.request_id)
 
     def _tables(self, req: Request) -> list:
         """The request's block ids per KV length it keeps (per layer, or per (layer, KV head) lane)."""

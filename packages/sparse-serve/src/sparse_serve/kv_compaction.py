@@ -81,6 +81,7 @@ def apply_compactions(
     pool: KVPool,
     requests: Sequence[tuple[Sequence[Sequence[int]], list[int], Compaction]],
     block_size: int,
+    tail_rows: Sequence[int | None] | None = None,
 ) -> list[list[int]]:
     """``apply_compaction`` for several requests at once (``requests``: each one's per-layer tables, KV
     lengths and compaction); returns each one's new per-layer lengths (host ints: the kept counts).
@@ -88,9 +89,14 @@ def apply_compactions(
     slot lists and offsets (layers of equal slot lists share theirs). A layer's keeps that are
     consecutive rows of one round's tensor (``Compaction.rows``) go in as that tensor's slice, one
     reshape for them all; the bounds of every kept index are one check for the whole step. The
-    requests hold distinct blocks. Latent and quantized stores go request by request."""
+    requests hold distinct blocks. Latent and quantized stores go request by request (``tail_rows``: each
+    request's tail row, for a store that keeps one)."""
     if len(requests) < 2 or pool.store.latent or pool.quantized is not None:
-        return [apply_compaction(pool, tables, lens, c, block_size) for tables, lens, c in requests]
+        tails = tail_rows or [None] * len(requests)
+        return [
+            apply_compaction(pool, tables, lens, c, block_size, tail)
+            for (tables, lens, c), tail in zip(requests, tails, strict=True)
+        ]
     num_layers = len(requests[0][1])
     per_layer: list[list[tuple[int, torch.Tensor, KeepRows | None]]] = [[] for _ in range(num_layers)]
     out = []

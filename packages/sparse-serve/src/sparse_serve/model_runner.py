@@ -14,7 +14,6 @@ from sparse_methods import (
     DecodeRead,
     DecodeScoreSums,
     DeviceState,
-    PrefixCacheMode,
     QueryRing,
     SparseMethod,
     StepContext,
@@ -369,11 +368,6 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
         raise ValueError(
             f"{method.name} selects what attention reads from keys or history; it does not run over a "
             f"{store.scheme} KV store yet (selection from page summaries does: fp8 and turboquant)"
-        )
-    if store.has_tail and method.prefix_cache_mode is PrefixCacheMode.CHAIN:
-        raise ValueError(
-            f"{method.name} evicts KV and resumes conversations from chains; KIVI's incomplete-page tail does "
-            "not survive a chain yet: run it over kv_cache_dtype fp8 or turboquant"
         )
 
 
