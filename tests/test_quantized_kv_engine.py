@@ -177,24 +177,29 @@ def test_pool_bytes_are_the_store_bytes_per_token(qwen3, store):
     assert runner.num_blocks > dense.num_blocks
 
 
+# SnapKV at a budget under the prompts (4 sink + 20 + 16 recent), and what it generates over a store
+SNAP = dict(
+    sparse_method="snapkv", sink_keep_tokens=4, decode_keep_tokens=20, recent_keep_tokens=16, observation_window_size=8
+)
+SNAP_PROMPTS = _prompts([90, 120, 64], seed=4)
+SNAP_PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _snapkv_over(path, **store):
+    """SnapKV over ``store`` next to SnapKV over the plain store: ``(plain llm, store llm)``, after checking
+    both generate and SnapKV's choice over the store's keys agrees with its choice over exact keys on most
+    of the first tokens."""
+    plain, quantized = _llm(path, **SNAP), _llm(path, **store, **SNAP)
+    a = [o.token_ids for o in plain.generate(SNAP_PROMPTS, SNAP_PARAMS)]
+    b = [o.token_ids for o in quantized.generate(SNAP_PROMPTS, SNAP_PARAMS)]
+    assert all(len(t) == SNAP_PARAMS.max_tokens for t in b)
+    assert sum(x[0] == y[0] for x, y in zip(a, b, strict=True)) >= 2
+    return plain, quantized
+
+
 def test_snapkv_runs_over_fp8_and_frees_its_evicted_blocks(qwen3):
     path, _ = qwen3
-    snap = dict(
-        sparse_method="snapkv",
-        sink_keep_tokens=4,
-        decode_keep_tokens=20,
-        recent_keep_tokens=16,
-        observation_window_size=8,
-    )
-    prompts = _prompts([90, 120, 64], seed=4)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    bf16 = _llm(path, **snap)
-    fp8 = _llm(path, kv_cache_dtype="fp8", **snap)
-    a = [o.token_ids for o in bf16.generate(prompts, params)]
-    b = [o.token_ids for o in fp8.generate(prompts, params)]
-    assert all(len(t) == 8 for t in b)
-    # SnapKV's choice over fp8 keys agrees with its choice over exact keys on most of the first tokens.
-    assert sum(x[0] == y[0] for x, y in zip(a, b, strict=True)) >= 2
+    bf16, fp8 = _snapkv_over(path, kv_cache_dtype="fp8")
     assert fp8.engine.kv.pool.num_used_blocks == 0
     # fp32 on CPU: fp8 codes plus a float32 scale per (token, head) are (D + 4) / (4 D) of the bytes
     d = fp8.engine.runner.model_config.head_dim
@@ -307,19 +312,9 @@ def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_refuses
     block costs KIVI-4's bytes. A request on a chain is refused before anything is queued (the chain would not
     carry the tail), and the engine serves on."""
     path, _ = qwen3
-    snap = dict(
-        sparse_method="snapkv",
-        sink_keep_tokens=4,
-        decode_keep_tokens=20,
-        recent_keep_tokens=16,
-        observation_window_size=8,
-    )
-    prompts = _prompts([90, 120, 64], seed=4)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    plain = _llm(path, **snap)
-    kivi = _llm(path, kv_cache_dtype="kivi", **snap)
+    plain, kivi = _snapkv_over(path, kv_cache_dtype="kivi")
     engine = kivi.engine
-    rid = engine.add_request(prompts[1], params)
+    rid = engine.add_request(SNAP_PROMPTS[1], SNAP_PARAMS)
     held = []
     while engine.has_unfinished_requests():
         engine.step()
@@ -329,17 +324,13 @@ def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_refuses
     budget = 4 + 20 + 16
     assert held[0] == [budget] * len(held[0])  # compacted at the end of prefill, every layer to its budget
     assert held[-1] == [budget + len(held) - 1] * len(held[0])
-    a = [o.token_ids for o in plain.generate(prompts, params)]
-    b = [o.token_ids for o in kivi.generate(prompts, params)]
-    assert all(len(t) == 8 for t in b)
-    assert sum(x[0] == y[0] for x, y in zip(a, b, strict=True)) >= 2  # the choice mostly survives 4-bit keys
     assert engine.kv.pool.num_used_blocks == 0 and engine.runner.tail_rows.num_free == engine.runner.num_tail_rows
     # fp32 on CPU: 4-bit codes (D / 2 bytes per token, K and V) plus fp16 statistics against 4 D bytes
     assert engine.runner.kv_bytes_per_block * 4 < plain.engine.runner.kv_bytes_per_block
     with pytest.raises(ValueError, match="chains do not carry"):
-        engine.add_request(prompts[0], params, chain_id="conversation")
+        engine.add_request(SNAP_PROMPTS[0], SNAP_PARAMS, chain_id="conversation")
     assert not engine.has_unfinished_requests()
-    assert len(kivi.generate(prompts[:1], params)[0].token_ids) == 8
+    assert len(kivi.generate(SNAP_PROMPTS[:1], SNAP_PARAMS)[0].token_ids) == 8
 
 
 @pytest.mark.parametrize(
