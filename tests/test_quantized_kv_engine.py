@@ -252,9 +252,7 @@ def _dequantized_block_keys(kv, block: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    "store",
-    [dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="turboquant", turboquant_bits=3), dict(kv_cache_dtype="kivi")],
-    ids=["fp8", "tq3", "kivi4"],
+    "store", [dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="turboquant", turboquant_bits=3)], ids=["fp8", "tq3"]
 )
 def test_quest_selects_over_a_quantized_store_from_summaries_of_its_dequantized_keys(qwen3, store):
     """Quest over fp8 / TurboQuant: the store keeps block summaries beside the codes, and after prefill
