@@ -101,3 +101,53 @@ def test_awkward_batch_matches_the_reference_and_selects_as_it(target_programs, 
         assert taken == sorted(taken, reverse=True)
         split_ties += not all(taken)
     assert split_ties >= 10  # most rows cut a run of equal bounds
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_kivi_statistics_bound_every_page_of_dequantized_keys(backend, bits, triton_device):
+    """``levels``: a KIVI page's own key statistics (per-channel min and step) are its summaries. The
+    bounds equal the loop over ``(k_min, k_min + levels * k_scale)``, which are exactly each channel's
+    smallest and largest dequantized key, so no key of a page scores above its page's bound."""
+    from sparse_kernels.kv_quant import decode_kivi_pages, encode_kivi_pages
+
+    device = triton_device if backend == "triton" else "cpu"
+    gen = torch.Generator().manual_seed(bits)
+    num_blocks, page, hkv, hq, d = 24, 16, 2, 8, 32
+    keys = (torch.randn(num_blocks, page, hkv, d, generator=gen) * 3 + 1).bfloat16()
+    values = torch.randn(num_blocks, page, hkv, d, generator=gen).bfloat16()
+    k_codes, v_codes, k_scale, k_min, v_scale, v_min = encode_kivi_pages(keys, values, bits, page)
+    deq, _ = decode_kivi_pages(k_codes, v_codes, k_scale, k_min, v_scale, v_min, bits, d)
+    levels = 2**bits - 1
+    top = k_min.float() + levels * k_scale.float()
+    torch.testing.assert_close(deq.amin(1), k_min.float(), rtol=0, atol=0)  # code 0 is each channel's min
+    torch.testing.assert_close(deq.amax(1), top, rtol=1e-6, atol=1e-6)  # and the top code its max
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = [perm[:9], perm[9:10], perm[10:24]]
+    q = torch.randn(3, hq, d, generator=gen).bfloat16()
+    max_pages, sink, recent = 16, 1, 1
+    start = torch.tensor([0, 9, 10], dtype=torch.int64)
+    num_pages = torch.tensor([9, 1, 14], dtype=torch.int32)
+    indices = torch.tensor(sum(tables, []), dtype=torch.int32)
+    out = torch.empty(3, hkv, max_pages, device=device)
+    args = (q, k_min, k_scale, indices, start, num_pages)
+    page_bounds(*(a.to(device) for a in args), out, sink=sink, recent=recent, levels=levels, backend=backend)
+    out = out.cpu()
+    torch.testing.assert_close(out, _loop(q, k_min, top, tables, max_pages, sink, recent), rtol=1e-5, atol=1e-4)
+    g = hq // hkv
+    for b, table in enumerate(tables):
+        for p, block in enumerate(table):
+            for h in range(hkv):
+                scores = q[b, h * g : (h + 1) * g].float() @ deq[block, :, h].T  # [g, page]
+                assert scores.max() <= out[b, h, p] + 1e-4
+
+
+def test_levels_need_float_statistics():
+    q = torch.zeros(1, 2, 16)
+    stats = torch.zeros(3, 1, 16, dtype=torch.int8)
+    out = torch.empty(1, 1, 2)
+    args = (q, stats, stats, torch.zeros(2, dtype=torch.int32), torch.zeros(1), torch.ones(1))
+    with pytest.raises(ValueError, match="levels"):
+        page_bounds(*args, out, scale=torch.ones(3, 1), levels=3)
+    with pytest.raises(ValueError, match="levels"):
+        page_bounds(q, stats.float(), stats.float(), *args[3:], out, levels=-1)

@@ -85,9 +85,18 @@ def test_kivi_bf16_tail_d128_group4(quantized_batch, triton_device):
     torch.testing.assert_close(out.cpu(), _expected(batch, q).to(torch.bfloat16), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize(("scheme", "bits"), [("fp8", 8), ("turboquant", 3)], ids=["fp8", "turboquant3"])
-@pytest.mark.parametrize("slots", [False, True], ids=["block-lists", "slot-lists"])
+HEAD_SPARSE_CASES = [("fp8", 8, False), ("fp8", 8, True), ("turboquant", 3, False), ("turboquant", 3, True)]
+HEAD_SPARSE_CASES += [("kivi", 2, False), ("kivi", 4, False)]  # KIVI: whole pages only
+
+
+@pytest.mark.parametrize(
+    ("scheme", "bits", "slots"),
+    HEAD_SPARSE_CASES,
+    ids=[f"{s}{b}-{'slot' if sl else 'block'}-lists" for s, b, sl in HEAD_SPARSE_CASES],
+)
 def test_head_sparse_lists(quantized_batch, head_lists, triton_device, scheme, bits, slots):
+    """Per-(request, KV head) lists in shuffled order. KIVI: a list that takes its request's incomplete
+    last page takes it last, and reads it from the request's tail row (``tail_index`` per request)."""
     batch = quantized_batch(
         [1, 97, 40, 17], scheme=scheme, bits=bits, block_size=16, num_kv_heads=NUM_KV_HEADS, head_dim=64, seed=5
     )
@@ -103,7 +112,7 @@ def test_head_sparse_lists(quantized_batch, head_lists, triton_device, scheme, b
         wrapper = BatchDecodeWithPagedKVCache(triton_device, backend=backend)
         wrapper.plan(
             lists.kv_indptr, lists.kv_indices, lists.kv_last_len, num_qo_heads=group * NUM_KV_HEADS,
-            **batch.layout(), head_sparse=True, page_size=lists.page_size,
+            **batch.layout(), head_sparse=True, page_size=lists.page_size, tail_index=batch.tail_index,
         )  # fmt: skip
         with compiling_for(*(("cuda", 90, 32) if not slots else (None,))):  # page_size=1: one more constexpr
             out = wrapper.run_quantized(q.to(triton_device), batch.kv_on(triton_device))

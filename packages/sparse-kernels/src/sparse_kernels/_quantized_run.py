@@ -32,7 +32,7 @@ def check_quantized_kv(
     block_size: int,
     num_kv_heads: int,
     head_dim: int,
-    dense_pages: bool,
+    whole_pages: bool,
     partial_pages: bool,
     tail_index: torch.Tensor | None,
     device: torch.device,
@@ -49,10 +49,10 @@ def check_quantized_kv(
     if kv.device.type != device.type:
         raise ValueError(f"QuantizedKV is on {kv.device}, the wrapper on {device}")
     if kv.scheme == "kivi":
-        if not dense_pages:
+        if not whole_pages:
             raise ValueError(
-                "KIVI reads whole pages (keys are quantized per channel over a page): plan dense lists "
-                "(head_sparse=False, page_size=block_size); head-sparse and per-slot lists need fp8 or turboquant"
+                "KIVI reads whole pages (keys are quantized per channel over a page): plan lists of whole "
+                "blocks (page_size=block_size); per-slot lists need fp8 or turboquant"
             )
         if partial_pages and tail_index is None:
             raise ValueError("KIVI with an incomplete last page needs plan(..., tail_index=...) (rows of kv.k_tail)")
@@ -101,11 +101,13 @@ def compact_pool(
     block_size: int,
     page_size: int,
     device: torch.device,
+    lists_per_request: int = 1,
 ) -> CompactPool:
     """Remap a validated plan onto the blocks it lists (an entry is a page of ``page_size`` tokens).
 
-    With ``tail_index`` (KIVI, dense lists, ``page_size == block_size``), the last page of each list whose
-    ``kv_last_len`` is short of a page is read from tail row ``tail_index[b]`` instead of its block.
+    With ``tail_index`` (KIVI, ``page_size == block_size``), the last page of each list whose
+    ``kv_last_len`` is short of a page is read from its request's tail row instead of its block: list
+    ``l`` belongs to request ``l // lists_per_request`` (head-sparse plans: the KV head count).
     """
     per_block = block_size // page_size
     entries = kv_indices.to(torch.int64)
@@ -114,7 +116,7 @@ def compact_pool(
     if tail_index is not None:
         partial = (kv_last_len < page_size).nonzero().flatten()
         is_tail[kv_indptr[partial + 1].to(torch.int64) - 1] = True
-        tails = tail_index[partial].to(torch.int64)
+        tails = tail_index[partial // lists_per_request].to(torch.int64)
     blocks, inverse = torch.unique(entries[~is_tail] // per_block, return_inverse=True)
     remapped = torch.empty_like(entries)
     remapped[~is_tail] = inverse * per_block + entries[~is_tail] % per_block
@@ -145,6 +147,7 @@ def run_dequantized(
     page_size: int,
     device,
     plan_inner,
+    lists_per_request: int = 1,
 ):
     """The reference of ``run_quantized`` for decode and prefill alike: dequantize only the planned blocks
     (and tail rows) into a small pool and run the plain reference wrapper over it.
@@ -157,8 +160,9 @@ def run_dequantized(
     if cached is None or cached[0] != (tails is not None):
         kv_indptr, kv_indices, kv_last_len = csr
         pool = compact_pool(
-            kv_indptr, kv_indices, kv_last_len, tails, block_size=block_size, page_size=page_size, device=device
-        )
+            kv_indptr, kv_indices, kv_last_len, tails, block_size=block_size, page_size=page_size, device=device,
+            lists_per_request=lists_per_request,
+        )  # fmt: skip
         cached = (tails is not None, pool, plan_inner(pool.kv_indices))
     _, pool, inner = cached
     k, v = dequantize_pool(kv, pool, torch.float32)

@@ -6,6 +6,11 @@ page's keys is ``max over the query heads of h's group of sum_d max(q_d * kmax_d
 table (no gathered copies); pages past the row's length get ``-inf``, pages always kept (the first
 ``sink`` and the last ``recent`` of the row) get ``+inf``, so a plain top-k over the output picks a
 selection. Device-only with a fixed grid (``max_pages`` static), so it can be captured in a CUDA graph.
+
+A KIVI store needs no summaries of its own: its keys are quantized per channel over each full page with
+asymmetric min / max, so the page's dequantized keys lie exactly between the page's ``k_min`` and
+``k_min + levels * k_scale`` (``levels = 2**bits - 1``; the smallest key of a channel gets code 0, the
+largest the top code). ``levels`` takes those statistics in place of ``kmin`` / ``kmax``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ def page_bounds(
     sink: int = 0,
     recent: int = 0,
     scale: torch.Tensor | None = None,
+    levels: int = 0,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Write ``out[b, h, p]`` (float32 ``[B, num_kv_heads, max_pages]``) and return it.
@@ -51,6 +57,9 @@ def page_bounds(
     scale : torch.Tensor, optional
         float32 ``[num_blocks, num_kv_heads]``: the summaries are int8 codes (``sparse_kernels.summary_codes``)
         standing for ``scale * kmin`` and ``scale * kmax``.
+    levels : int
+        With ``levels > 0``, ``kmax`` holds each page's per-channel step (non-negative), and a page's
+        keys lie in ``[kmin, kmin + levels * kmax]`` (KIVI's key statistics; not with ``scale``).
     """
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -64,6 +73,8 @@ def page_bounds(
         raise ValueError(f"coded summaries are int8 with a scale [{kmin.shape[0]}, {num_kv_heads}]")
     if scale is None and not (kmin.is_floating_point() and kmax.is_floating_point()):
         raise ValueError("int8 summary codes need their scale")
+    if levels < 0 or (levels and scale is not None):
+        raise ValueError(f"levels must be >= 0 and apply to float (min, step) statistics, got {levels}")
     if table_start.shape != (batch,) or num_pages.shape != (batch,):
         raise ValueError(f"table_start and num_pages must be [B] = [{batch}]")
     if batch == 0:
@@ -71,7 +82,9 @@ def page_bounds(
     if resolve_backend(backend, q.device) == "triton":
         from sparse_kernels._triton.page_bounds import page_bounds_triton
 
-        return page_bounds_triton(q, kmin, kmax, table_indices, table_start, num_pages, out, sink, recent, scale)
+        return page_bounds_triton(
+            q, kmin, kmax, table_indices, table_start, num_pages, out, sink, recent, scale, levels=levels
+        )
     max_pages = out.shape[2]
     start = table_start.to(torch.int64)[:, None]
     num_pages = num_pages.to(torch.int64)[:, None]  # [B, 1]
@@ -79,9 +92,13 @@ def page_bounds(
     ids = table_indices.to(torch.int64)[start + torch.minimum(page, num_pages - 1)]  # [B, P]
     group = num_qo_heads // num_kv_heads
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    lo, hi = (
-        (kmin[ids].float(), kmax[ids].float()) if scale is None else decode_summary(kmin[ids], kmax[ids], scale[ids])
-    )
+    if scale is not None:
+        lo, hi = decode_summary(kmin[ids], kmax[ids], scale[ids])
+    elif levels:  # (min, step): the page's largest dequantized key per channel is min + levels * step
+        lo = kmin[ids].float()
+        hi = lo + levels * kmax[ids].float()
+    else:
+        lo, hi = kmin[ids].float(), kmax[ids].float()
     hi = hi.permute(0, 2, 3, 1)  # [B, Hkv, D, P]
     lo = lo.permute(0, 2, 3, 1)
     bound = (qg.clamp(min=0) @ hi + qg.clamp(max=0) @ lo).amax(2)  # [B, Hkv, P]

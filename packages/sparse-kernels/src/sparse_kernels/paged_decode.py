@@ -110,9 +110,10 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         page_size : int, optional
             Tokens per ``kv_indices`` entry; a divisor of ``block_size`` (default ``block_size``).
         tail_index : torch.Tensor, optional
-            int32 CPU ``[B]``, for ``run_quantized`` over KIVI (dense lists only): request ``b``'s tokens
-            at or past ``(kv_len_b // block_size) * block_size`` are read from ``kv.k_tail[tail_index[b]]`` /
-            ``kv.v_tail[...]`` (ignored for a request whose last page is full). Staged into a fixed device
+            int32 CPU ``[B]``, for ``run_quantized`` over KIVI (lists of whole blocks, dense or head-sparse):
+            a list of request ``b`` whose last page is short of a block (``kv_last_len < block_size``) reads
+            that page from ``kv.k_tail[tail_index[b]]`` / ``kv.v_tail[...]`` instead of its block (a
+            head-sparse list must then end with the request's incomplete page). Staged into a fixed device
             buffer like the CSR, so a captured ``run_quantized`` replays it.
         window_left : int
             Sliding window (FlashInfer's convention): the query sits at its list's last token ``n - 1``
@@ -140,11 +141,11 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             window_left=window_left,
         )
         tail_index = check_tail_index(tail_index, layout.batch)
-        if tail_index is not None and head_sparse:
-            raise ValueError("tail_index (KIVI) needs dense lists, not head_sparse")
+        if tail_index is not None and layout.page_size != block_size:
+            raise ValueError("tail_index (KIVI) needs lists of whole blocks (page_size = block_size)")
         self._layout, self._plan, self._list_tiles, self._quantized_reference = layout, None, None, None
         self._tail_index = None if tail_index is None else tail_index.clone()
-        self._partial_pages = not head_sparse and bool((kv_last_len < layout.page_size).any())
+        self._partial_pages = layout.page_size == block_size and bool((kv_last_len < layout.page_size).any())
         # The reference paths read the host CSR at run; the Triton backend's buffers hold their own copy.
         self._csr = None if self.backend == "triton" else (kv_indptr.clone(), kv_indices.clone(), kv_last_len.clone())
         if self.backend == "triton":
@@ -225,7 +226,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             ``[B, num_qo_heads, head_dim]`` (rows may be strided), in the original (unrotated) space.
         kv : QuantizedKV
             The layer's codes and scales (``block_size``, ``num_kv_heads``, ``head_dim`` as planned). fp8
-            and TurboQuant take every kind of plan; KIVI dense lists only, with ``tail_index`` planned
+            and TurboQuant take every kind of plan; KIVI lists of whole blocks only, with ``tail_index`` planned
             when a request's last page is incomplete. TurboQuant's query is rotated by ``kv.rotation`` and
             the output rotated back (two small matmuls in ``q``'s dtype, graph-safe).
         out : torch.Tensor, optional
@@ -245,7 +246,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             block_size=layout.block_size,
             num_kv_heads=layout.num_kv_heads,
             head_dim=layout.head_dim,
-            dense_pages=not layout.head_sparse and layout.page_size == layout.block_size,
+            whole_pages=layout.page_size == layout.block_size,
             partial_pages=self._partial_pages,
             tail_index=self._tail_index,
             device=self.device,
@@ -290,6 +291,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         self._quantized_reference = run_dequantized(
             self._quantized_reference, kv, q, out, self._csr, tails,
             block_size=layout.block_size, page_size=layout.page_size, device=self.device, plan_inner=plan_inner,
+            lists_per_request=layout.num_kv_heads if layout.head_sparse else 1,
         )  # fmt: skip
         return out
 

@@ -233,7 +233,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             block_size=plan.block_size,
             num_kv_heads=plan.num_kv_heads,
             head_dim=plan.head_dim,
-            dense_pages=True,
+            whole_pages=True,
             partial_pages=self._partial_pages,
             tail_index=self._tail_index,
             device=self.device,

@@ -7,6 +7,8 @@ through the table) and scores them against the whole query group at once with tw
 products of 16-bit values are exact in fp32, so only the summation order differs from the reference.
 Chunks cover a fixed grid (``stream_split``); the loop is pipelined (``num_stages``), so loads of the
 next pages are in flight while one step computes. Pages past a row are written ``-inf`` without reads.
+With ``LEVELS`` (KIVI's per-channel min and step: ``kmax = kmin + LEVELS * step``) the bound is
+``kmin @ q^T + LEVELS * (step @ max(q, 0)^T)``, the same sum regrouped (fp16 statistics, fp16 query).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def _page_bounds_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    LEVELS: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -69,6 +72,7 @@ def _page_bounds_kernel(
     ).to(tl.float32)
     q_pos = tl.maximum(q, 0.0).to(DOT_DTYPE)
     q_neg = tl.minimum(q, 0.0).to(DOT_DTYPE)
+    q_all = q.to(DOT_DTYPE)
     out_row = out_ptr + (b.to(tl.int64) * NUM_KV_HEADS + h) * max_pages
     for p0 in range(lo, hi, BLOCK_P):
         pages = p0 + tl.arange(0, BLOCK_P)
@@ -78,8 +82,12 @@ def _page_bounds_kernel(
         m2 = valid[:, None] & mask_d[None, :]
         top = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
         low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
-        s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
-        s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P, BLOCK_G]
+        if LEVELS > 0:  # top is the per-channel step: q.min + LEVELS * (max(q, 0) . step)
+            s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION) * LEVELS
+            s = tl.dot(low.to(DOT_DTYPE), q_all, acc=s, input_precision=PRECISION)
+        else:
+            s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
+            s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P, BLOCK_G]
         if HAS_SCALE:  # int8 codes: the page's bound is its head's scale times the codes' bound
             s = s * tl.load(scale_ptr + ids * NUM_KV_HEADS + h, mask=valid, other=0.0)[:, None]
         best = tl.max(tl.where(offs_g[None, :] < GROUP, s, float("-inf")), axis=1)
@@ -94,7 +102,7 @@ page_bounds_kernel = Kernel(_page_bounds_kernel)
 
 
 def page_bounds_triton(
-    q, kmin, kmax, table_indices, table_start, num_pages, out, sink: int, recent: int, scale=None
+    q, kmin, kmax, table_indices, table_start, num_pages, out, sink: int, recent: int, scale=None, *, levels: int = 0
 ) -> torch.Tensor:
     """Inputs already validated by ``sparse_kernels.page_bounds``; ``out`` must be contiguous."""
     batch, num_qo_heads, head_dim = q.shape
@@ -110,8 +118,12 @@ def page_bounds_triton(
     block_p = config["BLOCK_P"]
     chunk = items_per_program(batch * num_kv_heads, max_pages, block_p)
     # 16-bit dots when the query and the summaries share a 16-bit dtype (int8 codes are exact in the
-    # query's), fp32 otherwise.
-    dots = dot_args(q.dtype if coded or q.dtype == kmin.dtype == kmax.dtype else torch.float32, q.device)
+    # query's), fp32 otherwise. KIVI's fp16 statistics: fp16 dots (a bf16 query is exact in fp16 within
+    # its normal range).
+    if levels and kmin.dtype == kmax.dtype == torch.float16:
+        dots = dot_args(torch.float16, q.device)
+    else:
+        dots = dot_args(q.dtype if coded or q.dtype == kmin.dtype == kmax.dtype else torch.float32, q.device)
     page_bounds_kernel[(batch, num_kv_heads, triton.cdiv(max_pages, chunk))](
         q,
         kmin,
@@ -136,6 +148,7 @@ def page_bounds_triton(
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         HAS_SCALE=coded,
+        LEVELS=levels,
         **dots,
         **pdl_args(q.device),
     )
