@@ -28,6 +28,10 @@ STORES = {
     "quest_fp8": dict(
         kv_cache_dtype="fp8", sparse_method="quest", sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16
     ),
+    # over KIVI the pages' own key statistics are the summaries, and the incomplete page comes from the tail
+    "quest_kivi4": dict(
+        kv_cache_dtype="kivi", sparse_method="quest", sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16
+    ),
 }
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -125,7 +129,7 @@ def test_prefix_cache_hits_and_equals_a_cache_off_run(qwen3, store):
     assert llm.engine.kv.prefix_hit_tokens >= 2 * 32  # the later prompts each reused two full blocks
 
 
-@pytest.mark.parametrize("store", ["fp8", "kivi4", "turboquant3", "quest_fp8"])
+@pytest.mark.parametrize("store", ["fp8", "kivi4", "turboquant3", "quest_fp8", "quest_kivi4"])
 def test_preemption_recomputes_and_gives_everything_back(qwen3, store):
     """Per-token stores recompute to the same tokens. KIVI recomputes a preempted request's generated
     tokens as prefill chunks, which quantize differently from decode steps (see the prefix-cache test),
@@ -137,7 +141,7 @@ def test_preemption_recomputes_and_gives_everything_back(qwen3, store):
     tight = _llm(path, num_kv_blocks=6, enable_prefix_caching=False, **STORES[store])
     got = [o.token_ids for o in tight.generate(prompts, params)]
     assert [len(t) for t in got] == [20] * 4
-    if not store.startswith("kivi"):
+    if "kivi" not in store:
         assert got == roomy
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.kv.pool.num_used_blocks == 0
@@ -290,6 +294,61 @@ def test_quest_selects_over_a_quantized_store_from_summaries_of_its_dequantized_
     assert [o.token_ids for o in _llm(path, **QUEST, **store).generate(prompts, params)] != plain
 
 
+def test_quest_over_kivi_bounds_full_pages_by_their_key_statistics(qwen3, monkeypatch):
+    """Quest over a KIVI store keeps no summaries: each full page's per-channel key min and step are its
+    bounds. Every selection equals Quest's rule written here over the pages' dequantized keys (bound =
+    max over the group of sum_d max(q_d * min_d, q_d * max_d), min / max over the page's tokens; the sink
+    and newest pages forced; the best pages in ascending order, ties to the earlier), the incomplete newest
+    page is read from the request's tail, a wide budget gives plain KIVI's tokens and every block and tail
+    row comes back."""
+    from sparse_kernels.kv_quant import unpack_codes
+    from sparse_methods.methods.quest import Quest
+
+    path, _ = qwen3
+    store = STORES["quest_kivi4"]
+    llm = _llm(path, **store)
+    pool = llm.engine.runner.kv
+    assert not pool.store.summaries and pool.store.page_stat_levels == 15
+    original, checked = Quest.select_decode, []
+
+    def checked_select(self, layer, batch):
+        chosen = original(self, layer, batch)
+        kv = pool.quantized[layer]
+        sink, keep, recent = self._pages(16)
+        group = batch.query.shape[1] // kv.num_kv_heads
+        for row in range(batch.query.shape[0]):
+            n, kv_len = int(batch.num_pages[row]), int(batch.kv_lens[row])
+            blocks = batch.table_indices[int(batch.table_start[row]) :][:n].tolist()
+            for h in range(kv.num_kv_heads):
+                bounds = []
+                for p, block in enumerate(blocks):
+                    if p < sink or p >= n - recent:
+                        bounds.append(float("inf"))
+                        continue
+                    assert (p + 1) * 16 <= kv_len  # only full pages are ranked
+                    codes = unpack_codes(kv.k[block, :, h], kv.bits, kv.head_dim).float()  # [16, D]
+                    keys = codes * kv.k_scale[block, h].float() + kv.k_min[block, h].float()
+                    lo, hi = keys.amin(0), keys.amax(0)
+                    q = batch.query[row, h * group : (h + 1) * group].float()
+                    bounds.append(float(torch.maximum(q * lo, q * hi).sum(-1).max()))
+                order = sorted(range(n), key=lambda p: (-bounds[p], p))[: sink + keep + recent]
+                assert chosen[row, h].tolist() == sorted(order)
+                checked.append(layer)
+        return chosen
+
+    monkeypatch.setattr(Quest, "select_decode", checked_select)
+    prompts = _prompts([40, 90, 130], seed=8)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = [o.token_ids for o in llm.generate(prompts, params)]
+    assert len(checked) >= 40 and all(len(t) == 12 for t in outs)  # (row, KV head) lists checked
+    assert llm.engine.kv.pool.num_used_blocks == 0 and llm.engine.runner.tail_rows.held() == {}
+    monkeypatch.setattr(Quest, "select_decode", original)
+    plain = [o.token_ids for o in _llm(path, kv_cache_dtype="kivi").generate(prompts, params)]
+    wide = dict(store, decode_keep_tokens=512)
+    assert [o.token_ids for o in _llm(path, **wide).generate(prompts, params)] == plain
+    assert outs != plain
+
+
 def test_synthetic_quantized_noise_keeps_block_summaries_true(qwen3):
     """Benchmarks' synthetic prefill over a quantized store with summaries: every block's summary is the
     min / max of its dequantized noise keys (else Quest's page bounds tie and it reads the first pages)."""
@@ -334,7 +393,8 @@ def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_refuses
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        (dict(sparse_method="quest", kv_cache_dtype="kivi"), "not over a kivi store"),
+        (dict(sparse_method="quest", kv_cache_dtype="kivi", block_size=32), "set kv_quant_page_size=16"),
+        (dict(sparse_method="omnikv", kv_cache_dtype="kivi"), "from keys or history"),
         (dict(sparse_method="omnikv", kv_cache_dtype="fp8"), "from keys or history"),
         (dict(sparse_method="kivi", kv_cache_dtype="fp8"), "contradicts"),
         (dict(kivi_bits=2), "applies to kv_cache_dtype='kivi'"),

@@ -65,8 +65,20 @@ def test_quantized_summaries_add_a_model_dtype_min_and_max_per_block(scheme):
     assert summarised.summaries and not plain.summaries and summarised.quantized
     assert summarised.bytes_per_block(2) == plain.bytes_per_block(2) + 2 * 8 * 128 * 2
     assert "block summaries" in summarised.describe()
-    with pytest.raises(ValueError, match="KIVI"):
+    with pytest.raises(ValueError, match="KIVI store keeps no block summaries"):
         quantized_paged("kivi", 4, 16, 8, 128, summaries=True)
+
+
+def test_page_bounds_read_summaries_or_kivi_key_statistics():
+    # What a page bound reads per block: the summaries, or a KIVI page's per-channel key min and step (fp16).
+    assert paged(16, 8, 128).page_bound_bytes(2) == 0
+    assert paged(16, 8, 128, summaries=True).page_bound_bytes(2) == 2 * 8 * 128 * 2
+    assert paged(16, 8, 128, summaries=True, summary_dtype="int8").page_bound_bytes(2) == 2 * 8 * 128 + 8 * 4
+    for bits in (2, 4):
+        kivi = quantized_paged("kivi", bits, 16, 8, 128)
+        assert kivi.page_stat_levels == 2**bits - 1 and not kivi.summaries
+        assert kivi.page_bound_bytes(2) == 2 * 8 * 128 * 2
+    assert quantized_paged("fp8", 8, 16, 8, 128).page_stat_levels == 0
 
 
 def test_compression_ratios_against_bf16():

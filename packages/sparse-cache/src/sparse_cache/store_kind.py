@@ -99,6 +99,13 @@ class StoreKind:
         return any(t.name == "kscale" for t in self.block_tensors)
 
     @property
+    def page_stat_levels(self) -> int:
+        """``2**bits - 1`` for a KIVI store, else 0: its keys are quantized per channel over each full page
+        with asymmetric min / max, so the page's ``k_min`` and ``k_min + levels * k_scale`` are exactly its
+        dequantized keys' elementwise min and max (block summaries with no bytes of their own)."""
+        return (1 << self.bits) - 1 if self.scheme == "kivi" else 0
+
+    @property
     def has_tail(self) -> bool:
         return bool(self.tail_tensors)
 
@@ -109,6 +116,15 @@ class StoreKind:
     def summary_bytes(self, model_itemsize: int) -> int:
         """Bytes one pool block's key summaries take in one layer (0 without summaries)."""
         return sum(t.nbytes(model_itemsize) for t in self.block_tensors if t.name in SUMMARY_TENSORS)
+
+    def page_bound_bytes(self, model_itemsize: int) -> int:
+        """Bytes of one block that a page bound reads in one layer: its key summaries, or a KIVI page's key
+        statistics (``page_stat_levels``); 0 when the store bounds no pages."""
+        if self.summaries:
+            return self.summary_bytes(model_itemsize)
+        if self.page_stat_levels:
+            return sum(t.nbytes(model_itemsize) for t in self.block_tensors if t.name in ("k_min", "k_scale"))
+        return 0
 
     def bytes_per_token(self, model_itemsize: int) -> float:
         """Bytes one cached token costs in one layer (its block's bytes over the block's tokens)."""
@@ -209,7 +225,7 @@ def quantized_paged(
     s, h, d = block_size, num_kv_heads, head_dim
     summary = summary_tensors(h, d, summary_dtype) if summaries else ()
     if summaries and scheme == "kivi":
-        raise ValueError("block summaries over a KIVI store are not built (its decode reads dense lists only)")
+        raise ValueError("a KIVI store keeps no block summaries: its pages' key statistics bound them (page_stat_levels)")
     if scheme == "fp8":
         tensors = (
             TensorSpec("k", (s, h, d), "float8_e4m3fn"),

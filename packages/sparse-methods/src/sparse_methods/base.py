@@ -152,11 +152,14 @@ class Storage:
     methods, the KV dtype it stores in (``fp8``, ``kivi``, ``turboquant``; None: the engine's
     ``kv_cache_dtype`` decides, the model dtype by default). Pages are always the engine's blocks.
     ``summary_dtype`` (``PAGED_WITH_SUMMARIES``): the block summaries' ``"model"`` dtype, or ``"int8"``
-    codes with a scale per (block, KV head) (half the bytes; ``page_scale`` in ``DecodeBatch``)."""
+    codes with a scale per (block, KV head) (half the bytes; ``page_scale`` in ``DecodeBatch``).
+    ``page_tokens``: the block size the method's pages assume (None: any); the engine refuses another at
+    start-up rather than at the first selection."""
 
     kind: StoreKind = StoreKind.PAGED
     kv_cache_dtype: str | None = None
     summary_dtype: str = "model"
+    page_tokens: int | None = None
 
 
 class Support(enum.StrEnum):
@@ -448,7 +451,11 @@ class DecodeBatch:
     per-page or per-token outputs). ``page_min`` / ``page_max``: the pool's block summaries
     ``[num_blocks, num_kv_heads, head_dim]`` when the store keeps them; int8 codes standing for
     ``page_scale[..., None] * page_min`` (and ``page_max``) when ``page_scale`` (float32
-    ``[num_blocks, num_kv_heads]``) is given (``Storage.summary_dtype`` int8). ``key_cache``: the layer's
+    ``[num_blocks, num_kv_heads]``) is given (``Storage.summary_dtype`` int8). ``page_levels`` > 0: the
+    store keeps no summaries of its own but its pages' key statistics bound them (KIVI): ``page_min`` is
+    each full page's per-channel key minimum and ``page_max`` its step, the page's keys lying in
+    ``[page_min, page_min + page_levels * page_max]``; a row's incomplete last page has none (a selection
+    from them keeps the newest page anyway). ``key_cache``: the layer's
     keys ``[num_blocks, block_size, num_kv_heads, head_dim]`` when the method asked for them
     (``LayerPlan.decode_keys``). ``sm_scale``: the attention's softmax scale. ``page_counts``: int64
     ``[B]`` pages each row holds (``ceil(kv_lens / block_size)``) when the caller has them already
@@ -471,6 +478,7 @@ class DecodeBatch:
     page_min: torch.Tensor | None = None
     page_max: torch.Tensor | None = None
     page_scale: torch.Tensor | None = None
+    page_levels: int = 0
     key_cache: torch.Tensor | None = None
     sm_scale: float = 1.0
     page_counts: torch.Tensor | None = None

@@ -98,6 +98,7 @@ class LLMEngine:
             **config.method_params(),
         )
         self.method.head_reduction = head_reduction(model_cfg.num_key_value_heads)  # spans this rank's shard
+        _check_page_tokens(self.method, config)
         self.num_layers = model_cfg.num_hidden_layers
         layout = self._layer_layout(model_cfg.layer_sliding_windows, config.max_model_len or model_max_len)
         if self.method.storage.kind is StoreKind.HEAD_MAJOR and model_cfg.mla is None:  # a table per (layer, KV head)
@@ -765,6 +766,16 @@ def _keep_prompt_logprobs(batch: ScheduledBatch, pending: SampledTokens) -> None
     for req, _ in batch.items:
         for position, logprobs in pending.prompt_logprobs.get(req.request_id, {}).items():
             req.prompt_logprobs[position] = logprobs
+
+
+def _check_page_tokens(method, config: EngineConfig) -> None:
+    """A method whose pages assume a block size (``Storage.page_tokens``) runs only with that block size."""
+    page = method.storage.page_tokens
+    if page is not None and page != config.block_size:
+        how = f"kv_quant_page_size={page}" if config.resolved_kv_cache_dtype() == "kivi" else f"block_size={page}"
+        raise ValueError(
+            f"{method.name} works on pages of {page} tokens; the engine's blocks hold {config.block_size} (set {how})"
+        )
 
 
 def _check_tensor_parallel(config: EngineConfig) -> None:

@@ -141,14 +141,9 @@ def store_kind(
         return latent_paged(block_size, cfg.mla.kv_lora_rank, rope, summaries=summaries, summary_dtype=summary_dtype)
     if kv_cache_dtype == "auto":
         return paged(block_size, h, d, summaries=summaries, summary_dtype=summary_dtype)
-    if summaries and kv_cache_dtype == "kivi":
-        raise ValueError(
-            f"{method.name} keeps block summaries; it runs over kv_cache_dtype fp8 or turboquant, not over a kivi "
-            "store yet (KIVI's decode reads dense lists only)"
-        )
     if kv_cache_dtype == "fp8":
         return quantized_paged("fp8", 8, block_size, h, d, summaries=summaries, summary_dtype=summary_dtype)
-    if kv_cache_dtype == "kivi":
+    if kv_cache_dtype == "kivi":  # summaries: the pages' own key statistics (StoreKind.page_stat_levels)
         return quantized_paged("kivi", kivi_bits or 4, block_size, h, d)
     if kv_cache_dtype == "turboquant":
         seed = turboquant_seed or 0

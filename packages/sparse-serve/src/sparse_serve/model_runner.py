@@ -359,15 +359,16 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
             f"a {store.scheme} KV store yet"
         )
     plans = [method.layer_plan(layer) for layer in range(num_layers)]
-    # Selection from page summaries alone runs over the per-token stores, whose summaries are kept
-    # of the dequantized keys; selections that read keys or values, or select prefill history, do not yet.
-    from_summaries = store.summaries and all(
+    # Selection from page summaries alone runs over the quantized stores: the per-token ones keep summaries
+    # of their dequantized keys, KIVI's page statistics are summaries; selections that read keys or values,
+    # or select prefill history, do not yet.
+    from_summaries = (store.summaries or store.page_stat_levels > 0) and all(
         plan.decode is not DecodeRead.OBSERVED and not plan.decode_keys for plan in plans
     )
     if any(plan.prefill for plan in plans) or (any(p.selects_decode for p in plans) and not from_summaries):
         raise ValueError(
             f"{method.name} selects what attention reads from keys or history; it does not run over a "
-            f"{store.scheme} KV store yet (selection from page summaries does: fp8 and turboquant)"
+            f"{store.scheme} KV store yet (selection from page summaries does: fp8, turboquant and kivi)"
         )
 
 

@@ -244,7 +244,8 @@ class PagedAttention:
                 continue  # windowed layers attend densely
             dense = self._plans[g].decode
             table = dense.planned_kv_indices() if meta.num_decode_tokens and dense.backend == "triton" else None
-            self._selective_of(g).plan_step(self.method, meta, group, table=table)
+            decode_tails = None if tails is None else tails[1][: meta.num_decode_tokens]
+            self._selective_of(g).plan_step(self.method, meta, group, table=table, tail_index=decode_tails)
 
     @property
     def selective(self) -> SelectiveDecode:
@@ -408,6 +409,9 @@ class PagedAttention:
         )
         summary = self.pool.summary(layer_idx)
         kmin, kmax, kscale = summary or (None, None, None)
+        levels = self.pool.store.page_stat_levels
+        if levels:  # KIVI: each full page's key statistics bound it (written when the page is encoded)
+            kmin, kmax = kv.k_min, kv.k_scale
         if summary is not None:  # page summaries of the dequantized keys (a selection reads them)
             g = meta.layer_group[layer_idx]
             if self._touched is not None:  # prefill chunks: the blocks the step writes (host-built)
@@ -430,7 +434,7 @@ class PagedAttention:
             if selective is not None and not selective.reads_all:
                 extra = {} if self.group_queries is None else {"select_q": self.group_queries(q[:nd])}
                 args = (self.method, layer_idx, q[:nd], None, None, kmin, kmax, out[:nd])
-                selective.run_batched(*args, dense=plan.decode, kv=kv, kscale=kscale, **extra)
+                selective.run_batched(*args, dense=plan.decode, kv=kv, kscale=kscale, levels=levels, **extra)
             elif nd:
                 plan.decode.run_quantized(q[:nd], kv, out=out[:nd])
             if not decode_only:

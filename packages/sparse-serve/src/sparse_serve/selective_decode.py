@@ -83,12 +83,19 @@ class SelectiveDecode:
         self.reads_all = False  # this step's decode rows all read everything: selecting layers run dense
 
     def plan_step(
-        self, method: SparseMethod, meta: StepMetadata, group: LayerGroupMetadata, table: torch.Tensor | None = None
+        self,
+        method: SparseMethod,
+        meta: StepMetadata,
+        group: LayerGroupMetadata,
+        table: torch.Tensor | None = None,
+        tail_index: torch.Tensor | None = None,
     ) -> None:
         """Plan the batched path for this step's decode rows (when the group's layers select on the device).
 
         ``table``: the group's ``decode_kv_indices`` already on the device (the dense decode plan's
-        buffer, at a fixed address), read in place instead of copied again."""
+        buffer, at a fixed address), read in place instead of copied again. ``tail_index``: int32 host
+        ``[decode rows]``, each row's tail row (a KIVI store: a list ending in its request's incomplete
+        page reads that page from the tail)."""
         self.reset()
         nd = meta.num_decode_tokens
         unit = self.device_unit(method, group.layers)
@@ -149,12 +156,14 @@ class SelectiveDecode:
             and planned[0] is wrapper
             and torch.equal(planned[1], kv_indptr)
             and torch.equal(planned[2], kv_last_len)
+            and (tail_index is None or torch.equal(planned[3], tail_index))
         )
         if kv_indices is None and (not same or wrapper.backend != "triton"):
             placeholder = last_entry if unit == bs else last_entry * bs + tails - 1
             kv_indices = placeholder.repeat_interleave(num_kv_heads * size).to(torch.int32)
-        self._host_plan = (kv_indptr, kv_indices, kv_last_len)  # the reference kernels plan again per layer
-        if not same:  # a uniform plan whose lists and last lengths did not change is still in place
+        tails = {} if tail_index is None else {"tail_index": tail_index}
+        self._host_plan = (kv_indptr, kv_indices, kv_last_len, tails)  # the reference kernels plan again per layer
+        if not same:  # a uniform plan whose lists, last lengths and tail rows did not change is still in place
             wrapper.plan(
                 kv_indptr,
                 kv_indices,
@@ -163,8 +172,9 @@ class SelectiveDecode:
                 page_size=unit,
                 sm_scale=self.sm_scale,
                 **self.shape,
+                **tails,
             )
-            self._planned = (wrapper, kv_indptr, kv_last_len) if uniform else None
+            self._planned = (wrapper, kv_indptr, kv_last_len, tail_index) if uniform else None
         n = len(rows)
         idx = torch.tensor(rows, dtype=torch.int64)
         row_lens = torch.tensor(kv_lens, dtype=torch.int64)[idx]
@@ -229,7 +239,20 @@ class SelectiveDecode:
         return (st.size, st.unit, st.max_pages, *buffers)
 
     def run_batched(
-        self, method, layer, q, k_cache, v_cache, kmin, kmax, out, dense=None, select_q=None, kv=None, kscale=None
+        self,
+        method,
+        layer,
+        q,
+        k_cache,
+        v_cache,
+        kmin,
+        kmax,
+        out,
+        dense=None,
+        select_q=None,
+        kv=None,
+        kscale=None,
+        levels=0,
     ) -> torch.Tensor:
         """The batched path for one layer: pick on the device, write into the plan, attend.
 
@@ -239,7 +262,8 @@ class SelectiveDecode:
         ``kv``: a per-token quantized store's layer (``k_cache`` / ``v_cache`` None): the selected entries
         are read from its codes. Only selections from page summaries run over it (no keys: the engine
         refuses others at start-up, ``model_runner._check_method_over_store``; no extra state). ``kscale``:
-        the summaries' scales when ``kmin`` / ``kmax`` are int8 codes."""
+        the summaries' scales when ``kmin`` / ``kmax`` are int8 codes; ``levels`` > 0: ``kmin`` / ``kmax`` are
+        a KIVI store's per-channel key minimum and step (``DecodeBatch.page_levels``)."""
         select_q = q if select_q is None else select_q
         st = self._batched
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
@@ -258,6 +282,7 @@ class SelectiveDecode:
             page_min=kmin,
             page_max=kmax,
             page_scale=kscale,
+            page_levels=levels,
             key_cache=k_cache if plan.decode_keys else None,
             sm_scale=self.sm_scale,
             page_counts=st.num_pages,
@@ -329,7 +354,7 @@ class SelectiveDecode:
     def _replan(self, wrapper: BatchDecodeWithPagedKVCache, ids: torch.Tensor, st: _BatchedStep) -> None:
         """Reference kernels (no index buffer to write on the device): plan the step's lists again
         with the picked entries in place of the placeholders."""
-        kv_indptr, kv_indices, kv_last_len = self._host_plan
+        kv_indptr, kv_indices, kv_last_len, tails = self._host_plan
         picked = (ids.view(-1) if st.take is None else ids.view(-1)[st.take]).to("cpu", torch.int32)
         if st.positions is None:
             kv_indices = picked
@@ -337,7 +362,7 @@ class SelectiveDecode:
             kv_indices = kv_indices.clone()
             kv_indices[st.positions.cpu()] = picked
         shape = dict(head_sparse=True, page_size=st.unit, sm_scale=self.sm_scale, **self.shape)
-        wrapper.plan(kv_indptr, kv_indices, kv_last_len, **shape)
+        wrapper.plan(kv_indptr, kv_indices, kv_last_len, **shape, **tails)
 
     def _logits(self, q: torch.Tensor, k_cache: torch.Tensor, st: _BatchedStep):
         """Raw logits of every row over its tokens (through the tables) and their softmax statistics."""

@@ -46,7 +46,8 @@ class QuestConfig(MethodConfig):
     quest_summary_dtype: Literal["int8", "model"] = Field(
         "int8",
         description="Page summaries' storage: int8 codes rounded outward with a scale per (page, KV head), half "
-        "the bytes each step's bounds read and still upper bounds, or the model dtype (exact min / max).",
+        "the bytes each step's bounds read and still upper bounds, or the model dtype (exact min / max). Over a "
+        "KIVI store neither: its pages' own key statistics (per-channel min and step) bound them.",
     )
 
 
@@ -67,7 +68,9 @@ class Quest(SparseMethod):
 
     def __init__(self, config: QuestConfig, shape: ModelShape) -> None:
         super().__init__(config, shape)
-        self.storage = Storage(StoreKind.PAGED_WITH_SUMMARIES, summary_dtype=config.quest_summary_dtype)
+        self.storage = Storage(
+            StoreKind.PAGED_WITH_SUMMARIES, summary_dtype=config.quest_summary_dtype, page_tokens=config.quest_chunk_size
+        )
 
     @property
     def budget(self) -> int:
@@ -119,5 +122,6 @@ class Quest(SparseMethod):
             sink=sink,
             recent=recent,
             scale=batch.page_scale,
+            levels=batch.page_levels,
         )
         return k.top_k_ascending(bounds, min(sink + keep + recent, batch.max_pages))

@@ -122,15 +122,16 @@ def _step_kv_tokens(engine: LLMEngine) -> tuple[int, int]:
 
 
 def _summary_slots(engine: LLMEngine) -> float:
-    """Slots' worth of bytes one block's key summaries take (0 without summaries; 1 for model-dtype min /
-    max over a model-dtype store, about 0.51 for int8 codes with their scales)."""
+    """Slots' worth of bytes a page bound reads per block (0 without summaries; 1 for model-dtype min /
+    max over a model-dtype store, about 0.51 for int8 codes with their scales; a KIVI page's key
+    statistics, part of its slots' own bytes, otherwise)."""
     store = getattr(engine.runner.kv, "store", None)
-    if store is None or not store.summaries:
-        return 0
     itemsize = engine.runner.dtype.itemsize
-    summary = store.summary_bytes(itemsize)
-    slot = (store.bytes_per_block(itemsize) - summary) / store.block_size
-    ratio = summary / slot
+    bound = 0 if store is None else store.page_bound_bytes(itemsize)
+    if not bound:
+        return 0
+    slot = (store.bytes_per_block(itemsize) - store.summary_bytes(itemsize)) / store.block_size
+    ratio = bound / slot
     return int(ratio) if ratio == int(ratio) else ratio
 
 
