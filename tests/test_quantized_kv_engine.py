@@ -394,6 +394,7 @@ def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_refuses
     ("config", "match"),
     [
         (dict(sparse_method="quest", kv_cache_dtype="kivi", block_size=32), "set kv_quant_page_size=16"),
+        (dict(sparse_method="quest", block_size=32), "pages of 16 tokens.*set block_size=16"),
         (dict(sparse_method="omnikv", kv_cache_dtype="kivi"), "from keys or history"),
         (dict(sparse_method="omnikv", kv_cache_dtype="fp8"), "from keys or history"),
         (dict(sparse_method="kivi", kv_cache_dtype="fp8"), "contradicts"),

@@ -107,9 +107,10 @@ def test_upper_bound_bounds_every_key():
 def test_quest_declarations_and_dense_under_budget():
     method = sm.build_method("quest", sm.ModelShape(4, 8, 2, 16))
     assert method.prefix_cache_mode is sm.PrefixCacheMode.RADIX
-    assert method.storage == sm.Storage(sm.StoreKind.PAGED_WITH_SUMMARIES, summary_dtype="int8")
-    exact = sm.build_method("quest", sm.ModelShape(4, 8, 2, 16), quest_summary_dtype="model")
-    assert exact.storage == type(exact).storage == sm.Storage(sm.StoreKind.PAGED_WITH_SUMMARIES)
+    # its pages are the engine's blocks of quest_chunk_size tokens (the engine refuses other block sizes)
+    assert method.storage == sm.Storage(sm.StoreKind.PAGED_WITH_SUMMARIES, summary_dtype="int8", page_tokens=16)
+    exact = sm.build_method("quest", sm.ModelShape(4, 8, 2, 16), quest_summary_dtype="model", quest_chunk_size=32)
+    assert exact.storage == sm.Storage(sm.StoreKind.PAGED_WITH_SUMMARIES, page_tokens=32)
     assert method.budget == 64 + 1472 + 512
     modes = [method.layer_plan(layer).decode for layer in range(4)]
     assert modes == [sm.DecodeRead.ALL] * 2 + [sm.DecodeRead.SELECTED] * 2
