@@ -83,28 +83,44 @@ def test_upper_bound_bounds_every_key_and_matches_formula(group):
             torch.testing.assert_close(bound[hq, i], formula)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize(("scheme", "bits"), [("fp8", 8), ("turboquant", 3)])
-def test_quantized_summary_is_the_min_max_of_the_dequantized_keys(scheme, bits):
+def test_quantized_summary_is_the_min_max_of_the_dequantized_keys(scheme, bits, backend, triton_device):
     """Per listed block, the min / max over its first num_valid tokens of the keys attention reads (fp8:
     codes x scale; TurboQuant: codebook level x scale, rotated back), written at the block's row; a row
-    with num_valid 0 (a padded decode row) writes nothing (it repeats row 0's write)."""
+    with num_valid 0 (a padded decode row) writes nothing (it repeats row 0's write). As int8 codes (with a
+    scale), the Triton kernel's fp8 summaries equal the reference's code for code."""
     from sparse_kernels.block_summary import quantized_block_summary
     from sparse_kernels.kv_quant import allocate_quantized_kv, unpack_codes
     from sparse_kernels.quantized_store import store_kv_quantized
 
+    device = triton_device if backend == "triton" else "cpu"
     g = torch.Generator().manual_seed(3)
     blocks, bs, h, d = 6, 4, 2, 32
-    kv = allocate_quantized_kv(scheme, bits, blocks, bs, h, d, torch.float32, "cpu", seed=1)
-    keys = torch.randn(blocks * bs, h, d, generator=g)
-    store_kv_quantized(keys, torch.randn_like(keys), kv, torch.arange(blocks * bs, dtype=torch.int32))
+    kv = allocate_quantized_kv(scheme, bits, blocks, bs, h, d, torch.float32, device, seed=1)
+    keys = torch.randn(blocks * bs, h, d, generator=g).to(device)
+    slots = torch.arange(blocks * bs, dtype=torch.int32, device=device)
+    store_kv_quantized(keys, torch.randn_like(keys), kv, slots, backend=backend)
     if scheme == "fp8":
         read = kv.k.float() * kv.k_scale[..., None].float()
     else:
         read = (kv.codebook[unpack_codes(kv.k, bits, d)] * kv.k_scale[..., None].float()) @ kv.rotation.T
-    kmin = torch.full((blocks, h, d), 7.0)
-    kmax = torch.full((blocks, h, d), -7.0)
-    ids, valid = torch.tensor([3, 1, 5, 0]), torch.tensor([2, 4, 1, 0])  # the last row: padding
-    quantized_block_summary(kv, ids, valid, kmin, kmax)
+    read = read.cpu()
+    kmin = torch.full((blocks, h, d), 7.0, device=device)
+    kmax = torch.full((blocks, h, d), -7.0, device=device)
+    ids, valid = torch.tensor([3, 1, 5, 0], device=device), torch.tensor([2, 4, 1, 0], device=device)  # last: padding
+    quantized_block_summary(kv, ids, valid, kmin, kmax, backend=backend)
+    kmin, kmax, ids, valid = kmin.cpu(), kmax.cpu(), ids.cpu(), valid.cpu()
+    codes = [torch.zeros(blocks, h, d, dtype=torch.int8, device=device) for _ in range(2)]
+    scales = torch.zeros(blocks, h, device=device)
+    quantized_block_summary(kv, ids.to(device), valid.to(device), *codes, scale=scales, backend=backend)
+    ref = [torch.zeros(blocks, h, d, dtype=torch.int8) for _ in range(2)]
+    ref_scales = torch.zeros(blocks, h)
+    cpu_kv = type(kv)(**{f: (getattr(kv, f).cpu() if isinstance(getattr(kv, f), torch.Tensor) else getattr(kv, f))
+                         for f in kv.__dataclass_fields__})  # fmt: skip
+    quantized_block_summary(cpu_kv, ids, valid, *ref, scale=ref_scales, backend="reference")
+    assert torch.equal(codes[0].cpu(), ref[0]) and torch.equal(codes[1].cpu(), ref[1])
+    assert torch.equal(scales.cpu(), ref_scales)
     for b, n in zip(ids[:3].tolist(), valid[:3].tolist(), strict=True):
         torch.testing.assert_close(kmin[b], read[b, :n].amin(0))
         torch.testing.assert_close(kmax[b], read[b, :n].amax(0))

@@ -82,6 +82,7 @@ def quantized_block_summary(
     kmax: torch.Tensor,
     *,
     scale: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> None:
     """``block_summary`` of a per-token quantized store (fp8, TurboQuant): the elementwise min and max of
     each listed block's *dequantized* keys over its first ``num_valid`` tokens (TurboQuant's rotated back,
@@ -89,14 +90,21 @@ def quantized_block_summary(
 
     ``block_ids`` / ``num_valid``: int ``[n]`` on the store's device. A row with ``num_valid <= 0`` (a
     padded decode row) writes nothing: it repeats row 0's write, so row 0 must be a real one; other ids
-    must be distinct. Plain torch ops with no host sync (a CUDA graph can capture it). With ``scale``, int8
-    codes as in ``block_summary``.
+    must be distinct. No host sync (a CUDA graph can capture it). With ``scale``, int8 codes as in
+    ``block_summary``. fp8 on the Triton backend: ``block_summary``'s kernel, which dequantizes each code
+    by its (token, head) scale as it loads it (one launch); otherwise (TurboQuant, the reference) torch ops.
     """
     from sparse_kernels.kv_quant import decode_rows
 
     if kv.scheme not in ("fp8", "turboquant"):
         raise ValueError(f"block summaries of a {kv.scheme} store are not built (per-token schemes only)")
     if block_ids.numel() == 0:
+        return
+    if kv.scheme == "fp8" and resolve_backend(backend, kv.k.device) == "triton":
+        from sparse_kernels._triton.summary import block_summary_triton
+
+        _check(kv.k, block_ids, num_valid, kmin, kmax, scale)
+        block_summary_triton(kv.k, block_ids, num_valid, kmin, kmax, scale, token_scale=kv.k_scale)
         return
     ids = block_ids.to(torch.int64)
     live = num_valid > 0

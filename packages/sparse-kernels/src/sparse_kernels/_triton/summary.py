@@ -1,5 +1,6 @@
 """Triton ``block_summary``: one program per (listed block, KV head) reduces the block's valid keys (and,
-with a scale, writes them as ``summary_codes``' outward-rounded int8 codes)."""
+with a scale, writes them as ``summary_codes``' outward-rounded int8 codes). With ``token_scale`` the cache
+holds fp8 codes and a float32 scale per (token, KV head): the keys are dequantized first (an fp8 store)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from sparse_kernels._triton.launch import Kernel
 
 def _block_summary_kernel(
     k_ptr,
+    token_scale_ptr,
     ids_ptr,
     valid_ptr,
     kmin_ptr,
@@ -23,6 +25,7 @@ def _block_summary_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr,
     FROM_SLOTS: tl.constexpr,
 ):
     i = tl.program_id(0)
@@ -41,6 +44,8 @@ def _block_summary_kernel(
         slot = block * BLOCK_SIZE + offs_t
         k = tl.load(k_ptr + (slot[:, None] * NUM_KV_HEADS + h) * HEAD_DIM + offs_d[None, :], mask=mask, other=0.0)
         k = k.to(tl.float32)
+        if TOKEN_SCALE:  # fp8 codes times their (token, head) scale: the keys attention reads
+            k = k * tl.load(token_scale_ptr + slot * NUM_KV_HEADS + h, mask=offs_t < n, other=0.0)[:, None]
         k_min = tl.min(tl.where(mask, k, float("inf")), 0)
         k_max = tl.max(tl.where(mask, k, float("-inf")), 0)
         dst = (block * NUM_KV_HEADS + h) * HEAD_DIM + offs_d
@@ -75,12 +80,15 @@ def block_summary_triton(
     kmax: torch.Tensor,
     scale: torch.Tensor | None = None,
     from_slots: bool = False,
+    token_scale: torch.Tensor | None = None,
 ) -> None:
     """Inputs already validated by ``sparse_kernels.block_summary`` (``from_slots``: ``block_ids`` is a
-    decode step's slot mapping, ``num_valid`` unused; ``update_block_summaries``)."""
+    decode step's slot mapping, ``num_valid`` unused; ``update_block_summaries``). ``token_scale``: float32
+    ``[num_blocks, block_size, num_kv_heads]`` of an fp8 cache (``quantized_block_summary``)."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     block_summary_kernel[(block_ids.numel(), num_kv_heads)](
         k_cache,
+        k_cache if token_scale is None else token_scale,
         block_ids,
         num_valid,
         kmin,
@@ -92,6 +100,7 @@ def block_summary_triton(
         BLOCK_T=max(2, triton.next_power_of_2(block_size)),
         BLOCK_D=triton.next_power_of_2(head_dim),
         HAS_SCALE=scale is not None,
+        TOKEN_SCALE=token_scale is not None,
         FROM_SLOTS=from_slots,
         num_warps=2,
     )
