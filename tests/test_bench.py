@@ -95,3 +95,12 @@ def test_bench_counts_layer_blocks_as_one_layer(tmp_path):
     in_use = run["raw"]["kv_bytes_in_use"]
     assert in_use % (run["kv_bytes_per_block"] // layers) == 0
     assert 0 < in_use < dense_bytes
+
+
+def test_label_names_the_store_scheme_after_its_summaries():
+    from sparse_serve.bench.report_tables import label
+
+    store = "quantized paged + block summaries (int8 codes) (fp8, 8 bits)"
+    assert label(dict(engine="sparse-engine", sparse_method="quest", kv_store=store)) == "quest [fp8, 8 bits]"
+    plain = dict(engine="sparse-engine", sparse_method="kivi", kv_store="quantized paged (kivi, 2 bits)")
+    assert label(plain) == "kivi [kivi, 2 bits]"

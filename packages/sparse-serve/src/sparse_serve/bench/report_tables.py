@@ -19,7 +19,7 @@ def label(run: dict) -> str:
         text += f" + {run['prefill_sparse_method']} prefill"
     store = run.get("kv_store", "")
     if store.startswith("quantized"):  # e.g. "kivi [kivi, 2 bits]", "snapkv [fp8, 8 bits]"
-        text += " [" + store[store.index("(") + 1 : -1] + "]"
+        text += " [" + store[store.rindex("(") + 1 : -1] + "]"  # the scheme's parentheses (summaries' come first)
     text += " (async)" if run.get("async_scheduling") else ""
     if run.get("tensor_parallel_size", 1) > 1:  # its bytes and bandwidth are one rank's
         text += f" (TP {run['tensor_parallel_size']}, per GPU)"
