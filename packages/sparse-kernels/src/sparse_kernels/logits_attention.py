@@ -5,7 +5,8 @@ A layer that needs every token's logits anyway (a method's filter layer scoring 
 read the keys once to write them; attending from those logits reads V and the logits instead of K
 and V again. ``softmax_stats`` gives each (row, query head)'s max and sum of ``exp(logit - max)``,
 which also turns any logit into its probability (``exp(l - max) / sum``) for the method's scores.
-Fixed grids, no host sync: graph-safe.
+Fixed grids, no host sync: graph-safe. Over an fp8 store (``v_scale``) values are e4m3 codes times a
+scale per (token, KV head), folded into each token's probability before ``P @ V``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._backend import resolve_backend
+from sparse_kernels.paged_logits import check_token_scale
 
 
 def softmax_stats(
@@ -52,6 +54,7 @@ def logits_attention(
     kv_lens: torch.Tensor,
     out: torch.Tensor,
     *,
+    v_scale: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """``out[b, hq] = sum_j softmax(logits[b, hq])_j * v_j`` over row ``b``'s tokens ``j < kv_lens[b]``.
@@ -70,6 +73,9 @@ def logits_attention(
         block_size] * block_size + j % block_size``; ``1 <= kv_lens[b] <= W``.
     out : torch.Tensor
         ``[B, num_qo_heads, head_dim]`` (unit stride in the last dim), written in ``out``'s dtype.
+    v_scale : torch.Tensor, optional
+        float32 ``[num_blocks, block_size, num_kv_heads]``: ``v_cache`` holds fp8 codes and value ``j`` is
+        ``v_cache[slot] * v_scale[slot]``.
     """
     batch, num_qo_heads, width = logits.shape
     _, block_size, num_kv_heads, head_dim = v_cache.shape
@@ -81,17 +87,22 @@ def logits_attention(
         )
     if tuple(logit_max.shape) != (batch, num_qo_heads) or tuple(logit_sum.shape) != (batch, num_qo_heads):
         raise ValueError(f"logit_max and logit_sum must be [{batch}, {num_qo_heads}]")
+    check_token_scale("v_scale", v_scale, v_cache)
     if batch == 0:
         return out
     if resolve_backend(backend, logits.device) == "triton":
         from sparse_kernels._triton.logits_attention import logits_attention_triton
 
-        return logits_attention_triton(logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out)
+        args = (logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out)
+        return logits_attention_triton(*args, v_scale=v_scale)
     tok = torch.arange(width, device=logits.device)[None, :]
     lens = kv_lens.to(torch.int64)[:, None]
     t = torch.minimum(tok, lens - 1)
     blocks = table_indices.to(torch.int64)[table_start.to(torch.int64)[:, None] + t // block_size]
-    v = v_cache.view(-1, num_kv_heads, head_dim)[blocks * block_size + t % block_size].float()  # [B, W, Hkv, D]
+    slots = blocks * block_size + t % block_size
+    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].float()  # [B, W, Hkv, D]
+    if v_scale is not None:
+        v = v * v_scale.reshape(-1, num_kv_heads)[slots][..., None]
     v = v.repeat_interleave(num_qo_heads // num_kv_heads, dim=2)  # [B, W, Hq, D]
     probs = torch.exp(logits - logit_max[..., None]) / logit_sum[..., None]  # -inf columns -> 0
     out.copy_(torch.einsum("bhw,bwhd->bhd", probs, v))

@@ -38,6 +38,7 @@ def _logits_attention_split_kernel(
     max_ptr,
     sum_ptr,
     v_ptr,
+    v_scale_ptr,
     table_ptr,
     start_ptr,
     lens_ptr,
@@ -53,6 +54,7 @@ def _logits_attention_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    V_SCALE: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -86,6 +88,8 @@ def _logits_attention_split_kernel(
             other=float("-inf"),
         )
         p = tl.exp(x - m[:, None]) * inv[:, None]  # [BLOCK_G, BLOCK_N], 0 where masked
+        if V_SCALE:  # fp8 codes: each value's scale folded into its probability
+            p = p * tl.load(v_scale_ptr + slot * NUM_KV_HEADS + h, mask=mask_n, other=0.0)[None, :]
         acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
     rows = heads * num_splits + split
     tl.store(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
@@ -132,7 +136,7 @@ def num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * num_sms(device) // (batch * num_kv_heads))))
 
 
-def logits_attention_triton(logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out):
+def logits_attention_triton(logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out, v_scale=None):
     batch, num_qo_heads, width = logits.shape
     _, block_size, num_kv_heads, head_dim = v_cache.shape
     group = num_qo_heads // num_kv_heads
@@ -144,6 +148,7 @@ def logits_attention_triton(logits, logit_max, logit_sum, v_cache, table_indices
         logit_max,
         logit_sum,
         v_cache,
+        v_cache if v_scale is None else v_scale,
         table_indices,
         table_start,
         kv_lens,
@@ -157,7 +162,8 @@ def logits_attention_triton(logits, logit_max, logit_sum, v_cache, table_indices
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=BLOCK_N,
-        **dot_args(v_cache.dtype, v_cache.device),
+        **dot_args(torch.float16 if v_scale is not None else v_cache.dtype, v_cache.device),  # fp8 codes: fp16 dots
+        V_SCALE=v_scale is not None,
         num_warps=4,
     )
     logits_attention_reduce_kernel[(batch, num_qo_heads)](

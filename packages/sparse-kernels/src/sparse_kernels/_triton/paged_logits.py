@@ -4,6 +4,7 @@ Each loop step reads ``BLOCK_N`` keys of the head through the table (one contigu
 each, read transposed so the dot needs no transpose) and scores the whole query group with one
 tensor-core dot, ``[group, BLOCK_N]``, as the decode kernel does. Chunks cover a fixed grid
 (``stream_split``); the loop is pipelined (``num_stages``). Tokens past a row are written ``-inf``.
+``K_SCALE``: fp8 codes, each token's score column times its (token, head) scale after the dot.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 def _paged_logits_kernel(
     q_ptr,
     k_ptr,
+    k_scale_ptr,
     table_ptr,
     start_ptr,
     lens_ptr,
@@ -40,6 +42,7 @@ def _paged_logits_kernel(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    K_SCALE: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -67,6 +70,8 @@ def _paged_logits_kernel(
         ptrs = k_ptr + (slot[None, :] * NUM_KV_HEADS + h) * HEAD_DIM + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
         k = tl.load(ptrs, mask=valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
         logit = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
+        if K_SCALE:
+            logit = logit * tl.load(k_scale_ptr + slot * NUM_KV_HEADS + h, mask=valid, other=0.0)[None, :]
         logit = tl.where(valid[None, :], logit, float("-inf"))
         tl.store(out_rows[:, None] + tok[None, :], logit, mask=mask_g[:, None] & (tok[None, :] < hi))
     pdl_exit(USE_GDC)
@@ -75,7 +80,7 @@ def _paged_logits_kernel(
 paged_logits_kernel = Kernel(_paged_logits_kernel)
 
 
-def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, scale: float) -> torch.Tensor:
+def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, scale: float, k_scale=None):
     """Inputs already validated by ``sparse_kernels.paged_logits``; ``out`` must be contiguous."""
     batch, num_qo_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -85,11 +90,15 @@ def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, sc
     group = num_qo_heads // num_kv_heads
     block_n = CONFIG["BLOCK_N"]
     chunk = items_per_program(batch * num_kv_heads, max_tokens, block_n)
-    # 16-bit dots when the query and the keys share a 16-bit dtype, fp32 otherwise.
-    dots = dot_args(k_cache.dtype if q.dtype == k_cache.dtype else torch.float32, q.device)
+    # 16-bit dots when the query and the keys share a 16-bit dtype (fp8 codes: fp16, exact), fp32 otherwise.
+    if k_scale is not None:
+        dots = dot_args(torch.float16, q.device)
+    else:
+        dots = dot_args(k_cache.dtype if q.dtype == k_cache.dtype else torch.float32, q.device)
     paged_logits_kernel[(batch, num_kv_heads, triton.cdiv(max_tokens, chunk))](
         q,
         k_cache,
+        k_cache if k_scale is None else k_scale,
         table_indices,
         table_start,
         kv_lens,
@@ -108,6 +117,7 @@ def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, sc
         BLOCK_N=block_n,
         num_warps=CONFIG["num_warps"],
         num_stages=CONFIG["num_stages"],
+        K_SCALE=k_scale is not None,
         **dots,
         **pdl_args(q.device),
     )
