@@ -360,15 +360,23 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
         )
     plans = [method.layer_plan(layer) for layer in range(num_layers)]
     # Selection from page summaries alone runs over the quantized stores: the per-token ones keep summaries
-    # of their dequantized keys, KIVI's page statistics are summaries; selections that read keys or values,
-    # or select prefill history, do not yet.
+    # of their dequantized keys, KIVI's page statistics are summaries. Layers that observe every token's
+    # logits (and the layers reading what they chose) run over fp8: the engine computes the logits and the
+    # attention from codes. Selections that read keys otherwise, or select prefill history, do not yet.
     from_summaries = (store.summaries or store.page_stat_levels > 0) and all(
         plan.decode is not DecodeRead.OBSERVED and not plan.decode_keys for plan in plans
     )
-    if any(plan.prefill for plan in plans) or (any(p.selects_decode for p in plans) and not from_summaries):
+    observed = [plan for plan in plans if plan.decode is DecodeRead.OBSERVED]
+    from_logits = (
+        store.scheme == "fp8"
+        and bool(observed)
+        and all(plan.decode is DecodeRead.OBSERVED or not plan.decode_keys for plan in plans)
+    )
+    if any(plan.prefill for plan in plans) or (any(p.selects_decode for p in plans) and not (from_summaries or from_logits)):
         raise ValueError(
             f"{method.name} selects what attention reads from keys or history; it does not run over a "
-            f"{store.scheme} KV store yet (selection from page summaries does: fp8, turboquant and kivi)"
+            f"{store.scheme} KV store yet (selection from page summaries does: fp8, turboquant and kivi; "
+            "from every token's logits: fp8)"
         )
 
 

@@ -259,9 +259,10 @@ class SelectiveDecode:
         An ``OBSERVED`` layer reads everything through ``dense`` (the step's dense decode plan) after
         handing the method the batch. ``select_q``: the
         queries the method sees, when not ``q`` (tensor parallelism: its KV groups' query heads).
-        ``kv``: a per-token quantized store's layer (``k_cache`` / ``v_cache`` None): the selected entries
-        are read from its codes. Only selections from page summaries run over it (no keys: the engine
-        refuses others at start-up, ``model_runner._check_method_over_store``; no extra state). ``kscale``:
+        ``kv``: a quantized store's layer (``k_cache`` / ``v_cache`` None): the selected entries are read
+        from its codes. Selections from page summaries run over it, and ``OBSERVED`` layers over fp8 (their
+        logits and attention read the codes); nothing that reads keys otherwise or merges extra state (the
+        engine refuses those at start-up, ``model_runner._check_method_over_store``). ``kscale``:
         the summaries' scales when ``kmin`` / ``kmax`` are int8 codes; ``levels`` > 0: ``kmin`` / ``kmax`` are
         a KIVI store's per-channel key minimum and step (``DecodeBatch.page_levels``)."""
         select_q = q if select_q is None else select_q
@@ -270,8 +271,9 @@ class SelectiveDecode:
         plan = method.layer_plan(layer)
         observed = plan.decode is DecodeRead.OBSERVED
         logits = logit_max = logit_sum = None
-        if observed and st.rows is None:  # every row observed: attend from the logits the method reads
-            logits, logit_max, logit_sum = self._logits(q, k_cache, st)
+        if observed:  # the selecting rows' logits, which the method reads (and, all rows selecting, attention)
+            rows_q = q if st.rows is None else q[st.rows]
+            logits, logit_max, logit_sum = self._logits(rows_q, k_cache, st, kv)
         batch = DecodeBatch(
             query=select_q if st.rows is None else select_q[st.rows],
             kv_lens=st.kv_lens,
@@ -297,11 +299,12 @@ class SelectiveDecode:
         if observed:
             if chosen is not None:
                 raise RuntimeError(f"{method.name} selected at an observed layer {layer}")
-            if logits is None:  # some rows are not in the batch: the dense plan serves every row
-                return dense.run(q, k_cache, v_cache, out=out)
+            if st.rows is not None:  # some rows are not in the batch: the dense plan serves every row
+                return dense.run(q, k_cache, v_cache, out=out) if kv is None else dense.run_quantized(q, kv, out=out)
             # K was read once, for the logits; the output reads V only.
-            args = (v_cache, self._table, st.starts, st.kv_lens, out)
-            return logits_attention(logits, logit_max, logit_sum, *args, backend=self.backend)
+            values, scale = (v_cache, None) if kv is None else (kv.v, kv.v_scale)
+            args = (values, self._table, st.starts, st.kv_lens, out)
+            return logits_attention(logits, logit_max, logit_sum, *args, v_scale=scale, backend=self.backend)
         n = chosen.shape[0]
         wrapper = self._fast[st.unit][0]
         # Block ids (unit = block) or slot ids (unit = 1), through the tables, in one launch; entries
@@ -364,11 +367,14 @@ class SelectiveDecode:
         shape = dict(head_sparse=True, page_size=st.unit, sm_scale=self.sm_scale, **self.shape)
         wrapper.plan(kv_indptr, kv_indices, kv_last_len, **shape, **tails)
 
-    def _logits(self, q: torch.Tensor, k_cache: torch.Tensor, st: _BatchedStep):
-        """Raw logits of every row over its tokens (through the tables) and their softmax statistics."""
+    def _logits(self, q: torch.Tensor, k_cache: torch.Tensor | None, st: _BatchedStep, kv=None):
+        """Raw logits of every selecting row over its tokens (through the tables) and their softmax
+        statistics; ``kv``: an fp8 store's layer, whose codes and scales are read instead of ``k_cache``."""
         shape = (q.shape[0], q.shape[1])
         logits = torch.empty(*shape, st.max_pages * self.shape["block_size"], dtype=torch.float32, device=q.device)
-        paged_logits(q, k_cache, self._table, st.starts, st.kv_lens, logits, scale=self.sm_scale, backend=self.backend)
+        keys, k_scale = (k_cache, None) if kv is None else (kv.k, kv.k_scale)
+        args = (self._table, st.starts, st.kv_lens, logits)
+        paged_logits(q, keys, *args, scale=self.sm_scale, k_scale=k_scale, backend=self.backend)
         logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2))
         softmax_stats(logits, logit_max, logit_sum, backend=self.backend)
         return logits, logit_max, logit_sum
