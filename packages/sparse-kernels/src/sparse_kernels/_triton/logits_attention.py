@@ -12,9 +12,11 @@ from sparse_kernels._decode_buffers import num_sms
 from sparse_kernels._triton.launch import Kernel, dot_args
 
 STATS_BLOCK = 4096  # columns per step of softmax_stats
-BLOCK_N = 64  # tokens per inner step of logits_attention
-PROGRAMS_PER_SM = 8
 MAX_SPLITS = 64
+# logits_attention's launch: tokens per inner step, warps, pipeline stages and programs per SM, for model-dtype
+# values and for fp8 codes (benchmarks/logits_fp8_probe.py sweeps both).
+CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8}
+FP8_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "programs_per_sm": 8}
 
 
 def _softmax_stats_kernel(x_ptr, max_ptr, sum_ptr, width, BLOCK: tl.constexpr):
@@ -131,16 +133,17 @@ def softmax_stats_triton(logits: torch.Tensor, out_max: torch.Tensor, out_sum: t
     softmax_stats_kernel[(rows,)](logits, out_max, out_sum, width, BLOCK=block, num_warps=8)
 
 
-def num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Token chunks per (row, KV head): about PROGRAMS_PER_SM programs per SM (a function of the batch)."""
-    return max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * num_sms(device) // (batch * num_kv_heads))))
+def num_splits(batch: int, num_kv_heads: int, device: torch.device, programs_per_sm: int = 8) -> int:
+    """Token chunks per (row, KV head): about ``programs_per_sm`` programs per SM (a function of the batch)."""
+    return max(1, min(MAX_SPLITS, -(-programs_per_sm * num_sms(device) // (batch * num_kv_heads))))
 
 
 def logits_attention_triton(logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out, v_scale=None):
     batch, num_qo_heads, width = logits.shape
     _, block_size, num_kv_heads, head_dim = v_cache.shape
     group = num_qo_heads // num_kv_heads
-    splits = num_splits(batch, num_kv_heads, logits.device)
+    config = CONFIG if v_scale is None else FP8_CONFIG
+    splits = num_splits(batch, num_kv_heads, logits.device, config["programs_per_sm"])
     block_d = max(16, triton.next_power_of_2(head_dim))
     part = torch.empty(batch * num_qo_heads * splits * block_d, dtype=torch.float32, device=logits.device)
     logits_attention_split_kernel[(batch, num_kv_heads, splits)](
@@ -161,10 +164,11 @@ def logits_attention_triton(logits, logit_max, logit_sum, v_cache, table_indices
         HEAD_DIM=head_dim,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=config["BLOCK_N"],
         **dot_args(torch.float16 if v_scale is not None else v_cache.dtype, v_cache.device),  # fp8 codes: fp16 dots
         V_SCALE=v_scale is not None,
-        num_warps=4,
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
     )
     logits_attention_reduce_kernel[(batch, num_qo_heads)](
         part,

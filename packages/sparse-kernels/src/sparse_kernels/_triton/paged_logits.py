@@ -18,6 +18,7 @@ from sparse_kernels._triton.stream_split import items_per_program
 
 # Tokens per loop step and launch shape (benchmarks/quest_select_probe.py sweeps these).
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+FP8_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}  # fp8 codes (benchmarks/logits_fp8_probe.py)
 
 
 def _paged_logits_kernel(
@@ -88,7 +89,8 @@ def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, sc
     if q.stride(2) != 1:
         q = q.contiguous()
     group = num_qo_heads // num_kv_heads
-    block_n = CONFIG["BLOCK_N"]
+    config = CONFIG if k_scale is None else FP8_CONFIG
+    block_n = config["BLOCK_N"]
     chunk = items_per_program(batch * num_kv_heads, max_tokens, block_n)
     # 16-bit dots when the query and the keys share a 16-bit dtype (fp8 codes: fp16, exact), fp32 otherwise.
     if k_scale is not None:
@@ -115,8 +117,8 @@ def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, sc
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs M >= 16
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_N=block_n,
-        num_warps=CONFIG["num_warps"],
-        num_stages=CONFIG["num_stages"],
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
         K_SCALE=k_scale is not None,
         **dots,
         **pdl_args(q.device),
