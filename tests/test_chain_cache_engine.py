@@ -68,6 +68,9 @@ METHODS = {
         skipkv_segment_size=4,
     ),
 }
+# Over KIVI (pages of 16, the store's smallest) the chain carries the incomplete page's full-precision tail.
+METHODS["kivi"] = dict(kv_cache_dtype="kivi", block_size=16)
+METHODS["snapkv_kivi"] = dict(METHODS["snapkv"], kv_cache_dtype="kivi", block_size=16)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
@@ -115,6 +118,16 @@ def _uninterrupted(llm: LLM, turns: list[list[int]], n: int) -> list[tuple[int, 
     return outs
 
 
+def _scramble_tails(llm: LLM) -> None:
+    """Fill every free tail row (a store with tails: KIVI's incomplete pages) with noise."""
+    pool = llm.engine.runner.kv
+    if pool.store.has_tail:
+        assert not llm.engine.runner.tail_rows.held()
+        for layer in pool.tails:
+            for t in layer.values():
+                t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(9)))
+
+
 def _holders(llm: LLM) -> Counter:
     kv = llm.engine.kv
     held = Counter()
@@ -158,6 +171,7 @@ def test_resume_equals_uninterrupted_session_and_prefills_only_the_suffix(llama,
     for t, suffix in enumerate([None, *turns[1:]]):
         if suffix is not None:
             prompt = prompt + list(outs[-1]) + suffix
+        _scramble_tails(llm)  # between turns another request may use any tail row: the chain carries its own
         out = llm.generate(prompt, GREEDY, chain_id="conv")[0]
         assert out.chain_id == "conv" and out.chain_status == ("created" if t == 0 else "resumed")
         assert out.reused_tokens == done
@@ -195,7 +209,7 @@ def test_exact_chain_equals_full_recompute_and_append_start(llama):
         llm.generate(s2, GREEDY, chain_id="c", chain_append_start=len(full) + 99)
 
 
-@pytest.mark.parametrize("case", ["dense", "snapkv", "adakv"])
+@pytest.mark.parametrize("case", ["dense", "snapkv", "adakv", "snapkv_kivi"])
 def test_forks_continue_independently_and_free_everything(llama, case):
     """Two forks of one chain run in one batch (their shared blocks are copied on write: the partial
     last block on append, compacted blocks before compaction) and equal each branch run alone."""

@@ -410,11 +410,11 @@ def test_synthetic_quantized_noise_keeps_block_summaries_true(qwen3):
         assert not torch.equal(kmin, kmax)
 
 
-def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_refuses_chains(qwen3):
+def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_resumes_chains(qwen3):
     """SnapKV compacts a KIVI store: each layer keeps its budget (the kept tokens re-encoded into full pages plus
     the request's tail row), generation goes on from there, every block and tail row comes back, and a
-    block costs KIVI-4's bytes. A request on a chain is refused before anything is queued (the chain would not
-    carry the tail), and the engine serves on."""
+    block costs KIVI-4's bytes. A chain keeps the compressed KV with the incomplete page's tail (on the host)
+    and the next turn resumes from it (``test_chain_cache_engine.py`` checks resumed turns token for token)."""
     path, _ = qwen3
     plain, kivi = _snapkv_over(path, kv_cache_dtype="kivi")
     engine = kivi.engine
@@ -431,10 +431,14 @@ def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_refuses
     assert engine.kv.pool.num_used_blocks == 0 and engine.runner.tail_rows.num_free == engine.runner.num_tail_rows
     # fp32 on CPU: 4-bit codes (D / 2 bytes per token, K and V) plus fp16 statistics against 4 D bytes
     assert engine.runner.kv_bytes_per_block * 4 < plain.engine.runner.kv_bytes_per_block
-    with pytest.raises(ValueError, match="chains do not carry"):
-        engine.add_request(SNAP_PROMPTS[0], SNAP_PARAMS, chain_id="conversation")
-    assert not engine.has_unfinished_requests()
-    assert len(kivi.generate(SNAP_PROMPTS[:1], SNAP_PARAMS)[0].token_ids) == 8
+    first = kivi.generate(SNAP_PROMPTS[0], SNAP_PARAMS, chain_id="conversation")[0]
+    assert first.chain_status == "created" and engine.runner.tail_rows.held() == {}
+    follow = SNAP_PROMPTS[0] + list(first.token_ids) + SNAP_PROMPTS[2][:9]
+    second = kivi.generate(follow, SNAP_PARAMS, chain_id="conversation")[0]
+    assert second.chain_status == "resumed" and second.reused_tokens == len(SNAP_PROMPTS[0]) + 7
+    assert len(second.token_ids) == 8 and engine.runner.tail_rows.held() == {}
+    kivi.drop_chain("conversation")
+    assert engine.kv.pool.num_used_blocks == 0
 
 
 @pytest.mark.parametrize(

@@ -12,11 +12,17 @@ turn's prompt carries it); a request that ends before its first step gives back 
 Blocks shared with a fork are copied before anything writes to them: the KV manager swaps them for
 fresh blocks and this module copies their contents, for appends when a step is scheduled and for
 compactions just before they rewrite slots.
+
+A store with tails (KIVI) keeps a running request's incomplete page outside the pool, in the request's tail
+row. A chain carries it on the host: when a request on a chain ends, its tail row (every layer's) is copied
+out with the method's state (``ChainState``); the request that resumes the chain gets it copied into its own
+tail row before its first step writes anything. Forks share it (it is never written in place).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -79,12 +85,23 @@ def rewritten_slots_reference(compaction: Compaction) -> tuple[int, int] | None:
     return None if first is None else (first, end)
 
 
-class EngineChains:
-    """The engine's side of the chain cache (``kv.chains``): opening and closing requests on chains."""
+@dataclass(frozen=True, slots=True)
+class ChainState:
+    """What a chain keeps for its next request beside its blocks, over a store with tails: the method's
+    state and the incomplete page's tail rows on the host (per layer, each tail tensor's row)."""
 
-    def __init__(self, kv: KVCacheManager, pool: KVPool):
+    method_state: object | None
+    tail: tuple[dict[str, torch.Tensor], ...]
+
+
+class EngineChains:
+    """The engine's side of the chain cache (``kv.chains``): opening and closing requests on chains.
+    ``tail_rows``: the runner's tail-row allocator over a store with tails (None otherwise)."""
+
+    def __init__(self, kv: KVCacheManager, pool: KVPool, tail_rows=None):
         self.kv = kv
         self.pool = pool
+        self.tail_rows = tail_rows
 
     @property
     def cache(self):
@@ -114,7 +131,10 @@ class EngineChains:
         req.resumed = True
         req.num_computed_tokens = req.num_reused_tokens = checkout.num_reused_tokens
         req.kv_lens = list(checkout.kv_lens)
-        req.resumed_state = checkout.state
+        state = checkout.state
+        if isinstance(state, ChainState):
+            state, req.resumed_tail = state.method_state, state.tail
+        req.resumed_state = state
 
     def close(self, req: Request, state: object | None) -> None:
         """Hand the request's computed history back to its chain (before its blocks would be freed), with
@@ -124,8 +144,36 @@ class EngineChains:
         rid = req.request_id
         pending = req.state_to_resume  # ended before its first step: the method never had the chain's state
         state = pending if pending is not None else state if self.kv.has_request(rid) else None
+        tail = self._tail_of(req)
+        if tail is not None:
+            state = ChainState(state, tail)
         n = req.num_computed_tokens
         self.kv.save_chain(rid, req.chain_id, req.token_ids[:n], req.kv_lens, state, req.token_ids[n:])
+
+    def _tail_of(self, req: Request) -> tuple[dict[str, torch.Tensor], ...] | None:
+        """The request's incomplete pages as the chain keeps them (host copies of its tail row), None when the
+        store keeps no tails, the request holds no KV or every layer's length ends on a block boundary."""
+        if self.tail_rows is None or not self.kv.has_request(req.request_id):
+            return None
+        if all(n % self.kv.block_size == 0 for n in req.kv_lens):
+            return None
+        if req.resumed_tail is not None:  # ended before its first step: the chain's own tail, never restored
+            return req.resumed_tail
+        row = self.tail_rows.held().get(req.request_id)
+        if row is None:
+            return None
+        return tuple({name: t[row].to("cpu", copy=True) for name, t in layer.items()} for layer in self.pool.tails)
+
+    def restore_tails(self, requests: Sequence[Request]) -> None:
+        """Copy each resumed request's pending chain tail into its tail row (before the step writes it)."""
+        for req in requests:
+            if req.resumed_tail is None:
+                continue
+            row = self.tail_rows.row(req.request_id)
+            for layer, saved in zip(self.pool.tails, req.resumed_tail, strict=True):
+                for name, t in layer.items():
+                    t[row].copy_(saved[name], non_blocking=False)
+            req.resumed_tail = None
 
     def copy_pending(self) -> None:
         """Perform the block copies the KV manager queued (before the step writes anything)."""

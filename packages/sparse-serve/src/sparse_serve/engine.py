@@ -121,7 +121,7 @@ class LLMEngine:
         )
         if self.kv.null_block is not None:
             self.runner.clear_block(self.kv.null_block)
-        self.chains = EngineChains(self.kv, self.runner.kv)
+        self.chains = EngineChains(self.kv, self.runner.kv, self.runner.tail_rows)
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=config.max_num_seqs,
@@ -227,11 +227,6 @@ class LLMEngine:
         problems raise ``sparse_cache.ChainError`` subclasses (a ValueError), queuing nothing.
         """
         params = sampling_params or SamplingParams()
-        if chain_id is not None and self.runner.tail_rows is not None:
-            raise ValueError(
-                f"chains do not carry a {self.runner.store.scheme} store's incomplete-page tail yet: run chains over "
-                "kv_cache_dtype fp8 or turboquant, or send this request without chain_id"
-            )
         text, token_ids = self._tokenize(prompt)
         if chain_id is not None:
             token_ids = self.chains.logical_prompt(chain_id, chain_append_start, token_ids)
@@ -367,6 +362,7 @@ class LLMEngine:
                 raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
             return None
         self.chains.copy_pending()  # blocks shared with a fork, copied before this step writes them
+        self.chains.restore_tails([req for req, _ in batch.items])  # resumed chains' incomplete pages
         meta = build_step_metadata(
             batch,
             self.kv.table,

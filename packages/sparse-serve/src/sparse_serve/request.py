@@ -51,6 +51,9 @@ class Request:
     # method's state of that chain (what ``release`` returned), which its first step hands the method.
     resumed: bool = False
     resumed_state: object | None = None
+    # A resumed chain's incomplete page on the host (a store with tails: per layer, each tail tensor's row),
+    # copied into the request's tail row before its first step writes anything; None when none is pending.
+    resumed_tail: tuple[dict[str, object], ...] | None = None  # host tensors
     # Log-probabilities of the sampled tokens (when asked for), and of the prompt tokens by position
     # (None: not asked for; entry 0 is always None, nothing precedes the first token).
     logprobs: list = field(default_factory=list)

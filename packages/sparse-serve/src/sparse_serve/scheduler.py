@@ -251,7 +251,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.replay_passes, req.num_replays_done = (), 0  # asked again when its prompt is recomputed
-        req.resumed, req.resumed_state = False, None
+        req.resumed, req.resumed_state, req.resumed_tail = False, None, None
         req.reset_kv(0)
         req.num_preemptions += 1
         self.num_preemptions += 1
