@@ -7,7 +7,8 @@ selection from 512 queries on (the default ``min_sparse_q_len`` of 4096 would le
 prompt dense). ``--set methods``: every registered decode method at a budget of a quarter of the
 prompt (``method_settings``; a method that cannot run gets its error in the table, the others go
 on). ``--set retroinfer``: dense and RetroInfer at its defaults (no index below 16384 tokens: dense
-here), and at its default ratios with an index at these lengths (``retroinfer_settings``).
+here), and at its default ratios with an index at these lengths (``retroinfer_settings``). ``--set composed``:
+Quest, OmniKV and SnapKV over compressed stores next to the same method over the model dtype.
 The prompts: the harness's five retrieval tasks at the model's longest trained context (4096 tokens)
 over nine needle depths. Accuracy is reported with a Wilson 95% interval, and the difference to
 dense is paired (same prompts): its 95% interval comes from the discordant pairs, so "within one
@@ -110,12 +111,32 @@ def quest_summary_settings(length: int) -> dict[str, dict]:
     return out
 
 
+def composed_settings(length: int) -> dict[str, dict]:
+    """Query-aware and eviction methods over compressed stores at a quarter of the context, next to the same
+    method over the model dtype: Quest over fp8 and KIVI-4 (16-token pages, Quest's; its pages' key
+    statistics as summaries), OmniKV over fp8 (filter layers from codes), SnapKV over fp8 and KIVI-4."""
+    methods = method_settings(length)
+    kivi = dict(kv_cache_dtype="kivi", kivi_bits=4, kv_quant_page_size=16)
+    return {
+        "dense": {},
+        "quest": methods["quest"],
+        "quest-fp8": dict(methods["quest"], kv_cache_dtype="fp8"),
+        "quest-kivi4": dict(methods["quest"], **kivi),
+        "omnikv": methods["omnikv"],
+        "omnikv-fp8": dict(methods["omnikv"], kv_cache_dtype="fp8"),
+        "snapkv": methods["snapkv"],
+        "snapkv-fp8": dict(methods["snapkv"], kv_cache_dtype="fp8"),
+        "snapkv-kivi4": dict(methods["snapkv"], **kivi),
+    }
+
+
 SETS: dict[str, Callable[[int], dict[str, dict]]] = {
     "kv_dtypes": lambda _: STORES,
     "prefill": lambda _: PREFILL,
     "methods": method_settings,
     "retroinfer": retroinfer_settings,
     "quest_summaries": quest_summary_settings,
+    "composed": composed_settings,
 }
 DEPTHS = (0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 
