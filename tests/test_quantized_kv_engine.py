@@ -134,7 +134,7 @@ def test_prefix_cache_hits_and_equals_a_cache_off_run(qwen3, store):
     assert llm.engine.kv.prefix_hit_tokens >= 2 * 32  # the later prompts each reused two full blocks
 
 
-@pytest.mark.parametrize("store", ["fp8", "kivi4", "turboquant3", "quest_fp8", "quest_kivi4"])
+@pytest.mark.parametrize("store", ["fp8", "kivi4", "turboquant3", "quest_fp8", "quest_kivi4", "omnikv_fp8"])
 def test_preemption_recomputes_and_gives_everything_back(qwen3, store):
     """Per-token stores recompute to the same tokens. KIVI recomputes a preempted request's generated
     tokens as prefill chunks, which quantize differently from decode steps (see the prefix-cache test),
