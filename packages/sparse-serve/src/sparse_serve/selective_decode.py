@@ -156,6 +156,7 @@ class SelectiveDecode:
             and planned[0] is wrapper
             and torch.equal(planned[1], kv_indptr)
             and torch.equal(planned[2], kv_last_len)
+            and (planned[3] is None) == (tail_index is None)
             and (tail_index is None or torch.equal(planned[3], tail_index))
         )
         if kv_indices is None and (not same or wrapper.backend != "triton"):
