@@ -448,6 +448,8 @@ def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_resumes
         (dict(sparse_method="quest", block_size=32), "pages of 16 tokens.*set block_size=16"),
         (dict(sparse_method="omnikv", kv_cache_dtype="kivi"), "from keys or history"),
         (dict(sparse_method="retroinfer", kv_cache_dtype="fp8"), "from keys or history"),
+        (dict(sparse_method="retroinfer", kv_cache_dtype="kivi"), "from keys or history"),  # KIVI's own statistics
+        # bound pages for a method that asks for summaries only
         (dict(sparse_method="kivi", kv_cache_dtype="fp8"), "contradicts"),
         (dict(kivi_bits=2), "applies to kv_cache_dtype='kivi'"),
     ],

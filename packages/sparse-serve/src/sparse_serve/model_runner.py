@@ -363,8 +363,11 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
     # of their dequantized keys, KIVI's page statistics are summaries. Layers that observe every token's
     # logits (and the layers reading what they chose) run over fp8: the engine computes the logits and the
     # attention from codes. Selections that read keys otherwise, or select prefill history, do not yet.
-    from_summaries = (store.summaries or store.page_stat_levels > 0) and all(
-        plan.decode is not DecodeRead.OBSERVED and not plan.decode_keys for plan in plans
+    wants_summaries = method.storage.kind is StoreKind.PAGED_WITH_SUMMARIES
+    from_summaries = (
+        wants_summaries
+        and (store.summaries or store.page_stat_levels > 0)
+        and all(plan.decode is not DecodeRead.OBSERVED and not plan.decode_keys for plan in plans)
     )
     observed = [plan for plan in plans if plan.decode is DecodeRead.OBSERVED]
     from_logits = (
