@@ -56,65 +56,73 @@ def main() -> None:
     torch.manual_seed(0)
     for batch in map(int, args.batches.split(",")):
         pages = batch * args.context // BS
-        table = torch.randperm(pages, generator=gen).to("cuda", torch.int32)
-        starts = torch.arange(batch, device="cuda", dtype=torch.int64) * (args.context // BS)
-        lens = torch.full((batch,), args.context, device="cuda", dtype=torch.int64)
+        rows = dict(
+            table=torch.randperm(pages, generator=gen).to("cuda", torch.int32),
+            starts=torch.arange(batch, device="cuda", dtype=torch.int64) * (args.context // BS),
+            lens=torch.full((batch,), args.context, device="cuda", dtype=torch.int64),
+        )
         q = torch.randn(batch, HQ, D, generator=gen).to("cuda", torch.bfloat16)
         for fp8 in (False, True):
-            k, v, ks, vs = _pool(batch, args.context, fp8)
-            itemsize = 1 if fp8 else 2
-            kv_bytes = batch * args.context * HKV * (D * itemsize + (4 if fp8 else 0))
-            logit_bytes = batch * HQ * args.context * 4
-            logits = torch.empty(batch, HQ, args.context, device="cuda")
-            m, s = torch.empty(batch, HQ, device="cuda"), torch.empty(batch, HQ, device="cuda")
-            out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
-            pl_cfg = pl_kernel.FP8_CONFIG if fp8 else pl_kernel.CONFIG
-            la_cfg = la_kernel.FP8_CONFIG if fp8 else la_kernel.CONFIG
-            pl_default, la_default = dict(pl_cfg), dict(la_cfg)
-
-            def run_logits():
-                paged_logits(q, k, table, starts, lens, logits, scale=D**-0.5, k_scale=ks)
-
-            def run_attention():
-                logits_attention(logits, m, s, v, table, starts, lens, out, v_scale=vs)
-
-            run_logits()
-            softmax_stats(logits, m, s)
-            ref_logits = logits.clone()
-            run_attention()
-            ref_out = out.float().clone()
-            grid = itertools.product(
-                map(int, args.block_n.split(",")), map(int, args.warps.split(",")), map(int, args.stages.split(","))
-            )
-            for block_n, warps, stages in grid:
-                pl_cfg.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-                try:
-                    ms = median_ms(run_logits)
-                except Exception as e:  # a shape the compiler rejects (shared memory)
-                    print(json.dumps(dict(kernel="paged_logits", batch=batch, fp8=fp8, block_n=block_n, warps=warps,
-                                          stages=stages, error=str(e)[:120])))  # fmt: skip
-                    continue
-                diff = float((logits - ref_logits).abs().nan_to_num(0.0, 0.0, 0.0).max())
-                row = dict(kernel="paged_logits", batch=batch, fp8=fp8, block_n=block_n, warps=warps, stages=stages)
-                row.update(us=round(ms * 1e3, 1), copy_frac=round((kv_bytes / 2 + logit_bytes) / (ms * 1e-3) / copy, 3))
-                print(json.dumps({**row, "max_diff": diff}), flush=True)
-                for per_sm in map(int, args.per_sm.split(",")):
-                    la_cfg.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
-                    try:
-                        ms = median_ms(run_attention)
-                    except Exception as e:
-                        print(json.dumps(dict(kernel="logits_attention", batch=batch, fp8=fp8, block_n=block_n,
-                                              warps=warps, stages=stages, per_sm=per_sm, error=str(e)[:120])))  # fmt: skip
-                        continue
-                    diff = float((out.float() - ref_out).abs().max())
-                    row = dict(kernel="logits_attention", batch=batch, fp8=fp8, block_n=block_n, warps=warps)
-                    row.update(stages=stages, per_sm=per_sm, us=round(ms * 1e3, 1))
-                    row.update(copy_frac=round((kv_bytes / 2 + logit_bytes) / (ms * 1e-3) / copy, 3), max_diff=diff)
-                    print(json.dumps(row), flush=True)
-            pl_cfg.clear(), pl_cfg.update(pl_default)
-            la_cfg.clear(), la_cfg.update(la_default)
-            del k, v, ks, vs, logits
+            _sweep(args, batch, fp8, q, rows, copy)  # its pool is freed on return
             torch.cuda.empty_cache()
+
+
+def _print_error(row: dict, e: Exception) -> None:  # a shape the compiler rejects (shared memory)
+    print(json.dumps({**row, "error": str(e)[:120]}), flush=True)
+
+
+def _sweep(args, batch: int, fp8: bool, q: torch.Tensor, rows: dict, copy: float) -> None:
+    """Every launch shape of both kernels over one pool (bf16 or fp8) of ``batch`` rows."""
+    k, v, ks, vs = _pool(batch, args.context, fp8)
+    table, starts, lens = rows["table"], rows["starts"], rows["lens"]
+    itemsize = 1 if fp8 else 2
+    read = batch * args.context * HKV * (D * itemsize + (4 if fp8 else 0)) / 2 + batch * HQ * args.context * 4
+    logits = torch.empty(batch, HQ, args.context, device="cuda")
+    m, s = torch.empty(batch, HQ, device="cuda"), torch.empty(batch, HQ, device="cuda")
+    out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
+    pl_cfg = pl_kernel.FP8_CONFIG if fp8 else pl_kernel.CONFIG
+    la_cfg = la_kernel.FP8_CONFIG if fp8 else la_kernel.CONFIG
+    pl_default, la_default = dict(pl_cfg), dict(la_cfg)
+
+    def run_logits():
+        paged_logits(q, k, table, starts, lens, logits, scale=D**-0.5, k_scale=ks)
+
+    def run_attention():
+        logits_attention(logits, m, s, v, table, starts, lens, out, v_scale=vs)
+
+    run_logits()
+    softmax_stats(logits, m, s)
+    ref_logits = logits.clone()
+    run_attention()
+    ref_out = out.float().clone()
+    grid = itertools.product(
+        map(int, args.block_n.split(",")), map(int, args.warps.split(",")), map(int, args.stages.split(","))
+    )
+    for block_n, warps, stages in grid:
+        row = dict(kernel="paged_logits", batch=batch, fp8=fp8, block_n=block_n, warps=warps, stages=stages)
+        pl_cfg.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        try:
+            ms = median_ms(run_logits)
+        except Exception as e:
+            _print_error(row, e)
+            continue
+        diff = float((logits - ref_logits).abs().nan_to_num(0.0, 0.0, 0.0).max())
+        row.update(us=round(ms * 1e3, 1), copy_frac=round(read / (ms * 1e-3) / copy, 3), max_diff=diff)
+        print(json.dumps(row), flush=True)
+        for per_sm in map(int, args.per_sm.split(",")):
+            row = dict(kernel="logits_attention", batch=batch, fp8=fp8, block_n=block_n, warps=warps)
+            row.update(stages=stages, per_sm=per_sm)
+            la_cfg.update(BLOCK_N=block_n, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+            try:
+                ms = median_ms(run_attention)
+            except Exception as e:
+                _print_error(row, e)
+                continue
+            diff = float((out.float() - ref_out).abs().max())
+            row.update(us=round(ms * 1e3, 1), copy_frac=round(read / (ms * 1e-3) / copy, 3), max_diff=diff)
+            print(json.dumps(row), flush=True)
+    pl_cfg.clear(), pl_cfg.update(pl_default)
+    la_cfg.clear(), la_cfg.update(la_default)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ def test_head_max_probs_equal_softmax_max(backend, sink, recent, paged_batch, tr
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_logits_and_attention_over_fp8_codes_equal_attention_over_dequantized_kv(backend, quantized_batch, triton_device):
+def test_logits_and_attention_over_fp8_codes_equal_attention_over_dequantized_kv(
+    backend, quantized_batch, triton_device
+):
     """An fp8 store (OmniKV's filter layers over ``kv_cache_dtype="fp8"``): ``paged_logits`` with ``k_scale``
     and ``logits_attention`` with ``v_scale`` read e4m3 codes times their (token, head) scales and equal
     plain attention over the dequantized K/V (on a GPU the dots take fp16 operands: the query is rounded)."""

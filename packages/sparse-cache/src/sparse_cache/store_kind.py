@@ -225,7 +225,9 @@ def quantized_paged(
     s, h, d = block_size, num_kv_heads, head_dim
     summary = summary_tensors(h, d, summary_dtype) if summaries else ()
     if summaries and scheme == "kivi":
-        raise ValueError("a KIVI store keeps no block summaries: its pages' key statistics bound them (page_stat_levels)")
+        raise ValueError(
+            "a KIVI store keeps no block summaries: its pages' key statistics bound them (page_stat_levels)"
+        )
     if scheme == "fp8":
         tensors = (
             TensorSpec("k", (s, h, d), "float8_e4m3fn"),

@@ -84,4 +84,5 @@ def check_token_scale(name: str, scale: torch.Tensor | None, cache: torch.Tensor
     if cache.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{name} goes with an fp8 (e4m3) cache, got {cache.dtype}")
     if tuple(scale.shape) != tuple(cache.shape[:3]) or scale.dtype != torch.float32 or not scale.is_contiguous():
-        raise ValueError(f"{name} must be contiguous float32 {list(cache.shape[:3])}, got {scale.dtype} {list(scale.shape)}")
+        shape = list(cache.shape[:3])
+        raise ValueError(f"{name} must be contiguous float32 {shape}, got {scale.dtype} {list(scale.shape)}")

@@ -375,7 +375,8 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
         and bool(observed)
         and all(plan.decode is DecodeRead.OBSERVED or not plan.decode_keys for plan in plans)
     )
-    if any(plan.prefill for plan in plans) or (any(p.selects_decode for p in plans) and not (from_summaries or from_logits)):
+    selects = any(p.selects_decode for p in plans)
+    if any(plan.prefill for plan in plans) or (selects and not (from_summaries or from_logits)):
         raise ValueError(
             f"{method.name} selects what attention reads from keys or history; it does not run over a "
             f"{store.scheme} KV store yet (selection from page summaries does: fp8, turboquant and kivi; "

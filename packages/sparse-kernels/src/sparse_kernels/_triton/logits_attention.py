@@ -140,7 +140,9 @@ def num_splits(batch: int, num_kv_heads: int, device: torch.device, programs_per
     return max(1, min(MAX_SPLITS, -(-programs_per_sm * num_sms(device) // (batch * num_kv_heads))))
 
 
-def logits_attention_triton(logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out, v_scale=None):
+def logits_attention_triton(
+    logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out, v_scale=None
+):
     batch, num_qo_heads, width = logits.shape
     _, block_size, num_kv_heads, head_dim = v_cache.shape
     group = num_qo_heads // num_kv_heads

@@ -68,9 +68,8 @@ class Quest(SparseMethod):
 
     def __init__(self, config: QuestConfig, shape: ModelShape) -> None:
         super().__init__(config, shape)
-        self.storage = Storage(
-            StoreKind.PAGED_WITH_SUMMARIES, summary_dtype=config.quest_summary_dtype, page_tokens=config.quest_chunk_size
-        )
+        summaries = StoreKind.PAGED_WITH_SUMMARIES
+        self.storage = Storage(summaries, summary_dtype=config.quest_summary_dtype, page_tokens=config.quest_chunk_size)
 
     @property
     def budget(self) -> int:
