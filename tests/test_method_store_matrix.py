@@ -39,7 +39,7 @@ STORES["turboquant"] = dict(kv_cache_dtype="turboquant", turboquant_bits=3)
 REFUSED = {
     **{(m, s): "head-major store in the model dtype" for m in ("adakv", "kvzip") for s in STORES},
     **{("retroinfer", s): "from keys or history" for s in STORES},
-    **{("omnikv", s): "from keys or history" for s in ("kivi", "turboquant")},
+    ("omnikv", "kivi"): "from keys or history",
     # a compressed-storage method names its own store
     **{(m, s): "contradicts" for m in ("fp8_kv", "kivi", "turboquant") for s in STORES if not m.startswith(s[:3])},
 }

@@ -33,6 +33,10 @@ STORES = {
         kv_cache_dtype="fp8", sparse_method="omnikv", sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16,
         full_attention_layers="1",  # of the tiny model's three: layer 0 dense, 1 the filter, 2 reads its choice
     ),
+    "omnikv_tq3": dict(
+        kv_cache_dtype="turboquant", turboquant_bits=3, sparse_method="omnikv", sink_keep_tokens=16,
+        decode_keep_tokens=32, recent_keep_tokens=16, full_attention_layers="1",
+    ),  # fmt: skip
     # over KIVI the pages' own key statistics are the summaries, and the incomplete page comes from the tail
     "quest_kivi4": dict(
         kv_cache_dtype="kivi", sparse_method="quest", sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16
@@ -354,15 +358,17 @@ def test_quest_over_kivi_bounds_full_pages_by_their_key_statistics(qwen3, monkey
     assert outs != plain
 
 
-def test_omnikv_over_fp8_scores_every_token_from_its_codes(qwen3, monkeypatch):
-    """OmniKV over an fp8 store: at each filter layer the engine hands the method every row's logits over
-    the codes (equal to ``scale * q . k`` over the dequantized keys, written here), the next layers read the
-    chosen slots as codes, and every block comes back. With every layer a filter layer nothing is skipped:
-    attention from the logits over fp8 codes gives plain fp8's tokens."""
+@pytest.mark.parametrize("case", ["omnikv_fp8", "omnikv_tq3"])
+def test_omnikv_over_a_per_token_store_scores_every_token_from_its_codes(qwen3, monkeypatch, case):
+    """OmniKV over fp8 or TurboQuant: at each filter layer the engine hands the method every row's logits over
+    the codes (equal to ``scale * q . k`` over the dequantized keys, written here; TurboQuant's computed in the
+    rotated space), the next layers read the chosen slots as codes, and every block comes back. With every
+    layer a filter layer nothing is skipped: attention from the logits over the codes gives the plain store's
+    tokens."""
     from sparse_methods.methods.omnikv import OmniKV
 
     path, _ = qwen3
-    store = STORES["omnikv_fp8"]
+    store = STORES[case]
     llm = _llm(path, **store)
     pool = llm.engine.runner.kv
     original, checked = OmniKV.select_decode, []
@@ -373,10 +379,10 @@ def test_omnikv_over_fp8_scores_every_token_from_its_codes(qwen3, monkeypatch):
             group = batch.query.shape[1] // h
             for row in range(batch.query.shape[0]):
                 n = int(batch.kv_lens[row])
-                blocks = batch.table_indices[int(batch.table_start[row]) :][: -(-n // 16)].to(torch.int64)
-                keys = (kv.k[blocks].float() * kv.k_scale[blocks][..., None]).reshape(-1, h, kv.head_dim)[:n]
+                blocks = batch.table_indices[int(batch.table_start[row]) :][: -(-n // 16)].tolist()
+                keys = torch.cat([_dequantized_block_keys(kv, block) for block in blocks])[:n]
                 expected = torch.einsum("hd,nhd->hn", batch.query[row].float(), keys.repeat_interleave(group, 1))
-                torch.testing.assert_close(batch.logits[row, :, :n], expected * batch.sm_scale, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(batch.logits[row, :, :n], expected * batch.sm_scale, rtol=1e-4, atol=1e-4)
                 assert torch.isinf(batch.logits[row, :, n:]).all()
                 checked.append(layer)
         return original(self, layer, batch)
@@ -389,7 +395,8 @@ def test_omnikv_over_fp8_scores_every_token_from_its_codes(qwen3, monkeypatch):
     assert llm.engine.runner.attention.selective.num_selections > 0
     assert llm.engine.kv.pool.num_used_blocks == 0
     monkeypatch.setattr(OmniKV, "select_decode", original)
-    plain = [o.token_ids for o in _llm(path, kv_cache_dtype="fp8").generate(prompts, params)]
+    plain_store = {k: v for k, v in store.items() if k in ("kv_cache_dtype", "turboquant_bits")}
+    plain = [o.token_ids for o in _llm(path, **plain_store).generate(prompts, params)]
     layers = llm.engine.runner.model_config.num_hidden_layers
     every = dict(store, full_attention_layers=",".join(map(str, range(layers))))
     assert [o.token_ids for o in _llm(path, **every).generate(prompts, params)] == plain
@@ -448,6 +455,7 @@ def test_snapkv_over_kivi_keeps_its_budget_in_a_quarter_of_the_bytes_and_resumes
         (dict(sparse_method="quest", block_size=32), "pages of 16 tokens.*set block_size=16"),
         (dict(sparse_method="omnikv", kv_cache_dtype="kivi"), "from keys or history"),
         (dict(sparse_method="retroinfer", kv_cache_dtype="fp8"), "from keys or history"),
+        (dict(sparse_method="retroinfer", kv_cache_dtype="turboquant"), "from keys or history"),
         (dict(sparse_method="retroinfer", kv_cache_dtype="kivi"), "from keys or history"),  # KIVI's own statistics
         # bound pages for a method that asks for summaries only
         (dict(sparse_method="kivi", kv_cache_dtype="fp8"), "contradicts"),

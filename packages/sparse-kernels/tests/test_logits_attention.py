@@ -69,22 +69,28 @@ def test_head_max_probs_equal_softmax_max(backend, sink, recent, paged_batch, tr
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_logits_and_attention_over_fp8_codes_equal_attention_over_dequantized_kv(
-    backend, quantized_batch, triton_device
+@pytest.mark.parametrize(("scheme", "bits"), [("fp8", 8), ("turboquant", 3), ("turboquant", 4)])
+def test_logits_and_attention_over_codes_equal_attention_over_dequantized_kv(
+    backend, scheme, bits, quantized_batch, triton_device
 ):
-    """An fp8 store (OmniKV's filter layers over ``kv_cache_dtype="fp8"``): ``paged_logits`` with ``k_scale``
-    and ``logits_attention`` with ``v_scale`` read e4m3 codes times their (token, head) scales and equal
-    plain attention over the dequantized K/V (on a GPU the dots take fp16 operands: the query is rounded)."""
+    """A per-token quantized store (OmniKV's filter layers over fp8 or TurboQuant): ``paged_logits`` with
+    ``k_scale`` (and TurboQuant's ``codebook``, the query rotated in) and ``logits_attention`` with ``v_scale``
+    (the output rotated back) equal plain attention over the dequantized K/V (on a GPU the dots take fp16
+    operands: the query is rounded)."""
     device = triton_device if backend == "triton" else "cpu"
-    batch = quantized_batch(KV_LENS, scheme="fp8", bits=8, block_size=16, num_kv_heads=2, head_dim=32, seed=4)
+    batch = quantized_batch(KV_LENS, scheme=scheme, bits=bits, block_size=16, num_kv_heads=2, head_dim=32, seed=4)
     kv = batch.kv_on(device)
     q = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(5))
-    tol = dict(rtol=1e-5, atol=1e-5) if torch.device(device).type == "cpu" else dict(rtol=2e-2, atol=2e-2)
+    rotation = None if kv.rotation is None else kv.rotation.cpu().float()
+    q_in = q if rotation is None else q @ rotation  # TurboQuant attends in the rotated space
+    tol = dict(rtol=1e-4, atol=1e-4) if torch.device(device).type == "cpu" else dict(rtol=2e-2, atol=2e-2)
     starts = batch.kv_indptr[:-1].to(torch.int64).to(device)
     lens = torch.tensor(KV_LENS).to(device)
     table = batch.kv_indices.to(device)
     logits = torch.empty(4, 8, 80, device=device)
-    paged_logits(q.to(device), kv.k, table, starts, lens, logits, scale=0.5, k_scale=kv.k_scale, backend=backend)
+    codes = dict(codebook=kv.codebook) if scheme == "turboquant" else {}
+    args = (table, starts, lens, logits)
+    paged_logits(q_in.to(device), kv.k, *args, scale=0.5, k_scale=kv.k_scale, **codes, backend=backend)
     for b, k in enumerate(batch.k_seqs):
         n = k.shape[0]
         expected = torch.einsum("hd,nhd->hn", q[b], k.repeat_interleave(4, dim=1)) * 0.5
@@ -93,10 +99,11 @@ def test_logits_and_attention_over_fp8_codes_equal_attention_over_dequantized_kv
     m, s = torch.empty(4, 8, device=device), torch.empty(4, 8, device=device)
     softmax_stats(logits, m, s, backend=backend)
     out = torch.full((4, 8, 32), float("nan"), device=device)
-    logits_attention(logits, m, s, kv.v, table, starts, lens, out, v_scale=kv.v_scale, backend=backend)
+    logits_attention(logits, m, s, kv.v, table, starts, lens, out, v_scale=kv.v_scale, **codes, backend=backend)
+    out = out.cpu() if rotation is None else out.cpu() @ rotation.T
     for b, (k, v) in enumerate(zip(batch.k_seqs, batch.v_seqs, strict=True)):
         expected = causal_attention(q[b : b + 1], k, v, sm_scale=0.5, causal=False)[0]
-        torch.testing.assert_close(out[b].cpu(), expected, **tol)
+        torch.testing.assert_close(out[b], expected, **tol)
 
 
 def test_token_scales_need_an_fp8_cache():
@@ -107,3 +114,15 @@ def test_token_scales_need_an_fp8_cache():
         paged_logits(*args, out, scale=1.0, k_scale=torch.ones(3, 16, 2))
     with pytest.raises(ValueError, match="k_scale must be contiguous float32"):
         paged_logits(args[0], k.to(torch.float8_e4m3fn), *args[2:], out, scale=1.0, k_scale=torch.ones(3, 16))
+
+
+def test_a_codebook_needs_packed_codes_and_their_scales(quantized_batch):
+    tq = quantized_batch([17], scheme="turboquant", bits=3, block_size=16, num_kv_heads=2, head_dim=32).kv
+    out = torch.empty(1, 4, 16)
+    args = (torch.zeros(1, 4, 32), tq.k, torch.zeros(1, dtype=torch.int32), torch.zeros(1), torch.ones(1))
+    with pytest.raises(ValueError, match="needs k_scale"):
+        paged_logits(*args, out, scale=1.0, codebook=tq.codebook)
+    with pytest.raises(ValueError, match="codebook must be"):
+        paged_logits(*args, out, scale=1.0, k_scale=tq.k_scale, codebook=tq.codebook[:6])
+    with pytest.raises(ValueError, match="int32 packed indices"):
+        paged_logits(args[0], tq.k.float(), *args[2:], out, scale=1.0, k_scale=tq.k_scale, codebook=tq.codebook)

@@ -10,6 +10,7 @@ another; ``triton`` on CPU tensors runs under Triton's interpreter (tests).
 """
 
 from sparse_kernels._backend import BACKEND_ENV, resolve_backend
+from sparse_kernels._quantized_run import rotate as rotate_quantized
 from sparse_kernels.attention_reference import causal_attention
 from sparse_kernels.block_summary import block_summary, block_upper_bound
 from sparse_kernels.compact import compact_kv
@@ -88,4 +89,5 @@ __all__ = [
     "store_kv_quantized",
     "compact_quantized",
     "QuantizedKV",
+    "rotate_quantized",
 ]

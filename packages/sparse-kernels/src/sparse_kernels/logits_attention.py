@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._backend import resolve_backend
-from sparse_kernels.paged_logits import check_token_scale
+from sparse_kernels.paged_logits import check_codebook, check_token_scale, read_rows
 
 
 def softmax_stats(
@@ -55,6 +55,7 @@ def logits_attention(
     out: torch.Tensor,
     *,
     v_scale: torch.Tensor | None = None,
+    codebook: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """``out[b, hq] = sum_j softmax(logits[b, hq])_j * v_j`` over row ``b``'s tokens ``j < kv_lens[b]``.
@@ -76,9 +77,16 @@ def logits_attention(
     v_scale : torch.Tensor, optional
         float32 ``[num_blocks, block_size, num_kv_heads]``: ``v_cache`` holds fp8 codes and value ``j`` is
         ``v_cache[slot] * v_scale[slot]``.
+    codebook : torch.Tensor, optional
+        float32 ``[2**bits]`` (with ``v_scale``): ``v_cache`` holds TurboQuant's packed codebook indices and
+        value ``j`` is ``codebook[codes] * v_scale[slot]``, in the rotated space (rotate ``out`` back: ``@ R.T``).
     """
     batch, num_qo_heads, width = logits.shape
     _, block_size, num_kv_heads, head_dim = v_cache.shape
+    if codebook is not None:
+        head_dim = out.shape[-1]
+        if v_cache.shape[3] != check_codebook("v", v_cache, v_scale, codebook, head_dim):
+            raise ValueError(f"v_cache {list(v_cache.shape)} does not hold {head_dim} channels of these codes")
     if logits.dtype != torch.float32 or not logits.is_contiguous():
         raise ValueError("logits must be contiguous float32")
     if num_qo_heads % num_kv_heads or tuple(out.shape) != (batch, num_qo_heads, head_dim) or out.stride(-1) != 1:
@@ -87,22 +95,21 @@ def logits_attention(
         )
     if tuple(logit_max.shape) != (batch, num_qo_heads) or tuple(logit_sum.shape) != (batch, num_qo_heads):
         raise ValueError(f"logit_max and logit_sum must be [{batch}, {num_qo_heads}]")
-    check_token_scale("v_scale", v_scale, v_cache)
+    if codebook is None:
+        check_token_scale("v_scale", v_scale, v_cache)
     if batch == 0:
         return out
     if resolve_backend(backend, logits.device) == "triton":
         from sparse_kernels._triton.logits_attention import logits_attention_triton
 
         args = (logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out)
-        return logits_attention_triton(*args, v_scale=v_scale)
+        return logits_attention_triton(*args, v_scale=v_scale, codebook=codebook)
     tok = torch.arange(width, device=logits.device)[None, :]
     lens = kv_lens.to(torch.int64)[:, None]
     t = torch.minimum(tok, lens - 1)
     blocks = table_indices.to(torch.int64)[table_start.to(torch.int64)[:, None] + t // block_size]
     slots = blocks * block_size + t % block_size
-    v = v_cache.view(-1, num_kv_heads, head_dim)[slots].float()  # [B, W, Hkv, D]
-    if v_scale is not None:
-        v = v * v_scale.reshape(-1, num_kv_heads)[slots][..., None]
+    v = read_rows(v_cache, v_scale, codebook, slots, head_dim)  # [B, W, Hkv, D]
     v = v.repeat_interleave(num_qo_heads // num_kv_heads, dim=2)  # [B, W, Hq, D]
     probs = torch.exp(logits - logit_max[..., None]) / logit_sum[..., None]  # -inf columns -> 0
     out.copy_(torch.einsum("bhw,bwhd->bhd", probs, v))

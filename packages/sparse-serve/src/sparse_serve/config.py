@@ -72,7 +72,8 @@ class _EngineFields(BaseModel):
         "auto",
         description="How KV is stored, beside the sparse_method: `auto` (the model dtype, or what a compressed-"
         "storage method names: fp8_kv -> fp8, kivi, turboquant), `fp8` (e4m3), `kivi`, `turboquant`. Not yet "
-        "(start-up errors): AdaKV, KVzip, RetroInfer and a prefill_sparse_method need `auto`, OmniKV `auto` or `fp8`.",
+        "(start-up errors): AdaKV, KVzip, RetroInfer and a prefill_sparse_method need `auto`; OmniKV runs on all "
+        "but kivi.",
     )
     kivi_bits: Literal[2, 4] | None = Field(None, description="KIVI code bits (default 4); kv_cache_dtype kivi only.")
     kv_quant_page_size: int | None = Field(

@@ -361,8 +361,9 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
     plans = [method.layer_plan(layer) for layer in range(num_layers)]
     # Selection from page summaries alone runs over the quantized stores: the per-token ones keep summaries
     # of their dequantized keys, KIVI's page statistics are summaries. Layers that observe every token's
-    # logits (and the layers reading what they chose) run over fp8: the engine computes the logits and the
-    # attention from codes. Selections that read keys otherwise, or select prefill history, do not yet.
+    # logits (and the layers reading what they chose) run over the per-token stores (fp8, TurboQuant): the
+    # engine computes the logits and the attention from codes. Selections that read keys otherwise, or
+    # select prefill history, do not yet.
     wants_summaries = method.storage.kind is StoreKind.PAGED_WITH_SUMMARIES
     from_summaries = (
         wants_summaries
@@ -371,7 +372,7 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
     )
     observed = [plan for plan in plans if plan.decode is DecodeRead.OBSERVED]
     from_logits = (
-        store.scheme == "fp8"
+        store.scheme in ("fp8", "turboquant")
         and bool(observed)
         and all(plan.decode is DecodeRead.OBSERVED or not plan.decode_keys for plan in plans)
     )
@@ -380,7 +381,7 @@ def _check_method_over_store(method: SparseMethod | None, store, num_layers: int
         raise ValueError(
             f"{method.name} selects what attention reads from keys or history; it does not run over a "
             f"{store.scheme} KV store yet (selection from page summaries does: fp8, turboquant and kivi; "
-            "from every token's logits: fp8)"
+            "from every token's logits: fp8 and turboquant)"
         )
 
 

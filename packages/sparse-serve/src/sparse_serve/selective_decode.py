@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparse_kernels import BatchDecodeWithPagedKVCache, merge_states, merge_states_, paged_logits
+from sparse_kernels import BatchDecodeWithPagedKVCache, merge_states, merge_states_, paged_logits, rotate_quantized
 from sparse_kernels.logits_attention import logits_attention, softmax_stats
 from sparse_kernels.selection_entries import selection_entries
 from sparse_methods import AttentionState, DecodeBatch, DecodeRead, DecodeSelection, SparseMethod
@@ -302,10 +302,15 @@ class SelectiveDecode:
                 raise RuntimeError(f"{method.name} selected at an observed layer {layer}")
             if st.rows is not None:  # some rows are not in the batch: the dense plan serves every row
                 return dense.run(q, k_cache, v_cache, out=out) if kv is None else dense.run_quantized(q, kv, out=out)
-            # K was read once, for the logits; the output reads V only.
-            values, scale = (v_cache, None) if kv is None else (kv.v, kv.v_scale)
-            args = (values, self._table, st.starts, st.kv_lens, out)
-            return logits_attention(logits, logit_max, logit_sum, *args, v_scale=scale, backend=self.backend)
+            # K was read once, for the logits; the output reads V only (TurboQuant: in the rotated space).
+            if kv is None:
+                args = (v_cache, *self._rows_of(st), out)
+                return logits_attention(logits, logit_max, logit_sum, *args, backend=self.backend)
+            codes = {} if kv.codebook is None else {"codebook": kv.codebook}
+            into = out if kv.rotation is None else torch.empty_like(out)
+            args = (kv.v, *self._rows_of(st), into)
+            logits_attention(logits, logit_max, logit_sum, *args, v_scale=kv.v_scale, **codes, backend=self.backend)
+            return out if kv.rotation is None else rotate_quantized(into, kv, back=True, out=out)
         n = chosen.shape[0]
         wrapper = self._fast[st.unit][0]
         # Block ids (unit = block) or slot ids (unit = 1), through the tables, in one launch; entries
@@ -370,15 +375,24 @@ class SelectiveDecode:
 
     def _logits(self, q: torch.Tensor, k_cache: torch.Tensor | None, st: _BatchedStep, kv=None):
         """Raw logits of every selecting row over its tokens (through the tables) and their softmax
-        statistics; ``kv``: an fp8 store's layer, whose codes and scales are read instead of ``k_cache``."""
+        statistics; ``kv``: a per-token quantized store's layer (fp8, TurboQuant), whose codes and scales are
+        read instead of ``k_cache`` (TurboQuant: with the query rotated in, q R . k R = q . k)."""
         shape = (q.shape[0], q.shape[1])
         logits = torch.empty(*shape, st.max_pages * self.shape["block_size"], dtype=torch.float32, device=q.device)
-        keys, k_scale = (k_cache, None) if kv is None else (kv.k, kv.k_scale)
-        args = (self._table, st.starts, st.kv_lens, logits)
-        paged_logits(q, keys, *args, scale=self.sm_scale, k_scale=k_scale, backend=self.backend)
+        args = (*self._rows_of(st), logits)
+        if kv is None:
+            paged_logits(q, k_cache, *args, scale=self.sm_scale, backend=self.backend)
+        else:
+            codes = {} if kv.codebook is None else {"codebook": kv.codebook}
+            q = q if kv.rotation is None else rotate_quantized(q, kv)
+            paged_logits(q, kv.k, *args, scale=self.sm_scale, k_scale=kv.k_scale, **codes, backend=self.backend)
         logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2))
         softmax_stats(logits, logit_max, logit_sum, backend=self.backend)
         return logits, logit_max, logit_sum
+
+    def _rows_of(self, st: _BatchedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The selecting rows' tokens through the tables: ``(table, starts, kv_lens)``."""
+        return self._table, st.starts, st.kv_lens
 
     def _fast_wrapper(self, unit: int, entries: int, hint: int) -> BatchDecodeWithPagedKVCache:
         """The batched path's wrapper for ``unit``: fixed capacities (graph replays need its buffers to

@@ -10,6 +10,9 @@ import triton.language as tl
 
 from sparse_kernels._decode_buffers import num_sms
 from sparse_kernels._triton.launch import Kernel, dot_args
+from sparse_kernels._triton.quantized_tiles import TURBOQUANT, token_value_tile
+
+_TURBOQUANT = tl.constexpr(TURBOQUANT)  # the tile loaders' scheme id, readable inside the kernel
 
 STATS_BLOCK = 4096  # columns per step of softmax_stats
 MAX_SPLITS = 64
@@ -43,6 +46,7 @@ def _logits_attention_split_kernel(
     sum_ptr,
     v_ptr,
     v_scale_ptr,
+    codebook_ptr,
     table_ptr,
     start_ptr,
     lens_ptr,
@@ -59,6 +63,11 @@ def _logits_attention_split_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     V_SCALE: tl.constexpr,
+    CODEBOOK: tl.constexpr,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -81,11 +90,17 @@ def _logits_attention_split_kernel(
         mask_n = offs_n < hi
         block = tl.load(table_ptr + start + offs_n // BLOCK_SIZE, mask=mask_n, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + offs_n % BLOCK_SIZE
-        v = tl.load(
-            v_ptr + (slot * NUM_KV_HEADS + h)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
+        if CODEBOOK:  # [BLOCK_N, BLOCK_D] codebook levels of TurboQuant's packed indices
+            v = token_value_tile(
+                v_ptr, codebook_ptr, slot * NUM_KV_HEADS + h, offs_d, mask_n, mask_d,
+                _TURBOQUANT, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+            )  # fmt: skip
+        else:
+            v = tl.load(
+                v_ptr + (slot * NUM_KV_HEADS + h)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            )
         x = tl.load(
             logits_ptr + heads[:, None] * width + offs_n[None, :],
             mask=mask_g[:, None] & mask_n[None, :],
@@ -141,10 +156,17 @@ def num_splits(batch: int, num_kv_heads: int, device: torch.device, programs_per
 
 
 def logits_attention_triton(
-    logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out, v_scale=None
+    logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out, v_scale=None, codebook=None
 ):
+    from sparse_kernels._triton.quantized_decode_launch import codebook_args, dot_codebook
+
     batch, num_qo_heads, width = logits.shape
-    _, block_size, num_kv_heads, head_dim = v_cache.shape
+    _, block_size, num_kv_heads, _ = v_cache.shape
+    head_dim = out.shape[-1]
+    codes = {"BITS": 0, "CPW": 1, "WORDS": 1, "UNPACK_WORDS": False}
+    if codebook is not None:  # levels in the dot dtype (fp16 on a GPU)
+        codes = codebook_args(codebook.numel().bit_length() - 1, head_dim)
+        codebook = dot_codebook(codebook)
     group = num_qo_heads // num_kv_heads
     config = CONFIG if v_scale is None else FP8_CONFIG
     splits = num_splits(batch, num_kv_heads, logits.device, config["programs_per_sm"])
@@ -156,6 +178,7 @@ def logits_attention_triton(
         logit_sum,
         v_cache,
         v_cache if v_scale is None else v_scale,
+        v_cache if codebook is None else codebook,
         table_indices,
         table_start,
         kv_lens,
@@ -171,6 +194,8 @@ def logits_attention_triton(
         BLOCK_N=config["BLOCK_N"],
         **dot_args(torch.float16 if v_scale is not None else v_cache.dtype, v_cache.device),  # fp8 codes: fp16 dots
         V_SCALE=v_scale is not None,
+        CODEBOOK=codebook is not None,
+        **codes,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
     )

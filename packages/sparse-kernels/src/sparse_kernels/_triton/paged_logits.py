@@ -4,7 +4,8 @@ Each loop step reads ``BLOCK_N`` keys of the head through the table (one contigu
 each, read transposed so the dot needs no transpose) and scores the whole query group with one
 tensor-core dot, ``[group, BLOCK_N]``, as the decode kernel does. Chunks cover a fixed grid
 (``stream_split``); the loop is pipelined (``num_stages``). Tokens past a row are written ``-inf``.
-``K_SCALE``: fp8 codes, each token's score column times its (token, head) scale after the dot.
+``K_SCALE``: fp8 codes, each token's score column times its (token, head) scale after the dot; with
+``CODEBOOK`` the keys are TurboQuant's packed codebook indices (``quantized_tiles.token_key_tile``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
+from sparse_kernels._triton.quantized_tiles import TURBOQUANT, token_key_tile
 from sparse_kernels._triton.stream_split import items_per_program
+
+_TURBOQUANT = tl.constexpr(TURBOQUANT)  # the tile loaders' scheme id, readable inside the kernel
 
 # Tokens per loop step and launch shape (benchmarks/quest_select_probe.py sweeps these).
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
@@ -27,6 +31,7 @@ def _paged_logits_kernel(
     q_ptr,
     k_ptr,
     k_scale_ptr,
+    codebook_ptr,
     table_ptr,
     start_ptr,
     lens_ptr,
@@ -46,6 +51,11 @@ def _paged_logits_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     K_SCALE: tl.constexpr,
+    CODEBOOK: tl.constexpr,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -70,8 +80,14 @@ def _paged_logits_kernel(
         valid = tok < kv_len
         block = tl.load(table_ptr + start + tok // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         slot = block * BLOCK_SIZE + tok % BLOCK_SIZE
-        ptrs = k_ptr + (slot[None, :] * NUM_KV_HEADS + h) * HEAD_DIM + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
-        k = tl.load(ptrs, mask=valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
+        if CODEBOOK:  # [BLOCK_D, BLOCK_N] codebook levels (rows: (slot, head) rows of packed words)
+            k = token_key_tile(
+                k_ptr, codebook_ptr, slot * NUM_KV_HEADS + h, offs_d, valid, offs_d < HEAD_DIM,
+                _TURBOQUANT, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+            )  # fmt: skip
+        else:
+            ptrs = k_ptr + (slot[None, :] * NUM_KV_HEADS + h) * HEAD_DIM + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
+            k = tl.load(ptrs, mask=valid[None, :] & (offs_d[:, None] < HEAD_DIM), other=0.0)
         logit = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale  # [BLOCK_G, BLOCK_N]
         if K_SCALE:
             logit = logit * tl.load(k_scale_ptr + slot * NUM_KV_HEADS + h, mask=valid, other=0.0)[None, :]
@@ -83,11 +99,19 @@ def _paged_logits_kernel(
 paged_logits_kernel = Kernel(_paged_logits_kernel)
 
 
-def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, scale: float, k_scale=None):
+def paged_logits_triton(
+    q, k_cache, table_indices, table_start, kv_lens, out, scale: float, k_scale=None, codebook=None
+) -> torch.Tensor:
     """Inputs already validated by ``sparse_kernels.paged_logits``; ``out`` must be contiguous."""
+    from sparse_kernels._triton.quantized_decode_launch import codebook_args, dot_codebook
+
     batch, num_qo_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_tokens = out.shape[2]
+    codes = {"BITS": 0, "CPW": 1, "WORDS": 1, "UNPACK_WORDS": False}
+    if codebook is not None:  # levels in the dot dtype (fp16 on a GPU: the quantized decode's choice)
+        codes = codebook_args(codebook.numel().bit_length() - 1, head_dim)
+        codebook = dot_codebook(codebook)
     if q.stride(2) != 1:
         q = q.contiguous()
     group = num_qo_heads // num_kv_heads
@@ -103,6 +127,7 @@ def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, sc
         q,
         k_cache,
         k_cache if k_scale is None else k_scale,
+        k_cache if codebook is None else codebook,
         table_indices,
         table_start,
         kv_lens,
@@ -122,6 +147,8 @@ def paged_logits_triton(q, k_cache, table_indices, table_start, kv_lens, out, sc
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         K_SCALE=k_scale is not None,
+        CODEBOOK=codebook is not None,
+        **codes,
         **dots,
         **pdl_args(q.device),
     )

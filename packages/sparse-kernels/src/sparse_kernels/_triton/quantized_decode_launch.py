@@ -46,6 +46,15 @@ def quant_dot_args(device: torch.device) -> dict[str, Any]:
     return {"DOT_DTYPE": tl.float16, "PRECISION": "tf32"}
 
 
+def codebook_args(bits: int, head_dim: int) -> dict[str, Any]:
+    """TurboQuant's packed-code constexprs for a tile loader (``token_key_tile`` / ``token_value_tile``)."""
+    cpw = codes_per_word("turboquant", bits)
+    words = words_per_row("turboquant", bits, head_dim)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    unpack = QUANT_DECODE_CONFIG["UNPACK_WORDS"] and words * cpw == block_d and cpw & (cpw - 1) == 0
+    return {"BITS": bits, "CPW": cpw, "WORDS": words, "UNPACK_WORDS": bool(unpack)}
+
+
 def scheme_args(kv: QuantizedKV) -> dict[str, Any]:
     """The scheme's constexprs: code layout, and whether whole words can be unpacked by a reshape."""
     cpw = codes_per_word(kv.scheme, kv.bits)
@@ -75,15 +84,20 @@ def kv_pointers(kv: QuantizedKV) -> list[torch.Tensor]:
     is made once per (bits, device) and reused, also inside CUDA graphs captured after a first run.
     """
     fill = kv.k_scale
-    codebook = kv.codebook
-    if codebook is not None:
-        dtype = torch.float32 if codebook.device.type == "cpu" else torch.float16
-        key = (kv.bits, codebook.device, dtype)
-        if key not in _codebooks:
-            _codebooks[key] = codebook.to(dtype)
-        codebook = _codebooks[key]
+    codebook = None if kv.codebook is None else dot_codebook(kv.codebook)
     optional = (kv.k_min, kv.v_min, kv.k_tail, kv.v_tail, codebook)
     return [kv.k, kv.v, kv.k_scale, kv.v_scale, *(fill if t is None else t for t in optional)]
+
+
+def dot_codebook(codebook: torch.Tensor) -> torch.Tensor:
+    """TurboQuant's levels in the dot dtype (fp16 on the GPU, float32 under the interpreter), converted once per
+    (bits, device) and reused, also inside CUDA graphs captured after a first run (the levels depend on the bit
+    width alone)."""
+    dtype = torch.float32 if codebook.device.type == "cpu" else torch.float16
+    key = (codebook.numel(), codebook.device, dtype)
+    if key not in _codebooks:
+        _codebooks[key] = codebook.to(dtype)
+    return _codebooks[key]
 
 
 def run_quantized_decode_triton(
