@@ -113,13 +113,11 @@ def check_codebook(name: str, codes: torch.Tensor, scale: torch.Tensor | None, c
 def read_rows(cache, scale, codebook, slots: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Reference: float32 ``[..., num_kv_heads, head_dim]`` rows of ``slots`` (plain, fp8 codes times their
     scale, or TurboQuant levels times their scale, still rotated)."""
+    from sparse_kernels.kv_quant import decode_rows
+
     num_kv_heads = cache.shape[2]
     rows = cache.reshape(-1, num_kv_heads, cache.shape[3])[slots]
-    if codebook is not None:
-        from sparse_kernels.kv_quant import decode_rows
-
-        bits = codebook.numel().bit_length() - 1
-        flat = scale.reshape(-1, num_kv_heads)[slots]
-        return decode_rows(rows, flat, "turboquant", bits, head_dim, codebook=codebook)
-    rows = rows.float()
-    return rows if scale is None else rows * scale.reshape(-1, num_kv_heads)[slots][..., None]
+    if scale is None:
+        return rows.float()
+    scheme, bits = ("fp8", 8) if codebook is None else ("turboquant", codebook.numel().bit_length() - 1)
+    return decode_rows(rows, scale.reshape(-1, num_kv_heads)[slots], scheme, bits, head_dim, codebook=codebook)

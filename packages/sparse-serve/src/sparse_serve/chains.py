@@ -166,6 +166,8 @@ class EngineChains:
 
     def restore_tails(self, requests: Sequence[Request]) -> None:
         """Copy each resumed request's pending chain tail into its tail row (before the step writes it)."""
+        if self.tail_rows is None:  # a store without tails: nothing is ever pending (every step asks)
+            return
         for req in requests:
             if req.resumed_tail is None:
                 continue

@@ -261,8 +261,9 @@ class SelectiveDecode:
         handing the method the batch. ``select_q``: the
         queries the method sees, when not ``q`` (tensor parallelism: its KV groups' query heads).
         ``kv``: a quantized store's layer (``k_cache`` / ``v_cache`` None): the selected entries are read
-        from its codes. Selections from page summaries run over it, and ``OBSERVED`` layers over fp8 (their
-        logits and attention read the codes); nothing that reads keys otherwise or merges extra state (the
+        from its codes. Selections from page summaries run over it, and ``OBSERVED`` layers over fp8 and
+        TurboQuant (their logits and attention read the codes); nothing that reads keys otherwise or merges
+        extra state (the
         engine refuses those at start-up, ``model_runner._check_method_over_store``). ``kscale``:
         the summaries' scales when ``kmin`` / ``kmax`` are int8 codes; ``levels`` > 0: ``kmin`` / ``kmax`` are
         a KIVI store's per-channel key minimum and step (``DecodeBatch.page_levels``)."""
@@ -306,10 +307,10 @@ class SelectiveDecode:
             if kv is None:
                 args = (v_cache, *self._rows_of(st), out)
                 return logits_attention(logits, logit_max, logit_sum, *args, backend=self.backend)
-            codes = {} if kv.codebook is None else {"codebook": kv.codebook}
             into = out if kv.rotation is None else torch.empty_like(out)
             args = (kv.v, *self._rows_of(st), into)
-            logits_attention(logits, logit_max, logit_sum, *args, v_scale=kv.v_scale, **codes, backend=self.backend)
+            codes = dict(v_scale=kv.v_scale, codebook=kv.codebook)
+            logits_attention(logits, logit_max, logit_sum, *args, **codes, backend=self.backend)
             return out if kv.rotation is None else rotate_quantized(into, kv, back=True, out=out)
         n = chosen.shape[0]
         wrapper = self._fast[st.unit][0]
@@ -383,9 +384,9 @@ class SelectiveDecode:
         if kv is None:
             paged_logits(q, k_cache, *args, scale=self.sm_scale, backend=self.backend)
         else:
-            codes = {} if kv.codebook is None else {"codebook": kv.codebook}
             q = q if kv.rotation is None else rotate_quantized(q, kv)
-            paged_logits(q, kv.k, *args, scale=self.sm_scale, k_scale=kv.k_scale, **codes, backend=self.backend)
+            codes = dict(k_scale=kv.k_scale, codebook=kv.codebook)
+            paged_logits(q, kv.k, *args, scale=self.sm_scale, **codes, backend=self.backend)
         logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2))
         softmax_stats(logits, logit_max, logit_sum, backend=self.backend)
         return logits, logit_max, logit_sum

@@ -10,16 +10,15 @@ import triton.language as tl
 
 from sparse_kernels._decode_buffers import num_sms
 from sparse_kernels._triton.launch import Kernel, dot_args
-from sparse_kernels._triton.quantized_tiles import TURBOQUANT, token_value_tile
-
-_TURBOQUANT = tl.constexpr(TURBOQUANT)  # the tile loaders' scheme id, readable inside the kernel
+from sparse_kernels._triton.quantized_tiles import TURBOQUANT_ID, token_value_tile
 
 STATS_BLOCK = 4096  # columns per step of softmax_stats
 MAX_SPLITS = 64
 # logits_attention's launch: tokens per inner step, warps, pipeline stages and programs per SM, for model-dtype
-# values and for fp8 codes (benchmarks/logits_fp8_probe.py sweeps both). Session 17 on the H200, one layer of
-# Qwen3-8B at 128K, batch 5 / 11: one-warp programs of 32 tokens, 16 per SM, bf16 455.7 / 928.6 -> 345.0 /
-# 715.5 us, fp8 741.8 / 1321.1 -> 339.3 / 695.7 us (the old shape was 64 tokens, 4 warps, 8 per SM).
+# values and for codes with per-token scales, fp8 or TurboQuant (benchmarks/logits_fp8_probe.py sweeps both).
+# Session 17 on the H200, one layer of Qwen3-8B at 128K, batch 5 / 11: one-warp programs of 32 tokens, 16 per
+# SM, bf16 455.7 / 928.6 -> 345.0 / 715.5 us, fp8 741.8 / 1321.1 -> 339.3 / 695.7 us (the old shape was 64
+# tokens, 4 warps, 8 per SM).
 CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16}
 FP8_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16}
 
@@ -93,7 +92,7 @@ def _logits_attention_split_kernel(
         if CODEBOOK:  # [BLOCK_N, BLOCK_D] codebook levels of TurboQuant's packed indices
             v = token_value_tile(
                 v_ptr, codebook_ptr, slot * NUM_KV_HEADS + h, offs_d, mask_n, mask_d,
-                _TURBOQUANT, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+                TURBOQUANT_ID, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
             )  # fmt: skip
         else:
             v = tl.load(
@@ -158,15 +157,12 @@ def num_splits(batch: int, num_kv_heads: int, device: torch.device, programs_per
 def logits_attention_triton(
     logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out, v_scale=None, codebook=None
 ):
-    from sparse_kernels._triton.quantized_decode_launch import codebook_args, dot_codebook
+    from sparse_kernels._triton.quantized_decode_launch import codebook_launch
 
     batch, num_qo_heads, width = logits.shape
     _, block_size, num_kv_heads, _ = v_cache.shape
     head_dim = out.shape[-1]
-    codes = {"BITS": 0, "CPW": 1, "WORDS": 1, "UNPACK_WORDS": False}
-    if codebook is not None:  # levels in the dot dtype (fp16 on a GPU)
-        codes = codebook_args(codebook.numel().bit_length() - 1, head_dim)
-        codebook = dot_codebook(codebook)
+    codebook, codes = codebook_launch(codebook, head_dim)
     group = num_qo_heads // num_kv_heads
     config = CONFIG if v_scale is None else FP8_CONFIG
     splits = num_splits(batch, num_kv_heads, logits.device, config["programs_per_sm"])
@@ -194,7 +190,6 @@ def logits_attention_triton(
         BLOCK_N=config["BLOCK_N"],
         **dot_args(torch.float16 if v_scale is not None else v_cache.dtype, v_cache.device),  # fp8 codes: fp16 dots
         V_SCALE=v_scale is not None,
-        CODEBOOK=codebook is not None,
         **codes,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],

@@ -15,15 +15,14 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
-from sparse_kernels._triton.quantized_tiles import TURBOQUANT, token_key_tile
+from sparse_kernels._triton.quantized_tiles import TURBOQUANT_ID, token_key_tile
 from sparse_kernels._triton.stream_split import items_per_program
-
-_TURBOQUANT = tl.constexpr(TURBOQUANT)  # the tile loaders' scheme id, readable inside the kernel
 
 # Tokens per loop step and launch shape (benchmarks/quest_select_probe.py sweeps these).
 CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
-# fp8 codes (benchmarks/logits_fp8_probe.py, session 17 on the H200, 128K, batch 5 / 11): 2 warps 212.6 / 425.3 us
-# against 4 warps' 304.7 / 631.5 (bf16 keys: within 1% either way, so CONFIG stays).
+# Keys as codes with per-token scales, fp8 or TurboQuant (benchmarks/logits_fp8_probe.py, session 17 on the H200,
+# fp8, 128K, batch 5 / 11): 2 warps 212.6 / 425.3 us against 4 warps' 304.7 / 631.5 (bf16 keys: within 1% either
+# way, so CONFIG stays).
 FP8_CONFIG = {"BLOCK_N": 64, "num_warps": 2, "num_stages": 3}
 
 
@@ -83,7 +82,7 @@ def _paged_logits_kernel(
         if CODEBOOK:  # [BLOCK_D, BLOCK_N] codebook levels (rows: (slot, head) rows of packed words)
             k = token_key_tile(
                 k_ptr, codebook_ptr, slot * NUM_KV_HEADS + h, offs_d, valid, offs_d < HEAD_DIM,
-                _TURBOQUANT, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+                TURBOQUANT_ID, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
             )  # fmt: skip
         else:
             ptrs = k_ptr + (slot[None, :] * NUM_KV_HEADS + h) * HEAD_DIM + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
@@ -103,15 +102,12 @@ def paged_logits_triton(
     q, k_cache, table_indices, table_start, kv_lens, out, scale: float, k_scale=None, codebook=None
 ) -> torch.Tensor:
     """Inputs already validated by ``sparse_kernels.paged_logits``; ``out`` must be contiguous."""
-    from sparse_kernels._triton.quantized_decode_launch import codebook_args, dot_codebook
+    from sparse_kernels._triton.quantized_decode_launch import codebook_launch
 
     batch, num_qo_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     max_tokens = out.shape[2]
-    codes = {"BITS": 0, "CPW": 1, "WORDS": 1, "UNPACK_WORDS": False}
-    if codebook is not None:  # levels in the dot dtype (fp16 on a GPU: the quantized decode's choice)
-        codes = codebook_args(codebook.numel().bit_length() - 1, head_dim)
-        codebook = dot_codebook(codebook)
+    codebook, codes = codebook_launch(codebook, head_dim)
     if q.stride(2) != 1:
         q = q.contiguous()
     group = num_qo_heads // num_kv_heads
@@ -147,7 +143,6 @@ def paged_logits_triton(
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
         K_SCALE=k_scale is not None,
-        CODEBOOK=codebook is not None,
         **codes,
         **dots,
         **pdl_args(q.device),

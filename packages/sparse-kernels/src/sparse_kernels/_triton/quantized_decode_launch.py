@@ -46,13 +46,18 @@ def quant_dot_args(device: torch.device) -> dict[str, Any]:
     return {"DOT_DTYPE": tl.float16, "PRECISION": "tf32"}
 
 
-def codebook_args(bits: int, head_dim: int) -> dict[str, Any]:
-    """TurboQuant's packed-code constexprs for a tile loader (``token_key_tile`` / ``token_value_tile``)."""
+def codebook_launch(codebook: torch.Tensor | None, head_dim: int) -> tuple[torch.Tensor | None, dict[str, Any]]:
+    """A kernel's TurboQuant arguments: the levels in the dot dtype (``dot_codebook``) and the packed-code
+    constexprs of its tile loader (``token_key_tile`` / ``token_value_tile``); placeholders without one."""
+    if codebook is None:
+        return None, {"CODEBOOK": False, "BITS": 0, "CPW": 1, "WORDS": 1, "UNPACK_WORDS": False}
+    bits = codebook.numel().bit_length() - 1
     cpw = codes_per_word("turboquant", bits)
     words = words_per_row("turboquant", bits, head_dim)
     block_d = max(16, triton.next_power_of_2(head_dim))
     unpack = QUANT_DECODE_CONFIG["UNPACK_WORDS"] and words * cpw == block_d and cpw & (cpw - 1) == 0
-    return {"BITS": bits, "CPW": cpw, "WORDS": words, "UNPACK_WORDS": bool(unpack)}
+    args = {"CODEBOOK": True, "BITS": bits, "CPW": cpw, "WORDS": words, "UNPACK_WORDS": bool(unpack)}
+    return dot_codebook(codebook), args
 
 
 def scheme_args(kv: QuantizedKV) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 FP8, KIVI, TURBOQUANT = 0, 1, 2
 SCHEME_IDS = {"fp8": FP8, "kivi": KIVI, "turboquant": TURBOQUANT}
+TURBOQUANT_ID = tl.constexpr(TURBOQUANT)  # readable inside other modules' kernels (a plain int global is not)
 
 
 @triton.jit
