@@ -170,7 +170,27 @@ def probe_coded_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
         new_pb.page_bounds_triton(x.q[i], c[0], c[1], x.table, x.start, x.num_pages, x.bounds, SINK, RECENT, c[2])
 
     sweeps = PB_SWEEP if sweep else []
-    return probe_stream("page_bounds int8", x, bw, x.coded_summary_bytes(), new_pb, run, sweeps, new_pb.CODES_CONFIG)
+    rows = probe_stream("page_bounds int8", x, bw, x.coded_summary_bytes(), new_pb, run, sweeps, new_pb.CODES_CONFIG)
+    # The query coded too (int8 tensor-core dots, no conversion of the summaries), float32 or bfloat16 bounds.
+    bf16_bounds = torch.empty_like(x.bounds, dtype=torch.bfloat16)
+    for out, label in ((x.bounds, "f32"), (bf16_bounds, "bf16")):
+        ref = torch.empty_like(out)
+        page_bounds(*args, ref, sink=SINK, recent=RECENT, scale=scale, query_codes=True, backend="reference")
+        new_pb.page_bounds_triton(*args, out, SINK, RECENT, scale, query_codes=True)
+        if not torch.equal(out, ref):
+            raise AssertionError(f"page_bounds with query codes ({label}) differs from its reference")
+
+        def run_codes(i, out=out):
+            c = x.codes[i]
+            new_pb.page_bounds_triton(
+                x.q[i], c[0], c[1], x.table, x.start, x.num_pages, out, SINK, RECENT, c[2], query_codes=True
+            )
+
+        nbytes = x.coded_summary_bytes() - x.bounds.numel() * (4 - out.element_size())
+        rows += probe_stream(
+            f"page_bounds int8 q-codes {label}", x, bw, nbytes, new_pb, run_codes, sweeps, new_pb.CODES_CONFIG
+        )
+    return rows
 
 
 def logits_args(x: Inputs, i: int):
@@ -260,16 +280,19 @@ def probe_top_k(name: str, scores: torch.Tensor, k: int) -> list[dict]:
 def probe_top_ks(x_sum: Inputs, gen: torch.Generator) -> list[dict]:
     """Quest's rows (real bounds of ``x_sum``'s first layer) and OmniKV's, every variant."""
     print(f"batch {x_sum.batch}: top-k variants", flush=True)
-    return probe_top_k("quest", quest_scores(x_sum), QUEST_K) + probe_top_k(
-        "omnikv", omni_scores(x_sum.batch, gen), OMNI_K
+    quest = quest_scores(x_sum)
+    return (
+        probe_top_k("quest", quest, QUEST_K)
+        + probe_top_k("quest bf16", quest.bfloat16(), QUEST_K)
+        + probe_top_k("omnikv", omni_scores(x_sum.batch, gen), OMNI_K)
     )
 
 
 def top_k_table(results: dict) -> None:
     """us per call of every top-k variant (rows) per shape and batch (columns)."""
-    cols = [(b, shape) for b in results["batches"] for shape in ("quest", "omnikv")]
+    cols = [(b, shape) for b in results["batches"] for shape in ("quest", "quest bf16", "omnikv")]
     print("\ntop_k_ascending, us per call (CUDA graph)")
-    print(f"  {'variant':<28}" + "".join(f"{shape[:5]} B{b}".rjust(12) for b, shape in cols))
+    print(f"  {'variant':<28}" + "".join(f"{shape[:5]}{shape[6:7]} B{b}".rjust(12) for b, shape in cols))
     for variant in TOPK_VARIANTS:
         cells = []
         for b, shape in cols:
@@ -300,10 +323,30 @@ def probe_chains(x_sum: Inputs, x: Inputs, omni: torch.Tensor) -> list[dict]:
     chosen = torch.empty(x_sum.batch * HKV, QUEST_K, dtype=torch.int64, device=DEVICE)
     omni_chosen = torch.empty(x.batch, OMNI_K, dtype=torch.int64, device=DEVICE)
     flat_bounds, scale = x_sum.bounds.view(-1, MAX_PAGES), D**-0.5
+    bf16_bounds = torch.empty_like(x_sum.bounds, dtype=torch.bfloat16)
+    flat_bf16 = bf16_bounds.view(-1, MAX_PAGES)
+
+    def coded(i, out, query_codes):
+        c = x_sum.codes[i]
+        tables = (x_sum.table, x_sum.start, x_sum.num_pages)
+        new_pb.page_bounds_triton(x_sum.q[i], c[0], c[1], *tables, out, SINK, RECENT, c[2], query_codes=query_codes)
+
     chains = {  # name: (inputs, one layer's calls)
         "quest bounds+top-k": (x_sum, lambda i: (
             new_pb.page_bounds_triton(*bounds_args(x_sum, i), SINK, RECENT),
             new_tk.top_k_ascending_triton(flat_bounds, QUEST_K, chosen),
+        )),
+        "quest int8 bounds+top-k (f32)": (x_sum, lambda i: (
+            coded(i, x_sum.bounds, False),
+            new_tk.top_k_ascending_triton(flat_bounds, QUEST_K, chosen),
+        )),
+        "quest int8 q-codes bf16 bounds+top-k": (x_sum, lambda i: (
+            coded(i, bf16_bounds, True),
+            new_tk.top_k_ascending_triton(flat_bf16, QUEST_K, chosen),
+        )),
+        "quest int8 f32 q bf16 bounds+top-k": (x_sum, lambda i: (
+            coded(i, bf16_bounds, False),
+            new_tk.top_k_ascending_triton(flat_bf16, QUEST_K, chosen),
         )),
         "omnikv logits+top-k": (x, lambda i: (
             new_pl.paged_logits_triton(*logits_args(x, i), scale),

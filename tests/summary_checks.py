@@ -8,15 +8,6 @@ import torch
 from sparse_kernels.summary_codes import decode_summary, encode_summary
 
 
-def layer_summaries(pool, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Layer ``layer``'s summaries as float32 bounds ``(lo, hi)`` (decoded when coded; None without)."""
-    summary = pool.summary(layer)
-    if summary is None:
-        return None, None
-    kmin, kmax, kscale = summary
-    return (kmin.float(), kmax.float()) if kscale is None else decode_summary(kmin, kmax, kscale)
-
-
 def fast_args(pool, layer: int) -> tuple[tuple, dict]:
     """``(k_cache, v_cache, kmin, kmax)`` and ``{"kscale": ...}`` as the engine hands them to ``run_batched``."""
     kmin, kmax, kscale = pool.summary(layer)

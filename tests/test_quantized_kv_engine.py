@@ -339,7 +339,7 @@ def test_quest_over_kivi_bounds_full_pages_by_their_key_statistics(qwen3, monkey
                     keys = codes * kv.k_scale[block, h].float() + kv.k_min[block, h].float()
                     lo, hi = keys.amin(0), keys.amax(0)
                     q = batch.query[row, h * group : (h + 1) * group].float()
-                    bounds.append(float(torch.maximum(q * lo, q * hi).sum(-1).max()))
+                    bounds.append(float(torch.maximum(q * lo, q * hi).sum(-1).max().bfloat16()))  # as Quest ranks
                 order = sorted(range(n), key=lambda p: (-bounds[p], p))[: sink + keep + recent]
                 assert chosen[row, h].tolist() == sorted(order)
                 checked.append(layer)

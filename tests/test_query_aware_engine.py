@@ -10,9 +10,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from summary_checks import assert_summarizes, fast_args, layer_summaries
+from summary_checks import assert_summarizes, fast_args
 from tiny_models import DEFAULT_MODEL
 
+from sparse_kernels.page_bounds import query_codes_of
 from sparse_methods import DecodeRead, LayerPlan, Selection, Unit
 from sparse_serve import LLM, SamplingParams
 
@@ -50,8 +51,15 @@ def quest_reference(method):
         page = view.page_size
         hkv, d = view.page_min.shape[1:]
         q = view.query.float().view(hkv, -1, 1, d)  # [Hkv, g, 1, D]
-        lo, hi = (s.float().permute(1, 0, 2)[:, None] for s in (view.page_min, view.page_max))  # [Hkv, 1, P, D]
-        scores = torch.maximum(q * lo, q * hi).sum(-1).amax(1)  # [Hkv, P]
+        if view.page_scale is None:
+            lo, hi = (s.float().permute(1, 0, 2)[:, None] for s in (view.page_min, view.page_max))  # [Hkv, 1, P, D]
+            scores = torch.maximum(q * lo, q * hi).sum(-1).amax(1)  # [Hkv, P]
+        else:  # int8 codes: the query coded too (per head), integer sums, the page's scale, then the head's
+            codes, q_scale = query_codes_of(q)  # [Hkv, g, 1, D], [Hkv, g, 1]
+            lo, hi = (s.double().permute(1, 0, 2)[:, None] for s in (view.page_min, view.page_max))
+            sums = torch.maximum(codes * lo, codes * hi).sum(-1).float()  # [Hkv, g, P]
+            scores = (sums * view.page_scale.T[:, None] * q_scale).amax(1)
+        scores = scores.bfloat16().float()  # Quest ranks bfloat16 bounds
         sink, recent = -(-c.sink_keep_tokens // page), max(1, -(-c.recent_keep_tokens // page))
         k = sink + c.decode_keep_tokens // page + recent
         return Selection(_top_ascending(scores, sink, recent, k), page)
@@ -83,7 +91,7 @@ def omnikv_reference(method):
     return SimpleNamespace(select=select, sets=sets)
 
 
-def _reference_attention(reference, layer, q, k_cache, v_cache, kmin, kmax, meta, group, scale):
+def _reference_attention(reference, layer, q, k_cache, v_cache, kmin, kmax, meta, group, scale, kscale=None):
     """``(out, selected)``: the decode rows' attention written plainly, one query at a time: the reference
     sees the query, its pages' key summaries and its keys (``view``) and answers a ``Selection`` (or None:
     every token), and each query head attends over the tokens its KV head selected; ``selected``: the rows
@@ -96,7 +104,14 @@ def _reference_attention(reference, layer, q, k_cache, v_cache, kmin, kmax, meta
         slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()[:kv_len]  # token -> pool slot
         keys, values = k_cache.reshape(-1, hkv, d)[slots], v_cache.reshape(-1, hkv, d)[slots]
         summaries = (kmin[blocks], kmax[blocks]) if kmin is not None else (None, None)
-        view = SimpleNamespace(query=q[i], kv_len=kv_len, page_size=bs, page_min=summaries[0], page_max=summaries[1])
+        view = SimpleNamespace(
+            query=q[i],
+            kv_len=kv_len,
+            page_size=bs,
+            page_min=summaries[0],
+            page_max=summaries[1],
+            page_scale=None if kscale is None else kscale[blocks],
+        )
         chosen = reference.select(layer, meta.steps[i], SimpleNamespace(**vars(view), keys=keys))
         selected += chosen is not None
         for h in range(hkv):
@@ -262,10 +277,11 @@ def test_batched_device_selection_equals_the_paper():
     q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
     layer = 3
     args, codes = fast_args(pool, layer)
-    assert codes["kscale"] is not None  # Quest's default: int8 codes, bounds from their decoded values
+    assert codes["kscale"] is not None  # Quest's default: int8 codes (the query coded too)
     reference = quest_reference(engine.method)
-    ref_args = (*args[:2], *layer_summaries(pool, layer))
-    expected, selected = _reference_attention(reference, layer, q, *ref_args, meta, meta.groups[0], attention.sm_scale)
+    expected, selected = _reference_attention(
+        reference, layer, q, *args, meta, meta.groups[0], attention.sm_scale, kscale=codes["kscale"]
+    )
     fast = SelectiveDecode(torch.device("cpu"), attention.shape, attention.sm_scale, backend="triton")
     fast.plan_step(engine.method, meta, meta.groups[0])
     assert fast.batched
@@ -425,8 +441,9 @@ def test_quest_uniform_step_with_padding_rows_equals_the_paper(kernels, summary_
     layer = 3
     args, codes = fast_args(pool, layer)
     reference = quest_reference(engine.method)
-    ref_args = (*args[:2], *layer_summaries(pool, layer))
-    expected, selected = _reference_attention(reference, layer, q, *ref_args, meta, meta.groups[0], attention.sm_scale)
+    expected, selected = _reference_attention(
+        reference, layer, q, *args, meta, meta.groups[0], attention.sm_scale, kscale=codes["kscale"]
+    )
     assert selected == 3
     padded = pad_decode_metadata(meta, 5)
     monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
@@ -486,7 +503,7 @@ def test_mixed_step_on_cpu_kernels_equals_the_paper(config, reference):
         codes = pool.summary(layer) or (None, None, None)
         args = (pool.k[layer], pool.v[layer])
         want, chosen = _reference_attention(
-            ref, layer, q, *args, *layer_summaries(pool, layer), meta, group, attention.sm_scale
+            ref, layer, q, *args, *codes[:2], meta, group, attention.sm_scale, kscale=codes[2]
         )
         got = fast.run_batched(method, layer, q, *args, *codes[:2], torch.empty_like(q), dense=dense, kscale=codes[2])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -42,6 +42,31 @@ def test_top_k_ascending_equals_a_stable_sort(backend, n, k, triton_device):
     assert torch.equal(got.cpu(), _expected(scores, k))
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("variant", ["packed2", "packed3", "serial", "stages"])
+@pytest.mark.parametrize(("n", "k"), [(37, 5), (300, 128), (200, 28)])
+def test_bfloat16_scores_equal_a_stable_sort(backend, variant, n, k, triton_device, monkeypatch):
+    """bfloat16 rows (16-bit keys: half the radix passes), ties, signed zeros, infinities and negatives
+    included, in one program or through candidate stages (whose kept values stay bfloat16)."""
+    from sparse_kernels._triton import top_k_ascending as kernel
+
+    if variant == "stages":
+        monkeypatch.setitem(kernel.CONFIG, "single", 64)
+        monkeypatch.setitem(kernel.CONFIG, "merge", 64)
+        monkeypatch.setitem(kernel.CONFIG, "tile", 32)
+        monkeypatch.setitem(kernel.CONFIG, "tile_per_k", 2)
+    else:
+        select, bits = ("serial", 2) if variant == "serial" else ("packed", int(variant[-1]))
+        monkeypatch.setitem(kernel.CONFIG, "select", select)
+        monkeypatch.setitem(kernel.CONFIG, "bits", bits)
+    monkeypatch.setitem(kernel.CONFIG, "fused", False)
+    device = triton_device if backend == "triton" else "cpu"
+    scores = _rows(n, seed=5 * n + k).bfloat16()
+    scores[2, 1] = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16() * 1e-3  # many near ties
+    got = top_k_ascending(scores.to(device), k, backend=backend)
+    assert torch.equal(got.cpu(), _expected(scores.float(), k))
+
+
 def test_out_is_written_in_place_and_checked(triton_device):
     scores = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
     out = torch.full((4, 7), -1, dtype=torch.int64, device=triton_device)
@@ -51,6 +76,8 @@ def test_out_is_written_in_place_and_checked(triton_device):
         top_k_ascending(scores, 51)
     with pytest.raises(ValueError):
         top_k_ascending(scores, 3, torch.empty(4, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        top_k_ascending(scores.half(), 3)
 
 
 @pytest.mark.parametrize(("n", "k"), [(300, 10), (300, 16), (257, 28)])

@@ -20,6 +20,8 @@ import torch
 from sparse_kernels._backend import resolve_backend
 from sparse_kernels.summary_codes import decode_summary
 
+_OUT_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def page_bounds(
     q: torch.Tensor,
@@ -34,9 +36,10 @@ def page_bounds(
     recent: int = 0,
     scale: torch.Tensor | None = None,
     levels: int = 0,
+    query_codes: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Write ``out[b, h, p]`` (float32 ``[B, num_kv_heads, max_pages]``) and return it.
+    """Write ``out[b, h, p]`` (float32 or bfloat16 ``[B, num_kv_heads, max_pages]``) and return it.
 
     Parameters
     ----------
@@ -51,7 +54,8 @@ def page_bounds(
     table_start, num_pages : torch.Tensor
         int32 or int64 ``[B]`` on the device; ``1 <= num_pages[b] <= max_pages``.
     out : torch.Tensor
-        float32 ``[B, num_kv_heads, max_pages]``, caller-owned.
+        float32 or bfloat16 ``[B, num_kv_heads, max_pages]``, caller-owned (bounds computed in float32,
+        rounded to nearest when stored).
     sink, recent : int
         Pages forced to ``+inf``: ``p < sink`` and ``num_pages - recent <= p < num_pages``.
     scale : torch.Tensor, optional
@@ -60,19 +64,28 @@ def page_bounds(
     levels : int
         With ``levels > 0``, ``kmax`` holds each page's per-channel step (non-negative), and a page's
         keys lie in ``[kmin, kmin + levels * kmax]`` (KIVI's key statistics; not with ``scale``).
+    query_codes : bool
+        With ``scale``: each query head is coded too (``query_codes`` below: int8, rounded to nearest,
+        one scale per head), so a bound is ``scale * q_scale * sum_d max(c_d * kmax_d, c_d * kmin_d)``
+        over integers: exact int8 tensor-core dots on the GPU, no conversion of the summaries. Off by
+        at most ``scale * q_scale / 2 * sum_d max(|kmin_d|, |kmax_d|)`` from the float query's bound.
     """
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
     if kmin.shape != kmax.shape or kmin.shape[2] != head_dim or num_qo_heads % num_kv_heads:
         raise ValueError(f"incompatible q {list(q.shape)}, kmin {list(kmin.shape)}, kmax {list(kmax.shape)}")
-    if out.dim() != 3 or tuple(out.shape[:2]) != (batch, num_kv_heads) or out.dtype != torch.float32:
-        raise ValueError(f"out must be float32 [{batch}, {num_kv_heads}, max_pages], got {out.dtype} {list(out.shape)}")
+    if out.dim() != 3 or tuple(out.shape[:2]) != (batch, num_kv_heads) or out.dtype not in _OUT_DTYPES:
+        raise ValueError(
+            f"out must be float32 or bfloat16 [{batch}, {num_kv_heads}, max_pages], got {out.dtype} {list(out.shape)}"
+        )
     if scale is not None and (
         kmin.dtype != torch.int8 or kmax.dtype != torch.int8 or tuple(scale.shape) != tuple(kmin.shape[:2])
     ):
         raise ValueError(f"coded summaries are int8 with a scale [{kmin.shape[0]}, {num_kv_heads}]")
     if scale is None and not (kmin.is_floating_point() and kmax.is_floating_point()):
         raise ValueError("int8 summary codes need their scale")
+    if query_codes and scale is None:
+        raise ValueError("query_codes needs int8 summary codes (scale)")
     if levels < 0 or (levels and scale is not None):
         raise ValueError(f"levels must be >= 0 and apply to float (min, step) statistics, got {levels}")
     if table_start.shape != (batch,) or num_pages.shape != (batch,):
@@ -83,7 +96,18 @@ def page_bounds(
         from sparse_kernels._triton.page_bounds import page_bounds_triton
 
         return page_bounds_triton(
-            q, kmin, kmax, table_indices, table_start, num_pages, out, sink, recent, scale, levels=levels
+            q,
+            kmin,
+            kmax,
+            table_indices,
+            table_start,
+            num_pages,
+            out,
+            sink,
+            recent,
+            scale,
+            levels=levels,
+            query_codes=query_codes,
         )
     max_pages = out.shape[2]
     start = table_start.to(torch.int64)[:, None]
@@ -92,6 +116,12 @@ def page_bounds(
     ids = table_indices.to(torch.int64)[start + torch.minimum(page, num_pages - 1)]  # [B, P]
     group = num_qo_heads // num_kv_heads
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
+    if query_codes:  # integer sums (exact in float64), then the page's scale, then the head's
+        codes, q_scale = query_codes_of(qg)
+        hi, lo = kmax[ids].double().permute(0, 2, 3, 1), kmin[ids].double().permute(0, 2, 3, 1)  # [B, Hkv, D, P]
+        sums = (codes.clamp(min=0) @ hi + codes.clamp(max=0) @ lo).float()  # [B, Hkv, G, P]
+        bound = (sums * scale[ids].permute(0, 2, 1)[:, :, None, :] * q_scale[..., None]).amax(2)
+        return _finish(bound, out, max_pages, num_pages, page, sink, recent)
     if scale is not None:
         lo, hi = decode_summary(kmin[ids], kmax[ids], scale[ids])
     elif levels:  # (min, step): the page's largest dequantized key per channel is min + levels * step
@@ -102,6 +132,21 @@ def page_bounds(
     hi = hi.permute(0, 2, 3, 1)  # [B, Hkv, D, P]
     lo = lo.permute(0, 2, 3, 1)
     bound = (qg.clamp(min=0) @ hi + qg.clamp(max=0) @ lo).amax(2)  # [B, Hkv, P]
+    return _finish(bound, out, max_pages, num_pages, page, sink, recent)
+
+
+def query_codes_of(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``q [..., head_dim]`` as codes (float64 integers in ``[-127, 127]``) and a float32 scale per
+    head ``[...]``: ``scale = max |q| / 127`` (1 for an all-zero head), ``codes = floor(q / scale + 0.5)``,
+    IEEE division as the kernel's ``div_rn``."""
+    amax = q.abs().amax(-1)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, 127.0), torch.ones_like(amax))
+    codes = torch.floor(q / scale[..., None] + 0.5).clamp(-127, 127)
+    return codes.double(), scale
+
+
+def _finish(bound, out, max_pages, num_pages, page, sink, recent) -> torch.Tensor:
+    """``bound [B, Hkv, P]`` with forced pages at +inf and pages past each row at -inf, into ``out``."""
     page, num_pages = page[:, None], num_pages[:, :, None]
     forced = (page < sink) | ((page >= num_pages - recent) & (page < num_pages))
     bound = bound.masked_fill(forced, float("inf")).masked_fill(page >= num_pages, float("-inf"))

@@ -25,15 +25,16 @@ def top_k_ascending(scores: torch.Tensor, k: int, out: torch.Tensor | None = Non
     Parameters
     ----------
     scores : torch.Tensor
-        float32 ``[..., N]`` with ``N >= k``, no NaN.
+        float32 or bfloat16 ``[..., N]`` with ``N >= k``, no NaN. bfloat16 scores (a selection that
+        ranks by 8 significant bits) take half the radix passes: their keys are 16 bits wide.
     k : int
         Entries per row, ``1 <= k <= N``.
     out : torch.Tensor, optional
         int64 ``[..., k]``, contiguous, written in place.
     """
     n = scores.shape[-1]
-    if scores.dtype != torch.float32:
-        raise ValueError(f"scores must be float32, got {scores.dtype}")
+    if scores.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"scores must be float32 or bfloat16, got {scores.dtype}")
     if not 1 <= k <= n:
         raise ValueError(f"k must be in [1, {n}], got {k}")
     shape = (*scores.shape[:-1], k)

@@ -9,6 +9,10 @@ Chunks cover a fixed grid (``stream_split``); the loop is pipelined (``num_stage
 next pages are in flight while one step computes. Pages past a row are written ``-inf`` without reads.
 With ``LEVELS`` (KIVI's per-channel min and step: ``kmax = kmin + LEVELS * step``) the bound is
 ``kmin @ q^T + LEVELS * (step @ max(q, 0)^T)``, the same sum regrouped (fp16 statistics, fp16 query).
+With ``QUERY_CODES`` (int8 summary codes only) each program codes its group's queries (int8 per head) and
+the dots are int8 x int8 -> int32 on the tensor cores, so the summaries' codes go to the dot as loaded;
+the integer sums then take the page's scale and the head's. A bfloat16 ``out`` is rounded to nearest
+in integer ops before the store (the interpreter's cast truncates; the GPU's rounds).
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ def _page_bounds_kernel(
     PRECISION: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     LEVELS: tl.constexpr,
+    QUERY_CODES: tl.constexpr,
+    INT_DOT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -70,8 +77,14 @@ def _page_bounds_kernel(
         mask=(offs_g[None, :] < GROUP) & mask_d[:, None],
         other=0.0,
     ).to(tl.float32)
-    q_pos = tl.maximum(q, 0.0).to(DOT_DTYPE)
-    q_neg = tl.minimum(q, 0.0).to(DOT_DTYPE)
+    if QUERY_CODES:  # int8 codes of each query head, rounded to nearest: integer dots with the summary codes
+        amax = tl.max(tl.abs(q), axis=0)
+        q_scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)  # [BLOCK_G]
+        q = tl.minimum(tl.maximum(tl.math.floor(tl.math.div_rn(q, q_scale[None, :]) + 0.5), -127.0), 127.0)
+        if INT_DOT:
+            q = q.to(tl.int8)
+    q_pos = tl.maximum(q, 0).to(DOT_DTYPE)
+    q_neg = tl.minimum(q, 0).to(DOT_DTYPE)
     q_all = q.to(DOT_DTYPE)
     out_row = out_ptr + (b.to(tl.int64) * NUM_KV_HEADS + h) * max_pages
     for p0 in range(lo, hi, BLOCK_P):
@@ -85,16 +98,24 @@ def _page_bounds_kernel(
         if LEVELS > 0:  # top is the per-channel step: q.min + LEVELS * (max(q, 0) . step)
             s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION) * LEVELS
             s = tl.dot(low.to(DOT_DTYPE), q_all, acc=s, input_precision=PRECISION)
+        elif INT_DOT:  # int8 x int8 -> int32 tensor-core dots, exact
+            s = tl.dot(top, q_pos, out_dtype=tl.int32)
+            s = tl.dot(low, q_neg, acc=s, out_dtype=tl.int32).to(tl.float32)
         else:
             s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
             s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P, BLOCK_G]
         if HAS_SCALE:  # int8 codes: the page's bound is its head's scale times the codes' bound
             s = s * tl.load(scale_ptr + ids * NUM_KV_HEADS + h, mask=valid, other=0.0)[:, None]
+        if QUERY_CODES:
+            s = s * q_scale[None, :]
         best = tl.max(tl.where(offs_g[None, :] < GROUP, s, float("-inf")), axis=1)
         forced = (pages < sink) | (pages >= num_pages - recent)
         best = tl.where(forced, float("inf"), best)
         best = tl.where(valid, best, float("-inf"))
-        tl.store(out_row + pages, best, mask=pages < hi)
+        if ROUND_BF16:  # to nearest, ties to even, in integer ops (the interpreter's own cast truncates)
+            bits = best.to(tl.int32, bitcast=True)
+            best = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        tl.store(out_row + pages, best.to(out_ptr.dtype.element_ty), mask=pages < hi)
     pdl_exit(USE_GDC)
 
 
@@ -102,7 +123,19 @@ page_bounds_kernel = Kernel(_page_bounds_kernel)
 
 
 def page_bounds_triton(
-    q, kmin, kmax, table_indices, table_start, num_pages, out, sink: int, recent: int, scale=None, *, levels: int = 0
+    q,
+    kmin,
+    kmax,
+    table_indices,
+    table_start,
+    num_pages,
+    out,
+    sink: int,
+    recent: int,
+    scale=None,
+    *,
+    levels: int = 0,
+    query_codes: bool = False,
 ) -> torch.Tensor:
     """Inputs already validated by ``sparse_kernels.page_bounds``; ``out`` must be contiguous."""
     batch, num_qo_heads, head_dim = q.shape
@@ -120,7 +153,12 @@ def page_bounds_triton(
     # 16-bit dots when the query and the summaries share a 16-bit dtype (int8 codes are exact in the
     # query's), fp32 otherwise. KIVI's fp16 statistics: fp16 dots (a bf16 query is exact in fp16 within
     # its normal range).
-    if levels and kmin.dtype == kmax.dtype == torch.float16:
+    int_dot = query_codes and q.device.type == "cuda"  # the interpreter: the codes' exact fp32 dots
+    if int_dot:
+        dots = {"DOT_DTYPE": tl.int8, "PRECISION": "ieee"}
+    elif query_codes:
+        dots = dot_args(torch.float32, q.device)
+    elif levels and kmin.dtype == kmax.dtype == torch.float16:
         dots = dot_args(torch.float16, q.device)
     else:
         dots = dot_args(q.dtype if coded or q.dtype == kmin.dtype == kmax.dtype else torch.float32, q.device)
@@ -149,6 +187,9 @@ def page_bounds_triton(
         num_stages=config["num_stages"],
         HAS_SCALE=coded,
         LEVELS=levels,
+        QUERY_CODES=query_codes,
+        INT_DOT=int_dot,
+        ROUND_BF16=out.dtype == torch.bfloat16,
         **dots,
         **pdl_args(q.device),
     )

@@ -11,6 +11,9 @@ Two selects (``CONFIG["select"]``):
   one reduction's latency; the price is a few more instructions per entry and pass. Also: one scan
   instead of two for the output places, and programmatic dependent launch.
 
+bfloat16 rows take ``KEY_BITS`` 16: a bfloat16 value's float32 key has a constant low half, so the
+passes cover the high 16 bits only (half the passes of float32 rows).
+
 Rows wider than ``CONFIG["single"]`` go through candidate stages first: each tile of ``tile``
 columns keeps its own ``k`` best (values and columns, in column order), until one program per row
 picks the ``k`` best of the last candidates; small tiles spread a row over many SMs. Exact, ties
@@ -97,15 +100,15 @@ def _digit_counts(digit, BITS: tl.constexpr, FUSED: tl.constexpr):
 
 
 @triton.jit
-def _kth_largest(key, kk, BITS: tl.constexpr, FUSED: tl.constexpr):
-    """``(t, above)``: the ``kk``-th largest of ``key`` (uint32) and how many keys exceed it, ``BITS``
-    bits of ``t`` per pass from the top (the top pass takes the remainder when ``BITS`` does not
-    divide 32)."""
-    FIRST: tl.constexpr = 32 - BITS * ((32 + BITS - 1) // BITS - 1)
+def _kth_largest(key, kk, BITS: tl.constexpr, FUSED: tl.constexpr, KEY_BITS: tl.constexpr):
+    """``(t, above)``: the ``kk``-th largest of ``key`` (uint32 below ``2**KEY_BITS``) and how many keys
+    exceed it, ``BITS`` bits of ``t`` per pass from the top (the top pass takes the remainder when
+    ``BITS`` does not divide ``KEY_BITS``)."""
+    FIRST: tl.constexpr = KEY_BITS - BITS * ((KEY_BITS + BITS - 1) // BITS - 1)
     t = kk.to(tl.uint32) * 0
     above = kk * 0
-    for i in tl.static_range((32 + BITS - 1) // BITS):
-        t, above = _select_digit(key, t, above, kk, 32 - FIRST - BITS * i, BITS, FUSED)
+    for i in tl.static_range((KEY_BITS + BITS - 1) // BITS):
+        t, above = _select_digit(key, t, above, kk, KEY_BITS - FIRST - BITS * i, BITS, FUSED)
     return t, above
 
 
@@ -168,7 +171,7 @@ def _store_chosen(x, chosen, pos, offs, row, col0, kk, k, idx_ptr, out_ptr, val_
     if WRITE_VALUES:  # candidate stage: values too, a short tile's unused places as -inf (never chosen)
         tl.store(val_ptr + base + pos, x, mask=chosen)
         pad = (offs >= kk) & (offs < k)
-        tl.store(val_ptr + base + offs, tl.full([BLOCK], float("-inf"), tl.float32), mask=pad)
+        tl.store(val_ptr + base + offs, tl.full([BLOCK], float("-inf"), val_ptr.dtype.element_ty), mask=pad)
         tl.store(out_ptr + base + offs, tl.zeros([BLOCK], tl.int64), mask=pad)
 
 
@@ -187,11 +190,11 @@ def _serial_kernel(
     WRITE_VALUES: tl.constexpr,
 ):
     row, col0, kk, offs, valid, x = _load_tile(x_ptr, stride_x, n, k, tile, BLOCK)
-    bits = x.to(tl.int32, bitcast=True)
+    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
     # Ordered keys: non-negative floats keep their bits, negative ones flip the magnitude bits, so
     # integer order is float order; -0.0 maps to 0.0's key.
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = tl.where(x == 0.0, 0, key)
+    key = tl.where(x.to(tl.float32) == 0.0, 0, key)
     # The largest t with count(key >= t) >= kk is the kk-th largest key: its sign first, then its other
     # 31 bits from the top (within one sign, int32 order is the order of those bits). int32 only.
     nonneg = tl.sum(((key >= 0) & valid).to(tl.int32), axis=0)
@@ -224,12 +227,15 @@ def _packed_kernel(
     FUSED: tl.constexpr,
     GATHER: tl.constexpr,
     WRITE_VALUES: tl.constexpr,
+    KEY_BITS: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     pdl_enter(USE_GDC)  # the scores are the step's previous kernel's output
     row, col0, kk, offs, valid, x = _load_tile(x_ptr, stride_x, n, k, tile, BLOCK)
-    key = _ordered_keys(x, valid)
-    t, above = _kth_largest(key, kk, BITS, FUSED)
+    key = _ordered_keys(x.to(tl.float32), valid)
+    if KEY_BITS == 16:  # bfloat16 scores: the float32 key's low half is 0 (or all ones, negated): drop it
+        key = key >> 16
+    t, above = _kth_largest(key, kk, BITS, FUSED, KEY_BITS)
     # Every key above t is taken, and the first kk - above equal to it: both ranks from one scan, the
     # ties' in the low 16 bits (at most 32768), the larger keys' above them (fewer than kk).
     larger = key > t
@@ -255,7 +261,8 @@ def _launch(x, idx, out, values, n: int, k: int, tile: int, stride_out: int, til
     if CONFIG["select"] == "serial":
         serial_kernel[(x.shape[0], tiles)](*args, **meta)
     else:
-        meta.update(BITS=CONFIG["bits"], FUSED=CONFIG["fused"], **pdl_args(x.device))
+        key_bits = 16 if x.dtype == torch.bfloat16 else 32
+        meta.update(BITS=CONFIG["bits"], FUSED=CONFIG["fused"], KEY_BITS=key_bits, **pdl_args(x.device))
         packed_kernel[(x.shape[0], tiles)](*args, **meta)
 
 
@@ -293,7 +300,7 @@ def top_k_ascending_triton(scores: torch.Tensor, k: int, out: torch.Tensor) -> t
     for tile in stages(n, k):  # each tile's k best (values and columns, in column order)
         tiles = triton.cdiv(width, tile)
         kept = torch.empty(rows, tiles * k, dtype=torch.int64, device=scores.device)
-        kept_values = torch.empty(rows, tiles * k, dtype=torch.float32, device=scores.device)
+        kept_values = torch.empty(rows, tiles * k, dtype=scores.dtype, device=scores.device)
         _launch(values, columns, kept, kept_values, width, k, tile, tiles * k, tiles)
         values, columns, width = kept_values, kept, tiles * k
     _launch(values, columns, out, None, width, k, width, k, 1)
