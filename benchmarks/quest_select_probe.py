@@ -171,26 +171,42 @@ def probe_coded_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
 
     sweeps = PB_SWEEP if sweep else []
     rows = probe_stream("page_bounds int8", x, bw, x.coded_summary_bytes(), new_pb, run, sweeps, new_pb.CODES_CONFIG)
-    # The query coded too (int8 tensor-core dots, no conversion of the summaries), float32 or bfloat16 bounds.
+    # Both conversions of the codes (hardware int-to-float, or byte permutes), float32 or bfloat16 bounds,
+    # replayed from a CUDA graph (an eager launch costs more host time than the kernel at batch 5).
     bf16_bounds = torch.empty_like(x.bounds, dtype=torch.bfloat16)
-    for out, label in ((x.bounds, "f32"), (bf16_bounds, "bf16")):
-        ref = torch.empty_like(out)
-        page_bounds(*args, ref, sink=SINK, recent=RECENT, scale=scale, query_codes=True, backend="reference")
-        new_pb.page_bounds_triton(*args, out, SINK, RECENT, scale, query_codes=True)
-        if not torch.equal(out, ref):
-            raise AssertionError(f"page_bounds with query codes ({label}) differs from its reference")
+    for prmt in (False, True):
+        for out, label in ((x.bounds, "f32"), (bf16_bounds, "bf16")):
+            with codes_config(prmt=prmt):
+                new_pb.page_bounds_triton(*args, out, SINK, RECENT, scale)
+                torch.testing.assert_close(out.float(), ref, rtol=1e-2 if label == "bf16" else 1e-4, atol=1e-3)
 
-        def run_codes(i, out=out):
-            c = x.codes[i]
-            new_pb.page_bounds_triton(
-                x.q[i], c[0], c[1], x.table, x.start, x.num_pages, out, SINK, RECENT, c[2], query_codes=True
-            )
+                def run_codes(i, out=out):
+                    c = x.codes[i]
+                    tables = (x.table, x.start, x.num_pages)
+                    new_pb.page_bounds_triton(x.q[i], c[0], c[1], *tables, out, SINK, RECENT, c[2])
 
-        nbytes = x.coded_summary_bytes() - x.bounds.numel() * (4 - out.element_size())
-        rows += probe_stream(
-            f"page_bounds int8 q-codes {label}", x, bw, nbytes, new_pb, run_codes, sweeps, new_pb.CODES_CONFIG
-        )
+                nbytes = x.coded_summary_bytes() - x.bounds.numel() * (4 - out.element_size())
+                graph = capture(rotate(run_codes, x.layers))
+                us = median_ms(graph.replay, iters=5) * 1e3 / x.layers
+                rows.append(row(f"page_bounds int8 {'prmt' if prmt else 'cvt'} {label} (graph)", us, nbytes, bw))
     return rows
+
+
+def codes_config(**update):
+    """A context that updates the Triton module's ``CODES_CONFIG``, restoring it after."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        saved = dict(new_pb.CODES_CONFIG)
+        new_pb.CODES_CONFIG.update(update)
+        try:
+            yield
+        finally:
+            new_pb.CODES_CONFIG.clear()
+            new_pb.CODES_CONFIG.update(saved)
+
+    return scope()
 
 
 def logits_args(x: Inputs, i: int):
@@ -326,26 +342,27 @@ def probe_chains(x_sum: Inputs, x: Inputs, omni: torch.Tensor) -> list[dict]:
     bf16_bounds = torch.empty_like(x_sum.bounds, dtype=torch.bfloat16)
     flat_bf16 = bf16_bounds.view(-1, MAX_PAGES)
 
-    def coded(i, out, query_codes):
+    def coded(i, out, prmt):
         c = x_sum.codes[i]
-        tables = (x_sum.table, x_sum.start, x_sum.num_pages)
-        new_pb.page_bounds_triton(x_sum.q[i], c[0], c[1], *tables, out, SINK, RECENT, c[2], query_codes=query_codes)
+        with codes_config(prmt=prmt):
+            new_pb.page_bounds_triton(x_sum.q[i], c[0], c[1], x_sum.table, x_sum.start, x_sum.num_pages, out, SINK,
+                                      RECENT, c[2])  # fmt: skip
 
     chains = {  # name: (inputs, one layer's calls)
         "quest bounds+top-k": (x_sum, lambda i: (
             new_pb.page_bounds_triton(*bounds_args(x_sum, i), SINK, RECENT),
             new_tk.top_k_ascending_triton(flat_bounds, QUEST_K, chosen),
         )),
-        "quest int8 bounds+top-k (f32)": (x_sum, lambda i: (
+        "quest int8 cvt f32 bounds+top-k": (x_sum, lambda i: (
             coded(i, x_sum.bounds, False),
             new_tk.top_k_ascending_triton(flat_bounds, QUEST_K, chosen),
         )),
-        "quest int8 q-codes bf16 bounds+top-k": (x_sum, lambda i: (
-            coded(i, bf16_bounds, True),
+        "quest int8 cvt bf16 bounds+top-k": (x_sum, lambda i: (
+            coded(i, bf16_bounds, False),
             new_tk.top_k_ascending_triton(flat_bf16, QUEST_K, chosen),
         )),
-        "quest int8 f32 q bf16 bounds+top-k": (x_sum, lambda i: (
-            coded(i, bf16_bounds, False),
+        "quest int8 prmt bf16 bounds+top-k": (x_sum, lambda i: (
+            coded(i, bf16_bounds, True),
             new_tk.top_k_ascending_triton(flat_bf16, QUEST_K, chosen),
         )),
         "omnikv logits+top-k": (x, lambda i: (

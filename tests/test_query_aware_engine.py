@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from summary_checks import assert_summarizes, fast_args
 from tiny_models import DEFAULT_MODEL
 
-from sparse_kernels.page_bounds import query_codes_of
+from sparse_kernels.summary_codes import decode_summary
 from sparse_methods import DecodeRead, LayerPlan, Selection, Unit
 from sparse_serve import LLM, SamplingParams
 
@@ -51,14 +51,11 @@ def quest_reference(method):
         page = view.page_size
         hkv, d = view.page_min.shape[1:]
         q = view.query.float().view(hkv, -1, 1, d)  # [Hkv, g, 1, D]
-        if view.page_scale is None:
-            lo, hi = (s.float().permute(1, 0, 2)[:, None] for s in (view.page_min, view.page_max))  # [Hkv, 1, P, D]
-            scores = torch.maximum(q * lo, q * hi).sum(-1).amax(1)  # [Hkv, P]
-        else:  # int8 codes: the query coded too (per head), integer sums, the page's scale, then the head's
-            codes, q_scale = query_codes_of(q)  # [Hkv, g, 1, D], [Hkv, g, 1]
-            lo, hi = (s.double().permute(1, 0, 2)[:, None] for s in (view.page_min, view.page_max))
-            sums = torch.maximum(codes * lo, codes * hi).sum(-1).float()  # [Hkv, g, P]
-            scores = (sums * view.page_scale.T[:, None] * q_scale).amax(1)
+        lo, hi = view.page_min, view.page_max
+        if view.page_scale is not None:  # int8 codes: the bounds they stand for
+            lo, hi = decode_summary(lo, hi, view.page_scale)
+        lo, hi = (s.float().permute(1, 0, 2)[:, None] for s in (lo, hi))  # [Hkv, 1, P, D]
+        scores = torch.maximum(q * lo, q * hi).sum(-1).amax(1)  # [Hkv, P]
         scores = scores.bfloat16().float()  # Quest ranks bfloat16 bounds
         sink, recent = -(-c.sink_keep_tokens // page), max(1, -(-c.recent_keep_tokens // page))
         k = sink + c.decode_keep_tokens // page + recent
@@ -277,7 +274,7 @@ def test_batched_device_selection_equals_the_paper():
     q = torch.randn(3, 8, 64, generator=torch.Generator().manual_seed(0))
     layer = 3
     args, codes = fast_args(pool, layer)
-    assert codes["kscale"] is not None  # Quest's default: int8 codes (the query coded too)
+    assert codes["kscale"] is not None  # Quest's default: int8 codes, bounds from their decoded values
     reference = quest_reference(engine.method)
     expected, selected = _reference_attention(
         reference, layer, q, *args, meta, meta.groups[0], attention.sm_scale, kscale=codes["kscale"]

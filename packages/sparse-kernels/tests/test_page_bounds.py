@@ -153,65 +153,32 @@ def test_levels_need_float_statistics():
         page_bounds(q, stats.float(), stats.float(), *args[3:], out, levels=-1)
 
 
-def _plain_query_codes(q: list[float]) -> tuple[list[int], float]:
-    """One head's int8 code and scale, element by element in float32 as the kernel does it."""
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    amax = max(abs(v) for v in q)
-    scale = (f32(amax) / 127).item() if amax > 0 else 1.0
-    return [max(-127, min(127, int(torch.floor(f32(v) / f32(scale) + 0.5).item()))) for v in q], scale
 
-
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_query_codes_bound_equals_the_integer_loop(out_dtype, triton_device):
-    """``query_codes``: each query head as int8 codes (rounded to nearest, scale max|q| / 127) against int8
-    summary codes. Triton equals the reference exactly (integer sums, then the page's scale, then the
-    head's), both equal a per-page loop over the integers written here, and the bound stays within its
-    stated distance of the float query's; a bfloat16 ``out`` holds the same bounds rounded to nearest."""
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("coded", [False, True])
+def test_bfloat16_out_holds_the_float32_bounds_rounded_to_nearest(backend, coded, triton_device):
+    """A bfloat16 ``out`` (Quest's ranking) holds exactly the float32 bounds of the same call rounded to
+    nearest, ties to even, infinities included, over model-dtype summaries and over int8 codes."""
     from sparse_kernels.summary_codes import encode_summary
 
-    gen = torch.Generator().manual_seed(5)
+    device = triton_device if backend == "triton" else "cpu"
+    gen = torch.Generator().manual_seed(9)
     num_blocks, hkv, hq, d = 30, 2, 8, 64
-    a, b = torch.randn(2, num_blocks, hkv, d, generator=gen).bfloat16()
-    kmin, kmax, scale = encode_summary(torch.minimum(a, b), torch.maximum(a, b))
+    a, b = (torch.randn(2, num_blocks, hkv, d, generator=gen) * 3).bfloat16()
+    kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+    scale = None
+    if coded:
+        kmin, kmax, scale = encode_summary(kmin, kmax)
+        scale = scale.to(device)
+    indices = torch.randperm(num_blocks, generator=gen)[:29].to(torch.int32)
+    start, num_pages = torch.tensor([0, 12, 13]), torch.tensor([12, 1, 16], dtype=torch.int32)
     q = torch.randn(3, hq, d, generator=gen).bfloat16()
-    q[1, :4] = 0  # an all-zero query group: scale 1, codes 0, bounds 0
-    tables = [list(range(0, 12)), [12], list(range(13, 30))]
-    indices = torch.tensor(sum(tables, []), dtype=torch.int32)
-    start, num_pages = torch.tensor([0, 12, 13]), torch.tensor([12, 1, 17], dtype=torch.int32)
-    args = (q, kmin, kmax, indices, start, num_pages)
-    outs = {}
-    for backend, device in (("reference", "cpu"), ("triton", triton_device)):
-        out = torch.empty(3, hkv, 20, dtype=out_dtype, device=device)
-        page_bounds(*(t.to(device) for t in args), out, sink=1, recent=1, scale=scale.to(device), query_codes=True,
-                    backend=backend)  # fmt: skip
-        outs[backend] = out.cpu()
-    assert torch.equal(outs["triton"], outs["reference"])
-    float_query = torch.empty(3, hkv, 20)
-    page_bounds(*args, float_query, sink=1, recent=1, scale=scale, backend="reference")
-    g = hq // hkv
-    for bi, table in enumerate(tables):
-        for h in range(hkv):
-            coded = [_plain_query_codes(q[bi, hh].float().tolist()) for hh in range(h * g, (h + 1) * g)]
-            for p, block in enumerate(table[1:-1], start=1):
-                lo, hi = kmin[block, h].tolist(), kmax[block, h].tolist()
-                per_head = []
-                for codes, q_scale in coded:
-                    total = sum(max(c * x, c * y) for c, x, y in zip(codes, hi, lo, strict=True))
-                    per_head.append(torch.tensor(float(total)) * scale[block, h] * q_scale)
-                want = max(per_head).to(out_dtype)
-                assert outs["reference"][bi, h, p] == want
-                # each head's coded sum is off by at most scale * q_scale / 2 * sum_d max(|kmin_d|, |kmax_d|)
-                codes_mass = sum(max(abs(x), abs(y)) for x, y in zip(lo, hi, strict=True))
-                slack = float(scale[block, h]) * max(s for _, s in coded) / 2 * codes_mass
-                exact = float(float_query[bi, h, p])
-                rounding = 2**-8 * abs(exact) if out_dtype == torch.bfloat16 else 0.0
-                assert abs(float(outs["reference"][bi, h, p]) - exact) <= 1.01 * slack + rounding
-    assert (outs["reference"][1, 0, :1] == float("inf")).all() and (outs["reference"][:, :, 17:] == float("-inf")).all()
-
-
-def test_query_codes_need_summary_codes():
-    q = torch.randn(1, 4, 16)
-    kmin = torch.zeros(3, 2, 16)
-    with pytest.raises(ValueError, match="query_codes"):
-        table = torch.zeros(1, dtype=torch.int32)
-        page_bounds(q, kmin, kmin, table, torch.zeros(1), torch.ones(1), torch.empty(1, 2, 1), query_codes=True)
+    args = [t.to(device) for t in (q, kmin, kmax, indices, start, num_pages)]
+    wide = torch.empty(3, hkv, 20, device=device)
+    narrow = torch.empty(3, hkv, 20, dtype=torch.bfloat16, device=device)
+    for out in (wide, narrow):
+        page_bounds(*args, out, sink=1, recent=2, scale=scale, backend=backend)
+    assert torch.equal(narrow, wide.bfloat16())
+    assert (narrow[:, :, 0] == float("inf")).all() and (narrow[:, :, 16:] == float("-inf")).all()
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        page_bounds(*args, torch.empty(3, hkv, 20, dtype=torch.float16, device=device), scale=scale, backend=backend)

@@ -36,7 +36,6 @@ def page_bounds(
     recent: int = 0,
     scale: torch.Tensor | None = None,
     levels: int = 0,
-    query_codes: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Write ``out[b, h, p]`` (float32 or bfloat16 ``[B, num_kv_heads, max_pages]``) and return it.
@@ -64,11 +63,6 @@ def page_bounds(
     levels : int
         With ``levels > 0``, ``kmax`` holds each page's per-channel step (non-negative), and a page's
         keys lie in ``[kmin, kmin + levels * kmax]`` (KIVI's key statistics; not with ``scale``).
-    query_codes : bool
-        With ``scale``: each query head is coded too (``query_codes`` below: int8, rounded to nearest,
-        one scale per head), so a bound is ``scale * q_scale * sum_d max(c_d * kmax_d, c_d * kmin_d)``
-        over integers: exact int8 tensor-core dots on the GPU, no conversion of the summaries. Off by
-        at most ``scale * q_scale / 2 * sum_d max(|kmin_d|, |kmax_d|)`` from the float query's bound.
     """
     batch, num_qo_heads, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
@@ -84,8 +78,6 @@ def page_bounds(
         raise ValueError(f"coded summaries are int8 with a scale [{kmin.shape[0]}, {num_kv_heads}]")
     if scale is None and not (kmin.is_floating_point() and kmax.is_floating_point()):
         raise ValueError("int8 summary codes need their scale")
-    if query_codes and scale is None:
-        raise ValueError("query_codes needs int8 summary codes (scale)")
     if levels < 0 or (levels and scale is not None):
         raise ValueError(f"levels must be >= 0 and apply to float (min, step) statistics, got {levels}")
     if table_start.shape != (batch,) or num_pages.shape != (batch,):
@@ -107,7 +99,6 @@ def page_bounds(
             recent,
             scale,
             levels=levels,
-            query_codes=query_codes,
         )
     max_pages = out.shape[2]
     start = table_start.to(torch.int64)[:, None]
@@ -116,12 +107,6 @@ def page_bounds(
     ids = table_indices.to(torch.int64)[start + torch.minimum(page, num_pages - 1)]  # [B, P]
     group = num_qo_heads // num_kv_heads
     qg = q.float().view(batch, num_kv_heads, group, head_dim)
-    if query_codes:  # integer sums (exact in float64), then the page's scale, then the head's
-        codes, q_scale = query_codes_of(qg)
-        hi, lo = kmax[ids].double().permute(0, 2, 3, 1), kmin[ids].double().permute(0, 2, 3, 1)  # [B, Hkv, D, P]
-        sums = (codes.clamp(min=0) @ hi + codes.clamp(max=0) @ lo).float()  # [B, Hkv, G, P]
-        bound = (sums * scale[ids].permute(0, 2, 1)[:, :, None, :] * q_scale[..., None]).amax(2)
-        return _finish(bound, out, max_pages, num_pages, page, sink, recent)
     if scale is not None:
         lo, hi = decode_summary(kmin[ids], kmax[ids], scale[ids])
     elif levels:  # (min, step): the page's largest dequantized key per channel is min + levels * step
@@ -133,16 +118,6 @@ def page_bounds(
     lo = lo.permute(0, 2, 3, 1)
     bound = (qg.clamp(min=0) @ hi + qg.clamp(max=0) @ lo).amax(2)  # [B, Hkv, P]
     return _finish(bound, out, max_pages, num_pages, page, sink, recent)
-
-
-def query_codes_of(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``q [..., head_dim]`` as codes (float64 integers in ``[-127, 127]``) and a float32 scale per
-    head ``[...]``: ``scale = max |q| / 127`` (1 for an all-zero head), ``codes = floor(q / scale + 0.5)``,
-    IEEE division as the kernel's ``div_rn``."""
-    amax = q.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, 127.0), torch.ones_like(amax))
-    codes = torch.floor(q / scale[..., None] + 0.5).clamp(-127, 127)
-    return codes.double(), scale
 
 
 def _finish(bound, out, max_pages, num_pages, page, sink, recent) -> torch.Tensor:

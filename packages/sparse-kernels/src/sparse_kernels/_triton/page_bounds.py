@@ -9,10 +9,12 @@ Chunks cover a fixed grid (``stream_split``); the loop is pipelined (``num_stage
 next pages are in flight while one step computes. Pages past a row are written ``-inf`` without reads.
 With ``LEVELS`` (KIVI's per-channel min and step: ``kmax = kmin + LEVELS * step``) the bound is
 ``kmin @ q^T + LEVELS * (step @ max(q, 0)^T)``, the same sum regrouped (fp16 statistics, fp16 query).
-With ``QUERY_CODES`` (int8 summary codes only) each program codes its group's queries (int8 per head) and
-the dots are int8 x int8 -> int32 on the tensor cores, so the summaries' codes go to the dot as loaded;
-the integer sums then take the page's scale and the head's. A bfloat16 ``out`` is rounded to nearest
-in integer ops before the store (the interpreter's cast truncates; the GPU's rounds).
+int8 codes go to fp16 dots (the query in fp16: exact for a bf16 query within fp16's normal range). Their
+conversion is what bounds the kernel (the hardware's int-to-float conversion runs at a quarter of the
+FMA rate), so on the GPU (``CODES_CONFIG["prmt"]``) four codes at a time become fp16 through byte
+permutes: ``0x6400 | (code + 128)`` is the fp16 ``1152 + code``, and one packed subtraction per pair
+leaves ``code``. A bfloat16 ``out`` is rounded to nearest in integer ops before the store (the
+interpreter's cast truncates; the GPU's rounds).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from sparse_kernels._triton.stream_split import items_per_program
 # (benchmarks/quest_select_probe.py sweeps these; session 15 on the H200: 2 warps over 4, 86 -> 91% of copy
 # bandwidth for bf16, 50 -> 72% for codes, whose conversion to the dot's dtype is the work that bounds them).
 CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3}
-CODES_CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3}
+CODES_CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3, "prmt": True}
 
 
 def _page_bounds_kernel(
@@ -56,8 +58,7 @@ def _page_bounds_kernel(
     PRECISION: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     LEVELS: tl.constexpr,
-    QUERY_CODES: tl.constexpr,
-    INT_DOT: tl.constexpr,
+    PRMT: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
@@ -77,14 +78,8 @@ def _page_bounds_kernel(
         mask=(offs_g[None, :] < GROUP) & mask_d[:, None],
         other=0.0,
     ).to(tl.float32)
-    if QUERY_CODES:  # int8 codes of each query head, rounded to nearest: integer dots with the summary codes
-        amax = tl.max(tl.abs(q), axis=0)
-        q_scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)  # [BLOCK_G]
-        q = tl.minimum(tl.maximum(tl.math.floor(tl.math.div_rn(q, q_scale[None, :]) + 0.5), -127.0), 127.0)
-        if INT_DOT:
-            q = q.to(tl.int8)
-    q_pos = tl.maximum(q, 0).to(DOT_DTYPE)
-    q_neg = tl.minimum(q, 0).to(DOT_DTYPE)
+    q_pos = tl.maximum(q, 0.0).to(DOT_DTYPE)
+    q_neg = tl.minimum(q, 0.0).to(DOT_DTYPE)
     q_all = q.to(DOT_DTYPE)
     out_row = out_ptr + (b.to(tl.int64) * NUM_KV_HEADS + h) * max_pages
     for p0 in range(lo, hi, BLOCK_P):
@@ -98,16 +93,14 @@ def _page_bounds_kernel(
         if LEVELS > 0:  # top is the per-channel step: q.min + LEVELS * (max(q, 0) . step)
             s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION) * LEVELS
             s = tl.dot(low.to(DOT_DTYPE), q_all, acc=s, input_precision=PRECISION)
-        elif INT_DOT:  # int8 x int8 -> int32 tensor-core dots, exact
-            s = tl.dot(top, q_pos, out_dtype=tl.int32)
-            s = tl.dot(low, q_neg, acc=s, out_dtype=tl.int32).to(tl.float32)
+        elif PRMT:  # int8 codes to fp16 by byte permutes (exact), fp16 dots
+            s = tl.dot(_int8_to_fp16(top), q_pos, input_precision=PRECISION)
+            s = tl.dot(_int8_to_fp16(low), q_neg, acc=s, input_precision=PRECISION)
         else:
             s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
             s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P, BLOCK_G]
         if HAS_SCALE:  # int8 codes: the page's bound is its head's scale times the codes' bound
             s = s * tl.load(scale_ptr + ids * NUM_KV_HEADS + h, mask=valid, other=0.0)[:, None]
-        if QUERY_CODES:
-            s = s * q_scale[None, :]
         best = tl.max(tl.where(offs_g[None, :] < GROUP, s, float("-inf")), axis=1)
         forced = (pages < sink) | (pages >= num_pages - recent)
         best = tl.where(forced, float("inf"), best)
@@ -120,6 +113,29 @@ def _page_bounds_kernel(
 
 
 page_bounds_kernel = Kernel(_page_bounds_kernel)
+
+
+@triton.jit
+def _int8_to_fp16(x):
+    """int8 codes as fp16, exact: per 4 codes one xor (``code + 128`` as a byte), two byte permutes that
+    put ``0x64`` above each byte (the fp16 ``1024 + byte``) and two packed subtractions of 1152."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 u, hi, bias;
+        mov.b32 hi, 0x64646464;
+        mov.b32 bias, 0x64806480;
+        xor.b32 u, $2, 0x80808080;
+        prmt.b32 $0, u, hi, 0x4140;
+        prmt.b32 $1, u, hi, 0x4342;
+        sub.f16x2 $0, $0, bias;
+        sub.f16x2 $1, $1, bias;
+        }""",
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 def page_bounds_triton(
@@ -135,7 +151,6 @@ def page_bounds_triton(
     scale=None,
     *,
     levels: int = 0,
-    query_codes: bool = False,
 ) -> torch.Tensor:
     """Inputs already validated by ``sparse_kernels.page_bounds``; ``out`` must be contiguous."""
     batch, num_qo_heads, head_dim = q.shape
@@ -153,11 +168,9 @@ def page_bounds_triton(
     # 16-bit dots when the query and the summaries share a 16-bit dtype (int8 codes are exact in the
     # query's), fp32 otherwise. KIVI's fp16 statistics: fp16 dots (a bf16 query is exact in fp16 within
     # its normal range).
-    int_dot = query_codes and q.device.type == "cuda"  # the interpreter: the codes' exact fp32 dots
-    if int_dot:
-        dots = {"DOT_DTYPE": tl.int8, "PRECISION": "ieee"}
-    elif query_codes:
-        dots = dot_args(torch.float32, q.device)
+    prmt = coded and config.get("prmt", False) and q.device.type == "cuda"
+    if prmt:
+        dots = dot_args(torch.float16, q.device)
     elif levels and kmin.dtype == kmax.dtype == torch.float16:
         dots = dot_args(torch.float16, q.device)
     else:
@@ -187,8 +200,7 @@ def page_bounds_triton(
         num_stages=config["num_stages"],
         HAS_SCALE=coded,
         LEVELS=levels,
-        QUERY_CODES=query_codes,
-        INT_DOT=int_dot,
+        PRMT=prmt,
         ROUND_BF16=out.dtype == torch.bfloat16,
         **dots,
         **pdl_args(q.device),

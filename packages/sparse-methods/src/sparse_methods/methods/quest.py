@@ -109,7 +109,7 @@ class Quest(SparseMethod):
         query = batch.query
         # bfloat16 bounds: the ranking keeps 8 significant bits (int8 summaries already round a bound by up
         # to 1/127 of its head's scale per channel), and the top-k's radix passes over 16-bit keys are half
-        # of float32's. Over int8 summary codes the query is coded too (integer tensor-core dots).
+        # of float32's.
         bounds = torch.empty(
             query.shape[0], self.shape.num_kv_heads, batch.max_pages, dtype=torch.bfloat16, device=query.device
         )
@@ -125,6 +125,5 @@ class Quest(SparseMethod):
             recent=recent,
             scale=batch.page_scale,
             levels=batch.page_levels,
-            query_codes=batch.page_scale is not None,
         )
         return k.top_k_ascending(bounds, min(sink + keep + recent, batch.max_pages))
