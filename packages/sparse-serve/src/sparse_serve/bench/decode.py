@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from sparse_serve.bench.prefill import random_prompt, run_prefill, synchronize
 from sparse_serve.bench.probes import peak_memory, profile_device, reset_peak_memory
+from sparse_serve.bench.stalls import StallProbe
 from sparse_serve.engine import LLMEngine
 from sparse_serve.sampling_params import SamplingParams
 
@@ -208,7 +209,8 @@ def _time_decode(engine: LLMEngine, case: DecodeCase, desc: str, progress: bool)
     last: ``wall_seconds`` over the steps is the step time (a pipelined engine overlaps a step's
     host work with the previous step's device work, which per-step synchronization would hide).
     ``step_seconds`` (each ``step()`` call alone, unsynchronized) and ``step_end_unix`` (wall-clock
-    ends, to match against a GPU clock log) are diagnostics of how the time spreads.
+    ends, to match against a GPU clock log) are diagnostics of how the time spreads; ``stalls``
+    (``StallProbe``) counts the allocator's trips to the driver and the collections in the window.
     """
     remaining = case.output_len - (1 if case.prefill == "real" else 0)
     planned = remaining if case.timed_steps is None else min(remaining, case.warmup_steps + case.timed_steps)
@@ -216,11 +218,13 @@ def _time_decode(engine: LLMEngine, case: DecodeCase, desc: str, progress: bool)
     used_blocks, graph_steps = 0, 0
     device = engine.runner.device
     wall_start, pipelined = None, engine.num_pipelined_steps
+    stalls = StallProbe(device)
     for i in tqdm(range(planned), desc=desc, leave=False, disable=not progress, unit="step"):
         if not engine.has_unfinished_requests():
             break
         if i == case.warmup_steps:
             synchronize(device)
+            stalls.start()
             wall_start = time.perf_counter()
         kv_slots, n_running = _step_kv_tokens(engine)
         replays = _graph_replays(engine)
@@ -239,6 +243,7 @@ def _time_decode(engine: LLMEngine, case: DecodeCase, desc: str, progress: bool)
     if wall_start is not None:
         synchronize(device)
         raw["wall_seconds"] = time.perf_counter() - wall_start
+        raw["stalls"] = stalls.stop()  # allocator trips to the driver and collections in the timed window
     raw["async_scheduling"] = engine.async_scheduling
     raw["pipelined_steps"] = engine.num_pipelined_steps - pipelined  # warm-up included
     return {**raw, "kv_blocks_in_use": used_blocks, "cuda_graph_steps": graph_steps}
