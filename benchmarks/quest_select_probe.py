@@ -53,6 +53,8 @@ L2_BYTES = 256 << 20  # rotate over at least this many bytes of inputs per timed
 
 PB_SWEEP = [(64, 4, 3), (64, 2, 4), (32, 2, 3), (128, 2, 3), (64, 1, 3), (32, 1, 3), (128, 1, 2), (256, 2, 3)]
 # BLOCK_N, warps, stages
+PB_GRAPH_SWEEP = [(64, 2, 3), (64, 2, 4), (64, 2, 2), (128, 2, 3), (128, 4, 3), (32, 1, 3), (64, 1, 3), (32, 2, 3),
+                  (128, 4, 4), (256, 4, 3)]  # fmt: skip
 PL_SWEEP = [(32, 1, 3), (64, 1, 3), (32, 2, 3), (64, 2, 3), (128, 2, 3), (32, 4, 3), (64, 4, 2), (128, 4, 3)]
 
 
@@ -156,7 +158,7 @@ def probe_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
     )
 
 
-def probe_coded_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
+def probe_coded_page_bounds(x: Inputs, bw: float, sweep: bool, graph_sweep: bool = False) -> list[dict]:
     """``page_bounds`` over int8 summary codes with a scale per (block, KV head) (half the bytes)."""
     kmin, kmax, scale = x.codes[0]
     ref = torch.empty_like(x.bounds)
@@ -189,6 +191,12 @@ def probe_coded_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
                 graph = capture(rotate(run_codes, x.layers))
                 us = median_ms(graph.replay, iters=5) * 1e3 / x.layers
                 rows.append(row(f"page_bounds int8 {'prmt' if prmt else 'cvt'} {label} (graph)", us, nbytes, bw))
+    if sweep or graph_sweep:  # the default (byte permutes, bfloat16 bounds) under other launch shapes, graph-timed
+        for block_p, warps, stages in PB_GRAPH_SWEEP:
+            with codes_config(prmt=True, BLOCK_P=block_p, num_warps=warps, num_stages=stages):
+                graph = capture(rotate(run_codes, x.layers))  # run_codes: the last (bfloat16) one
+            us = median_ms(graph.replay, iters=5) * 1e3 / x.layers
+            rows.append(row(f"  cfg prmt bf16 BLOCK_P={block_p} w{warps} s{stages} (graph)", us, nbytes, bw))
     return rows
 
 
@@ -248,6 +256,9 @@ TOPK_VARIANTS = {
     "packed b3 t1024 m2048": {**_PACKED, **_T1024, "bits": 3, "merge": 2048},
     "packed b2 t4096 x4 w512": {**_PACKED, "bits": 2, "single": 2048, "tile": 4096, "tile_per_k": 4,
                                 "columns_per_warp": 512},
+    **{f"packed b2 one w{16384 // c}": {**_PACKED, "bits": 2, "single": 16384, "columns_per_warp": c}
+       for c in (512, 1024, 2048)},
+    "packed b2 t8192": {**_PACKED, "bits": 2, "tile": 8192},
 }  # fmt: skip
 
 
@@ -383,6 +394,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true", help="skip the config sweeps")
     ap.add_argument("--top-k-only", action="store_true", help="only the top-k variants")
     ap.add_argument("--page-bounds-only", action="store_true", help="only page_bounds (model dtype and int8 codes)")
+    ap.add_argument("--codes-graph-sweep", action="store_true", help="sweep int8 page bounds' shapes (graph-timed)")
     ap.add_argument("--top-k-variants", help="comma-separated names of TOPK_VARIANTS to time (default all)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
@@ -406,7 +418,7 @@ def main() -> None:
             x_sum = Inputs(batch, layers_for(x.summary_bytes()), with_keys=False, gen=gen)
         print(f"batch {batch}: {x.pages} pages per row, {x_sum.layers} summary / {x.layers} key layer copies")
         rows = probe_page_bounds(x_sum, bw, not args.no_sweep)
-        rows += probe_coded_page_bounds(x_sum, bw, not args.no_sweep)
+        rows += probe_coded_page_bounds(x_sum, bw, not args.no_sweep, args.codes_graph_sweep)
         if args.page_bounds_only:
             results["batches"][batch] = rows
             continue
