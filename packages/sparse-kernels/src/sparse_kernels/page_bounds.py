@@ -88,17 +88,7 @@ def page_bounds(
         from sparse_kernels._triton.page_bounds import page_bounds_triton
 
         return page_bounds_triton(
-            q,
-            kmin,
-            kmax,
-            table_indices,
-            table_start,
-            num_pages,
-            out,
-            sink,
-            recent,
-            scale,
-            levels=levels,
+            q, kmin, kmax, table_indices, table_start, num_pages, out, sink, recent, scale, levels=levels
         )
     max_pages = out.shape[2]
     start = table_start.to(torch.int64)[:, None]

@@ -139,18 +139,7 @@ def _int8_to_fp16(x):
 
 
 def page_bounds_triton(
-    q,
-    kmin,
-    kmax,
-    table_indices,
-    table_start,
-    num_pages,
-    out,
-    sink: int,
-    recent: int,
-    scale=None,
-    *,
-    levels: int = 0,
+    q, kmin, kmax, table_indices, table_start, num_pages, out, sink: int, recent: int, scale=None, *, levels: int = 0
 ) -> torch.Tensor:
     """Inputs already validated by ``sparse_kernels.page_bounds``; ``out`` must be contiguous."""
     batch, num_qo_heads, head_dim = q.shape
