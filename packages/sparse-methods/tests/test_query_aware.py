@@ -47,7 +47,8 @@ def select_pages(query, kmin, kmax, *, sink, keep, recent):
 
 def _reference(query, kmin, kmax, sink, keep, recent):
     """Per KV head: bound each page by sum_d max(q_d*max_d, q_d*min_d), the max over the group's query
-    heads; take the first ``sink`` and last ``recent`` pages and the ``keep`` best others (ties: earlier)."""
+    heads, rounded to bfloat16; take the first ``sink`` and last ``recent`` pages and the ``keep`` best others
+    (ties: earlier)."""
     num_pages, hkv, _ = kmin.shape
     g = query.shape[0] // hkv
     out = []
@@ -61,7 +62,7 @@ def _reference(query, kmin, kmax, sink, keep, recent):
                 )
                 for qh in range(h * g, (h + 1) * g)
             ]
-            bounds.append(max(per_head))
+            bounds.append(float(torch.tensor(max(per_head)).bfloat16()))  # Quest ranks bfloat16 bounds
         s = min(sink, num_pages)
         r = min(recent, num_pages - s)
         middle = list(range(s, num_pages - r))
