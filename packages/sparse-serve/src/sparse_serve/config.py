@@ -61,6 +61,14 @@ class _EngineFields(BaseModel):
         description="Pipeline decode steps: schedule and prepare step N+1 on the host while step N runs, "
         "feeding N's sampled tokens to N+1 on the device. None: on for CUDA, off on CPU.",
     )
+    host_threads: int = Field(
+        1,
+        ge=0,
+        description="Threads for torch's CPU ops on a CUDA engine (step metadata, plan checks; set for the whole "
+        "process when the engine starts). These ops are small, and a multi-threaded op waits for its slowest "
+        "worker: with torch's default (one per core) a descheduled worker held Quest's decode steps for 5-20 ms "
+        "at a time on the H200 host. 0 leaves torch's setting; ignored on CPU, where the model runs on them.",
+    )
     max_num_chains: int = Field(4096, ge=1, description="Conversation chains remembered at once (LRU beyond).")
     sparse_method: str = Field(
         "dense", description=f"Sparse attention / KV compression method: {', '.join(sparse_methods.method_names())}."

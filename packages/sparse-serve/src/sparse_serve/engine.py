@@ -151,6 +151,8 @@ class LLMEngine:
             # long. On CPU (tests) engines come and go: nothing is frozen.
             gc.collect()
             gc.freeze()
+            if config.host_threads:  # the host's small ops on one thread: no worker to wait for
+                torch.set_num_threads(config.host_threads)
 
     def _layer_layout(self, windows, max_len: int) -> LayerLayout:
         """One table per layer when layers hold different amounts: some layer slides over a window (its
