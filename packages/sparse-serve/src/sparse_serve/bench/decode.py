@@ -245,6 +245,7 @@ def _time_decode(engine: LLMEngine, case: DecodeCase, desc: str, progress: bool)
         raw["wall_seconds"] = time.perf_counter() - wall_start
         raw["stalls"] = stalls.stop()  # allocator trips to the driver and collections in the timed window
     raw["async_scheduling"] = engine.async_scheduling
+    raw["host_threads"] = torch.get_num_threads()  # torch's CPU threads while the steps ran (``host_threads``)
     raw["pipelined_steps"] = engine.num_pipelined_steps - pipelined  # warm-up included
     return {**raw, "kv_blocks_in_use": used_blocks, "cuda_graph_steps": graph_steps}
 
