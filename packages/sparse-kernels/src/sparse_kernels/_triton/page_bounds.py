@@ -9,11 +9,12 @@ Chunks cover a fixed grid (``stream_split``); the loop is pipelined (``num_stage
 next pages are in flight while one step computes. Pages past a row are written ``-inf`` without reads.
 With ``LEVELS`` (KIVI's per-channel min and step: ``kmax = kmin + LEVELS * step``) the bound is
 ``kmin @ q^T + LEVELS * (step @ max(q, 0)^T)``, the same sum regrouped (fp16 statistics, fp16 query).
-int8 codes go to fp16 dots (the query in fp16: exact for a bf16 query within fp16's normal range). Their
-conversion is what bounds the kernel (the hardware's int-to-float conversion runs at a quarter of the
-FMA rate), so on the GPU (``CODES_CONFIG["prmt"]``) four codes at a time become fp16 through byte
-permutes: ``0x6400 | (code + 128)`` is the fp16 ``1152 + code``, and one packed subtraction per pair
-leaves ``code``. A bfloat16 ``out`` is rounded to nearest in integer ops before the store (the
+int8 codes go to fp16 dots (the query in fp16: exact for a bf16 query within fp16's normal range). The
+hardware's int-to-float conversion runs at a quarter of the FMA rate, so on the GPU
+(``CODES_CONFIG["prmt"]``) four codes at a time become fp16 through byte permutes: ``0x6400 | (code +
+128)`` is the fp16 ``1152 + code``, and one packed subtraction per pair leaves ``code`` (2-8% faster on the
+H200 than the conversion; the kernel stays at ~70-80% of copy bandwidth, so the conversion was not all
+that bounds it). A bfloat16 ``out`` is rounded to nearest in integer ops before the store (the
 interpreter's cast truncates; the GPU's rounds).
 """
 
@@ -28,7 +29,7 @@ from sparse_kernels._triton.stream_split import items_per_program
 
 # Pages per loop step and launch shape, for model-dtype summaries and for int8 codes
 # (benchmarks/quest_select_probe.py sweeps these; session 15 on the H200: 2 warps over 4, 86 -> 91% of copy
-# bandwidth for bf16, 50 -> 72% for codes, whose conversion to the dot's dtype is the work that bounds them).
+# bandwidth for bf16, 50 -> 72% for codes; session 18's graph-timed sweep of the prmt kernel kept them).
 CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3}
 CODES_CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3, "prmt": True}
 
