@@ -25,6 +25,7 @@ eager back-to-back calls, where a candidate stage's launch adds host time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -200,21 +201,21 @@ def probe_coded_page_bounds(x: Inputs, bw: float, sweep: bool, graph_sweep: bool
     return rows
 
 
+@contextlib.contextmanager
+def config_scope(config: dict, update: dict):
+    """``config`` (a Triton module's launch dict) updated with ``update`` inside the block, restored after."""
+    saved = dict(config)
+    config.update(update)
+    try:
+        yield
+    finally:
+        config.clear()
+        config.update(saved)
+
+
 def codes_config(**update):
-    """A context that updates the Triton module's ``CODES_CONFIG``, restoring it after."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def scope():
-        saved = dict(new_pb.CODES_CONFIG)
-        new_pb.CODES_CONFIG.update(update)
-        try:
-            yield
-        finally:
-            new_pb.CODES_CONFIG.clear()
-            new_pb.CODES_CONFIG.update(saved)
-
-    return scope()
+    """The int8 page bounds' ``CODES_CONFIG`` updated inside the block."""
+    return config_scope(new_pb.CODES_CONFIG, update)
 
 
 def logits_args(x: Inputs, i: int):
@@ -263,20 +264,8 @@ TOPK_VARIANTS = {
 
 
 def topk_variant(name: str):
-    """A context that sets the Triton module's ``CONFIG`` to the variant's, restoring it after."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def scope():
-        saved = dict(new_tk.CONFIG)
-        new_tk.CONFIG.update(TOPK_VARIANTS[name])
-        try:
-            yield
-        finally:
-            new_tk.CONFIG.clear()
-            new_tk.CONFIG.update(saved)
-
-    return scope()
+    """The top-k module's ``CONFIG`` set to the variant's inside the block."""
+    return config_scope(new_tk.CONFIG, TOPK_VARIANTS[name])
 
 
 def graph_us(fn, calls: int = 20) -> float:

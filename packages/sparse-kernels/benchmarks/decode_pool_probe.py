@@ -25,23 +25,6 @@ from sparse_kernels._triton import quantized_decode_launch as ql
 FOUR_WARPS = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 2}  # the fp8 launch before session 16
 
 
-def build(scheme: str, bits: int, batch: int, layers: int, shuffled: bool):
-    blocks_per_req = qb.KV_LEN // qb.BLOCK
-    num_blocks = batch * blocks_per_req + 7
-    gen = torch.Generator(device=qb.DEVICE).manual_seed(0)
-    pools = [qb.random_layer(scheme, bits, num_blocks, gen) for _ in range(layers)]
-    order = torch.arange(num_blocks)
-    if shuffled:
-        order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
-    csr = (
-        torch.arange(0, batch * blocks_per_req + 1, blocks_per_req, dtype=torch.int32),
-        order[: batch * blocks_per_req].to(torch.int32),
-        torch.full((batch,), qb.BLOCK, dtype=torch.int32),
-    )
-    q = torch.randn(batch, qb.HQ, qb.DIM, device=qb.DEVICE, generator=gen, dtype=torch.bfloat16)
-    return pools, csr, q, qb.bytes_per_block(pools[0]) * batch * blocks_per_req
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--jsonl")
@@ -63,7 +46,7 @@ def main() -> None:
     for scheme, bits, batch, launches in (("fp8", 8, 11, ({}, FOUR_WARPS)), ("bf16", 16, 5, ({},))):
         for layers in (2, args.many):
             for shuffled in (False, True):
-                pools, csr, q, layer_bytes = build(scheme, bits, batch, layers, shuffled)
+                pools, csr, q, layer_bytes = qb.make_step(scheme, bits, batch, num_layers=layers, shuffled=shuffled)
                 pool_gb = layers * layer_bytes / 1e9
                 for cfg in launches:
                     ql.QUANT_DECODE_CONFIG.clear()

@@ -64,15 +64,19 @@ def bytes_per_block(layer) -> int:
     return sum(t[0].numel() * t.element_size() for t in tensors)
 
 
-def make_step(scheme: str, bits: int, batch: int, seed: int = 0):
+def make_step(scheme: str, bits: int, batch: int, seed: int = 0, num_layers: int | None = None, shuffled: bool = True):
+    """``(layer pools, CSR table, q, bytes per layer)``: ``num_layers`` pools (default: enough to exceed the L2
+    several times, at most 8), each request's blocks shuffled over the pool or in order."""
     blocks_per_req = KV_LEN // BLOCK
     num_blocks = batch * blocks_per_req + 7
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     first = random_layer(scheme, bits, num_blocks, gen)
     layer_bytes = bytes_per_block(first) * batch * blocks_per_req
-    num_layers = max(1, min(8, -(-4 * L2_BYTES // layer_bytes)))
+    if num_layers is None:
+        num_layers = max(1, min(8, -(-4 * L2_BYTES // layer_bytes)))
     layers = [first] + [random_layer(scheme, bits, num_blocks, gen) for _ in range(num_layers - 1)]
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[: batch * blocks_per_req]
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)) if shuffled else None
+    perm = (torch.arange(num_blocks) if order is None else order)[: batch * blocks_per_req]
     csr = (
         torch.arange(0, batch * blocks_per_req + 1, blocks_per_req, dtype=torch.int32),
         perm.to(torch.int32),

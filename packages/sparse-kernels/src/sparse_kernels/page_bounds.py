@@ -107,11 +107,6 @@ def page_bounds(
     hi = hi.permute(0, 2, 3, 1)  # [B, Hkv, D, P]
     lo = lo.permute(0, 2, 3, 1)
     bound = (qg.clamp(min=0) @ hi + qg.clamp(max=0) @ lo).amax(2)  # [B, Hkv, P]
-    return _finish(bound, out, max_pages, num_pages, page, sink, recent)
-
-
-def _finish(bound, out, max_pages, num_pages, page, sink, recent) -> torch.Tensor:
-    """``bound [B, Hkv, P]`` with forced pages at +inf and pages past each row at -inf, into ``out``."""
     page, num_pages = page[:, None], num_pages[:, :, None]
     forced = (page < sink) | ((page >= num_pages - recent) & (page < num_pages))
     bound = bound.masked_fill(forced, float("inf")).masked_fill(page >= num_pages, float("-inf"))

@@ -66,7 +66,7 @@ class _EngineFields(BaseModel):
         ge=0,
         description="Threads for torch's CPU ops on a CUDA engine (step metadata, plan checks; set for the whole "
         "process when the engine starts). These ops are small, and a multi-threaded op waits for its slowest "
-        "worker: with torch's default (one per core) a descheduled worker held Quest's decode steps for 5-20 ms "
+        "worker: with torch's default (one per core) a descheduled worker held pipelined decode steps for 5-20 ms "
         "at a time on the H200 host. 0 leaves torch's setting; ignored on CPU, where the model runs on them.",
     )
     max_num_chains: int = Field(4096, ge=1, description="Conversation chains remembered at once (LRU beyond).")

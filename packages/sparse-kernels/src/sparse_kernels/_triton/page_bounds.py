@@ -91,12 +91,11 @@ def _page_bounds_kernel(
         m2 = valid[:, None] & mask_d[None, :]
         top = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
         low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
+        if PRMT:  # int8 codes to fp16 (DOT_DTYPE) by byte permutes, exact
+            top, low = _int8_to_fp16(top), _int8_to_fp16(low)
         if LEVELS > 0:  # top is the per-channel step: q.min + LEVELS * (max(q, 0) . step)
             s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION) * LEVELS
             s = tl.dot(low.to(DOT_DTYPE), q_all, acc=s, input_precision=PRECISION)
-        elif PRMT:  # int8 codes to fp16 by byte permutes (exact), fp16 dots
-            s = tl.dot(_int8_to_fp16(top), q_pos, input_precision=PRECISION)
-            s = tl.dot(_int8_to_fp16(low), q_neg, acc=s, input_precision=PRECISION)
         else:
             s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
             s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P, BLOCK_G]
@@ -158,10 +157,8 @@ def page_bounds_triton(
     # 16-bit dots when the query and the summaries share a 16-bit dtype (int8 codes are exact in the
     # query's), fp32 otherwise. KIVI's fp16 statistics: fp16 dots (a bf16 query is exact in fp16 within
     # its normal range).
-    prmt = coded and config.get("prmt", False) and q.device.type == "cuda"
-    if prmt:
-        dots = dot_args(torch.float16, q.device)
-    elif levels and kmin.dtype == kmax.dtype == torch.float16:
+    prmt = coded and config.get("prmt", False) and q.device.type == "cuda"  # codes permuted into fp16
+    if prmt or (levels and kmin.dtype == kmax.dtype == torch.float16):
         dots = dot_args(torch.float16, q.device)
     else:
         dots = dot_args(q.dtype if coded or q.dtype == kmin.dtype == kmax.dtype else torch.float32, q.device)

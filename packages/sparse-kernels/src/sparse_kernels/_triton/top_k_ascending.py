@@ -190,11 +190,12 @@ def _serial_kernel(
     WRITE_VALUES: tl.constexpr,
 ):
     row, col0, kk, offs, valid, x = _load_tile(x_ptr, stride_x, n, k, tile, BLOCK)
-    bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+    xf = x.to(tl.float32)  # bfloat16 rows: exact
+    bits = xf.to(tl.int32, bitcast=True)
     # Ordered keys: non-negative floats keep their bits, negative ones flip the magnitude bits, so
     # integer order is float order; -0.0 maps to 0.0's key.
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    key = tl.where(x.to(tl.float32) == 0.0, 0, key)
+    key = tl.where(xf == 0.0, 0, key)
     # The largest t with count(key >= t) >= kk is the kk-th largest key: its sign first, then its other
     # 31 bits from the top (within one sign, int32 order is the order of those bits). int32 only.
     nonneg = tl.sum(((key >= 0) & valid).to(tl.int32), axis=0)
