@@ -28,6 +28,7 @@ class DecodeLayout:
     page_size: int  # tokens per kv_indices entry: block_size (block ids) or 1 (slot ids), or a divisor
     head_sparse: bool
     num_pages: int  # kv_indptr[-1]
+    max_list_len: int  # tokens in the longest list
     sm_scale: float
     window_left: int = -1  # token j of a list (query at j = len - 1) is seen iff j >= len - 1 - window_left
 
@@ -61,6 +62,7 @@ def check_decode_plan(
     if not isinstance(page_size, int) or page_size < 1 or block_size % page_size != 0:
         raise ValueError(f"page_size must be a positive divisor of block_size={block_size}, got {page_size!r}")
     _, _ = check_paged_kv(kv_indptr, kv_indices, kv_last_len, page_size)
+    lens = (kv_indptr[1:] - kv_indptr[:-1] - 1).to(torch.int64) * page_size + kv_last_len.to(torch.int64)
     num_lists = kv_indptr.numel() - 1
     if head_sparse and num_lists % num_kv_heads != 0:
         raise ValueError(
@@ -77,9 +79,31 @@ def check_decode_plan(
         page_size=page_size,
         head_sparse=head_sparse,
         num_pages=int(kv_indptr[-1]),
+        max_list_len=int(lens.max()) if lens.numel() else 0,
         sm_scale=check_sm_scale(sm_scale, head_dim),
         window_left=check_window_left(window_left),
     )
+
+
+def check_logits_out(layout: DecodeLayout, logits_out: torch.Tensor | None) -> None:
+    """``logits_out``: float32 ``[B, num_qo_heads, W]`` with a contiguous last dimension, ``W`` at least the
+    longest list, for a dense plan without a window (column ``j`` is token ``j`` of the request's list)."""
+    if logits_out is None:
+        return
+    if layout.head_sparse or layout.window_left >= 0:
+        raise ValueError("logits_out needs a dense plan (one list per request) without a sliding window")
+    lead = (layout.batch, layout.num_qo_heads)
+    if (
+        logits_out.dtype != torch.float32
+        or logits_out.dim() != 3
+        or tuple(logits_out.shape[:2]) != lead
+        or logits_out.shape[2] < layout.max_list_len
+        or (logits_out.numel() and logits_out.stride(2) != 1)
+    ):
+        raise ValueError(
+            f"logits_out must be float32 [{lead[0]}, {lead[1]}, W >= {layout.max_list_len}] with a contiguous last "
+            f"dimension, got {logits_out.dtype} {list(logits_out.shape)}"
+        )
 
 
 def check_decode_run(
@@ -106,6 +130,11 @@ def check_decode_run(
             )
         if scores_out.numel() and scores_out.stride(-1) != 1:
             raise ValueError("scores_out's last dimension must be contiguous")
+    check_lse_out(layout, lse_out)
+
+
+def check_lse_out(layout: DecodeLayout, lse_out: torch.Tensor | None) -> None:
+    """``lse_out``: None or a contiguous float32 ``[B, num_qo_heads]``."""
     lse_shape = (layout.batch, layout.num_qo_heads)
     if lse_out is not None and (
         tuple(lse_out.shape) != lse_shape or lse_out.dtype != torch.float32 or not lse_out.is_contiguous()

@@ -88,9 +88,11 @@ def run_list_decode(
     out: torch.Tensor,
     scores_out: torch.Tensor | None,
     lse_out: torch.Tensor | None = None,
+    logits_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Fill ``out`` ``[B, Hq, D]`` (and ``scores_out``, zeroed first; ``lse_out`` ``[B, Hq]``, each query
-    head's natural-log softmax denominator) from the tiles; inputs are checked."""
+    head's natural-log softmax denominator; ``logits_out`` ``[B, Hq, W]`` of a dense plan, each listed token's
+    raw logit at its position, columns past the list untouched) from the tiles; inputs are checked."""
     hkv, group, dim = layout.num_kv_heads, layout.group, layout.head_dim
     k_flat = k_cache.view(-1, hkv, dim)
     v_flat = v_cache.view(-1, hkv, dim)
@@ -108,6 +110,11 @@ def run_list_decode(
         o4[t.req, t.head] = (probs @ vt).to(out.dtype)
         if lse_out is not None:
             lse_out.view(layout.batch, hkv, group)[t.req, t.head] = torch.logsumexp(scores, dim=-1)
+        if logits_out is not None:  # dense lists: token j of request b's list sits at column j
+            nk = scores.shape[-1]
+            rows = logits_out.view(layout.batch, hkv, group, -1)[t.req, t.head, :, :nk]  # a copy
+            rows = torch.where(t.valid[:, None, :], scores, rows)
+            logits_out.view(layout.batch, hkv, group, -1)[t.req, t.head, :, :nk] = rows
         if scores_out is not None:
             summed = probs.sum(1) * t.valid  # padding columns receive exactly 0
             index = (t.cols,) if layout.head_sparse else (t.head[:, None].expand_as(t.cols), t.cols)

@@ -148,6 +148,7 @@ def run_dequantized(
     device,
     plan_inner,
     lists_per_request: int = 1,
+    **outs,
 ):
     """The reference of ``run_quantized`` for decode and prefill alike: dequantize only the planned blocks
     (and tail rows) into a small pool and run the plain reference wrapper over it.
@@ -155,7 +156,8 @@ def run_dequantized(
     ``csr``: the plan's host ``(kv_indptr, kv_indices, kv_last_len)``; ``plan_inner(kv_indices)`` returns
     a reference wrapper planned over the small pool's indices. ``cached``: this function's previous
     return value for the same plan (or None); the pool and the inner plan are reused while the plan lasts.
-    Writes ``out``; returns what to pass as ``cached`` next time.
+    Writes ``out`` (and the decode's optional outputs ``outs``, e.g. ``lse_out`` / ``logits_out``); returns what
+    to pass as ``cached`` next time.
     """
     if cached is None or cached[0] != (tails is not None):
         kv_indptr, kv_indices, kv_last_len = csr
@@ -166,5 +168,5 @@ def run_dequantized(
         cached = (tails is not None, pool, plan_inner(pool.kv_indices))
     _, pool, inner = cached
     k, v = dequantize_pool(kv, pool, torch.float32)
-    out.copy_(inner.run(q.float(), k, v))
+    out.copy_(inner.run(q.float(), k, v, **outs))
     return cached

@@ -7,7 +7,13 @@ import math
 import torch
 
 from sparse_kernels._decode_buffers import DecodeBuffers
-from sparse_kernels._decode_layout import DecodeLayout, check_decode_plan, check_decode_run
+from sparse_kernels._decode_layout import (
+    DecodeLayout,
+    check_decode_plan,
+    check_decode_run,
+    check_logits_out,
+    check_lse_out,
+)
 from sparse_kernels._decode_reference import build_list_plan, run_list_decode
 from sparse_kernels._paged_plan import PagedPlan, build_plan
 from sparse_kernels._paged_run import run_paged_attention
@@ -169,6 +175,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         out: torch.Tensor | None = None,
         scores_out: torch.Tensor | None = None,
         lse_out: torch.Tensor | None = None,
+        logits_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode attention for one layer, device-only (no host sync on the Triton backend).
 
@@ -191,6 +198,12 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             float32 ``[B, num_qo_heads]``, written in full: each query head's natural-log softmax
             denominator ``log(sum_j exp(sm_scale * q . k_j))`` over its listed tokens, so that the output
             can be merged with attention over other tokens (``sparse_kernels.merge_states``).
+        logits_out : torch.Tensor, optional
+            float32 ``[B, num_qo_heads, W]`` (last dimension contiguous, ``W`` at least the longest list), for
+            dense plans without a window: entry ``(b, h, j)`` becomes query head ``h``'s raw logit
+            ``sm_scale * q . k_j`` of token ``j`` of request ``b``'s list; columns at or past the list's length
+            are left as they were. With ``lse_out``, ``exp(logits_out - lse_out[..., None])`` are the
+            attention probabilities: one read of K serves the output and a ranking of the tokens.
 
         Returns
         -------
@@ -200,24 +213,39 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         plan = self._planned()
         layout = self._layout
         check_decode_run(layout, q, k_cache, v_cache, scores_out, lse_out)
+        check_logits_out(layout, logits_out)
         out = output_buffer(q, out)
         if self.backend == "triton":
             from sparse_kernels._triton.decode_launch import run_decode_triton
 
-            run_decode_triton(layout, self._buffers, self._num_splits, q, k_cache, v_cache, out, scores_out)
-            if lse_out is not None:  # the kernel's lse is base 2 (of sm_scale * log2(e) * q . k)
-                rows = layout.batch * layout.num_qo_heads
-                torch.mul(self._buffers.lse[:rows].view(lse_out.shape), math.log(2.0), out=lse_out)
+            bufs = self._buffers
+            run_decode_triton(layout, bufs, self._num_splits, q, k_cache, v_cache, out, scores_out, logits_out)
+            self._natural_lse(lse_out)
             return out
+        extra = (scores_out, lse_out, logits_out)
         if not isinstance(plan, PagedPlan):
-            return run_list_decode(layout, plan, q, k_cache, v_cache, out, scores_out, lse_out)
-        if scores_out is None and lse_out is None:
+            return run_list_decode(layout, plan, q, k_cache, v_cache, out, *extra)
+        if extra == (None, None, None):
             return run_paged_attention(plan, q, k_cache, v_cache, out)
         if self._list_tiles is None:
             self._list_tiles = build_list_plan(layout, *self._csr, self.max_tile_elements, self.device)
-        return run_list_decode(layout, self._list_tiles, q, k_cache, v_cache, out, scores_out, lse_out)
+        return run_list_decode(layout, self._list_tiles, q, k_cache, v_cache, out, *extra)
 
-    def run_quantized(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _natural_lse(self, lse_out: torch.Tensor | None) -> None:
+        """Triton backend: ``lse_out`` from the reduce's log-sum-exps, which are base 2 (of
+        ``sm_scale * log2(e) * q . k``)."""
+        if lse_out is not None:
+            rows = self._layout.batch * self._layout.num_qo_heads
+            torch.mul(self._buffers.lse[:rows].view(lse_out.shape), math.log(2.0), out=lse_out)
+
+    def run_quantized(
+        self,
+        q: torch.Tensor,
+        kv: QuantizedKV,
+        out: torch.Tensor | None = None,
+        lse_out: torch.Tensor | None = None,
+        logits_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Decode attention for one layer over quantized paged KV (device-only on the Triton backend).
 
         Parameters
@@ -231,6 +259,8 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             the output rotated back (two small matmuls in ``q``'s dtype, graph-safe).
         out : torch.Tensor, optional
             Caller-owned buffer shaped like ``q``, in ``q``'s dtype.
+        lse_out, logits_out : torch.Tensor, optional
+            As in ``run`` (logits over the dequantized keys; per-token schemes, fp8 and TurboQuant, only).
 
         Returns
         -------
@@ -254,18 +284,25 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         expected = (layout.batch, layout.num_qo_heads, layout.head_dim)
         if tuple(q.shape) != expected:
             raise ValueError(f"q must be {list(expected)} as planned, got {list(q.shape)}")
+        check_lse_out(layout, lse_out)
+        check_logits_out(layout, logits_out)
+        if logits_out is not None and kv.scheme == "kivi":
+            raise ValueError("logits_out over a KIVI store is not built (fp8 and TurboQuant write it)")
         out = output_buffer(q, out)
         if self.backend != "triton":
-            return self._run_quantized_reference(q, kv, out)
+            return self._run_quantized_reference(q, kv, out, lse_out=lse_out, logits_out=logits_out)
         from sparse_kernels._triton.quantized_decode_launch import run_quantized_decode_triton
 
         if kv.rotation is None:
-            return run_quantized_decode_triton(layout, self._buffers, q, kv, out)
-        rotated = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        run_quantized_decode_triton(layout, self._buffers, rotate(q, kv), kv, rotated)
-        return rotate(rotated, kv, back=True, out=out)
+            run_quantized_decode_triton(layout, self._buffers, q, kv, out, logits_out)
+        else:
+            rotated = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            run_quantized_decode_triton(layout, self._buffers, rotate(q, kv), kv, rotated, logits_out)
+            rotate(rotated, kv, back=True, out=out)
+        self._natural_lse(lse_out)
+        return out
 
-    def _run_quantized_reference(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor) -> torch.Tensor:
+    def _run_quantized_reference(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor, **outs) -> torch.Tensor:
         layout = self._layout
         kv_indptr, _, kv_last_len = self._csr
 
@@ -291,7 +328,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         self._quantized_reference = run_dequantized(
             self._quantized_reference, kv, q, out, self._csr, tails,
             block_size=layout.block_size, page_size=layout.page_size, device=self.device, plan_inner=plan_inner,
-            lists_per_request=layout.num_kv_heads if layout.head_sparse else 1,
+            lists_per_request=layout.num_kv_heads if layout.head_sparse else 1, **outs,
         )  # fmt: skip
         return out
 

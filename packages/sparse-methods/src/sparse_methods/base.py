@@ -463,10 +463,11 @@ class DecodeBatch:
 
     At an ``OBSERVED`` layer (``DecodeRead``) the engine may have computed the
     layer's raw logits already, because it attends from them: ``logits`` float32 ``[B, num_q_heads,
-    max_pages * block_size]``, ``sm_scale * q . k`` of every row's tokens in table order (``-inf``
-    past a row), with ``logit_max`` / ``logit_sum`` float32 ``[B, num_q_heads]``, each row's max and
-    sum of ``exp(logit - max)`` (so a token's probability under head ``h`` is
-    ``exp(logits - logit_max) / logit_sum``). None when not computed.
+    max_pages * block_size]``, ``sm_scale * q . k`` of every row's tokens in table order (columns past a
+    row unspecified), with ``logit_max`` / ``logit_sum`` float32 ``[B, num_q_heads]``, a shift and a
+    normalizer such that a token's probability under head ``h`` is ``exp(logits - logit_max) / logit_sum``
+    (the row's maximum and sum of ``exp(logit - max)``, or its log-sum-exp and 1, as the engine's decode
+    hands them). None when not computed.
     """
 
     query: torch.Tensor

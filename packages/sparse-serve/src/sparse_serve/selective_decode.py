@@ -76,7 +76,8 @@ class SelectiveDecode:
         self._fast: dict[int, tuple[BatchDecodeWithPagedKVCache, int]] = {}  # unit -> (wrapper, entry capacity)
         self._table = torch.zeros(max_num_pages or 0, dtype=torch.int32, device=device)
         self._rows = torch.zeros(3 * (max_batch_size or 0), dtype=torch.int64, device=device)
-        self._lse = torch.zeros(0, dtype=torch.float32, device=device)  # the decode's lse when a method merges
+        self._lse = torch.zeros(0, dtype=torch.float32, device=device)  # the decode's lse (merges, observed layers)
+        self._one = torch.ones((max_batch_size or 0) * shape["num_qo_heads"], dtype=torch.float32, device=device)
         self._batched: _BatchedStep | None = None  # this step's batched plan, or None (no row selects)
         self._planned: tuple | None = None  # the last uniform plan: (wrapper, kv_indptr, kv_last_len)
         self._host_plan: tuple | None = None  # this step's (kv_indptr, kv_indices, kv_last_len) on the host
@@ -236,7 +237,8 @@ class SelectiveDecode:
         if st is None or st.rows is not None:
             return None
         wrapper = self._fast[st.unit][0]
-        buffers = (id(wrapper), self._table.data_ptr(), self._rows.data_ptr(), self._lse_buffer(st).data_ptr())
+        fixed = (self._table, self._rows, self._lse_buffer(len(st.kv_lens)), self._one)
+        buffers = (id(wrapper), *(t.data_ptr() for t in fixed))
         return (st.size, st.unit, st.max_pages, *buffers)
 
     def run_batched(
@@ -257,8 +259,9 @@ class SelectiveDecode:
     ) -> torch.Tensor:
         """The batched path for one layer: pick on the device, write into the plan, attend.
 
-        An ``OBSERVED`` layer reads everything through ``dense`` (the step's dense decode plan) after
-        handing the method the batch. ``select_q``: the
+        An ``OBSERVED`` layer reads everything through ``dense`` (the step's dense decode plan), whose decode
+        also writes every row's logits and log-sum-exp for the method (one read of K); without ``dense`` (a
+        latent store) the logits are read through the tables and the output from them. ``select_q``: the
         queries the method sees, when not ``q`` (tensor parallelism: its KV groups' query heads).
         ``kv``: a quantized store's layer (``k_cache`` / ``v_cache`` None): the selected entries are read
         from its codes. Selections from page summaries run over it, and ``OBSERVED`` layers over fp8 and
@@ -273,7 +276,9 @@ class SelectiveDecode:
         plan = method.layer_plan(layer)
         observed = plan.decode is DecodeRead.OBSERVED
         logits = logit_max = logit_sum = None
-        if observed:  # the selecting rows' logits, which the method reads (and, all rows selecting, attention)
+        if observed and dense is not None:  # attention and every row's logits from one read of K (and V)
+            logits, logit_max, logit_sum = self._attend_observing(q, k_cache, v_cache, out, dense, kv, st)
+        elif observed:  # the selecting rows' logits (a latent store: attention from them below)
             rows_q = q if st.rows is None else q[st.rows]
             logits, logit_max, logit_sum = self._logits(rows_q, k_cache, st, kv)
         batch = DecodeBatch(
@@ -301,8 +306,10 @@ class SelectiveDecode:
         if observed:
             if chosen is not None:
                 raise RuntimeError(f"{method.name} selected at an observed layer {layer}")
-            if st.rows is not None:  # some rows are not in the batch: the dense plan serves every row
-                return dense.run(q, k_cache, v_cache, out=out) if kv is None else dense.run_quantized(q, kv, out=out)
+            if dense is not None:  # written with the logits
+                return out
+            if st.rows is not None:
+                raise RuntimeError("an observed layer without a dense plan needs every decode row selecting")
             # K was read once, for the logits; the output reads V only (TurboQuant: in the rotated space).
             if kv is None:
                 args = (v_cache, *self._rows_of(st), out)
@@ -335,13 +342,14 @@ class SelectiveDecode:
             return wrapper.run_quantized(q, kv, out=out)
         if extra is None:
             return wrapper.run(q, k_cache, v_cache, out=out)
-        lse = self._lse_buffer(st)[: q.shape[0] * q.shape[1]].view(q.shape[0], q.shape[1])
+        lse = self._lse_buffer(q.shape[0])[: q.shape[0] * q.shape[1]].view(q.shape[0], q.shape[1])
         wrapper.run(q, k_cache, v_cache, out=out, lse_out=lse)
         return self._merge(out, lse, extra, st.rows)
 
-    def _lse_buffer(self, st: _BatchedStep) -> torch.Tensor:
-        """The decode's log-sum-exp buffer (fixed once sized for the largest batch: graphs keep its address)."""
-        need = (self.max_batch_size or len(st.kv_lens)) * self.shape["num_qo_heads"]
+    def _lse_buffer(self, rows: int) -> torch.Tensor:
+        """The decode's log-sum-exp buffer for ``rows`` decode rows (fixed once sized for the largest batch:
+        graphs keep its address)."""
+        need = max(self.max_batch_size or 0, rows) * self.shape["num_qo_heads"]
         if self._lse.numel() < need:
             self._lse = torch.zeros(need, dtype=torch.float32, device=self.device)
         return self._lse
@@ -373,6 +381,28 @@ class SelectiveDecode:
             kv_indices[st.positions.cpu()] = picked
         shape = dict(head_sparse=True, page_size=st.unit, sm_scale=self.sm_scale, **self.shape)
         wrapper.plan(kv_indptr, kv_indices, kv_last_len, **shape, **tails)
+
+    def _attend_observing(self, q, k_cache, v_cache, out, dense, kv, st: _BatchedStep):
+        """An observed layer on the step's dense plan: the decode writes ``out``, every row's raw logits
+        (``[rows, Hq, max_pages * block_size]``) and log-sum-exps in one pass over K and V; returns the
+        selecting rows' ``(logits, logit_max, logit_sum)`` as ``softmax_stats`` would (the log-sum-exp as the
+        maximum, a sum of one: ``exp(logit - lse)`` is the probability)."""
+        rows, heads = q.shape[0], q.shape[1]
+        logits = torch.empty(rows, heads, st.max_pages * self.shape["block_size"], dtype=torch.float32, device=q.device)
+        lse = self._lse_buffer(rows)[: rows * heads].view(rows, heads)
+        if kv is None:
+            dense.run(q, k_cache, v_cache, out=out, lse_out=lse, logits_out=logits)
+        else:
+            dense.run_quantized(q, kv, out=out, lse_out=lse, logits_out=logits)
+        if st.rows is not None:
+            logits, lse = logits[st.rows], lse[st.rows]
+        return logits, lse, self._ones(lse.shape[0] * heads).view(lse.shape)
+
+    def _ones(self, n: int) -> torch.Tensor:
+        """A fixed float32 buffer of ones (graphs keep its address once sized for the largest batch)."""
+        if self._one.numel() < n:
+            self._one = torch.ones(n, dtype=torch.float32, device=self.device)
+        return self._one[:n]
 
     def _logits(self, q: torch.Tensor, k_cache: torch.Tensor | None, st: _BatchedStep, kv=None):
         """Raw logits of every selecting row over its tokens (through the tables) and their softmax

@@ -5,6 +5,8 @@ KV list of request ``b`` (dense: one list per request; head-sparse: one per (req
 handles all query heads of KV group ``h`` at once, so each K/V row is loaded once per group. The list's
 tokens are cut into ``num_splits`` chunks of a multiple of ``BLOCK_N`` tokens; splits that start past
 the list's end return at once. The reduce recomputes how many splits were live from the same lengths.
+With ``LOGITS`` (dense lists) the split kernel also writes every query head's raw logit of each token it
+reads, so a method that ranks tokens by their attention reads K once for both (OmniKV's filter layers).
 
 With a sliding window (``window_left >= 0``) the query, at the list's last token ``n - 1``, sees tokens
 from ``first = max(0, n - 1 - window_left)`` on: the splits cut ``[first, n)`` instead of ``[0, n)``, so
@@ -32,6 +34,14 @@ def _window_start(kv_len, window_left, WINDOW: tl.constexpr):
         return kv_len * 0
 
 
+@triton.jit
+def store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n):
+    """``logits[b, head, token] = s * ln 2`` for a tile of base-2 scores ``s`` ``[BLOCK_G, BLOCK_N]``."""
+    row = b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh
+    mask = mask_g[:, None] & mask_n[None, :]
+    tl.store(logits_ptr + row[:, None] + offs_n[None, :], s * 0.6931471805599453, mask=mask)
+
+
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -41,8 +51,11 @@ def _decode_split_kernel(
     last_len_ptr,
     o_part_ptr,
     lse_part_ptr,
+    logits_ptr,
     stride_qb,
     stride_qh,
+    stride_lb,
+    stride_lh,
     scale_log2,
     num_splits,
     window_left,
@@ -52,6 +65,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     HEAD_SPARSE: tl.constexpr,
     WINDOW: tl.constexpr,
+    LOGITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -99,6 +113,8 @@ def _decode_split_kernel(
             # K is read transposed, [BLOCK_D, BLOCK_N], so the dot needs no transpose.
             k = tl.load(k_ptr + kv_row[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
             s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+            if LOGITS:  # the raw logits, natural units (dense lists: column = token position)
+                store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n)
             s = tl.where(mask_n[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)

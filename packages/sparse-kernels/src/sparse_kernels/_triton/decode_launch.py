@@ -25,8 +25,10 @@ def run_decode_triton(
     v_cache: torch.Tensor,
     out: torch.Tensor,
     scores_out: torch.Tensor | None,
+    logits_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inputs checked by the wrapper; ``bufs`` holds this plan's metadata and enough scratch."""
+    """Inputs checked by the wrapper; ``bufs`` holds this plan's metadata and enough scratch. ``logits_out``:
+    float32 ``[B, Hq, W]`` (dense lists), each token's raw logit written by the split kernel."""
     q = q.to(k_cache.dtype)
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -56,11 +58,14 @@ def run_decode_triton(
         bufs.last_len,
         bufs.o_part,
         bufs.lse_part,
+        logits_out if logits_out is not None else bufs.lse_part,
         q.stride(0),
         q.stride(1),
+        *logits_strides(logits_out),
         scale_log2,
         num_splits,
         window_left,
+        LOGITS=logits_out is not None,
         BLOCK_G=block_g,
         **shape,
         **dots,
@@ -90,6 +95,11 @@ def run_decode_triton(
             **launch,
         )
     return out
+
+
+def logits_strides(logits_out: torch.Tensor | None) -> tuple[int, int]:
+    """``logits_out``'s (batch, head) strides for the split kernels' logits store (0, 0 without one)."""
+    return (0, 0) if logits_out is None else (logits_out.stride(0), logits_out.stride(1))
 
 
 def launch_reduce(

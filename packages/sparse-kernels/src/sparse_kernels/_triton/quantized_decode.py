@@ -8,13 +8,15 @@ step (``BLOCK_N`` = block size): the keys' per-channel statistics are loaded onc
 into the query; the values' per-(token, group) statistics dequantize the value tile. A KIVI list's
 tokens at or past ``(kv_len // S) * S`` are read from its request's full-precision tail row.
 
-TurboQuant runs in the rotated space: the host rotates the query before and the output after.
+TurboQuant runs in the rotated space: the host rotates the query before and the output after (its logits,
+``q R . k R``, are ``q . k``). ``LOGITS`` (fp8 / TurboQuant, dense lists): raw logits out, as in ``decode.py``.
 """
 
 from __future__ import annotations
 
 import triton.language as tl
 
+from sparse_kernels._triton.decode import store_logits
 from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
 from sparse_kernels._triton.quantized_tiles import (
     kivi_key_page,
@@ -42,8 +44,11 @@ def _quantized_decode_split_kernel(
     tail_index_ptr,
     o_part_ptr,
     lse_part_ptr,
+    logits_ptr,
     stride_qb,
     stride_qh,
+    stride_lb,
+    stride_lh,
     scale_log2,
     num_splits,
     SCHEME: tl.constexpr,
@@ -56,6 +61,7 @@ def _quantized_decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     HEAD_SPARSE: tl.constexpr,
+    LOGITS: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -134,6 +140,8 @@ def _quantized_decode_split_kernel(
                     SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
                 )  # fmt: skip
                 s = tl.dot(q_dot, k, input_precision=PRECISION) * k_scale[None, :]
+                if LOGITS:
+                    store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n)
                 s = tl.where(mask_n[None, :], s, float("-inf"))
                 p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
                 v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)

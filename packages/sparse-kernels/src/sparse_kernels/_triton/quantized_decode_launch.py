@@ -10,7 +10,7 @@ import triton.language as tl
 
 from sparse_kernels._decode_buffers import DecodeBuffers
 from sparse_kernels._decode_layout import DecodeLayout
-from sparse_kernels._triton.decode_launch import launch_reduce
+from sparse_kernels._triton.decode_launch import launch_reduce, logits_strides
 from sparse_kernels._triton.launch import pdl_args
 from sparse_kernels._triton.quantized_decode import quantized_decode_split_kernel
 from sparse_kernels._triton.quantized_tiles import SCHEME_IDS
@@ -111,8 +111,10 @@ def run_quantized_decode_triton(
     q: torch.Tensor,
     kv: QuantizedKV,
     out: torch.Tensor,
+    logits_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inputs checked by the wrapper (``q`` already rotated for TurboQuant); writes ``out``."""
+    """Inputs checked by the wrapper (``q`` already rotated for TurboQuant); writes ``out`` (and ``logits_out``,
+    float32 ``[B, Hq, W]``, a per-token scheme's raw logits)."""
     if q.stride(2) != 1:
         q = q.contiguous()
     kivi = kv.scheme == "kivi"
@@ -139,10 +141,13 @@ def run_quantized_decode_triton(
         bufs.tail_index if kivi else bufs.indptr,
         bufs.o_part,
         bufs.lse_part,
+        logits_out if logits_out is not None else bufs.lse_part,
         q.stride(0),
         q.stride(1),
+        *logits_strides(logits_out),
         layout.sm_scale * LOG2_E,
         num_splits,
+        LOGITS=logits_out is not None,
         BLOCK_G=max(16, triton.next_power_of_2(layout.group)),  # tl.dot needs M >= 16
         **scheme,
         **shape,
