@@ -10,7 +10,8 @@ split target, checks every variant's output against the default one, and prints 
 Usage: ``python packages/sparse-kernels/benchmarks/decode_bandwidth.py [--quick] [--json PATH]``;
 ``--kv-len 8192 --cases 5x16,76x1 --per-sm 1,2,4,8,16`` sweeps only the split target at other shapes
 (an evicting method's 8K contexts; ``BxL``: batch B cycling over L layer pools); ``--configs
-32:1:3:16,64:2:3:8`` times only the listed ``BLOCK_N:warps:stages:programs_per_sm`` besides the default.
+32:1:3:16,64:2:3:8`` times only the listed ``BLOCK_N:warps:stages:programs_per_sm`` besides the default;
+``--logits`` sweeps the variant that also writes every token's logits (``LOGITS_DECODE_CONFIG``).
 """
 
 from __future__ import annotations
@@ -50,16 +51,24 @@ def make_step(batch: int, num_layers: int, seed: int = 0, kv_len: int = KV_LEN):
     return pools, csr, q
 
 
-def time_decode(batch, pools, csr, q, with_scores=False):
-    """ms per layer for the current module-level config, and the first layer's output."""
+def time_decode(batch, pools, csr, q, with_scores=False, with_logits=False):
+    """ms per layer for the current module-level config, and the first layer's output. ``with_logits``: the
+    decode also writes every token's logits and the log-sum-exps (an observing layer's one pass)."""
     wrapper = BatchDecodeWithPagedKVCache("cuda", backend="triton", max_batch_size=batch)
     wrapper.plan(*csr, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=DIM, block_size=BLOCK)
     outs = [torch.empty_like(q) for _ in pools]
     scores = torch.empty(HKV, int(csr[0][-1]) * BLOCK, device="cuda") if with_scores else None
+    width = (int(csr[0][1]) - int(csr[0][0])) * BLOCK
+    extra = {}
+    if with_logits:
+        extra = {
+            "logits_out": torch.empty(batch, HQ, width, device="cuda"),
+            "lse_out": torch.empty(batch, HQ, device="cuda"),
+        }
 
     def step():
         for (k, v), out in zip(pools, outs, strict=True):
-            wrapper.run(q, k, v, out=out, scores_out=scores)
+            wrapper.run(q, k, v, out=out, scores_out=scores, **extra)
 
     graph = capture(step)
     ms = median_ms(graph.replay) / len(pools)
@@ -75,12 +84,15 @@ def main() -> None:
     parser.add_argument("--per-sm", default=None, help="sweep only these split targets (programs per SM)")
     parser.add_argument("--configs", default=None, help="only BLOCK_N:warps:stages:per_sm,...")
     parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    parser.add_argument("--logits", action="store_true", help="sweep the decode that also writes logits_out")
+    parser.add_argument("--warps", default="4,8", help="warps swept without --configs")
     args = parser.parse_args()
+    config = decode_launch.LOGITS_DECODE_CONFIG if args.logits else decode_launch.DECODE_CONFIG
     launch.PDL = not args.no_pdl
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth()
     print(f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write)")
-    default = (dict(decode_launch.DECODE_CONFIG), buffers.PROGRAMS_PER_SM)
+    default = (dict(config), buffers.PROGRAMS_PER_SM)
     grid = [default]
     if args.configs:
         for spec in args.configs.split(","):
@@ -89,7 +101,8 @@ def main() -> None:
     elif args.per_sm:
         grid += [(default[0], int(x)) for x in args.per_sm.split(",") if int(x) != default[1]]
     elif not args.quick:
-        for block_n, warps, stages, per_sm in itertools.product([32, 64, 128], [4, 8], [2, 3], [2, 4, 8]):
+        warps_swept = [int(w) for w in args.warps.split(",")]
+        for block_n, warps, stages, per_sm in itertools.product([32, 64, 128], warps_swept, [2, 3], [2, 4, 8]):
             cfg = ({"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}, per_sm)
             if cfg != default:
                 grid.append(cfg)
@@ -100,19 +113,23 @@ def main() -> None:
         kv_bytes = batch * args.kv_len * HKV * DIM * 2 * 2  # K and V, bf16
         baseline = None
         for cfg, per_sm in grid:
-            decode_launch.DECODE_CONFIG.update(cfg)
+            config.update(cfg)
             buffers.PROGRAMS_PER_SM = per_sm
-            ms, out, splits = time_decode(batch, pools, csr, q)
+            ms, out, splits = time_decode(batch, pools, csr, q, with_logits=args.logits)
             baseline = out if baseline is None else baseline
             err = (out.float() - baseline.float()).abs().max().item()
             row = dict(batch=batch, **cfg, programs_per_sm=per_sm, num_splits=splits, us=ms * 1e3)
             row.update(tb_s=kv_bytes / (ms * 1e-3) / 1e12, frac_copy=kv_bytes / (ms * 1e-3) / copy_bw, max_diff=err)
             rows.append(row)
             print(json.dumps(row), flush=True)
-        decode_launch.DECODE_CONFIG.update(default[0])
+        config.update(default[0])
         buffers.PROGRAMS_PER_SM = default[1]
         ms_scores, _, _ = time_decode(batch, pools, csr, q, with_scores=True)
         print(f"batch {batch}: default config with scores_out: {ms_scores * 1e3:.1f} us/layer")
+        ms_plain, _, _ = time_decode(batch, pools, csr, q)
+        ms_logits, _, _ = time_decode(batch, pools, csr, q, with_logits=True)
+        us = f"plain {ms_plain * 1e3:.1f}, with logits_out {ms_logits * 1e3:.1f} us/layer"
+        print(f"batch {batch}: default configs: {us}")
         if batch == 1:  # the default config against the reference backend on layer 0
             reference = BatchDecodeWithPagedKVCache("cuda", backend="reference")
             reference.plan(*csr, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=DIM, block_size=BLOCK)

@@ -14,6 +14,9 @@ LOG2_E = 1.4426950408889634
 # Tokens per inner step and launch shape of the split / scores passes: the best of a sweep over
 # BLOCK_N {32, 64, 128} x warps {4, 8} x stages {2, 3} on an H200, bf16, D=128 (benchmarks/NOTES.md).
 DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# The same split kernel writing every token's logits (``logits_out``): its own launch shape, swept separately
+# (``decode_bandwidth.py --logits``).
+LOGITS_DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 def run_decode_triton(
@@ -32,8 +35,9 @@ def run_decode_triton(
     q = q.to(k_cache.dtype)
     if q.stride(2) != 1:
         q = q.contiguous()
-    block_n = DECODE_CONFIG["BLOCK_N"]
-    launch = {"num_warps": DECODE_CONFIG["num_warps"], "num_stages": DECODE_CONFIG["num_stages"]}
+    config = DECODE_CONFIG if logits_out is None else LOGITS_DECODE_CONFIG
+    block_n = config["BLOCK_N"]
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     shape = {
         "NUM_KV_HEADS": layout.num_kv_heads,
         "GROUP": layout.group,
