@@ -263,8 +263,10 @@ def test_config_checks_are_clear_errors_and_the_defaults_run():
     assert (method.config.retroinfer_retrieval_ratio, method.config.retroinfer_estimation_ratio) == (0.018, 0.232)
     assert method.decode_read_tokens(0, 16000, 16) == 16000  # no index yet: reads everything
     clusters = (131072 - 1 - 68) // 16
-    exact = 4 + 64 + 1024 + round(clusters * 0.018) * 16
+    exact = -(-(4 + 64 + 1024 + round(clusters * 0.018) * 16) // 256) * 256  # rounded up to 256 slots
     assert method.selection_size(131072, 16) == exact
+    # the width stays put over the 2K tokens after it (the step's CUDA graph is kept)
+    assert {method.selection_size(n, 16) for n in range(131072, 131072 + 2048)} == {exact}
     # plus the index in token equivalents (a token: K and V of a head, 4 * 16 bytes): every cluster's bf16
     # centroid (2 * 16 bytes) with its int32 size and offset, and the estimated clusters' fp32 value sums:
     # the best max(R, 2 * budget / 16) + E less the budget's clusters, at a tail of 64 + 512 tokens

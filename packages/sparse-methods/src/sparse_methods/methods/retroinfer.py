@@ -24,7 +24,8 @@ a ``ClusterArena`` sized at build from ``memory_plan``'s ``index_clusters``, so 
 which the decode rows read through a per-step plan. The index keeps each cluster's value sum (float32, from
 the values of its tokens), so the method observes the layers' values with their keys (``observes_values``)
 while its estimation ratio is positive. A decode row then reads a fixed number of slots,
-``selection_size(kv_len)`` = ``min(kv_len, sink + recent + update + k * avg)`` with
+``selection_size(kv_len)`` = ``min(kv_len, W)``, ``W`` = ``sink + recent + update + k * avg`` rounded up to a
+multiple of ``WIDTH_QUANTUM`` slots (a stable width keeps the step's CUDA graph), with
 ``k = clamp(round(C' * ratio), 1, C')`` and ``C' = (kv_len - 1 - recent - sink) // avg`` (the clusters a
 fresh index would have): the sink, every unindexed token (at most ``recent + update``) and, filling the
 rest, the tokens of the retrieved clusters in rank order (the last one truncated; ties in rank to the lower
@@ -108,6 +109,11 @@ class RetroInferConfig(MethodConfig):
 
 
 _SELECTED = LayerPlan(DecodeRead.SELECTED, unit=Unit.SLOT)
+WIDTH_QUANTUM = 256
+"""A decode row's width (slots) rounds up to a multiple of this. The width is part of a CUDA graph's key,
+and ``sink + recent + update + R * avg`` grows by ``avg`` slots each time ``R`` does (every ~890 tokens at
+the default ratio: a re-capture every ~890 decode steps, 2.4 s each on the H200 at 128K x 5); rounded,
+it changes every ~14K tokens. The extra slots read the next-ranked clusters exactly."""
 
 
 @register
@@ -155,7 +161,7 @@ class RetroInfer(SparseMethod):
         count = indexed // c.retroinfer_avg_cluster_size
         retrieved, _ = cluster_counts(count, c.retroinfer_retrieval_ratio, 0.0)
         exact = c.retroinfer_sink_tokens + c.retroinfer_recent_tokens + c.retroinfer_update_tokens
-        return min(kv_len, exact + retrieved * c.retroinfer_avg_cluster_size)
+        return min(kv_len, -(-(exact + retrieved * c.retroinfer_avg_cluster_size) // WIDTH_QUANTUM) * WIDTH_QUANTUM)
 
     def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
         """The tokens a decode query reads exactly, plus its index reads in token equivalents (one token: K and
