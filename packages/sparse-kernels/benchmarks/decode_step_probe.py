@@ -4,8 +4,7 @@ Per layer, as the engine runs it: fused add + RMSNorm, qkv (small-M linear), q/k
 split-K paged decode + reduce, o, fused add + RMSNorm, gate/up, SiLU*mul, down; then the final norm and the
 LM head. Distinct weights per layer (15.1 GB, far past the L2), ``--batch`` requests of ``--kv-len`` tokens
 each in shuffled 16-token pages. Variants: the decode split targets of ``--per-sm``
-(``_decode_buffers.PROGRAMS_PER_SM``), PDL off once for scale, and the decode's reduce the other way round
-(``decode_launch.FUSE_REDUCE``: merged by the last split, or its own launch) once; logits are compared with the first
+(``_decode_buffers.PROGRAMS_PER_SM``), and PDL off once for scale; logits are compared with the first
 variant's (max |diff|: another split count sums the attention in another order). Reported: ms per step and
 the fraction of the copy bandwidth for the bytes a step must read (weights once, every KV slot once). A
 change to the step's kernels is timed here in one process before an engine run; what was tried this way is
@@ -33,7 +32,7 @@ from sparse_kernels import (
     silu_and_mul,
     store_kv,
 )
-from sparse_kernels._triton import decode_launch, launch
+from sparse_kernels._triton import launch
 
 LAYERS, HIDDEN, HQ, HKV, DIM, INTER, VOCAB, PAGE = 36, 4096, 32, 8, 128, 12288, 151936, 16
 
@@ -138,16 +137,14 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + written)")
     per_sm = [int(v) for v in args.per_sm.split(",")]
-    fused = decode_launch.FUSE_REDUCE
-    variants = [(f"pdl off, {per_sm[0]}/SM", False, per_sm[0], fused)] + [(f"{t}/SM", True, t, fused) for t in per_sm]
-    variants.append((f"{per_sm[0]}/SM, reduce {'launch' if fused else 'fused'}", True, per_sm[0], not fused))
+    variants = [(f"pdl off, {per_sm[0]}/SM", False, per_sm[0])] + [(f"{t}/SM", True, t) for t in per_sm]
     rows = []
     for kv_len in (int(v) for v in args.kv_len.split(",")):
         caches, csr, slots = make_kv(args.batch, kv_len, gen)
         nbytes = step_bytes(args.batch, kv_len)
         reference = None
-        for name, pdl, target, fuse in variants:
-            launch.PDL, buffers.PROGRAMS_PER_SM, decode_launch.FUSE_REDUCE = pdl, target, fuse
+        for name, pdl, target in variants:
+            launch.PDL, buffers.PROGRAMS_PER_SM = pdl, target
             step, logits = build_step(model, caches, csr, slots, args.batch, kv_len)
             graph = capture(step)
             ms = median_ms(graph.replay, iters=10, reps=7)
@@ -161,7 +158,6 @@ def main() -> None:
             del graph
         del caches
         torch.cuda.empty_cache()
-    decode_launch.FUSE_REDUCE = fused
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_bandwidth": copy_bw, "rows": rows}, f, indent=1)

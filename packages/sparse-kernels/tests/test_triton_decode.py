@@ -138,24 +138,3 @@ def test_decode_plan_rejects_bad_head_sparse_layouts():
         wrapper.run(
             torch.zeros(1, 4, 8), torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), scores_out=torch.zeros(2, 2)
         )
-
-
-def test_fused_reduce_equals_the_reduce_launch_and_rests_its_counters(paged_batch, triton_device, monkeypatch):
-    """The split kernel's last-arriving program merges the partials as the separate reduce kernel does (same
-    output and log-sum-exp), leaves every arrival counter at 0 and so gives the same result when run again."""
-    from sparse_kernels._triton import decode_launch
-
-    batch = _batch(paged_batch, triton_device, 5, [1, 97, 64, 65, 300], 16, 4, 64, torch.float32)
-    results = {}
-    for fused in (False, True):
-        monkeypatch.setattr(decode_launch, "FUSE_REDUCE", fused)
-        wrapper = BatchDecodeWithPagedKVCache(triton_device, backend="triton", num_splits=5)
-        batch.plan_decode(wrapper)
-        lse = torch.empty(5, 4 * NUM_KV_HEADS, device=triton_device)
-        runs = [wrapper.run(batch.q, batch.k_cache, batch.v_cache, lse_out=lse).clone() for _ in range(2)]
-        assert torch.equal(runs[0], runs[1])
-        assert int(wrapper._buffers.arrivals.abs().sum()) == 0
-        results[fused] = (runs[0], lse.clone())
-    torch.testing.assert_close(results[True][0].cpu(), batch.reference(), **TOL[torch.float32])
-    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-6, rtol=1e-6)

@@ -5,9 +5,6 @@ KV list of request ``b`` (dense: one list per request; head-sparse: one per (req
 handles all query heads of KV group ``h`` at once, so each K/V row is loaded once per group. The list's
 tokens are cut into ``num_splits`` chunks of a multiple of ``BLOCK_N`` tokens; splits that start past
 the list's end return at once. The reduce recomputes how many splits were live from the same lengths.
-With ``FUSE_REDUCE`` there is no reduce launch: each live split counts itself in an int32 arrival counter per
-(list row, KV head) after writing its partial, and the last to arrive merges the partials (``merge_splits``,
-the reduce's own code) and resets the counter to 0 for the next launch and graph replays.
 With ``LOGITS`` (dense lists) the split kernel also writes every query head's raw logit of each token it
 reads, so a method that ranks tokens by their attention reads K once for both (OmniKV's filter layers).
 
@@ -55,15 +52,10 @@ def _decode_split_kernel(
     o_part_ptr,
     lse_part_ptr,
     logits_ptr,
-    arrivals_ptr,
-    out_ptr,
-    lse_ptr,
     stride_qb,
     stride_qh,
     stride_lb,
     stride_lh,
-    stride_ob,
-    stride_oh,
     scale_log2,
     num_splits,
     window_left,
@@ -74,11 +66,9 @@ def _decode_split_kernel(
     HEAD_SPARSE: tl.constexpr,
     WINDOW: tl.constexpr,
     LOGITS: tl.constexpr,
-    FUSE_REDUCE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_S: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
@@ -140,42 +130,7 @@ def _decode_split_kernel(
             mask=mask_g[:, None] & mask_d[None, :],
         )
         tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
-        if FUSE_REDUCE:  # the list's last split to finish merges every split's partial
-            live = tl.cdiv(kv_len - first, chunk)
-            tl.debug_barrier()  # every thread's partial precedes the release below
-            counter = arrivals_ptr + b * NUM_KV_HEADS + h
-            if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
-                tl.store(counter, 0)  # ready for the next launch (and graph replays)
-                for g in tl.static_range(GROUP):
-                    merge_splits(
-                        o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, b, h * GROUP + g, live, num_splits,
-                        stride_ob, stride_oh, NUM_KV_HEADS * GROUP, HEAD_DIM, BLOCK_S, BLOCK_D,
-                    )  # fmt: skip
         pdl_exit(USE_GDC)
-
-
-@triton.jit
-def merge_splits(
-    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, b, hq, live, num_splits, stride_ob, stride_oh,
-    NUM_QO_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Query head ``hq`` of row ``b``: the ``live`` splits' partial outputs merged by their log-sum-exps into
-    ``out`` and the final (base-2) log-sum-exp. The partials are read past L1 (``.cg``): under a fused reduce
-    other programs wrote them during this launch."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < live
-    mask_d = offs_d < HEAD_DIM
-    row = (b * NUM_QO_HEADS + hq) * num_splits + offs_s
-    lse = tl.load(lse_part_ptr + row, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
-    denom = tl.sum(w, 0)
-    parts = o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :]
-    o = tl.load(parts, mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-    o = tl.sum(o * w[:, None], 0) / denom
-    tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
-    tl.store(lse_ptr + b * NUM_QO_HEADS + hq, m + tl.log2(denom))
 
 
 def _decode_reduce_kernel(
@@ -213,10 +168,21 @@ def _decode_reduce_kernel(
     chunk = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     live = tl.cdiv(span, chunk)  # splits that wrote a partial result
     pdl_enter(USE_GDC)
-    merge_splits(
-        o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, b, hq, live, num_splits, stride_ob, stride_oh,
-        NUM_KV_HEADS * GROUP, HEAD_DIM, BLOCK_S, BLOCK_D,
-    )  # fmt: skip
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < live
+    mask_d = offs_d < HEAD_DIM
+    row = (b * (NUM_KV_HEADS * GROUP) + hq) * num_splits + offs_s
+    lse = tl.load(lse_part_ptr + row, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
+    denom = tl.sum(w, 0)
+    o = tl.load(
+        o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0
+    )
+    o = tl.sum(o * w[:, None], 0) / denom
+    tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(lse_ptr + b * (NUM_KV_HEADS * GROUP) + hq, m + tl.log2(denom))
     pdl_exit(USE_GDC)
 
 

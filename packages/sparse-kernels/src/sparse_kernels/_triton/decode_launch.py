@@ -18,8 +18,6 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 # (``decode_bandwidth.py --logits``, 33 shapes at 128K x 5 on an H200, session 19): 32 tokens a step in 2 warps
 # 749 us a layer against 907 with DECODE_CONFIG's shape (the plain decode: 632).
 LOGITS_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}
-# The split kernel's last-arriving program per (row, KV head) merges the partials (no reduce launch).
-FUSE_REDUCE = True
 
 
 def run_decode_triton(
@@ -66,28 +64,20 @@ def run_decode_triton(
         bufs.o_part,
         bufs.lse_part,
         logits_out if logits_out is not None else bufs.lse_part,
-        bufs.arrivals,
-        out,
-        bufs.lse,
         q.stride(0),
         q.stride(1),
         *logits_strides(logits_out),
-        out.stride(0),
-        out.stride(1),
         scale_log2,
         num_splits,
         window_left,
         LOGITS=logits_out is not None,
-        FUSE_REDUCE=FUSE_REDUCE,
         BLOCK_G=block_g,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         **shape,
         **dots,
         **launch,
         **pdl_args(q.device),
     )
-    if not FUSE_REDUCE:
-        launch_reduce(layout, bufs, num_splits, out, window_left, shape)
+    launch_reduce(layout, bufs, num_splits, out, window_left, shape)
     if scores_out is not None:
         decode_scores_kernel[grid](
             q,
