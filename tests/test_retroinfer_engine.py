@@ -10,6 +10,8 @@ selecting graphs and equal eager."""
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -45,17 +47,23 @@ def _tokens(llm: LLM):
 
 
 def _record_indexes(llm: LLM) -> list:
-    """Every index the method answers with, in order (the method drops them when requests finish)."""
+    """``(key, processed, index)`` each time a step grows a request's index in a layer, in order (copies: the
+    arena row grows in place, and the method drops its extents when requests finish)."""
     method, seen = llm.engine.method, []
-    update = method._update
+    observe = method.on_attention_end
 
-    def recording(key, keys, values, processed):
-        index = update(key, keys, values, processed)
-        if index is not None:
-            seen.append((key, processed, index))
-        return index
+    def recording(layer, batch):
+        before = {r.request_id: method._index.get((r.request_id, layer)) for r in batch.requests}
+        observe(layer, batch)
+        for r in batch.requests:
+            extent = method._index.get((r.request_id, layer))
+            if extent is not None and extent != before[r.request_id]:
+                index = method.index(r.request_id, layer)
+                tensors = {f.name: getattr(index, f.name) for f in fields(index)}
+                copy = replace(index, **{k: t.clone() for k, t in tensors.items() if isinstance(t, torch.Tensor)})
+                seen.append(((r.request_id, layer), method._observing[r.request_id], copy))
 
-    method._update = recording
+    method.on_attention_end = recording
     return seen
 
 

@@ -1,6 +1,6 @@
 """The cluster arena: a request's index (value sums included) lands in its own row, an appended block is
-written in place beside what is there (equal to writing the grown index whole), rows are given back and
-reused, and nothing past the planned capacity is accepted."""
+written in place beside what is there (equal to writing the grown index whole, and read back as it), rows are
+given back and reused, and nothing past the planned capacity is accepted."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_appended_block_written_in_place_equals_the_whole_index():
     pointers = [t.data_ptr() for layer in arena.layers for t in layer]
     arena.write("a", 0, first)
     arena.write("b", 1, first)  # another request: the next row
-    arena.write("b", 1, grown, first)
+    arena.write("b", 1, block, at_cluster=first.num_clusters, at_token=first.sorted_positions.shape[1])
     whole.write("x", 0, first)
     whole.write("b", 1, grown)
     assert arena.bases("b") == (64, 16) and whole.bases("b") == (64, 16)
@@ -48,6 +48,11 @@ def test_appended_block_written_in_place_equals_the_whole_index():
     for got, want in zip(arena.layers[1], whole.layers[1], strict=True):
         assert torch.equal(got, want)
     assert [t.data_ptr() for layer in arena.layers for t in layer] == pointers
+    read = arena.read("b", 1, grown.start, grown.end, grown.num_clusters)
+    for name in ("centroids", "value_sums", "sizes", "offsets", "sorted_positions"):
+        assert torch.equal(getattr(read, name), getattr(grown, name)), name
+    assert (read.start, read.end) == (grown.start, grown.end)
+    assert arena.read("b", 1, grown.start, grown.end, grown.num_clusters, values=False).value_sums is None
     arena.release("a")
     arena.write("c", 0, first)
     assert arena.bases("c") == (0, 0)  # the lowest free row again

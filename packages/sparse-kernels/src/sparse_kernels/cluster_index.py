@@ -16,7 +16,9 @@ and clustered by segmented spherical k-means:
   the assignment, plus ``start``), so cluster ``c``'s tokens are
   ``sorted_positions[h, offsets[h, c] : offsets[h, c] + sizes[h, c]]``.
 
-Later ranges are indexed on their own (one segment each) and appended with ``concat_indexes``.
+Later ranges are indexed on their own (one segment each) and appended (``concat_indexes`` is the plain
+composition). Every step is per KV head, so blocks of several requests (or layers) of one length index
+together with their heads stacked (``[n, blocks * H, D]``), each head's result the same as alone.
 """
 
 from __future__ import annotations
@@ -29,8 +31,11 @@ KMEANS_ROUNDS = 9
 """Rounds of spherical k-means per slice before the final assignment."""
 SEGMENT_TOKENS = 8192
 """Tokens per k-means slice of a first index (``segments = max(1, n // SEGMENT_TOKENS)``)."""
+ASSIGN_SCRATCH = 1 << 24
+"""Elements of the ``[heads, chunk, clusters]`` scratch of one assignment product: keys are assigned in chunks
+that keep it within this (at least ``ASSIGN_CHUNK`` keys a chunk), so a small index (an appended block, or many
+requests' blocks stacked along the heads) takes one product a round."""
 ASSIGN_CHUNK = 256
-"""Keys assigned per matrix product (bounds the ``[heads, chunk, clusters]`` scratch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +80,13 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 def _assign(unit_keys: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
     """``[H, n]`` argmax over ``centres`` ``[H, C, D]`` of each key's dot product (first on ties)."""
-    out = torch.empty(unit_keys.shape[:2], dtype=torch.int64, device=unit_keys.device)
-    for lo in range(0, unit_keys.shape[1], ASSIGN_CHUNK):
-        chunk = unit_keys[:, lo : lo + ASSIGN_CHUNK]
-        out[:, lo : lo + ASSIGN_CHUNK] = torch.bmm(chunk, centres.transpose(1, 2)).argmax(-1)
+    heads, n, _ = unit_keys.shape
+    step = max(ASSIGN_CHUNK, ASSIGN_SCRATCH // max(1, heads * centres.shape[1]))
+    if step >= n:
+        return torch.bmm(unit_keys, centres.transpose(1, 2)).argmax(-1)
+    out = torch.empty(heads, n, dtype=torch.int64, device=unit_keys.device)
+    for lo in range(0, n, step):
+        out[:, lo : lo + step] = torch.bmm(unit_keys[:, lo : lo + step], centres.transpose(1, 2)).argmax(-1)
     return out
 
 

@@ -62,6 +62,22 @@ class PagedKeys:
         blocks = self.block_table[:, pos // bs].long()  # [B, L]
         return blocks.mul_(bs).add_(pos % bs)
 
+    def spans(self, rows: list[int], starts: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(keys, values)`` ``[len(rows), length, num_kv_heads, head_dim]``: request ``rows[j]``'s slots
+        ``starts[j] .. starts[j] + length - 1`` (within its length), in one gather each; values None when the
+        view carries none."""
+        bs = self.k_cache.shape[1]
+        host = torch.tensor([rows, starts], dtype=torch.int64)
+        cuda = self.block_table.device.type == "cuda"
+        at = host.pin_memory().to(self.block_table.device, non_blocking=True) if cuda else host
+        pos = at[1, :, None] + torch.arange(length, device=at.device)
+        slots = self.block_table[at[0, :, None], pos // bs].long().mul_(bs).add_(pos % bs)
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:
+            return cache.view(-1, *cache.shape[2:])[slots]
+
+        return gather(self.k_cache), None if self.v_cache is None else gather(self.v_cache)
+
     def dense(self) -> torch.Tensor:
         """``[B, L, num_kv_heads, head_dim]`` every request's keys in slot order, zeros past its length:
         one gather."""

@@ -6,7 +6,8 @@ free memory (``SparseMethod.cluster_arena``), sized once: ``num_rows`` requests 
 once), each holding at most ``tokens`` indexed tokens in ``clusters`` clusters per layer (its memory plan's
 ``index_clusters``). Nothing moves afterwards, so a captured graph's pointers stay valid; a request takes
 a row on its first index and gives it back on release, and growing an index writes its new clusters in
-place in its row (``write``).
+place in its row (``write``). The arena is where the indexes live: a method keeps only each index's extent
+(its tokens and clusters) and reads an index back as views (``read``).
 
 Per layer: ``centroids`` ``[H, rows * clusters, D]``, ``sizes`` and ``offsets`` int32 ``[H, rows *
 clusters]`` (a cluster's first entry in its request's ``positions``), ``positions`` int32 ``[H, rows *
@@ -75,11 +76,13 @@ class ClusterArena:
         row = self.rows[request_id]
         return row * self.tokens, row * self.clusters
 
-    def write(self, request_id: Hashable, layer: int, index, previous=None) -> None:
-        """Write ``index`` (a ``sparse_kernels.cluster_index.ClusterIndex``) into the request's row of
-        ``layer``: all of it, or what it appended to ``previous`` (already in place: an index grows by
-        appending clusters and their tokens). The request takes a row on its first write."""
-        clusters, tokens = index.num_clusters, index.sorted_positions.shape[1]
+    def write(self, request_id: Hashable, layer: int, block, *, at_cluster: int = 0, at_token: int = 0) -> None:
+        """Write ``block`` (a ``sparse_kernels.cluster_index.ClusterIndex``: a first index, or a block of tokens
+        indexed on its own) into the request's row of ``layer``, its clusters from column ``at_cluster`` and its
+        tokens from entry ``at_token`` of the row (an index grows by appending blocks: the clusters and tokens
+        already there stay). The request takes a row on its first write."""
+        clusters = at_cluster + block.num_clusters
+        tokens = at_token + block.sorted_positions.shape[1]
         if clusters > self.clusters or tokens > self.tokens:
             raise ValueError(
                 f"a cluster index of {clusters} clusters over {tokens} tokens outgrows its arena row "
@@ -87,15 +90,32 @@ class ClusterArena:
             )
         self.rows.take(request_id)
         t0, c0 = self.bases(request_id)
-        first_cluster = 0 if previous is None else previous.num_clusters
-        first_token = 0 if previous is None else previous.sorted_positions.shape[1]
+        c_at, c_end, t_at, t_end = c0 + at_cluster, c0 + clusters, t0 + at_token, t0 + tokens
         centroids, sizes, offsets, positions, value_sums = self.layers[layer]
-        centroids[:, c0 + first_cluster : c0 + clusters] = index.centroids[:, first_cluster:]
-        if index.value_sums is not None:
-            value_sums[:, c0 + first_cluster : c0 + clusters] = index.value_sums[:, first_cluster:]
-        sizes[:, c0 + first_cluster : c0 + clusters] = index.sizes[:, first_cluster:]
-        offsets[:, c0 + first_cluster : c0 + clusters] = index.offsets[:, first_cluster:]
-        positions[:, t0 + first_token : t0 + tokens] = index.sorted_positions[:, first_token:]
+        centroids[:, c_at:c_end] = block.centroids
+        if block.value_sums is not None:
+            value_sums[:, c_at:c_end] = block.value_sums
+        sizes[:, c_at:c_end] = block.sizes
+        offsets[:, c_at:c_end] = block.offsets + at_token
+        positions[:, t_at:t_end] = block.sorted_positions
+
+    def read(self, request_id: Hashable, layer: int, start: int, end: int, clusters: int, values: bool = True):
+        """The request's index of ``layer`` as a ``ClusterIndex`` of views into its row: ``clusters`` clusters over
+        the tokens ``[start, end)``; ``values`` False: without value sums (an index of keys alone)."""
+        from sparse_kernels.cluster_index import ClusterIndex
+
+        t0, c0 = self.bases(request_id)
+        centroids, sizes, offsets, positions, value_sums = self.layers[layer]
+        c = slice(c0, c0 + clusters)
+        return ClusterIndex(
+            start=start,
+            end=end,
+            centroids=centroids[:, c],
+            value_sums=value_sums[:, c] if values else None,
+            sizes=sizes[:, c],
+            offsets=offsets[:, c].long(),
+            sorted_positions=positions[:, t0 : t0 + end - start],
+        )
 
     def release(self, request_id: Hashable) -> None:
         self.rows.release(request_id)

@@ -46,6 +46,7 @@ and estimates nothing; the step builds the index.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable
+from dataclasses import dataclass
 
 import torch
 from pydantic import Field, model_validator
@@ -56,13 +57,11 @@ from sparse_methods.base import (
     DecodeBatch,
     DecodeRead,
     DecodeSelection,
-    LayerAttention,
     LayerPlan,
     MemoryPlan,
     MethodConfig,
     ModelShape,
     PrefixCacheMode,
-    RequestStep,
     SparseMethod,
     StepContext,
     Storage,
@@ -109,6 +108,23 @@ class RetroInferConfig(MethodConfig):
 
 
 _SELECTED = LayerPlan(DecodeRead.SELECTED, unit=Unit.SLOT)
+STACKED_TOKENS = 1 << 20
+"""Token-heads (tokens x KV heads) indexed in one ``build_cluster_index``: blocks of one length from several
+requests stack their heads up to this (an update block of 1024 tokens x 8 heads: 128 blocks), so a step that
+completes blocks for a whole batch runs the k-means once per layer, not once per request and layer; a first
+index of 128K tokens goes alone (its float32 copies stay ~0.5 GB each)."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexExtent:
+    """What the method keeps of a request's index in one layer: the tokens ``[start, end)`` it covers and its
+    clusters (the arena holds the index itself)."""
+
+    start: int
+    end: int
+    num_clusters: int
+
+
 WIDTH_QUANTUM = 256
 """A decode row's width (slots) rounds up to a multiple of this. The width is part of a CUDA graph's key,
 and ``sink + recent + update + R * avg`` grows by ``avg`` slots each time ``R`` does (every ~890 tokens at
@@ -127,7 +143,7 @@ class RetroInfer(SparseMethod):
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         super().__init__(config, shape)
-        self._index: dict = {}  # (request id, layer) -> sparse_kernels.cluster_index.ClusterIndex
+        self._index: dict[tuple[Hashable, int], IndexExtent] = {}  # (request id, layer) -> its index's extent
         self._observing: dict[Hashable, int] = {}  # this step: request -> tokens processed after it
         self._width = 0  # this step's widest selection (slots)
         self.observes_values = self.config.retroinfer_estimation_ratio > 0  # value sums for the estimation
@@ -228,21 +244,77 @@ class RetroInfer(SparseMethod):
         return frozenset(self._observing)
 
     def on_attention_end(self, layer: int, batch: LayerAttentionBatch) -> None:
-        for i, request in enumerate(batch.requests):  # one request's keys (and values) in memory at a time
-            if request.request_id in self._observing:
-                self._observe(layer, request, batch.views(i))
+        """Index the blocks this step completes for the observed requests (``_due_blocks``), all of one length
+        and kind together, and write them into the requests' arena rows (this step's selection in ``layer``
+        read the rows already; the step's plan reads no new cluster)."""
+        due = []
+        for i, request in enumerate(batch.requests):
+            processed = self._observing.get(request.request_id)
+            if processed is not None:
+                due += [(i, *span) for span in self._due_blocks((request.request_id, layer), processed)]
+        groups: dict[tuple[int, int | None], list[tuple[int, int, int, int | None]]] = {}
+        for block in due:
+            groups.setdefault((block[2] - block[1], block[3]), []).append(block)
+        for (length, segments), blocks in groups.items():
+            per = max(1, STACKED_TOKENS // (length * self.shape.num_kv_heads))
+            for lo in range(0, len(blocks), per):
+                self._index_blocks(layer, batch, blocks[lo : lo + per], length, segments)
 
-    def _observe(self, layer: int, request: RequestStep, view: LayerAttention) -> None:
-        """Build or extend the request's index of ``layer`` and write what changed into its arena row (this
-        step's selection in ``layer`` read the row already; the step's plan reads no new cluster)."""
-        processed = self._observing.get(request.request_id)
-        if processed is None:
-            return
-        key = (request.request_id, layer)
-        previous = self._index.get(key)
-        index = self._update(key, view.keys, view.values, processed)
-        if index is not None and index is not previous:
-            self.arena.write(request.request_id, layer, index, previous)
+    def _due_blocks(self, key: tuple[Hashable, int], processed: int) -> list[tuple[int, int, int | None]]:
+        """The blocks ``(lo, hi, segments)`` that index the first ``processed`` tokens less the recent ones, as the
+        published system does after each step: a first index over ``[sink, end)`` once it spans the threshold
+        (``segments`` None: ``build_cluster_index``'s default), then ``retroinfer_update_tokens`` each."""
+        c = self.config
+        end, extent = processed - c.retroinfer_recent_tokens, self._index.get(key)
+        blocks, at = [], extent.end if extent is not None else None
+        if at is None:
+            if end - c.retroinfer_sink_tokens < c.retroinfer_min_index_tokens:
+                return []
+            blocks.append((c.retroinfer_sink_tokens, end, None))
+            at = end
+        while end - at >= c.retroinfer_update_tokens:
+            blocks.append((at, at + c.retroinfer_update_tokens, 1))
+            at += c.retroinfer_update_tokens
+        return blocks
+
+    def _index_blocks(self, layer: int, batch: LayerAttentionBatch, blocks, length: int, segments) -> None:
+        """Index ``blocks`` ``(request, lo, hi, segments)`` of one ``length`` in one ``build_cluster_index`` (their
+        KV heads stacked), then append each to its request's index in the arena, in order."""
+        from sparse_kernels.cluster_index import ClusterIndex, build_cluster_index
+
+        if batch.batched:
+            keys, values = batch.keys.spans([b[0] for b in blocks], [b[1] for b in blocks], length)
+        else:
+            views = [(batch.request(i), lo, hi) for i, lo, hi, _ in blocks]
+            keys = torch.stack([v.keys[lo:hi] for v, lo, hi in views])
+            has = all(v.values is not None for v, _, _ in views)
+            values = torch.stack([v.values[lo:hi] for v, lo, hi in views]) if has else None
+        if self.observes_values and values is None:
+            raise ValueError("retroinfer estimates clusters from value sums: the engine must hand over the values")
+        n, h = len(blocks), self.shape.num_kv_heads
+        stacked = keys.permute(1, 0, 2, 3).reshape(length, n * h, -1)
+        vals = values.permute(1, 0, 2, 3).reshape(length, n * h, -1) if self.observes_values else None
+        whole = build_cluster_index(
+            stacked, vals, start=0, avg_cluster_size=self.config.retroinfer_avg_cluster_size, segments=segments
+        )
+        for j, (i, lo, hi, _) in enumerate(blocks):
+            heads = slice(j * h, (j + 1) * h)
+            block = ClusterIndex(
+                start=lo,
+                end=hi,
+                centroids=whole.centroids[heads],
+                value_sums=None if whole.value_sums is None else whole.value_sums[heads],
+                sizes=whole.sizes[heads],
+                offsets=whole.offsets[heads],
+                sorted_positions=whole.sorted_positions[heads] + lo,
+            )
+            request_id = batch.requests[i].request_id
+            key = (request_id, layer)
+            extent = self._index.get(key)
+            at_cluster, at_token = (0, 0) if extent is None else (extent.num_clusters, extent.end - extent.start)
+            self.arena.write(request_id, layer, block, at_cluster=at_cluster, at_token=at_token)
+            start = lo if extent is None else extent.start
+            self._index[key] = IndexExtent(start, hi, at_cluster + block.num_clusters)
 
     def release(self, request_id: Hashable) -> None:
         dropped = [k for k in self._index if k[0] == request_id]
@@ -252,32 +324,11 @@ class RetroInfer(SparseMethod):
             self.cluster_arena.release(request_id)
 
     def index(self, request_id: Hashable, layer: int):
-        """The request's ``ClusterIndex`` in ``layer`` (None before it has one)."""
-        return self._index.get((request_id, layer))
-
-    def _update(self, key: tuple[Hashable, int], keys: torch.Tensor, values: torch.Tensor | None, processed: int):
-        """Index the first ``processed`` tokens less the recent ones, as the published system does after each
-        step (``values`` ``[kv_len, H, D]`` give the value sums; None: an index of keys alone)."""
-        from sparse_kernels.cluster_index import build_cluster_index, concat_indexes
-
-        c = self.config
-        if self.observes_values and values is None:
-            raise ValueError("retroinfer estimates clusters from value sums: the engine must hand over the values")
-        avg, end = c.retroinfer_avg_cluster_size, processed - c.retroinfer_recent_tokens
-        index = self._index.get(key)
-
-        def block(lo: int, hi: int, **kw):
-            v = values[lo:hi] if self.observes_values else None
-            return build_cluster_index(keys[lo:hi], v, start=lo, avg_cluster_size=avg, **kw)
-
-        if index is None:
-            if end - c.retroinfer_sink_tokens < c.retroinfer_min_index_tokens:
-                return None
-            index = block(c.retroinfer_sink_tokens, end)
-        while end - index.end >= c.retroinfer_update_tokens:
-            index = concat_indexes(index, block(index.end, index.end + c.retroinfer_update_tokens, segments=1))
-        self._index[key] = index
-        return index
+        """The request's ``ClusterIndex`` in ``layer``, views into its arena row (None before it has one)."""
+        extent = self._index.get((request_id, layer))
+        if extent is None:
+            return None
+        return self.arena.read(request_id, layer, extent.start, extent.end, extent.num_clusters, self.observes_values)
 
     def select_decode(self, layer: int, batch: DecodeBatch) -> torch.Tensor | DecodeSelection:
         """Per row and KV head, slots: the sink, the retrieved clusters' tokens in rank order up to the row's
