@@ -1,6 +1,7 @@
 """RetroInfer's ranking logits straight from the arena: the reference (float32) equals a per-column loop, Triton equals
-the reference (rows at different bases, columns past a row's count, empty clusters, clamped columns); the tiles'
-softmax statistics, merged, are each head's max and sum of exponentials over all its columns."""
+the reference (rows at different bases, columns past a row's count, empty clusters, clamped columns; a tile a
+program, or several in one program's loop, the last program's running past the tiles); the tiles' softmax
+statistics, merged, are each head's max and sum of exponentials over all its columns."""
 
 from __future__ import annotations
 
@@ -53,14 +54,19 @@ def _merged(tile_max, tile_sum):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("columns", [130, 256])
-def test_triton_equals_reference(dtype, columns, triton_device):
+@pytest.mark.parametrize("block_c, tiles_per_program", [(128, 1), (32, 3)])  # 3: the last program runs past
+def test_triton_equals_reference(dtype, columns, block_c, tiles_per_program, triton_device, monkeypatch):
+    from sparse_kernels._triton import cluster_logits as logits_mod
+
+    monkeypatch.setattr(logits_mod, "BLOCK_C", block_c)
+    monkeypatch.setattr(logits_mod, "TILES_PER_PROGRAM", tiles_per_program)
     query, centroids, sizes, bases, counts = _case(dtype, seed=1)
     want = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=0.3, backend="reference")
     args = [t.to(triton_device) for t in (query, centroids, sizes, bases, counts)]
     got = cluster_logits(*args, columns, scale=0.3, backend="triton")
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=0, atol=0)
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-4)
-    assert got[2].shape[-1] > 1  # one tile per program
+    assert got[2].shape[-1] == -(-columns // block_c) > 1  # statistics per tile
     for g, w in zip(_merged(*got[2:]), _merged(*want[2:]), strict=True):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
 

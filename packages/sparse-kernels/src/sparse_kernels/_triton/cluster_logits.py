@@ -1,6 +1,8 @@
-"""Triton ``cluster_logits``: program ``(row, KV head, column tile)`` loads the group's queries once and one
-tile of the row's centroids from the arena, one ``tl.dot`` (float32 accumulation) gives the tile's logits
-for every query head of the group, and the tile's softmax statistics (max, sum of exponentials) per head."""
+"""Triton ``cluster_logits``: program ``(row, KV head, run of column tiles)`` loads the group's queries once,
+then per tile of the row's centroids (read from the arena) one ``tl.dot`` (float32 accumulation) gives the
+tile's logits for every query head of the group, and the tile's softmax statistics (max, sum of exponentials)
+per head. ``TILES_PER_PROGRAM`` tiles run in one program's pipelined loop (``NUM_STAGES``): 1 is a tile a
+program, the loads in flight coming only from resident programs."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, dot_args
 
-BLOCK_C = 128  # cluster columns per program
-NUM_WARPS = 4  # benchmarks/retroinfer_kernel_probe.py sweeps both
+BLOCK_C = 128  # cluster columns per tile
+NUM_WARPS = 4  # benchmarks/retroinfer_kernel_probe.py sweeps these
+TILES_PER_PROGRAM = 1
+NUM_STAGES = 2
 
 
 def _cluster_logits_kernel(
@@ -19,17 +23,12 @@ def _cluster_logits_kernel(
     tiles,
     HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    TILES: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    t = tl.program_id(2)
     base = tl.load(base_ptr + r)
     count = tl.load(count_ptr + r)
-    col = t * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = col < columns
-    cid = tl.minimum(base + col, total - 1)
-    size = tl.load(size_ptr + h * total + cid, mask=cmask & (col < count), other=0)
-    live = size > 0
     g = tl.arange(0, BLOCK_G)
     gmask = g < GROUP
     d = tl.arange(0, BLOCK_D)
@@ -39,20 +38,28 @@ def _cluster_logits_kernel(
         mask=gmask[:, None] & dmask[None, :],
         other=0.0,
     ).to(DOT_DTYPE)  # [BLOCK_G, BLOCK_D]
-    c = tl.load(
-        c_ptr + (h * total + cid)[None, :] * HEAD_DIM + d[:, None], mask=live[None, :] & dmask[:, None], other=0.0
-    ).to(DOT_DTYPE)  # [BLOCK_D, BLOCK_C]
-    s = tl.dot(q, c, input_precision=PRECISION) * scale  # float32 [BLOCK_G, BLOCK_C]
-    s = tl.where(live[None, :], s, float("-inf"))
-    out = ((r * HEADS + h) * GROUP + g)[:, None] * columns + col[None, :]
-    tl.store(logit_ptr + out, s, mask=gmask[:, None] & cmask[None, :])
-    tl.store(size_out_ptr + (r * HEADS + h) * columns + col, size, mask=cmask)
-    m = tl.max(s, axis=1)  # [BLOCK_G]: -inf when the tile has no live cluster
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total_exp = tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
-    stat = ((r * HEADS + h) * GROUP + g) * tiles + t
-    tl.store(tmax_ptr + stat, m, mask=gmask)
-    tl.store(tsum_ptr + stat, total_exp, mask=gmask)
+    for i in tl.range(0, TILES, num_stages=STAGES):
+        t = tl.program_id(2) * TILES + i
+        col = t * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = col < columns
+        cid = tl.minimum(base + col, total - 1)
+        size = tl.load(size_ptr + h * total + cid, mask=cmask & (col < count), other=0)
+        live = size > 0
+        c = tl.load(
+            c_ptr + (h * total + cid)[None, :] * HEAD_DIM + d[:, None], mask=live[None, :] & dmask[:, None], other=0.0
+        ).to(DOT_DTYPE)  # [BLOCK_D, BLOCK_C]
+        s = tl.dot(q, c, input_precision=PRECISION) * scale  # float32 [BLOCK_G, BLOCK_C]
+        s = tl.where(live[None, :], s, float("-inf"))
+        out = ((r * HEADS + h) * GROUP + g)[:, None] * columns + col[None, :]
+        tl.store(logit_ptr + out, s, mask=gmask[:, None] & cmask[None, :])
+        tl.store(size_out_ptr + (r * HEADS + h) * columns + col, size, mask=cmask)
+        m = tl.max(s, axis=1)  # [BLOCK_G]: -inf when the tile has no live cluster
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total_exp = tl.sum(tl.exp(s - m_safe[:, None]), axis=1)
+        stat = ((r * HEADS + h) * GROUP + g) * tiles + t
+        smask = gmask & (g * 0 + t < tiles)
+        tl.store(tmax_ptr + stat, m, mask=smask)
+        tl.store(tsum_ptr + stat, total_exp, mask=smask)
 
 
 cluster_logits_kernel = Kernel(_cluster_logits_kernel)
@@ -68,7 +75,7 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
     tiles = triton.cdiv(columns, BLOCK_C)
     tile_max = torch.empty(n, heads, group, tiles, dtype=torch.float32, device=query.device)
     tile_sum = torch.empty_like(tile_max)
-    cluster_logits_kernel[(n, heads, tiles)](
+    cluster_logits_kernel[(n, heads, triton.cdiv(tiles, TILES_PER_PROGRAM))](
         query.contiguous(),
         centroids.contiguous(),
         sizes.to(torch.int32).contiguous(),
@@ -89,6 +96,8 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
         BLOCK_C=BLOCK_C,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         **dot_args(query.dtype if half else torch.float32, query.device),
+        TILES=TILES_PER_PROGRAM,
+        STAGES=NUM_STAGES,
         num_warps=NUM_WARPS,
     )
     return logits, size, tile_max, tile_sum
