@@ -1,7 +1,7 @@
 """Time RetroInfer's per-layer kernels at one decode step's shape on a GPU (CUDA-graph replay): the selection
 by count (its torch reference, a softmax + stable sort, against the Triton radix select at several chunk sizes
-and warps), the ranking logits and the estimation at several settings. Prints one table; checks the variants
-agree with the references.
+and warps), the ranking logits and the estimation at several settings, from the centroids and from the ranking's
+logits. Prints one table; checks the variants agree with the references.
 
     python benchmarks/retroinfer_kernel_probe.py [--batch 5] [--context 131072]
 """
@@ -86,7 +86,7 @@ def main() -> None:
     select_mod.CHUNK, select_mod.NUM_WARPS = sel_defaults
 
     num_est = round(columns * 0.232)
-    ids = torch.stack([torch.randperm(columns, device=dev)[:num_est] for _ in range(n * heads)]).view(n, heads, num_est)
+    ids = torch.stack([torch.randperm(count, device=dev)[:num_est] for _ in range(n * heads)]).view(n, heads, num_est)
     ids = ids + bases[:, None, None]
     ref = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5, backend="reference")
     est_defaults = est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS, est_mod.PROGRAMS_PER_SM
@@ -105,10 +105,22 @@ def main() -> None:
         chosen = dict(VALUE_PRECISION=precision, NUM_STAGES=stages, NUM_WARPS=warps, PROGRAMS_PER_SM=per_sm)
         settings.append(("estimation", chosen, ms))
     est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS, est_mod.PROGRAMS_PER_SM = est_defaults
+    # The engine's way: the scores from the ranking's logits (made at dim ** -0.5; the attention's scale here
+    # differs, as an engine's may), not the centroids; the reference at the attention's scale from the centroids.
+    attn_scale = 0.9 * dim**-0.5
+    want = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=attn_scale, backend="reference")
+    from_logits = dict(logits=logits.logits, bases=bases, logits_scale=dim**-0.5)
+    out, lse = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=attn_scale, **from_logits)
+    err = max(float((out - want[0]).abs().max()), float((lse - want[1]).nan_to_num().abs().max()))
+    ms = graph_ms(lambda: cluster_estimation(query, centroids, value_sums, sizes, ids, scale=attn_scale, **from_logits))
+    rows.append((f"estimation from the ranking's logits, defaults (max err {err:.1e})", ms))
+    names = ("VALUE_PRECISION", "NUM_STAGES", "NUM_WARPS", "PROGRAMS_PER_SM")
+    settings.append(("estimation from logits", dict(zip(names, est_defaults, strict=True)), ms))
     est_bytes = n * heads * num_est * (dim * 2 + dim * 4 + 4 + 8)
+    logit_bytes = n * heads * num_est * (group * 4 + dim * 4 + 4 + 8)  # the logits' sectors may hold more
     print(
         f"batch {n}, context {args.context}, {columns} columns, {num_est} estimated per row and head; "
-        f"estimation bytes per layer {est_bytes / 1e6:.1f} MB"
+        f"estimation bytes per layer {est_bytes / 1e6:.1f} MB from centroids, {logit_bytes / 1e6:.1f} MB from logits"
     )
     print("| kernel(s), one layer | us | ms per 36 layers |")
     print("|---|---|---|")

@@ -1,5 +1,6 @@
 """RetroInfer's estimation term: Triton equals the reference (padding ids, empty clusters, rows that
-estimate nothing), the reference equals a per-cluster loop, and merging it with the exact part is one softmax."""
+estimate nothing), the reference equals a per-cluster loop, the scores from the ranking's logits equal those
+from the centroids, and merging it with the exact part is one softmax."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from sparse_kernels.cluster_estimation import cluster_estimation
+from sparse_kernels.cluster_logits import cluster_logits
 from sparse_kernels.merge_states import merge_states, merge_states_
 
 
@@ -56,6 +58,58 @@ def test_triton_equals_reference(dtype, shape, triton_device):
     got = cluster_estimation(*args, scale=0.2, backend="triton")
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)
+
+
+def _logits_case(dtype, seed=3, n=3, group=2, heads=2, dim=24, columns=40, est=40):  # 2 splits
+    """An arena of ``n`` rows' clusters (row ``r``'s at ``bases[r] + c``, ``counts[r]`` of them), the ranking's
+    logits at scale 0.3 over ``columns`` columns, and estimated ids: arena ids of the row's columns, of
+    columns past its count (``-inf`` logits) or past the logits' width or before the row's base (another
+    row's clusters), and ``-1``."""
+    gen = torch.Generator().manual_seed(seed)
+    bases, counts = torch.tensor([0, 34, 70][:n]), torch.tensor([30, 22, 25][:n])
+    total = 110
+    query = torch.randn(n, heads * group, dim, generator=gen).to(dtype)
+    centroids = torch.randn(heads, total, dim, generator=gen).to(dtype)
+    value_sums = torch.randn(heads, total, dim, generator=gen) * 5
+    sizes = torch.randint(0, 30, (heads, total), generator=gen, dtype=torch.int32)
+    sizes[:, bases] = 0  # each row's first cluster is empty
+    ranked = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=0.3, backend="reference")
+    cols = torch.stack([torch.randperm(columns + 6, generator=gen)[:est] - 3 for _ in range(n * heads)])
+    ids = cols.view(n, heads, est) + bases[:, None, None]
+    ids[0, :, -4:] = -1  # padding
+    ids[n - 1, 0] = -1  # a row and KV head that estimate nothing
+    col = ids - bases[:, None, None]
+    counted = torch.where((ids >= 0) & (col >= 0) & (col < counts[:, None, None]), ids, -1)  # what counts
+    assert ((counted < 0) & (ids >= 0)).sum() > 8  # ids past a row's count or logits, or another row's
+    return query, centroids, value_sums, sizes, ids, counted, ranked.logits, bases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_estimation_from_the_rankings_logits_equals_from_centroids(dtype, triton_device):
+    """Scores from the ranking's logits (made at scale 0.3, the attention's 0.2) equal those from the
+    centroids, on the torch and the Triton path: empty clusters, ``-1`` ids, columns past a row's count or
+    outside its logits count nothing (the centroid path is given those ids as ``-1``)."""
+    query, centroids, value_sums, sizes, ids, counted, logits, bases = _logits_case(dtype)
+    want = cluster_estimation(query, centroids, value_sums, sizes, counted, scale=0.2, backend="reference")
+    assert want[1].isfinite().any() and not want[1].isfinite().all()
+    fast = dict(logits=logits, bases=bases, logits_scale=0.3)
+    got = cluster_estimation(query, centroids, value_sums, sizes, ids, scale=0.2, **fast, backend="reference")
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    args = [t.to(triton_device) for t in (query, centroids, value_sums, sizes, ids)]
+    fast = dict(logits=logits.to(triton_device), bases=bases.to(triton_device), logits_scale=0.3)
+    got = cluster_estimation(*args, scale=0.2, **fast, backend="triton")
+    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)
+
+
+def test_estimation_from_logits_checks_its_inputs():
+    query, centroids, value_sums, sizes, ids, _, logits, bases = _logits_case(torch.float32)
+    args = (query, centroids, value_sums, sizes, ids)
+    with pytest.raises(ValueError, match="bases"):
+        cluster_estimation(*args, scale=0.2, logits=logits, logits_scale=0.3)
+    with pytest.raises(ValueError, match="logits must be"):
+        cluster_estimation(*args, scale=0.2, logits=logits[:, :1], bases=bases, logits_scale=0.3)
 
 
 def test_merge_is_one_softmax():

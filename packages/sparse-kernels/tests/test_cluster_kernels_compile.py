@@ -1,6 +1,6 @@
-"""RetroInfer's Triton kernels (ranking logits, order, picks, estimation, the in-place merge) also compile for Hopper
-from the launches the CPU tests make (``compile_check``), so compiled-mode errors show without a GPU; outputs
-still equal the references."""
+"""RetroInfer's Triton kernels (ranking logits, order, picks, estimation from the centroids and from the ranking's
+logits, the in-place merge) also compile for Hopper from the launches the CPU tests make (``compile_check``), so
+compiled-mode errors show without a GPU; outputs still equal the references."""
 
 from __future__ import annotations
 
@@ -59,6 +59,12 @@ def test_retroinfer_kernels_compile_for_hopper():
     ref = cluster_estimation(query, centroids, value_sums, sizes, got[1], scale=0.1, backend="reference")
     torch.testing.assert_close(out, ref[0], rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(lse, ref[1], rtol=1e-4, atol=1e-4)
+    from_logits = dict(logits=logits, bases=bases, logits_scale=0.1)  # the scores from the ranking's logits
+    est_args = (query, centroids, value_sums, sizes, got[1])
+    with compiling_for():
+        got = cluster_estimation(*est_args, scale=0.1, **from_logits, backend="triton")
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-4)
 
     lse_a = torch.randn(n, heads * group, generator=gen)
     decoded = torch.randn(n, heads * group, dim, generator=gen).to(torch.bfloat16)

@@ -6,6 +6,15 @@ clusters ``c`` (``-1`` entries and empty clusters count nothing), with ``s_c = s
 ``lse = log(sum_c size_c * exp(s_c))`` and ``out = sum_c exp(s_c) * value_sum_c / exp(lse)``. Merged
 with the exact tokens' ``(out, lse)`` by ``merge_states`` this is the one softmax of
 ``cluster_attention``; ``lse = -inf`` and ``out = 0`` where a row estimates nothing.
+
+Two ways to get ``s_c``. From the centroids (the plain reference): each estimated cluster's centroid is
+read and multiplied by the query. From the ranking's logits (``logits=``, ``sparse_kernels.cluster_logits``,
+``q . centroid_c * logits_scale`` for every cluster column of the row, already computed to pick the
+clusters): ``s_c = logits[b, kv, g, c - bases[b]] * (scale / logits_scale)``, so the query and the
+centroids are not read at all, only 4 bytes per query head of the group (16 at G = 4) instead of the
+centroid (256 bytes in bf16 at D = 128) beside the float32 value sum (512 bytes). There a column outside
+``[0, columns)`` or with logit ``-inf`` (``cluster_logits``' columns past a row's count, empty clusters)
+counts nothing either. Both give the same result up to the dot products' rounding.
 """
 
 from __future__ import annotations
@@ -23,12 +32,19 @@ def cluster_estimation(
     clusters: torch.Tensor,
     *,
     scale: float,
+    logits: torch.Tensor | None = None,
+    bases: torch.Tensor | None = None,
+    logits_scale: float | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: float32 ``[B, Hq, D]`` and ``[B, Hq]``.
 
     ``query`` ``[B, Hq, D]``; ``centroids`` ``[H, C, D]`` (any float dtype); ``value_sums`` float32
     ``[H, C, D]``; ``sizes`` int ``[H, C]``; ``clusters`` int64 ``[B, H, E]`` cluster ids (``-1``: none).
+
+    With ``logits`` float32 ``[B, H, Hq // H, columns]`` (``cluster_logits``' at scale ``logits_scale``; row
+    ``b``'s column ``c`` is cluster ``bases[b] + c``, ``bases`` int ``[>= B]``) the scores come from them and
+    the query and centroids give only the shapes.
     """
     batch, q_heads, dim = query.shape
     heads, count, _ = centroids.shape
@@ -36,18 +52,34 @@ def cluster_estimation(
         raise ValueError("query heads must be a multiple of KV heads and value_sums float32 like centroids")
     if tuple(sizes.shape) != (heads, count) or clusters.shape[:2] != (batch, heads):
         raise ValueError(f"sizes must be [{heads}, {count}] and clusters [{batch}, {heads}, E]")
+    group = q_heads // heads
+    if logits is not None:
+        if bases is None or logits_scale is None or bases.shape[0] < batch:
+            raise ValueError("logits need the rows' bases (one per row) and the scale they were computed at")
+        if logits.shape[:3] != (batch, heads, group) or logits.dtype != torch.float32:
+            raise ValueError(f"logits must be float32 [{batch}, {heads}, {group}, columns]")
+        bases, ratio = bases[:batch], float(scale) / float(logits_scale)
     if resolve_backend(backend, query.device) == "triton":
         from sparse_kernels._triton.cluster_estimation import cluster_estimation_triton
 
+        if logits is not None:
+            return cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, ratio, logits, bases)
         return cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, scale)
-    group = q_heads // heads
     valid = clusters >= 0
-    ids = clusters.clamp_min(0)
+    if logits is not None:
+        columns = logits.shape[-1]
+        col = clusters - bases.to(clusters.dtype)[:, None, None]
+        valid &= (col >= 0) & (col < columns)
+        col = col.clamp(0, columns - 1)[:, :, None].expand(batch, heads, group, -1)
+        s = logits.gather(-1, col) * ratio  # [B, H, G, E]; -inf stays -inf
+    ids = torch.where(valid, clusters, 0)
     rows = torch.arange(heads, device=query.device)[None, :, None]
-    c = centroids[rows, ids].float()  # [B, H, E, D]
     size = sizes[rows, ids].float().masked_fill(~valid, 0.0)
-    q = query.float().view(batch, heads, group, dim)
-    s = torch.einsum("bhgd,bhed->bhge", q, c) * scale + size.log()[:, :, None]  # log(size) weighs each cluster
+    if logits is None:
+        c = centroids[rows, ids].float()  # [B, H, E, D]
+        q = query.float().view(batch, heads, group, dim)
+        s = torch.einsum("bhgd,bhed->bhge", q, c) * scale
+    s = s + size.log()[:, :, None]  # log(size) weighs each cluster; -inf where it counts nothing
     lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is estimated
     p = torch.exp(s - lse[..., None].clamp_min(torch.finfo(torch.float32).min)) / size.clamp_min(1)[:, :, None]
     out = torch.einsum("bhge,bhed->bhgd", p, value_sums[rows, ids] * valid[..., None])

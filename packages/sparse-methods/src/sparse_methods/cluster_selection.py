@@ -14,7 +14,9 @@ float32, no gathered copy) and selects by count (``sparse_kernels.cluster_select
 rank order, the estimated ones as a set; on CUDA a radix select, no sort of the row); the picks
 (``sparse_kernels.cluster_picks``: on CUDA two Triton kernels) take the retrieved clusters' tokens in rank
 order up to each row's budget, with the sink and the unindexed tail, and estimate the retrieved clusters the
-budget cut off with the estimated ones; the estimation is ``sparse_kernels.cluster_estimation``.
+budget cut off with the estimated ones; the estimation is ``sparse_kernels.cluster_estimation``, which takes
+the estimated clusters' scores from the ranking's logits (kept in ``ClusterRanking``) instead of reading their
+centroids again.
 ``cluster_selection_reference`` is the full-sort, per-context-token version the tests hold this equal to;
 ``sparse_kernels.cluster_attention`` the plain per-request reference of the whole.
 """
@@ -34,12 +36,16 @@ class ClusterRanking:
     """One layer's ranking of a decode batch's clusters, per row and KV head: ``order`` int64 ``[n, H, k]``
     cluster columns (from the row's cluster base), a row's retrieved ones best first, then its estimated ones
     (any order; the reference ranks every column); ``sizes`` int32 ``[n, H, Cw]`` every column's size (0:
-    empty or past the row's index); ``columns`` the ``Cw`` columns ranked. ``ranked`` (the ordered columns'
-    sizes) and ``cum`` (their running sums) are computed on demand: the device picks make their own."""
+    empty or past the row's index); ``columns`` the ``Cw`` columns ranked; ``logits`` float32 ``[n, H, G, Cw]``
+    the ranking's ``q . centroid * scale`` per query head (``-inf``: empty or past the row's index), which the
+    estimation reuses (None: the estimation reads the centroids). ``ranked`` (the ordered columns' sizes) and
+    ``cum`` (their running sums) are computed on demand: the device picks make their own."""
 
     order: torch.Tensor
     sizes: torch.Tensor
     columns: int
+    logits: torch.Tensor | None = None
+    scale: float = 1.0
 
     @property
     def ranked(self) -> torch.Tensor:
@@ -100,7 +106,7 @@ def rank_arena_clusters(
         ranked.logits, ranked.sizes, arena.plan[5, :n], arena.plan[6, :n], read_width=widths[0],
         estimate_width=widths[1], tile_max=ranked.tile_max, tile_sum=ranked.tile_sum,
     )  # fmt: skip
-    return ClusterRanking(order, ranked.sizes, columns)
+    return ClusterRanking(order, ranked.sizes, columns, ranked.logits, head_dim**-0.5)
 
 
 def pick_clusters(
@@ -148,11 +154,19 @@ def pick_clusters(
     )
 
 
-def estimate_clusters(arena: ClusterArena, layer: int, batch: DecodeBatch, ids: torch.Tensor) -> AttentionState:
+def estimate_clusters(
+    arena: ClusterArena, layer: int, batch: DecodeBatch, ids: torch.Tensor, ranking: ClusterRanking | None = None
+) -> AttentionState:
     """The estimated clusters' attention state (``sparse_kernels.cluster_estimation`` at the attention's
-    scale) over ``ids`` (``pick_clusters``)."""
+    scale) over ``ids`` (``pick_clusters``): with a ``ranking`` that kept its logits, the scores are those
+    logits times ``batch.sm_scale / ranking.scale`` (the ranking's scale is ``head_dim ** -0.5``, the
+    attention's may differ), read at the rows' columns ``id - arena.plan[1]``; else from the centroids."""
     from sparse_kernels.cluster_estimation import cluster_estimation
 
     centroids, sizes_all, _, _, value_sums = arena.layers[layer]
-    out, lse = cluster_estimation(batch.query, centroids, value_sums, sizes_all, ids, scale=batch.sm_scale)
-    return AttentionState(out, lse)
+    args = (batch.query, centroids, value_sums, sizes_all, ids)
+    if ranking is None or ranking.logits is None:
+        return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale))
+    n = batch.query.shape[0]
+    logits = dict(logits=ranking.logits, bases=arena.plan[1, :n], logits_scale=ranking.scale)
+    return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale, **logits))

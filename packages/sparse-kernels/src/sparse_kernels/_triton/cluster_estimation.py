@@ -1,8 +1,16 @@
 """Triton ``cluster_estimation``, split-K: program ``(row, KV head, split)`` runs an online softmax over one
-slice of the row's estimated clusters for all query heads of the group at once (each centroid and value sum
-is read once per group; two ``tl.dot`` per tile of clusters: the logits in the centroids' dtype, the
-weighted value sums from float32 in one TF32 product), each cluster weighted by its size
-(``s + log(size)``); a second kernel merges the splits' ``(out, lse)`` per query head.
+slice of the row's estimated clusters for all query heads of the group at once (each cluster's data is read
+once per group), each cluster weighted by its size (``s + log(size)``); a second kernel merges the splits'
+``(out, lse)`` per query head.
+
+Per tile of clusters the scores come either from the centroids (``FROM_LOGITS`` off, the reference path: the
+query is loaded once, and a ``tl.dot`` of it with a ``[D, BLOCK_E]`` centroid tile in the centroids' dtype)
+or from the ranking's logits (``FROM_LOGITS``: a ``[BLOCK_G, BLOCK_E]`` tile of ``cluster_logits``' float32
+logits at the clusters' columns ``id - base``, times ``scale / logits_scale``; the query and the centroids are
+not read). The ranking computed those products already for every column of the row, so the centroid's 256
+bytes (bf16, D = 128) per cluster become the group's G logits (16 bytes at G = 4, though a cluster's logits lie
+one row of columns apart, in separate sectors, and were written by the ranking just before, likely still in
+L2); the float32 value sums (512 bytes) stay, in one TF32 ``tl.dot`` with the weights.
 
 The split count fills the GPU (``PROGRAMS_PER_SM`` programs per multiprocessor over ``rows x KV heads``
 lists), and depends only on the shapes, so a CUDA graph captures one grid. On the H200 at batch 5 / 128K
@@ -32,11 +40,14 @@ VALUE_PRECISION = "tf32"  # on CUDA; the interpreter computes in IEEE float32
 
 
 def _cluster_estimation_split_kernel(
-    q_ptr, c_ptr, vs_ptr, size_ptr, ids_ptr, o_part_ptr, lse_part_ptr, scale, num_clusters, num_est, chunk,
-    num_splits, dim,
+    q_ptr, c_ptr, logits_ptr, base_ptr, vs_ptr, size_ptr, ids_ptr, o_part_ptr, lse_part_ptr, scale, num_clusters,
+    num_columns, num_est, chunk, num_splits, dim,
     HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, VALUE_PRECISION: tl.constexpr,
+    FROM_LOGITS: tl.constexpr,
 ):  # fmt: skip
+    """``scale`` multiplies ``q . centroid``, or with ``FROM_LOGITS`` the logits (``[rows, HEADS, GROUP,
+    num_columns]``, row ``b``'s column of cluster ``id`` is ``id - base_ptr[b]``; ``q_ptr`` / ``c_ptr`` unread)."""
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -45,11 +56,15 @@ def _cluster_estimation_split_kernel(
     d = tl.arange(0, BLOCK_D)
     dmask = d < dim
     heads = kv * GROUP + g  # this group's query heads
-    q = tl.load(
-        q_ptr + (b * (HEADS * GROUP) + heads)[:, None] * dim + d[None, :],
-        mask=gmask[:, None] & dmask[None, :],
-        other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_G, D] (rows past the group are zero)
+    if FROM_LOGITS:
+        base = tl.load(base_ptr + b)
+        logit_rows = ((b * HEADS + kv) * GROUP + g) * num_columns  # [BLOCK_G] this group's logits rows
+    else:
+        q = tl.load(
+            q_ptr + (b * (HEADS * GROUP) + heads)[:, None] * dim + d[None, :],
+            mask=gmask[:, None] & dmask[None, :],
+            other=0.0,
+        ).to(DOT_DTYPE)  # [BLOCK_G, D] (rows past the group are zero)
     m = tl.full([BLOCK_G], -1e30, tl.float32)
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
@@ -59,11 +74,22 @@ def _cluster_estimation_split_kernel(
         e = start + tl.arange(0, BLOCK_E)
         ids = tl.load(ids_ptr + (b * HEADS + kv) * num_est + e, mask=e < hi, other=-1)
         valid = ids >= 0
+        if FROM_LOGITS:
+            col = ids - base
+            valid = valid & (col >= 0) & (col < num_columns)
         row = kv * num_clusters + tl.where(valid, ids, 0)
         size = tl.load(size_ptr + row, mask=valid, other=0).to(tl.float32)
         valid = valid & (size > 0)
-        c = tl.load(c_ptr + row[None, :] * dim + d[:, None], mask=valid[None, :] & dmask[:, None], other=0.0)  # [D, E]
-        s = tl.dot(q, c.to(DOT_DTYPE), input_precision=PRECISION) * scale  # float32 [BLOCK_G, E]
+        if FROM_LOGITS:
+            s = tl.load(
+                logits_ptr + logit_rows[:, None] + tl.where(valid, col, 0)[None, :],
+                mask=gmask[:, None] & valid[None, :],
+                other=float("-inf"),
+            )  # float32 [BLOCK_G, E]; -inf (past a row's count) stays -inf
+            s = s * scale
+        else:
+            c = tl.load(c_ptr + row[None, :] * dim + d[:, None], mask=valid[None, :] & dmask[:, None], other=0.0)
+            s = tl.dot(q, c.to(DOT_DTYPE), input_precision=PRECISION) * scale  # float32 [BLOCK_G, E]
         s = tl.where(valid[None, :], s + tl.log(tl.maximum(size, 1.0))[None, :], float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
@@ -114,7 +140,8 @@ def estimation_splits(batch: int, heads: int, num_est: int, device: torch.device
     return max(1, min(want, triton.cdiv(num_est, BLOCK_E)))
 
 
-def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, scale: float):
+def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, scale: float, logits=None, bases=None):
+    """``scale`` multiplies ``q . centroid``, or, given ``logits`` (and the rows' ``bases``), the logits."""
     batch, q_heads, dim = query.shape
     heads, count, _ = centroids.shape
     num_est = clusters.shape[2]
@@ -123,9 +150,15 @@ def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, sca
     group, block_d = q_heads // heads, max(16, triton.next_power_of_2(dim))
     o_part = torch.empty(batch * q_heads * splits, block_d, dtype=torch.float32, device=query.device)
     lse_part = torch.empty(batch * q_heads * splits, dtype=torch.float32, device=query.device)
+    query, centroids = query.contiguous(), centroids.contiguous()
+    from_logits = logits is not None
+    if from_logits:
+        logits, bases = logits.contiguous(), bases.to(torch.int64).contiguous()
     cluster_estimation_split_kernel[(batch, heads, splits)](
-        query.contiguous(),
-        centroids.contiguous(),
+        query,
+        centroids,
+        logits if from_logits else query,  # unread without logits
+        bases if from_logits else clusters,
         value_sums.contiguous(),
         sizes.to(torch.int32).contiguous(),
         clusters.to(torch.int64).contiguous(),
@@ -133,6 +166,7 @@ def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, sca
         lse_part,
         float(scale),
         count,
+        logits.shape[-1] if from_logits else 0,
         num_est,
         chunk,
         splits,
@@ -144,6 +178,7 @@ def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, sca
         BLOCK_D=block_d,
         **dot_args(centroids.dtype if query.dtype == centroids.dtype else torch.float32, query.device),
         VALUE_PRECISION="ieee" if query.device.type == "cpu" else VALUE_PRECISION,
+        FROM_LOGITS=from_logits,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
     )

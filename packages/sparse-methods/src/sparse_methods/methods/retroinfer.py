@@ -344,4 +344,4 @@ class RetroInfer(SparseMethod):
         slots, ids = pick_clusters(self.arena, layer, batch, ranking, sink=sink, width=self._width, widths=widths)
         if ids is None:
             return slots
-        return DecodeSelection(slots, estimate_clusters(self.arena, layer, batch, ids))
+        return DecodeSelection(slots, estimate_clusters(self.arena, layer, batch, ids, ranking))
