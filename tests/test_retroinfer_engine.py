@@ -276,12 +276,12 @@ def test_config_checks_are_clear_errors_and_the_defaults_run():
     # the width stays put over the 2K tokens after it (the step's CUDA graph is kept)
     assert {method.selection_size(n, 16) for n in range(131072, 131072 + 2048)} == {exact}
     # plus the index in token equivalents (a token: K and V of a head, 4 * 16 bytes): every cluster's bf16
-    # centroid (2 * 16 bytes) with its int32 size and offset, and the estimated clusters' fp32 value sums:
+    # centroid (2 * 16 bytes) with its int32 size and offset, and the estimated clusters' bf16 value sums:
     # the best max(R, 2 * budget / 16) + E less the budget's clusters, at a tail of 64 + 512 tokens
     budget = exact - 4 - 64 - 512
     ranked = max(round(clusters * 0.018), -(-2 * budget // 16)) + round(clusters * 0.232)
     estimated = ranked - -(-budget // 16)
-    index_bytes = clusters * (2 * 16 + 8) + estimated * 4 * 16
+    index_bytes = clusters * (2 * 16 + 8) + estimated * 2 * 16
     assert method.decode_read_tokens(0, 131072, 16) == exact + -(-index_bytes // (4 * 16))
     for bad in (
         dict(retroinfer_retrieval_ratio=0.0),

@@ -30,6 +30,16 @@ def _case(dtype, seed=0, batch=3, q_heads=4, heads=2, count=40, dim=24, est=37):
     return query, centroids, value_sums, sizes, clusters
 
 
+def test_bf16_value_sums_are_read_as_their_float32_values():
+    query, centroids, value_sums, sizes, clusters = _case(torch.float32, seed=3)
+    half = value_sums.to(torch.bfloat16)
+    got = cluster_estimation(query, centroids, half, sizes, clusters, scale=0.2, backend="reference")
+    want = cluster_estimation(query, centroids, half.float(), sizes, clusters, scale=0.2, backend="reference")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="value_sums"):
+        cluster_estimation(query, centroids, value_sums.to(torch.int32), sizes, clusters, scale=0.2)
+
+
 def test_reference_equals_per_cluster_loop():
     query, centroids, value_sums, sizes, clusters = _case(torch.float64)
     out, lse = cluster_estimation(query, centroids, value_sums, sizes, clusters, scale=0.2, backend="reference")
@@ -51,8 +61,10 @@ def test_reference_equals_per_cluster_loop():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [dict(), dict(batch=1, q_heads=2, heads=1, count=80, est=70)])  # 2, 3 splits
-def test_triton_equals_reference(dtype, shape, triton_device):
+@pytest.mark.parametrize("sums", [torch.float32, torch.bfloat16])  # the arena's value sums: float32 or bf16
+def test_triton_equals_reference(dtype, shape, sums, triton_device):
     query, centroids, value_sums, sizes, clusters = _case(dtype, seed=1, **shape)
+    value_sums = value_sums.to(sums)
     want = cluster_estimation(query, centroids, value_sums, sizes, clusters, scale=0.2, backend="reference")
     args = [t.to(triton_device) for t in (query, centroids, value_sums, sizes, clusters)]
     got = cluster_estimation(*args, scale=0.2, backend="triton")

@@ -73,3 +73,19 @@ def test_capacity_is_refused_past_its_plan():
         arena.plan_rows([(0, 0, 1, 1, 1)] * 5)
     with pytest.raises(ValueError):
         _arena(clusters=0)
+
+
+@pytest.mark.parametrize(
+    "dtype, sums", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.bfloat16)]
+)
+def test_value_sums_in_the_model_dtype_and_bytes_counted(dtype, sums):
+    """Value sums in the model's dtype (bf16 for float16, whose range a sum may pass); ``num_bytes`` is what the
+    arena's buffers hold (the plan is excluded)."""
+    arena = ClusterArena(3, 2, 64, 16, HEADS, DIM, dtype, "cpu", plan_rows=4)
+    assert all(layer[4].dtype == sums and layer[0].dtype == dtype for layer in arena.layers)
+    held = sum(t.numel() * t.element_size() for layer in arena.layers for t in layer)
+    assert ClusterArena.num_bytes(3, 2, 64, 16, HEADS, DIM, dtype) == held
+    keys, values = torch.randn(2, 24, HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    index = build_cluster_index(keys.to(dtype), values, start=0, avg_cluster_size=4)
+    arena.write("a", 0, index)
+    assert torch.equal(arena.read("a", 0, 0, 24, index.num_clusters).value_sums, index.value_sums.to(sums))

@@ -12,7 +12,7 @@ read and multiplied by the query. From the ranking's logits (``logits=``, ``spar
 ``q . centroid_c * logits_scale`` for every cluster column of the row, already computed to pick the
 clusters): ``s_c = logits[b, kv, g, c - bases[b]] * (scale / logits_scale)``, so the query and the
 centroids are not read at all, only 4 bytes per query head of the group (16 at G = 4) instead of the
-centroid (256 bytes in bf16 at D = 128) beside the float32 value sum (512 bytes). There a column outside
+centroid (256 bytes in bf16 at D = 128) beside the value sum (256 bytes in bf16, 512 in float32). There a column outside
 ``[0, columns)`` or with logit ``-inf`` (``cluster_logits``' columns past a row's count, empty clusters)
 counts nothing either. Both give the same result up to the dot products' rounding.
 """
@@ -39,8 +39,9 @@ def cluster_estimation(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: float32 ``[B, Hq, D]`` and ``[B, Hq]``.
 
-    ``query`` ``[B, Hq, D]``; ``centroids`` ``[H, C, D]`` (any float dtype); ``value_sums`` float32
-    ``[H, C, D]``; ``sizes`` int ``[H, C]``; ``clusters`` int64 ``[B, H, E]`` cluster ids (``-1``: none).
+    ``query`` ``[B, Hq, D]``; ``centroids`` ``[H, C, D]`` (any float dtype); ``value_sums`` ``[H, C, D]``
+    (float32, or a 16-bit float: read as float32, summed in float32); ``sizes`` int ``[H, C]``; ``clusters``
+    int64 ``[B, H, E]`` cluster ids (``-1``: none).
 
     With ``logits`` float32 ``[B, H, Hq // H, columns]`` (``cluster_logits``' at scale ``logits_scale``; row
     ``b``'s column ``c`` is cluster ``bases[b] + c``, ``bases`` int ``[>= B]``) the scores come from them and
@@ -48,8 +49,8 @@ def cluster_estimation(
     """
     batch, q_heads, dim = query.shape
     heads, count, _ = centroids.shape
-    if q_heads % heads or tuple(value_sums.shape) != tuple(centroids.shape) or value_sums.dtype != torch.float32:
-        raise ValueError("query heads must be a multiple of KV heads and value_sums float32 like centroids")
+    if q_heads % heads or tuple(value_sums.shape) != tuple(centroids.shape) or not value_sums.is_floating_point():
+        raise ValueError("query heads must be a multiple of KV heads and value_sums floats shaped like centroids")
     if tuple(sizes.shape) != (heads, count) or clusters.shape[:2] != (batch, heads):
         raise ValueError(f"sizes must be [{heads}, {count}] and clusters [{batch}, {heads}, E]")
     group = q_heads // heads
@@ -82,5 +83,5 @@ def cluster_estimation(
     s = s + size.log()[:, :, None]  # log(size) weighs each cluster; -inf where it counts nothing
     lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is estimated
     p = torch.exp(s - lse[..., None].clamp_min(torch.finfo(torch.float32).min)) / size.clamp_min(1)[:, :, None]
-    out = torch.einsum("bhge,bhed->bhgd", p, value_sums[rows, ids] * valid[..., None])
+    out = torch.einsum("bhge,bhed->bhgd", p, value_sums[rows, ids].float() * valid[..., None])
     return out.reshape(batch, q_heads, dim), lse.reshape(batch, q_heads)

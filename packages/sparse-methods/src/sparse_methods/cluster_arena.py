@@ -11,8 +11,9 @@ place in its row (``write``). The arena is where the indexes live: a method keep
 
 Per layer: ``centroids`` ``[H, rows * clusters, D]``, ``sizes`` and ``offsets`` int32 ``[H, rows *
 clusters]`` (a cluster's first entry in its request's ``positions``), ``positions`` int32 ``[H, rows *
-tokens]`` (token positions grouped by cluster) and ``value_sums`` float32 ``[H, rows * clusters, D]`` (the
-sum of each cluster's values; left as they were for an index built from keys alone). Row ``r``'s index
+tokens]`` (token positions grouped by cluster) and ``value_sums`` ``[H, rows * clusters, D]`` (the sum of
+each cluster's values, ``value_sum_dtype``; left as they were for an index built from keys alone).
+Row ``r``'s index
 occupies the columns from ``r * clusters`` and ``r * tokens``.
 """
 
@@ -27,6 +28,13 @@ from sparse_methods.request_rows import RequestRows, fill
 PLAN_FIELDS = 7
 """Per decode row: token base, cluster base, clusters, index end, cluster-token budget, clusters retrieved,
 clusters estimated."""
+
+
+def value_sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The arena's value sums: in the model's dtype (a bf16 model reads half the bytes of float32 sums in the
+    estimation; summed in float32 before they are stored), but bf16 for float16 (a sum of many values may pass
+    float16's range)."""
+    return torch.bfloat16 if dtype == torch.float16 else dtype
 
 
 class ClusterArena:
@@ -58,7 +66,7 @@ class ClusterArena:
                 zeros(h, c),
                 zeros(h, c),
                 zeros(h, t),
-                zeros(h, c, head_dim, dtype=torch.float32),
+                zeros(h, c, head_dim, dtype=value_sum_dtype(dtype)),
             )
             for _ in range(num_layers)
         ]
@@ -68,7 +76,8 @@ class ClusterArena:
     @staticmethod
     def num_bytes(num_layers, num_rows, tokens, clusters, num_kv_heads, head_dim, dtype: torch.dtype) -> int:
         """Device bytes of an arena of these sizes."""
-        per_cluster = head_dim * (dtype.itemsize + 4) + 2 * 4  # centroid, value sum, size, offset
+        # per cluster: centroid, value sum, size and offset
+        per_cluster = head_dim * (dtype.itemsize + value_sum_dtype(dtype).itemsize) + 2 * 4
         return num_layers * num_kv_heads * num_rows * (clusters * per_cluster + tokens * 4)
 
     def bases(self, request_id: Hashable) -> tuple[int, int]:

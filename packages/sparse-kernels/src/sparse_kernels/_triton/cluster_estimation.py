@@ -10,7 +10,8 @@ logits at the clusters' columns ``id - base``, times ``scale / logits_scale``; t
 not read). The ranking computed those products already for every column of the row, so the centroid's 256
 bytes (bf16, D = 128) per cluster become the group's G logits (16 bytes at G = 4, though a cluster's logits lie
 one row of columns apart, in separate sectors, and were written by the ranking just before, likely still in
-L2); the float32 value sums (512 bytes) stay, in one TF32 ``tl.dot`` with the weights.
+L2); the value sums stay (the arena's: bf16 for a bf16 model, 256 bytes; float32 512), converted to float32
+as they load, in one TF32 ``tl.dot`` with the weights.
 
 The split count fills the GPU (``PROGRAMS_PER_SM`` programs per multiprocessor over ``rows x KV heads``
 lists), and depends only on the shapes, so a CUDA graph captures one grid. On the H200 at batch 5 / 128K
@@ -94,7 +95,9 @@ def _cluster_estimation_split_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])  # size * exp(q.c - m_new)
-        v = tl.load(vs_ptr + row[:, None] * dim + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)  # [E, D]
+        v = tl.load(vs_ptr + row[:, None] * dim + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0).to(
+            tl.float32
+        )  # [E, D], stored float32 or 16-bit
         denom = denom * alpha + tl.sum(p, axis=1)
         w = p / tl.maximum(size, 1.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(w, v, input_precision=VALUE_PRECISION)  # float32 value sums

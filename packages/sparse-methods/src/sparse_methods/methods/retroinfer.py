@@ -16,32 +16,30 @@ same softmax: each as ``size`` tokens sharing the key ``centroid`` and the value
 (``sparse_kernels.cluster_estimation``); the rest are omitted. ``sparse_kernels.cluster_attention`` is the
 plain reference of the whole decode.
 
-On the engine, one selection path (``select_decode``, slot entries, no host sync, CUDA-graph safe): the
-index is built or extended outside graphs, from the keys ``on_attention_end`` hands over at the steps
-that bring a request's processed tokens to a new index block (``prepare_step`` observes exactly those),
-and written in place into the request's row of the engine's fixed device buffers (``StoreKind.CLUSTER_INDEX``:
-a ``ClusterArena`` sized at build from ``memory_plan``'s ``index_clusters``, so graphs never see it move),
-which the decode rows read through a per-step plan. The index keeps each cluster's value sum (float32, from
-the values of its tokens), so the method observes the layers' values with their keys (``observes_values``)
-while its estimation ratio is positive. A decode row then reads a fixed number of slots,
-``selection_size(kv_len)`` = ``min(kv_len, W)``, ``W`` = ``sink + recent + update + k * avg`` rounded up to a
-multiple of ``WIDTH_QUANTUM`` slots (a stable width keeps the step's CUDA graph), with
-``k = clamp(round(C' * ratio), 1, C')`` and ``C' = (kv_len - 1 - recent - sink) // avg`` (the clusters a
-fresh index would have): the sink, every unindexed token (at most ``recent + update``) and, filling the
-rest, the tokens of the retrieved clusters in rank order (the last one truncated; ties in rank to the lower
-cluster). So a row reads the published ``R`` clusters when they hold at most ``R * avg`` tokens (more right
-after an index update), and with ``ratio = 1`` everything (dense). The estimation rides on the same ranking:
-``select_decode`` answers a ``DecodeSelection`` whose ``extra`` is the estimated clusters' attention state
-(fixed width ``round(Cw * retrieval_ratio) + round(Cw * estimation_ratio)`` for the batch's widest cluster
-count ``Cw``, unused entries ``-1``), which the engine merges into the decode kernel's softmax; the truncated
-cluster's unread tokens are omitted (its value sum covers the tokens read too, so it cannot stand for the
-rest). With prefix
-caching a hit simply indexes the cached keys. Ranking uses the usual ``head_dim ** -0.5`` scale, the
-estimation the attention's own. A request whose context arrives without a step observing it (a prefix hit
-of all but its last token, a benchmark's synthetic prefill) past the index threshold has no index at its
-first selecting query: that one query reads the sink and its newest tokens (``selection_size`` of them),
-and estimates nothing; the step builds the index.
-"""
+On the engine, one selection path (``select_decode``, slot entries, no host sync, CUDA-graph safe): the index is
+built or extended outside graphs, from the keys ``on_attention_end`` hands over at the steps that bring a
+request's processed tokens to a new index block (``prepare_step`` observes exactly those), and written in place
+into the request's row of the engine's fixed device buffers (``StoreKind.CLUSTER_INDEX``: a ``ClusterArena``
+sized at build from ``memory_plan``'s ``index_clusters``, so graphs never see it move), which the decode rows
+read through a per-step plan. The index keeps each cluster's value sum (summed in float32 from the values of its
+tokens, stored in the model's dtype: ``cluster_arena.value_sum_dtype``), so the method observes the layers'
+values with their keys (``observes_values``) while its estimation ratio is positive. A decode row then reads a
+fixed number of slots, ``selection_size(kv_len)`` = ``min(kv_len, W)``, ``W`` = ``sink + recent + update + k *
+avg`` rounded up to a multiple of ``WIDTH_QUANTUM`` slots (a stable width keeps the step's CUDA graph), with ``k
+= clamp(round(C' * ratio), 1, C')`` and ``C' = (kv_len - 1 - recent - sink) // avg`` (the clusters a fresh index
+would have): the sink, every unindexed token (at most ``recent + update``) and, filling the rest, the tokens of
+the retrieved clusters in rank order (the last one truncated; ties in rank to the lower cluster). So a row reads
+the published ``R`` clusters when they hold at most ``R * avg`` tokens (more right after an index update), and
+with ``ratio = 1`` everything (dense). The estimation rides on the same ranking: ``select_decode`` answers a
+``DecodeSelection`` whose ``extra`` is the estimated clusters' attention state (fixed width ``round(Cw *
+retrieval_ratio) + round(Cw * estimation_ratio)`` for the batch's widest cluster count ``Cw``, unused entries
+``-1``), which the engine merges into the decode kernel's softmax; the truncated cluster's unread tokens are
+omitted (its value sum covers the tokens read too, so it cannot stand for the rest). With prefix caching a hit
+simply indexes the cached keys. Ranking uses the usual ``head_dim ** -0.5`` scale, the estimation the
+attention's own. A request whose context arrives without a step observing it (a prefix hit of all but its last
+token, a benchmark's synthetic prefill) past the index threshold has no index at its first selecting query: that
+one query reads the sink and its newest tokens (``selection_size`` of them), and estimates nothing; the step
+builds the index."""
 
 from __future__ import annotations
 
@@ -182,7 +180,7 @@ class RetroInfer(SparseMethod):
     def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
         """The tokens a decode query reads exactly, plus its index reads in token equivalents (one token: K and
         V of one KV head in the 2-byte KV dtype RetroInfer runs on): every cluster's centroid (model dtype),
-        size and offset (int32), and the estimated clusters' float32 value sums. Estimated: the best
+        size and offset (int32), and the estimated clusters' value sums (model dtype). Estimated: the best
         ``ordered_clusters + E`` less those the budget reads, at a budget whose unindexed tail is the average
         between index updates (``recent + update / 2``) and clusters of the average size."""
         from sparse_kernels.cluster_attention import cluster_counts
@@ -198,7 +196,7 @@ class RetroInfer(SparseMethod):
         budget = max(0, self.selection_size(kv_len, block_size) - c.retroinfer_sink_tokens - tail)
         ranked = min(count, ordered_clusters(retrieved, budget, avg, count) + estimated)
         estimated = ranked - min(ranked, -(-budget // avg))
-        index_bytes = count * (2 * dim + 8) + estimated * 4 * dim
+        index_bytes = count * (2 * dim + 8) + estimated * 2 * dim
         return tokens + -(-index_bytes // (4 * dim))
 
     def _due(self, request_id: Hashable, processed: int) -> bool:
