@@ -1,9 +1,12 @@
-"""RetroInfer's selection by count: the reference equals a plain per-row ranking (the best ``k1`` columns best
-first, then the next ``k2 - k1`` in column order, then the rest in column order); the Triton path (a radix
-select over chunks of columns, one chunk or several, and a sort of the retrieved only) equals the reference
-but for columns whose scores agree to float32 rounding."""
+"""RetroInfer's selection by count: the reference equals a plain per-row ranking of the scores truncated to 16
+mantissa bits (float32 bits >> 7; the best ``k1`` columns best first, ties to the lower column, then the next
+``k2 - k1`` in column order, then the rest in column order); the Triton path (a radix select over chunks of
+columns, one chunk or several, and a sort of the retrieved only) equals the reference but for columns whose
+truncated scores may differ by float32 rounding (a score that close to a truncation step)."""
 
 from __future__ import annotations
+
+import struct
 
 import pytest
 import torch
@@ -16,7 +19,17 @@ from sparse_kernels.cluster_logits import cluster_logits, softmax_statistics
 from sparse_kernels.cluster_select import cluster_select, selection_counts
 
 
+def _truncated(x: float) -> int:
+    """A score's rank: its float32 bits without the 7 lowest, plus one; 0 for an empty column (-inf)."""
+    return 0 if x == float("-inf") else (struct.unpack("<i", struct.pack("<f", x))[0] >> 7) + 1
+
+
+def _truncated_all(scores):
+    return torch.tensor([_truncated(float(x)) for x in scores.flatten()], dtype=torch.int64).view(scores.shape)
+
+
 def _plain_select(scores, retrieved, estimated, read_width, estimate_width):
+    """The selection by ``scores`` (any numbers: floats, or truncated ones), ties to the lower column."""
     n, heads, columns = scores.shape
     out = torch.zeros(n, heads, columns, dtype=torch.int64)
     for r in range(n):
@@ -28,20 +41,31 @@ def _plain_select(scores, retrieved, estimated, read_width, estimate_width):
     return out
 
 
-def _near(scores, a, b) -> bool:
-    return abs(float(scores[a]) - float(scores[b])) <= 1e-6 * max(1.0, abs(float(scores[a])))
+def _near(scores, a, b, rel=1e-6) -> bool:
+    """Whether float32 scores within ``rel`` (their rounding) of the plain ``scores`` of columns ``a`` and ``b``
+    may truncate to the same value or pass each other once truncated: their ranges of truncations overlap."""
+    x, y = float(scores[a]), float(scores[b])
+    if x == float("-inf") or y == float("-inf"):
+        return x == y
+    lo_x, hi_x = _truncated(x * (1 - rel)), _truncated(x * (1 + rel))
+    lo_y, hi_y = _truncated(y * (1 - rel)), _truncated(y * (1 + rel))
+    return lo_x <= hi_y and lo_y <= hi_x
 
 
 def _assert_same_but_near_ties(got, want, scores, counts):
-    """Equal, except that columns of scores equal to float32 rounding may swap: within the retrieved places
-    (compared place by place), and across the boundaries between the parts (compared as sets)."""
+    """Equal, except that columns whose truncated scores may differ by float32 rounding may swap: within the
+    retrieved places (every pair of columns in the other order than ``want``'s), and across the boundaries
+    between the parts (compared as sets)."""
     assert got.shape == want.shape and got.dtype == torch.int64
     assert torch.equal(got.sort(-1).values, torch.arange(got.shape[-1]).expand_as(got))  # a permutation
     for r, h in {(r, h) for r, h, _ in (got != want).nonzero().tolist()}:
         k1, k2 = int(counts[0][r]), int(counts[1][r])
         row = scores[r, h]
-        for k in range(k1):
-            assert got[r, h, k] == want[r, h, k] or _near(row, got[r, h, k], want[r, h, k]), (r, h, k)
+        place = {c: k for k, c in enumerate(want[r, h, :k1].tolist())}
+        kept = [c for c in got[r, h, :k1].tolist() if c in place]
+        for i, a in enumerate(kept):  # a column passed another: their truncated scores may tie or swap
+            for b in kept[i + 1 :]:
+                assert place[a] < place[b] or _near(row, a, b), (r, h, a, b)
         moved = set()
         for lo, hi in ((0, k1), (k1, k2), (k2, got.shape[-1])):
             moved |= set(got[r, h, lo:hi].tolist()) ^ set(want[r, h, lo:hi].tolist())
@@ -55,10 +79,28 @@ def test_reference_equals_the_plain_selection(ties):
     scores = plain_scores(logits, sizes)
     retrieved, estimated = torch.tensor([5, 9]), torch.tensor([20, 70])
     got = cluster_select(logits, sizes, retrieved, estimated, read_width=9, estimate_width=40, backend="reference")
-    want = _plain_select(scores, retrieved, estimated, 9, 40)
+    want = _plain_select(_truncated_all(scores), retrieved, estimated, 9, 40)
     _assert_same_but_near_ties(got, want, scores, selection_counts(retrieved, estimated, 70, 9, 40))
     if ties:
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("low_bits", [False, True])
+def test_reference_ranks_by_the_truncated_float32_scores(low_bits):
+    """The reference's float32 scores (torch's softmax, summed over the group) truncated here, ranked plainly:
+    the same selection exactly. With ``low_bits`` many columns' scores differ only in their 7 lowest mantissa
+    bits: tied once truncated, they go in column order, not in the order of their float scores."""
+    logits, sizes = case(1, columns=90, low_bits=low_bits)
+    probs = torch.softmax(logits, dim=-1).sum(2).masked_fill(sizes == 0, float("-inf"))
+    retrieved, estimated = torch.tensor([30, 12]), torch.tensor([40, 50])
+    got = cluster_select(logits, sizes, retrieved, estimated, read_width=30, estimate_width=50, backend="reference")
+    truncated = _truncated_all(probs)
+    assert torch.equal(got, _plain_select(truncated, retrieved, estimated, 30, 50))
+    if low_bits:
+        live = sizes > 0
+        same = (truncated[..., :, None] == truncated[..., None, :]) & (probs[..., :, None] != probs[..., None, :])
+        assert int((same & live[..., :, None]).sum()) // 2 > 100  # pairs of distinct scores tied once truncated
+        assert not torch.equal(got, _plain_select(probs, retrieved, estimated, 30, 50))  # the float order differs
 
 
 @settings(max_examples=14, deadline=None)
@@ -68,9 +110,10 @@ def test_reference_equals_the_plain_selection(ties):
     ratios=st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
     chunk=st.sampled_from([16, 32, 128]),
     ties=st.booleans(),
+    low_bits=st.booleans(),
 )
-def test_triton_equals_reference(seed, columns, ratios, chunk, ties):
-    logits, sizes = case(seed, columns=columns, ties=ties)
+def test_triton_equals_reference(seed, columns, ratios, chunk, ties, low_bits):
+    logits, sizes = case(seed, columns=columns, ties=ties, low_bits=low_bits)
     read_width = max(1, round(columns * ratios[0]))
     estimate_width = round(columns * ratios[1])
     retrieved = torch.tensor([read_width, max(0, read_width - 2)])

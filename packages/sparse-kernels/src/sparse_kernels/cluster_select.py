@@ -3,22 +3,30 @@ rank order, then the ``estimated`` ranked next and then the rest, each of those 
 published system takes the top ``retrieved + estimated`` and splits them, a reader with a token budget reads
 in this order (past the retrieved only when they hold fewer tokens than its budget).
 
-The rank: the softmax of each query head's logits over the row's clusters, summed over the group, best first;
-empty clusters last, ties to the lower column. Inputs from ``cluster_logits`` (``logits`` float32 ``[n, H, G,
-Cw]``, ``-inf`` for an empty column, ``sizes`` ``[n, H, Cw]``, the logits' tile statistics) plus per row
+The rank: the softmax of each query head's logits over the row's clusters, summed over the group (a score in
+``[0, G]``), truncated to 16 mantissa bits (``rank_values``), best first; empty clusters last, ties (equal
+truncated scores) to the lower column. Inputs from ``cluster_logits`` (``logits`` float32 ``[n, H, G, Cw]``,
+``-inf`` for an empty column, ``sizes`` ``[n, H, Cw]``, the logits' tile statistics) plus per row
 ``retrieved`` / ``estimated`` int ``[n]`` (a row's counts; at most ``read_width`` / ``estimate_width``, and
 clamped to them and to ``Cw``). Out: int64 ``[n, H, Cw]``, a permutation of the columns: with ``k1`` and ``k2``
 a row's retrieved and retrieved-plus-estimated counts, places ``[0, k1)`` hold the best ``k1`` columns best
 first, places ``[k1, k2)`` the columns ranked ``k1`` to ``k2 - 1`` in ascending column order, the places after
 the other columns in ascending order.
 
+Why truncated: both paths rank by one int32 per column whose order is the rank's, ``rank_values``: the float32
+score's bits shifted right by 7 (16 mantissa bits kept: a relative resolution of ``2 ** -16``), less an offset
+for the group (the score is at most ``G``, so at most ``0x7F0000`` is left), plus one; 0 for an empty column.
+Those values are below ``2 ** 23``, so the Triton path's radix select finds a threshold in two rounds (12 + 11
+bits) where the float bits took three, a launch less per layer. Scores closer than ``2 ** -16`` relative may
+tie and then go in column order.
+
 Only the retrieved need an order (a reader cuts them at a token budget, in rank order); the estimated are a
-sum. So the Triton path never sorts the row: one program per (row, KV head) writes every column's score as an
-int32 whose order is the rank's (the non-negative score's float bits plus one; 0 for an empty column), finds
-the ``k1``-th and ``k2``-th largest by a radix select (``_triton/cluster_select.py``), places the columns
+sum. So the Triton path never sorts the row: one program per (row, KV head) writes every column's rank value,
+finds the ``k1``-th and ``k2``-th largest by a radix select (``_triton/cluster_select.py``), places the columns
 above each threshold and the first of the tied ones in column order (prefix sums), and sorts only the ``k1``
-retrieved, in registers. The reference is a full stable sort (torch). Scores the two paths compute may differ
-in the last bits (the softmax's sums run in another order), so columns whose scores are that close may swap.
+retrieved, in registers. The reference is a full stable sort (torch) of the same values. The scores the two
+paths compute may differ in the last bits (the softmax's sums run in another order), so a score that close to
+a truncation step may land on either side of it, and the columns it then ties or passes may swap.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._backend import resolve_backend
+
+RANK_DROP = 7  # low mantissa bits of the float32 score that the rank drops
+RANK_BITS = 23  # rank values are below 2 ** RANK_BITS
 
 
 def cluster_select(
@@ -55,11 +66,26 @@ def cluster_select(
         return cluster_select_triton(
             logits, sizes, tile_max, tile_sum, retrieved[:n], estimated[:n], read_width, estimate_width
         )
-    empty = sizes == 0
-    probs = torch.softmax(logits, dim=-1).sum(2)  # a row with no live cluster: NaN, then -inf below
-    scores = probs.nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    probs = torch.softmax(logits, dim=-1).sum(2)  # a row with no live cluster: NaN, all empty below
+    order = torch.sort(rank_values(probs, sizes == 0, group), dim=-1, descending=True, stable=True).indices
     return selection_layout(order, *selection_counts(retrieved[:n], estimated[:n], columns, read_width, estimate_width))
+
+
+def rank_offset(group: int) -> int:
+    """What ``rank_values`` subtracts from the shifted bits of a score of ``group`` heads' probabilities: the
+    exponent of ``2 ** e >= group`` in the shifted bits' exponent field, so that a score up to ``group`` (the
+    sum of ``group`` probabilities of at most 1, rounded) leaves at most ``0x7F0000``."""
+    return (group - 1).bit_length() << (23 - RANK_DROP)
+
+
+def rank_values(scores: torch.Tensor, empty: torch.Tensor, group: int) -> torch.Tensor:
+    """int32 rank values of float32 ``scores`` (each a sum of ``group`` probabilities): ``(bits >> 7) -
+    rank_offset(group)`` clamped to ``[0, 2 ** RANK_BITS - 2]``, plus one; 0 where ``empty`` (any score there,
+    NaN too). Their order is the scores' truncated to 16 mantissa bits (the scores below ``2 ** (e - 126)`` all
+    get 1; the top clamp is never reached: a score is at most ``group``)."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: no -0.0
+    value = ((bits >> RANK_DROP) - rank_offset(group)).clamp_(0, (1 << RANK_BITS) - 2) + 1
+    return value.masked_fill_(empty, 0)
 
 
 def selection_layout(order: torch.Tensor, k1: torch.Tensor, k2: torch.Tensor) -> torch.Tensor:

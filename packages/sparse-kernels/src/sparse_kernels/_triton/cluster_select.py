@@ -1,12 +1,14 @@
 """Triton ``cluster_select``: a radix select spread over (row, chunk of columns) programs.
 
-Every column gets a rank value, an int32 whose order is the rank's (the non-negative score's float bits plus
-one; 0 for an empty column). Three rounds find, per row and per target (``k1``, ``k2``), the target-th largest
-value, 11 + 10 + 10 bits at a time: each program adds the digits of its chunk's values that match the digits
-found so far into the row's histogram (atomics), and the last program of the row to finish (a counter per row)
-picks the digit. A last pass writes every column at its place (a target's members: above its threshold, then
-the tied ones in column order; a program counts the members of the chunks before its own): the retrieved as
-sort keys, the others as columns; the row's last program to finish sorts the retrieved keys in registers.
+Every column gets a rank value (``sparse_kernels.cluster_select.rank_values``, the reference's): an int32 below
+``2 ** 23`` whose order is the rank's (the non-negative score's float32 bits without their 7 lowest, less the
+group's offset, plus one; 0 for an empty column). Two rounds find, per row and per target (``k1``, ``k2``), the
+target-th largest value, 12 + 11 bits at a time (the float bits took 11 + 10 + 10, a launch more): each program
+adds the digits of its chunk's values that match the digits found so far into the row's histogram (atomics),
+and the last program of the row to finish (a counter per row) picks the digit. A last pass writes every column
+at its place (a target's members: above its threshold, then the tied ones in column order; a program counts the
+members of the chunks before its own): the retrieved as sort keys, the others as columns; the row's last
+program to finish sorts the retrieved keys in registers.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel
+from sparse_kernels.cluster_select import RANK_BITS, RANK_DROP, rank_offset
 
 CHUNK = 1024  # columns per program
-SHIFT = 24  # sort key of a retrieved column: descending rank value << SHIFT | column
+MAX_VALUE = (1 << RANK_BITS) - 1  # rank values are at most this
+SHIFT = 24  # sort key of a retrieved column: (MAX_VALUE - rank value) << SHIFT | column, below 2 ** 47
 PAD = 1 << 62
-ROUNDS = ((20, 2048), (10, 1024), (0, 1024))  # (shift, bins): 11 + 10 + 10 bits of the 31-bit values
+ROUNDS = ((11, 4096), (0, 2048))  # (shift, bins): 12 + 11 bits of the 23-bit values
 NUM_WARPS = 4
 
 
@@ -59,7 +63,7 @@ def _select_round_kernel(
     logit_ptr, size_ptr, tmax_ptr, tsum_ptr, ret_ptr, est_ptr, value_ptr, hist_ptr, count_ptr, prefix_ptr,
     above_ptr, columns, tiles, heads, read_width, est_width, chunks, shift, digit_bits,
     FIRST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
-    BINS: tl.constexpr,
+    BINS: tl.constexpr, DROP: tl.constexpr, OFFSET: tl.constexpr, MAX_VALUE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)  # (decode row, KV head)
     chunk = tl.program_id(1)
@@ -89,7 +93,8 @@ def _select_round_kernel(
             other=float("-inf"),
         )  # fmt: skip
         p = tl.sum(tl.where(gm[:, None], tl.exp(lg - safe[:, None]) / total[:, None], 0.0), axis=0) + 0.0
-        value = tl.where(live, p.to(tl.int32, bitcast=True) + 1, 0)
+        truncated = (p.to(tl.int32, bitcast=True) >> DROP) - OFFSET  # as rank_values
+        value = tl.where(live, tl.minimum(tl.maximum(truncated, 0), MAX_VALUE - 1) + 1, 0)
         tl.store(value_ptr + row * columns + col, value, mask=cm)
         v = value.to(tl.int64)
     else:
@@ -124,7 +129,7 @@ def _before(value_ptr, row, chunk, columns, p1, p2, CHUNK: tl.constexpr):
 def _select_write_kernel(
     ret_ptr, est_ptr, value_ptr, count_ptr, prefix_ptr, above_ptr, out_ptr, columns, heads, read_width, est_width,
     chunks, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-    SHIFT: tl.constexpr, PAD: tl.constexpr,
+    SHIFT: tl.constexpr, PAD: tl.constexpr, MAX_VALUE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -149,7 +154,7 @@ def _select_write_kernel(
     at1 = n1 + tl.cumsum(r, axis=0) - r
     at2 = k1 + (n2 - n1) + tl.cumsum(e, axis=0) - e
     at3 = k2 + (chunk * CHUNK - n2) + tl.cumsum(o, axis=0) - o  # the chunks before are full
-    key = ((0xFFFFFFFF - v) << SHIFT) | col.to(tl.int64)
+    key = ((MAX_VALUE - v) << SHIFT) | col.to(tl.int64)
     tl.store(out_ptr + row * columns + at1, key, mask=in1)
     tl.store(out_ptr + row * columns + tl.where(e > 0, at2, at3), col.to(tl.int64), mask=cm & ~in1)
     if _last_of_row(count_ptr, row, chunks):  # every retrieved key is in place: sort them
@@ -186,12 +191,13 @@ def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimate
             logits, sizes, tile_max, tile_sum, *counts, values, hist[at : at + rows * 2 * bins], count, prefix,
             above, columns, tiles, heads, read_width, est_width, chunks, shift, bins.bit_length() - 1,
             FIRST=i == 0, GROUP=group, BLOCK_G=triton.next_power_of_2(group),
-            BLOCK_T=min(64, triton.next_power_of_2(tiles)), CHUNK=chunk, BINS=bins, num_warps=NUM_WARPS,
+            BLOCK_T=min(64, triton.next_power_of_2(tiles)), CHUNK=chunk, BINS=bins, DROP=RANK_DROP,
+            OFFSET=rank_offset(group), MAX_VALUE=MAX_VALUE, num_warps=NUM_WARPS,
         )  # fmt: skip
         at += rows * 2 * bins
     select_write_kernel[(rows, chunks)](
         *counts, values, count, prefix, above, out, columns, heads, read_width, est_width, chunks,
         CHUNK=chunk, BLOCK_R=max(16, triton.next_power_of_2(read_width)), SHIFT=SHIFT, PAD=PAD,
-        num_warps=NUM_WARPS,
+        MAX_VALUE=MAX_VALUE, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
