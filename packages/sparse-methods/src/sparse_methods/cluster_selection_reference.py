@@ -27,9 +27,10 @@ def rank_arena_clusters_reference(
     widths: tuple[int, int],
 ) -> ClusterRanking:
     """Every one of a row's ``Cw`` cluster columns ranked: softmax over the row's clusters of ``q . centroid
-    * head_dim ** -0.5`` (empty ones masked), summed over the group's query heads, sorted descending (stable:
-    ties to the lower cluster); then in the selection's layout for the plan's counts (``selection_layout``)."""
-    from sparse_kernels.cluster_select import selection_counts, selection_layout
+    * head_dim ** -0.5`` (empty ones masked), summed over the group's query heads, sorted descending by that
+    sum truncated to 16 mantissa bits (``cluster_select.rank_values``; stable: ties to the lower cluster); then
+    in the selection's layout for the plan's counts (``selection_layout``)."""
+    from sparse_kernels.cluster_select import rank_values, selection_counts, selection_layout
 
     centroids, sizes_all = arena.layers[layer][:2]
     n, heads = batch.query.shape[0], centroids.shape[0]
@@ -44,8 +45,8 @@ def rank_arena_clusters_reference(
     logits = torch.einsum("nhgd,nhcd->nhgc", q, cent) * head_dim**-0.5
     empty = sizes == 0
     probs = torch.softmax(logits.masked_fill(empty[:, :, None], float("-inf")), dim=-1).sum(2)
-    scores = probs.nan_to_num(nan=0.0).masked_fill(empty, float("-inf"))
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices  # [n, H, Cw]
+    ranks = rank_values(probs.nan_to_num(nan=0.0), empty, q.shape[2])  # truncated to 16 mantissa bits
+    order = torch.sort(ranks, dim=-1, descending=True, stable=True).indices  # [n, H, Cw]
     k1, k2 = selection_counts(arena.plan[5, :n], arena.plan[6, :n], clusters_w, *widths)
     return ClusterRanking(selection_layout(order, k1, k2), sizes, clusters_w)
 
