@@ -54,14 +54,22 @@ def main() -> None:
     logits = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5)
     logit_defaults = logits_mod.BLOCK_C, logits_mod.NUM_WARPS
     settings = []  # (kernel, module settings, ms) for --json
-    for block_c, warps in (logit_defaults, (128, 2), (128, 1), (64, 1), (64, 2), (256, 2), (256, 4)):
+    logit_defaults = logit_defaults + (logits_mod.TILES_PER_PROGRAM, logits_mod.NUM_STAGES)
+    logit_shapes = [logit_defaults, (128, 2, 1, 2), (64, 2, 1, 2)]
+    logit_shapes += [(bc, w, t, st) for bc in (64, 128) for w in (2, 4) for t in (2, 4, 8) for st in (2, 3)]
+    for block_c, warps, tiles, stages in logit_shapes:
         logits_mod.BLOCK_C, logits_mod.NUM_WARPS = block_c, warps
+        logits_mod.TILES_PER_PROGRAM, logits_mod.NUM_STAGES = tiles, stages
         got = cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5)
         err = float((got.logits - logits.logits).abs().max())
         ms = graph_ms(lambda: cluster_logits(query, centroids, sizes, bases, counts, columns, scale=dim**-0.5))
-        rows.append((f"ranking logits + tile statistics, {block_c} columns, warps {warps} (max diff {err:.1e})", ms))
-        settings.append(("logits", dict(BLOCK_C=block_c, NUM_WARPS=warps), ms))
-    logits_mod.BLOCK_C, logits_mod.NUM_WARPS = logit_defaults
+        name = f"ranking logits + tile statistics, {block_c} columns, warps {warps}, {tiles} tiles, {stages} stages"
+        rows.append((f"{name} (max diff {err:.1e})", ms))
+        print(rows[-1], flush=True)
+        settings.append(
+            ("logits", dict(BLOCK_C=block_c, NUM_WARPS=warps, TILES_PER_PROGRAM=tiles, NUM_STAGES=stages), ms)
+        )
+    logits_mod.BLOCK_C, logits_mod.NUM_WARPS, logits_mod.TILES_PER_PROGRAM, logits_mod.NUM_STAGES = logit_defaults
     from sparse_kernels._triton import cluster_select as select_mod
     from sparse_kernels.cluster_select import cluster_select
 
@@ -74,8 +82,8 @@ def main() -> None:
     ms = graph_ms(lambda: cluster_select(*sel_args, **widths, backend="reference"))
     rows.append(("select by count: torch softmax + sum + stable sort (the reference)", ms))
     sel_defaults = select_mod.CHUNK, select_mod.NUM_WARPS
-    for sub in (256, 512, 1024, 2048):
-        for warps in (1, 2, 4, 8):
+    for sub in (512, 1024, 2048):
+        for warps in (2, 4, 8):
             select_mod.CHUNK, select_mod.NUM_WARPS = sub, warps
             stats = dict(tile_max=logits.tile_max, tile_sum=logits.tile_sum)
             got = cluster_select(*sel_args, **widths, **stats)
@@ -83,6 +91,7 @@ def main() -> None:
             ms = graph_ms(lambda s=stats: cluster_select(*sel_args, **widths, **s))
             name = f"select by count: chunk {sub}, warps {warps}"
             rows.append((f"{name} ({differ} of {got.numel()} places differ)", ms))
+            print(rows[-1], flush=True)
     select_mod.CHUNK, select_mod.NUM_WARPS = sel_defaults
 
     num_est = round(columns * 0.232)
@@ -114,6 +123,13 @@ def main() -> None:
     err = max(float((out - want[0]).abs().max()), float((lse - want[1]).nan_to_num().abs().max()))
     ms = graph_ms(lambda: cluster_estimation(query, centroids, value_sums, sizes, ids, scale=attn_scale, **from_logits))
     rows.append((f"estimation from the ranking's logits, defaults (max err {err:.1e})", ms))
+    half = value_sums.to(torch.bfloat16)  # the arena's value sums for a bf16 model
+    want = cluster_estimation(query, centroids, half, sizes, ids, scale=attn_scale, backend="reference")
+    out, lse = cluster_estimation(query, centroids, half, sizes, ids, scale=attn_scale, **from_logits)
+    err = float((out - want[0]).abs().max())
+    ms = graph_ms(lambda: cluster_estimation(query, centroids, half, sizes, ids, scale=attn_scale, **from_logits))
+    rows.append((f"estimation from the ranking's logits, bf16 value sums (max err {err:.1e})", ms))
+    print(rows[-1], flush=True)
     names = ("VALUE_PRECISION", "NUM_STAGES", "NUM_WARPS", "PROGRAMS_PER_SM")
     settings.append(("estimation from logits", dict(zip(names, est_defaults, strict=True)), ms))
     est_bytes = n * heads * num_est * (dim * 2 + dim * 4 + 4 + 8)
