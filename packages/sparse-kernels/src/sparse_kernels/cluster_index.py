@@ -105,7 +105,8 @@ def spherical_kmeans(unit_keys: torch.Tensor, num_clusters: int, segments: int, 
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         x = unit_keys[:, lo:hi]
         m = hi - lo
-        seeds = torch.tensor([int((i + 0.5) * m / per) for i in range(per)], device=x.device)
+        # floor((i + 0.5) * m / per), made on the device (a host list copied there would wait for the stream)
+        seeds = (2 * torch.arange(per, device=x.device) + 1) * m // (2 * per)
         c = x[:, seeds].clone()
         for _ in range(rounds):
             assign = _assign(x, c)
