@@ -62,13 +62,37 @@ def test_reference_equals_per_cluster_loop():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [dict(), dict(batch=1, q_heads=2, heads=1, count=80, est=70)])  # 2, 3 splits
 @pytest.mark.parametrize("sums", [torch.float32, torch.bfloat16])  # the arena's value sums: float32 or bf16
-def test_triton_equals_reference(dtype, shape, sums, triton_device):
+def test_triton_equals_reference(dtype, shape, sums, triton_device, ieee_values):
     query, centroids, value_sums, sizes, clusters = _case(dtype, seed=1, **shape)
     value_sums = value_sums.to(sums)
     want = cluster_estimation(query, centroids, value_sums, sizes, clusters, scale=0.2, backend="reference")
     args = [t.to(triton_device) for t in (query, centroids, value_sums, sizes, clusters)]
     got = cluster_estimation(*args, scale=0.2, backend="triton")
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+def ieee_values(monkeypatch):
+    """The value-sum product in IEEE float32 on CUDA too (the interpreter's always is), so the Triton path is
+    held to the reference at float32 rounding; ``test_tf32_value_product_within_its_rounding`` covers TF32."""
+    from sparse_kernels._triton import cluster_estimation as est_mod
+
+    monkeypatch.setattr(est_mod, "VALUE_PRECISION", "ieee")
+
+
+@pytest.mark.parametrize("sums", [torch.float32, torch.bfloat16])
+def test_tf32_value_product_within_its_rounding(sums, triton_device):
+    """The default on CUDA: the weights and the value sums enter one TF32 product (10-bit mantissas), so each
+    term is off by at most ~2 ** -10 of itself: the output within 2 ** -10 of the sum of the terms' magnitudes
+    (from the reference), the log-sum-exp (not in that product) at float32 rounding."""
+    query, centroids, value_sums, sizes, clusters = _case(torch.bfloat16, seed=4)
+    value_sums = value_sums.to(sums)
+    want = cluster_estimation(query, centroids, value_sums, sizes, clusters, scale=0.2, backend="reference")
+    bound = cluster_estimation(query, centroids, value_sums.abs(), sizes, clusters, scale=0.2, backend="reference")
+    args = [t.to(triton_device) for t in (query, centroids, value_sums, sizes, clusters)]
+    got = cluster_estimation(*args, scale=0.2, backend="triton")
+    assert ((got[0].cpu() - want[0]).abs() <= 2**-10 * bound[0] + 1e-5).all()
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)
 
 
@@ -97,7 +121,7 @@ def _logits_case(dtype, seed=3, n=3, group=2, heads=2, dim=24, columns=40, est=4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_estimation_from_the_rankings_logits_equals_from_centroids(dtype, triton_device):
+def test_estimation_from_the_rankings_logits_equals_from_centroids(dtype, triton_device, ieee_values):
     """Scores from the ranking's logits (made at scale 0.3, the attention's 0.2) equal those from the
     centroids, on the torch and the Triton path: empty clusters, ``-1`` ids, columns past a row's count or
     outside its logits count nothing (the centroid path is given those ids as ``-1``)."""
