@@ -14,7 +14,9 @@ from sparse_kernels._triton.launch import Kernel, dot_args
 
 BLOCK_C = 128  # cluster columns per tile
 NUM_WARPS = 4  # benchmarks/retroinfer_kernel_probe.py sweeps these
-TILES_PER_PROGRAM = 4  # H200, batch 5 / 128K, one layer: 26.7 us against 27.8 at 1 (session 20's probe)
+# H200, batch 5 / 128K: 4 tiles a program took 26.7 us a layer against 27.8 at 1 in session 20's probe, but
+# 1.051 ms a step in the engine against 1.00 (two calls on two machines): kept at 1 until measured side by side.
+TILES_PER_PROGRAM = 1
 NUM_STAGES = 2
 
 
