@@ -383,8 +383,7 @@ def test_omnikv_over_a_per_token_store_scores_every_token_from_its_codes(qwen3, 
                 keys = torch.cat([_dequantized_block_keys(kv, block) for block in blocks])[:n]
                 expected = torch.einsum("hd,nhd->hn", batch.query[row].float(), keys.repeat_interleave(group, 1))
                 torch.testing.assert_close(batch.logits[row, :, :n], expected * batch.sm_scale, rtol=1e-4, atol=1e-4)
-                shifted = batch.logits[row, :, :n] - batch.logit_max[row, :, None]
-                probs = torch.exp(shifted) / batch.logit_sum[row, :, None]  # every head's softmax over the row
+                probs = torch.exp(batch.logits[row, :, :n] - batch.logit_lse[row, :, None])  # each head's softmax
                 torch.testing.assert_close(probs.sum(-1), torch.ones(probs.shape[0]), rtol=1e-5, atol=1e-5)
                 checked.append(layer)
         return original(self, layer, batch)

@@ -55,12 +55,10 @@ def test_head_max_probs_equal_softmax_max(backend, sink, recent, paged_batch, tr
     device = triton_device if backend == "triton" else "cpu"
     batch = paged_batch([1] * 4, KV_LENS, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=32, seed=3)
     logits, _ = _logits(batch, batch.q, 80, 0.3)
-    m, s = logits.amax(-1), torch.exp(logits - logits.amax(-1, keepdim=True)).sum(-1)
+    lse = torch.logsumexp(logits, -1)
     out = torch.empty(4, 80, device=device)
     lens = torch.tensor(KV_LENS)
-    head_max_probs(
-        logits.to(device), m.to(device), s.to(device), lens.to(device), out, sink=sink, recent=recent, backend=backend
-    )
+    head_max_probs(logits.to(device), lse.to(device), lens.to(device), out, sink=sink, recent=recent, backend=backend)
     expected = torch.softmax(logits, dim=-1).amax(1)
     tok = torch.arange(80)[None, :]
     forced = (tok < sink) | ((tok >= lens[:, None] - recent) & (tok < lens[:, None]))

@@ -1,5 +1,5 @@
 """Per token, the largest attention probability any query head gives it: ``max_h softmax(logits[b, h])_j``,
-from logits and their ``softmax_stats``, with always-kept tokens forced to ``+inf`` and tokens past
+from logits and their log-sum-exp per head, with always-kept tokens forced to ``+inf`` and tokens past
 the row to ``-inf`` (so a top-k over the output picks a selection). OmniKV's token score; one pass
 over the logits instead of a softmax, a reduction over heads and masking passes. Graph-safe.
 """
@@ -13,8 +13,7 @@ from sparse_kernels._backend import resolve_backend
 
 def head_max_probs(
     logits: torch.Tensor,
-    logit_max: torch.Tensor,
-    logit_sum: torch.Tensor,
+    logit_lse: torch.Tensor,
     kv_lens: torch.Tensor,
     out: torch.Tensor,
     *,
@@ -24,9 +23,9 @@ def head_max_probs(
 ) -> torch.Tensor:
     """Write float32 ``out[b, j]`` (``[B, W]``) and return it.
 
-    ``logits``: float32 ``[B, H, W]`` contiguous; ``logit_max`` / ``logit_sum``: float32 ``[B, H]``
-    (``softmax_stats``); ``kv_lens``: int ``[B]``. Token ``j`` of row ``b`` scores
-    ``max_h exp(logits[b, h, j] - logit_max[b, h]) / logit_sum[b, h]``; ``j < sink`` and
+    ``logits``: float32 ``[B, H, W]`` contiguous; ``logit_lse``: float32 ``[B, H]``, each head's log-sum-exp
+    over the row's tokens (the decode's ``lse_out``, or ``max + log(sum)`` of ``softmax_stats``); ``kv_lens``:
+    int ``[B]``. Token ``j`` of row ``b`` scores ``max_h exp(logits[b, h, j] - logit_lse[b, h])``; ``j < sink`` and
     ``kv_lens[b] - recent <= j < kv_lens[b]`` score ``+inf``, ``j >= kv_lens[b]`` ``-inf``.
     """
     batch, heads, width = logits.shape
@@ -34,8 +33,8 @@ def head_max_probs(
         raise ValueError("logits must be contiguous float32")
     if tuple(out.shape) != (batch, width) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be contiguous float32 [{batch}, {width}], got {out.dtype} {list(out.shape)}")
-    if tuple(logit_max.shape) != (batch, heads) or tuple(logit_sum.shape) != (batch, heads):
-        raise ValueError(f"logit_max and logit_sum must be [{batch}, {heads}]")
+    if tuple(logit_lse.shape) != (batch, heads):
+        raise ValueError(f"logit_lse must be [{batch}, {heads}]")
     if kv_lens.shape != (batch,):
         raise ValueError(f"kv_lens must be [{batch}]")
     if out.numel() == 0:
@@ -43,8 +42,8 @@ def head_max_probs(
     if resolve_backend(backend, logits.device) == "triton":
         from sparse_kernels._triton.head_max_probs import head_max_probs_triton
 
-        return head_max_probs_triton(logits, logit_max, logit_sum, kv_lens, out, sink, recent)
-    probs = torch.exp(logits - logit_max[..., None]) / logit_sum[..., None]
+        return head_max_probs_triton(logits, logit_lse, kv_lens, out, sink, recent)
+    probs = torch.exp(logits - logit_lse[..., None])
     scores = probs.amax(1)
     tok = torch.arange(width, device=logits.device)[None, :]
     lens = kv_lens.to(torch.int64)[:, None]

@@ -464,10 +464,9 @@ class DecodeBatch:
     At an ``OBSERVED`` layer (``DecodeRead``) the engine may have computed the
     layer's raw logits already, because it attends from them: ``logits`` float32 ``[B, num_q_heads,
     max_pages * block_size]``, ``sm_scale * q . k`` of every row's tokens in table order (columns past a
-    row unspecified), with ``logit_max`` / ``logit_sum`` float32 ``[B, num_q_heads]``, a shift and a
-    normalizer such that a token's probability under head ``h`` is ``exp(logits - logit_max) / logit_sum``
-    (the row's maximum and sum of ``exp(logit - max)``, or its log-sum-exp and 1, as the engine's decode
-    hands them). None when not computed.
+    row unspecified), with ``logit_lse`` float32 ``[B, num_q_heads]``, each head's log-sum-exp over the row's
+    tokens, so that a token's probability under head ``h`` is ``exp(logits - logit_lse)``. None when not
+    computed.
     """
 
     query: torch.Tensor
@@ -484,8 +483,7 @@ class DecodeBatch:
     sm_scale: float = 1.0
     page_counts: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    logit_max: torch.Tensor | None = None
-    logit_sum: torch.Tensor | None = None
+    logit_lse: torch.Tensor | None = None
 
     @property
     def num_pages(self) -> torch.Tensor:

@@ -77,7 +77,6 @@ class SelectiveDecode:
         self._table = torch.zeros(max_num_pages or 0, dtype=torch.int32, device=device)
         self._rows = torch.zeros(3 * (max_batch_size or 0), dtype=torch.int64, device=device)
         self._lse = torch.zeros(0, dtype=torch.float32, device=device)  # the decode's lse (merges, observed layers)
-        self._one = torch.ones((max_batch_size or 0) * shape["num_qo_heads"], dtype=torch.float32, device=device)
         self._batched: _BatchedStep | None = None  # this step's batched plan, or None (no row selects)
         self._planned: tuple | None = None  # the last uniform plan: (wrapper, kv_indptr, kv_last_len)
         self._host_plan: tuple | None = None  # this step's (kv_indptr, kv_indices, kv_last_len) on the host
@@ -237,7 +236,7 @@ class SelectiveDecode:
         if st is None or st.rows is not None:
             return None
         wrapper = self._fast[st.unit][0]
-        fixed = (self._table, self._rows, self._lse_buffer(len(st.kv_lens)), self._one)
+        fixed = (self._table, self._rows, self._lse_buffer(len(st.kv_lens)))
         buffers = (id(wrapper), *(t.data_ptr() for t in fixed))
         return (st.size, st.unit, st.max_pages, *buffers)
 
@@ -275,12 +274,12 @@ class SelectiveDecode:
         bs, num_kv_heads = self.shape["block_size"], self.shape["num_kv_heads"]
         plan = method.layer_plan(layer)
         observed = plan.decode is DecodeRead.OBSERVED
-        logits = logit_max = logit_sum = None
+        logits = logit_lse = None
         if observed and dense is not None:  # attention and every row's logits from one read of K (and V)
-            logits, logit_max, logit_sum = self._attend_observing(q, k_cache, v_cache, out, dense, kv, st)
+            logits, logit_lse = self._attend_observing(q, k_cache, v_cache, out, dense, kv, st)
         elif observed:  # the selecting rows' logits (a latent store: attention from them below)
             rows_q = q if st.rows is None else q[st.rows]
-            logits, logit_max, logit_sum = self._logits(rows_q, k_cache, st, kv)
+            logits, logit_lse = self._logits(rows_q, k_cache, st, kv)
         batch = DecodeBatch(
             query=select_q if st.rows is None else select_q[st.rows],
             kv_lens=st.kv_lens,
@@ -296,8 +295,7 @@ class SelectiveDecode:
             sm_scale=self.sm_scale,
             page_counts=st.num_pages,
             logits=logits,
-            logit_max=logit_max,
-            logit_sum=logit_sum,
+            logit_lse=logit_lse,
         )
         chosen = method.select_decode(layer, batch)  # [n, Hkv, size] entries in table order; None if observed
         extra = None
@@ -313,11 +311,11 @@ class SelectiveDecode:
             # K was read once, for the logits; the output reads V only (TurboQuant: in the rotated space).
             if kv is None:
                 args = (v_cache, *self._rows_of(st), out)
-                return logits_attention(logits, logit_max, logit_sum, *args, backend=self.backend)
+                return logits_attention(logits, logit_lse, self._ones(logit_lse), *args, backend=self.backend)
             into = out if kv.rotation is None else torch.empty_like(out)
             args = (kv.v, *self._rows_of(st), into)
             codes = dict(v_scale=kv.v_scale, codebook=kv.codebook)
-            logits_attention(logits, logit_max, logit_sum, *args, **codes, backend=self.backend)
+            logits_attention(logits, logit_lse, self._ones(logit_lse), *args, **codes, backend=self.backend)
             return out if kv.rotation is None else rotate_quantized(into, kv, back=True, out=out)
         n = chosen.shape[0]
         wrapper = self._fast[st.unit][0]
@@ -385,8 +383,7 @@ class SelectiveDecode:
     def _attend_observing(self, q, k_cache, v_cache, out, dense, kv, st: _BatchedStep):
         """An observed layer on the step's dense plan: the decode writes ``out``, every row's raw logits
         (``[rows, Hq, max_pages * block_size]``) and log-sum-exps in one pass over K and V; returns the
-        selecting rows' ``(logits, logit_max, logit_sum)`` as ``softmax_stats`` would (the log-sum-exp as the
-        maximum, a sum of one: ``exp(logit - lse)`` is the probability)."""
+        selecting rows' ``(logits, logit_lse)``."""
         rows, heads = q.shape[0], q.shape[1]
         logits = torch.empty(rows, heads, st.max_pages * self.shape["block_size"], dtype=torch.float32, device=q.device)
         lse = self._lse_buffer(rows)[: rows * heads].view(rows, heads)
@@ -396,17 +393,16 @@ class SelectiveDecode:
             dense.run_quantized(q, kv, out=out, lse_out=lse, logits_out=logits)
         if st.rows is not None:
             logits, lse = logits[st.rows], lse[st.rows]
-        return logits, lse, self._ones(lse.shape[0] * heads).view(lse.shape)
+        return logits, lse
 
-    def _ones(self, n: int) -> torch.Tensor:
-        """A fixed float32 buffer of ones (graphs keep its address once sized for the largest batch)."""
-        if self._one.numel() < n:
-            self._one = torch.ones(n, dtype=torch.float32, device=self.device)
-        return self._one[:n]
+    @staticmethod
+    def _ones(lse: torch.Tensor) -> torch.Tensor:
+        """``logits_attention``'s normalizer when its shift is the log-sum-exp: ones shaped like it."""
+        return torch.ones_like(lse)
 
     def _logits(self, q: torch.Tensor, k_cache: torch.Tensor | None, st: _BatchedStep, kv=None):
         """Raw logits of every selecting row over its tokens (through the tables) and their softmax
-        statistics; ``kv``: a per-token quantized store's layer (fp8, TurboQuant), whose codes and scales are
+        log-sum-exp; ``kv``: a per-token quantized store's layer (fp8, TurboQuant), whose codes and scales are
         read instead of ``k_cache`` (TurboQuant: with the query rotated in, q R . k R = q . k)."""
         shape = (q.shape[0], q.shape[1])
         logits = torch.empty(*shape, st.max_pages * self.shape["block_size"], dtype=torch.float32, device=q.device)
@@ -419,7 +415,7 @@ class SelectiveDecode:
             paged_logits(q, kv.k, *args, scale=self.sm_scale, **codes, backend=self.backend)
         logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2))
         softmax_stats(logits, logit_max, logit_sum, backend=self.backend)
-        return logits, logit_max, logit_sum
+        return logits, logit_max.add_(logit_sum.log_())
 
     def _rows_of(self, st: _BatchedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The selecting rows' tokens through the tables: ``(table, starts, kv_lens)``."""

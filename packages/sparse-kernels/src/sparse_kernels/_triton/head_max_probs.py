@@ -11,7 +11,7 @@ BLOCK = 1024  # tokens per program
 
 
 def _head_max_probs_kernel(
-    logits_ptr, max_ptr, sum_ptr, lens_ptr, out_ptr, width, sink, recent, HEADS: tl.constexpr, BLOCK: tl.constexpr
+    logits_ptr, lse_ptr, lens_ptr, out_ptr, width, sink, recent, HEADS: tl.constexpr, BLOCK: tl.constexpr
 ):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -19,10 +19,9 @@ def _head_max_probs_kernel(
     valid = offs < kv_len
     best = tl.zeros([BLOCK], tl.float32)
     for h in range(HEADS):
-        m = tl.load(max_ptr + b * HEADS + h)
-        inv = 1.0 / tl.load(sum_ptr + b * HEADS + h)
+        lse = tl.load(lse_ptr + b * HEADS + h)
         x = tl.load(logits_ptr + (b * HEADS + h) * width + offs, mask=valid, other=float("-inf"))
-        best = tl.maximum(best, tl.exp(x - m) * inv)
+        best = tl.maximum(best, tl.exp(x - lse))
     forced = (offs < sink) | ((offs >= kv_len - recent) & valid)
     best = tl.where(forced, float("inf"), best)
     best = tl.where(valid, best, float("-inf"))
@@ -32,10 +31,10 @@ def _head_max_probs_kernel(
 head_max_probs_kernel = Kernel(_head_max_probs_kernel)
 
 
-def head_max_probs_triton(logits, logit_max, logit_sum, kv_lens, out, sink: int, recent: int):
+def head_max_probs_triton(logits, logit_lse, kv_lens, out, sink: int, recent: int):
     batch, heads, width = logits.shape
     block = min(BLOCK, max(16, triton.next_power_of_2(width)))
     head_max_probs_kernel[(batch, triton.cdiv(width, block))](
-        logits, logit_max, logit_sum, kv_lens, out, width, sink, recent, HEADS=heads, BLOCK=block, num_warps=4
+        logits, logit_lse, kv_lens, out, width, sink, recent, HEADS=heads, BLOCK=block, num_warps=4
     )
     return out

@@ -148,7 +148,7 @@ class OmniKV(SparseMethod):
         k = kernels()
         query = batch.query
         width = batch.max_pages * batch.block_size
-        logits, logit_max, logit_sum = batch.logits, batch.logit_max, batch.logit_sum
+        logits, logit_lse = batch.logits, batch.logit_lse
         if logits is None:
             shape = (query.shape[0], query.shape[1])
             logits = torch.empty(*shape, width, dtype=torch.float32, device=query.device)
@@ -163,10 +163,9 @@ class OmniKV(SparseMethod):
             )
             logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=query.device) for _ in range(2))
             k.softmax_stats(logits, logit_max, logit_sum)
+            logit_lse = logit_max.add_(logit_sum.log_())
         scores = torch.empty(query.shape[0], width, dtype=torch.float32, device=query.device)
-        k.head_max_probs(
-            logits, logit_max, logit_sum, batch.kv_lens, scores, sink=c.sink_keep_tokens, recent=c.recent_keep_tokens
-        )
+        k.head_max_probs(logits, logit_lse, batch.kv_lens, scores, sink=c.sink_keep_tokens, recent=c.recent_keep_tokens)
         scores = self.head_reduction.max(scores)
         self._device_set = k.top_k_ascending(scores, min(self.budget, width))
 
