@@ -50,6 +50,17 @@ def test_attention_from_logits_equals_attention(backend, paged_batch, triton_dev
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_logits_lse_is_each_rows_log_sum_exp(backend, triton_device):
+    from sparse_kernels.logits_attention import logits_lse
+
+    device = triton_device if backend == "triton" else "cpu"
+    logits = torch.randn(3, 4, 70, generator=torch.Generator().manual_seed(5)) * 4
+    logits[0, :, 50:] = float("-inf")  # columns past a row
+    got = logits_lse(logits.to(device), backend=backend)
+    torch.testing.assert_close(got.cpu(), torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize(("sink", "recent"), [(0, 0), (2, 3)])
 def test_head_max_probs_equal_softmax_max(backend, sink, recent, paged_batch, triton_device):
     device = triton_device if backend == "triton" else "cpu"

@@ -29,7 +29,7 @@ from sparse_kernels.kv_quant import (
 )
 from sparse_kernels.kv_store import store_kv
 from sparse_kernels.linear import linear
-from sparse_kernels.logits_attention import logits_attention, softmax_stats
+from sparse_kernels.logits_attention import logits_attention, logits_lse, softmax_stats
 from sparse_kernels.merge_states import merge_states, merge_states_
 from sparse_kernels.moe import fused_moe
 from sparse_kernels.page_bounds import page_bounds
@@ -62,6 +62,7 @@ __all__ = [
     "launch_settings",
     "linear",
     "logits_attention",
+    "logits_lse",
     "merge_states",
     "merge_states_",
     "page_bounds",

@@ -44,6 +44,14 @@ def softmax_stats(
     return out_max, out_sum
 
 
+def logits_lse(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """float32 ``[...]`` each row's log-sum-exp of ``logits`` (``[..., W]``, as ``softmax_stats`` takes them):
+    its max plus the log of its sum, so that ``exp(logit - lse)`` is the logit's probability."""
+    lse, total = (torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device) for _ in range(2))
+    softmax_stats(logits, lse, total, backend=backend)
+    return lse.add_(total.log_())
+
+
 def logits_attention(
     logits: torch.Tensor,
     logit_max: torch.Tensor,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from sparse_kernels import BatchDecodeWithPagedKVCache, merge_states, merge_states_, paged_logits, rotate_quantized
-from sparse_kernels.logits_attention import logits_attention, softmax_stats
+from sparse_kernels.logits_attention import logits_attention, logits_lse
 from sparse_kernels.selection_entries import selection_entries
 from sparse_methods import AttentionState, DecodeBatch, DecodeRead, DecodeSelection, SparseMethod
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata
@@ -413,9 +413,7 @@ class SelectiveDecode:
             q = q if kv.rotation is None else rotate_quantized(q, kv)
             codes = dict(k_scale=kv.k_scale, codebook=kv.codebook)
             paged_logits(q, kv.k, *args, scale=self.sm_scale, **codes, backend=self.backend)
-        logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=q.device) for _ in range(2))
-        softmax_stats(logits, logit_max, logit_sum, backend=self.backend)
-        return logits, logit_max.add_(logit_sum.log_())
+        return logits, logits_lse(logits, backend=self.backend)
 
     def _rows_of(self, st: _BatchedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The selecting rows' tokens through the tables: ``(table, starts, kv_lens)``."""

@@ -161,9 +161,7 @@ class OmniKV(SparseMethod):
                 logits,
                 scale=batch.sm_scale,
             )
-            logit_max, logit_sum = (torch.empty(shape, dtype=torch.float32, device=query.device) for _ in range(2))
-            k.softmax_stats(logits, logit_max, logit_sum)
-            logit_lse = logit_max.add_(logit_sum.log_())
+            logit_lse = k.logits_lse(logits)
         scores = torch.empty(query.shape[0], width, dtype=torch.float32, device=query.device)
         k.head_max_probs(logits, logit_lse, batch.kv_lens, scores, sink=c.sink_keep_tokens, recent=c.recent_keep_tokens)
         scores = self.head_reduction.max(scores)
