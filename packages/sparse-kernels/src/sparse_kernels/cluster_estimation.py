@@ -12,8 +12,8 @@ read and multiplied by the query. From the ranking's logits (``logits=``, ``spar
 ``q . centroid_c * logits_scale`` for every cluster column of the row, already computed to pick the
 clusters): ``s_c = logits[b, kv, g, c - bases[b]] * (scale / logits_scale)``, so the query and the
 centroids are not read at all, only 4 bytes per query head of the group (16 at G = 4) instead of the
-centroid (256 bytes in bf16 at D = 128) beside the value sum (256 bytes in bf16, 512 in float32). There a column outside
-``[0, columns)`` or with logit ``-inf`` (``cluster_logits``' columns past a row's count, empty clusters)
+centroid (256 bytes in bf16 at D = 128) beside the value sum (256 bytes in bf16, 512 in float32). There a
+column outside ``[0, columns)`` or with logit ``-inf`` (``cluster_logits``' columns past a row's count, empty clusters)
 counts nothing either. Both give the same result up to the dot products' rounding.
 """
 
@@ -63,9 +63,8 @@ def cluster_estimation(
     if resolve_backend(backend, query.device) == "triton":
         from sparse_kernels._triton.cluster_estimation import cluster_estimation_triton
 
-        if logits is not None:
-            return cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, ratio, logits, bases)
-        return cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, scale)
+        factor = scale if logits is None else ratio  # multiplies q . centroid, or the logits
+        return cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, factor, logits, bases)
     valid = clusters >= 0
     if logits is not None:
         columns = logits.shape[-1]
