@@ -199,21 +199,12 @@ class RetroInfer(SparseMethod):
         index_bytes = count * (2 * dim + 8) + estimated * 2 * dim
         return tokens + -(-index_bytes // (4 * dim))
 
-    def _due(self, request_id: Hashable, processed: int) -> bool:
-        """Whether ``processed`` tokens start an index or a new update block for the request."""
-        c = self.config
-        end = processed - c.retroinfer_recent_tokens
-        index = self._index.get((request_id, 0))
-        if index is None:
-            return end - c.retroinfer_sink_tokens >= c.retroinfer_min_index_tokens
-        return end - index.end >= c.retroinfer_update_tokens
-
     def prepare_step(self, step: StepContext) -> Collection[Hashable]:
         """Observe the requests whose index this step starts or extends; plan the decode rows' arena reads
         (the leading single-token rows that select, in order)."""
         self._observing = {}
         for r in step.requests:
-            if r.replay is None and self._due(r.request_id, r.end):
+            if r.replay is None and self._due_blocks((r.request_id, 0), r.end):  # every layer's index alike
                 self._observing[r.request_id] = r.end
         from sparse_kernels.cluster_attention import cluster_counts
 
