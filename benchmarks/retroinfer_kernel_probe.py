@@ -35,6 +35,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=5)
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--json", help="also write the rows here, with each variant's settings")
+    ap.add_argument(
+        "--sweep", choices=("all", "estimation"), default="all",
+        help="estimation: a few logits shapes, the default selection and the estimation's sweep",
+    )  # fmt: skip
     args = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -55,8 +59,9 @@ def main() -> None:
     logit_defaults = logits_mod.BLOCK_C, logits_mod.NUM_WARPS
     settings = []  # (kernel, module settings, ms) for --json
     logit_defaults = logit_defaults + (logits_mod.TILES_PER_PROGRAM, logits_mod.NUM_STAGES)
-    logit_shapes = [logit_defaults, (128, 2, 1, 2), (64, 2, 1, 2)]
-    logit_shapes += [(bc, w, t, st) for bc in (64, 128) for w in (2, 4) for t in (2, 4, 8) for st in (2, 3)]
+    logit_shapes = [logit_defaults, (128, 2, 1, 2), (64, 2, 1, 2), (64, 4, 1, 2), (128, 8, 1, 2), (256, 8, 1, 2)]
+    if args.sweep == "all":
+        logit_shapes += [(bc, w, t, st) for bc in (64, 128) for w in (2, 4) for t in (2, 4, 8) for st in (2, 3)]
     for block_c, warps, tiles, stages in logit_shapes:
         logits_mod.BLOCK_C, logits_mod.NUM_WARPS = block_c, warps
         logits_mod.TILES_PER_PROGRAM, logits_mod.NUM_STAGES = tiles, stages
@@ -82,16 +87,18 @@ def main() -> None:
     ms = graph_ms(lambda: cluster_select(*sel_args, **widths, backend="reference"))
     rows.append(("select by count: torch softmax + sum + stable sort (the reference)", ms))
     sel_defaults = select_mod.CHUNK, select_mod.NUM_WARPS
-    for sub in (512, 1024, 2048):
-        for warps in (2, 4, 8):
-            select_mod.CHUNK, select_mod.NUM_WARPS = sub, warps
-            stats = dict(tile_max=logits.tile_max, tile_sum=logits.tile_sum)
-            got = cluster_select(*sel_args, **widths, **stats)
-            differ = int((got != sel_want).sum())
-            ms = graph_ms(lambda s=stats: cluster_select(*sel_args, **widths, **s))
-            name = f"select by count: chunk {sub}, warps {warps}"
-            rows.append((f"{name} ({differ} of {got.numel()} places differ)", ms))
-            print(rows[-1], flush=True)
+    select_shapes = (
+        [(sub, w) for sub in (512, 1024, 2048) for w in (2, 4, 8)] if args.sweep == "all" else [sel_defaults]
+    )
+    for sub, warps in select_shapes:
+        select_mod.CHUNK, select_mod.NUM_WARPS = sub, warps
+        stats = dict(tile_max=logits.tile_max, tile_sum=logits.tile_sum)
+        got = cluster_select(*sel_args, **widths, **stats)
+        differ = int((got != sel_want).sum())
+        ms = graph_ms(lambda s=stats: cluster_select(*sel_args, **widths, **s))
+        name = f"select by count: chunk {sub}, warps {warps}"
+        rows.append((f"{name} ({differ} of {got.numel()} places differ)", ms))
+        print(rows[-1], flush=True)
     select_mod.CHUNK, select_mod.NUM_WARPS = sel_defaults
 
     num_est = round(columns * 0.232)
@@ -112,7 +119,7 @@ def main() -> None:
         ms = graph_ms(lambda: cluster_estimation(query, centroids, value_sums, sizes, ids, scale=dim**-0.5))
         rows.append((f"estimation {precision} stages {stages} warps {warps} per SM {per_sm} (max err {err:.1e})", ms))
         chosen = dict(VALUE_PRECISION=precision, NUM_STAGES=stages, NUM_WARPS=warps, PROGRAMS_PER_SM=per_sm)
-        settings.append(("estimation", chosen, ms))
+        settings.append(("estimation, centroids, float32 sums", chosen, ms))
     est_mod.VALUE_PRECISION, est_mod.NUM_STAGES, est_mod.NUM_WARPS, est_mod.PROGRAMS_PER_SM = est_defaults
     # The engine's way: the scores from the ranking's logits (made at dim ** -0.5; the attention's scale here
     # differs, as an engine's may), not the centroids; the reference at the attention's scale from the centroids.
@@ -135,6 +142,34 @@ def main() -> None:
     print(rows[-1], flush=True)
     names = ("VALUE_PRECISION", "NUM_STAGES", "NUM_WARPS", "PROGRAMS_PER_SM")
     settings.append(("estimation from logits", dict(zip(names, est_defaults, strict=True)), ms))
+    # The engine's way in full: bf16 value sums, scores from the logits, and each row's estimated clusters in
+    # ascending column order (the selection's layout), over tile sizes, warps, stages and programs per SM (many
+    # programs per SM: one tile a program).
+    sorted_ids = ids.sort(-1).values
+    want = cluster_estimation(query, centroids, half, sizes, sorted_ids, scale=attn_scale, backend="reference")
+    shape_defaults = est_mod.BLOCK_E, est_mod.NUM_WARPS, est_mod.NUM_STAGES, est_mod.PROGRAMS_PER_SM
+    shapes = [shape_defaults] + [
+        (be, w, st, ps)
+        for be, w in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
+        for st in (1, 2, 3)
+        for ps in (8, 16, 64)
+    ]
+    for block_e, warps, stages, per_sm in shapes:
+        est_mod.BLOCK_E, est_mod.NUM_WARPS, est_mod.NUM_STAGES, est_mod.PROGRAMS_PER_SM = block_e, warps, stages, per_sm
+        try:
+            out, lse = cluster_estimation(query, centroids, half, sizes, sorted_ids, scale=attn_scale, **from_logits)
+            err = max(float((out - want[0]).abs().max()), float((lse - want[1]).nan_to_num().abs().max()))
+            fn = lambda: cluster_estimation(query, centroids, half, sizes, sorted_ids, scale=attn_scale, **from_logits)  # noqa: E731
+            ms = graph_ms(fn)
+        except Exception as exc:  # a shape that does not compile (registers, shared memory)
+            print("estimation shape", (block_e, warps, stages, per_sm), "failed:", repr(exc)[:200], flush=True)
+            continue
+        name = f"estimation, engine's way (sorted ids), {block_e} clusters a tile, warps {warps}, stages {stages}"
+        rows.append((f"{name}, per SM {per_sm} (max err {err:.1e})", ms))
+        print(rows[-1], flush=True)
+        chosen = dict(BLOCK_E=block_e, NUM_WARPS=warps, NUM_STAGES=stages, PROGRAMS_PER_SM=per_sm)
+        settings.append(("estimation", chosen, ms))
+    est_mod.BLOCK_E, est_mod.NUM_WARPS, est_mod.NUM_STAGES, est_mod.PROGRAMS_PER_SM = shape_defaults
     est_bytes = n * heads * num_est * (dim * 2 + dim * 4 + 4 + 8)
     logit_bytes = n * heads * num_est * (group * 4 + dim * 4 + 4 + 8)  # the logits' sectors may hold more
     print(

@@ -185,3 +185,24 @@ def test_in_place_merge_equals_merge_states(dtype, triton_device):
         torch.testing.assert_close(dev[:, 1::2].cpu(), big[:, 1::2])  # the rows between are untouched
     with pytest.raises(ValueError, match="share a shape"):
         merge_states_(out_a, lse_a, out_b[:, :2], lse_b)
+
+
+@pytest.mark.parametrize("from_logits", [False, True])
+def test_an_empty_clusters_rows_are_never_used(from_logits, triton_device, ieee_values):
+    """The Triton path reads an empty cluster's centroid and value sum without waiting for its size (the loads
+    are issued together) and drops them after: NaN there changes nothing."""
+    query, centroids, value_sums, sizes, clusters = _case(torch.float32, seed=2)
+    want = cluster_estimation(query, centroids, value_sums, sizes, clusters, scale=0.2, backend="reference")
+    empty = sizes == 0
+    dirty_c, dirty_v = centroids.clone(), value_sums.clone()
+    dirty_c[empty], dirty_v[empty] = float("nan"), float("nan")
+    args = [t.to(triton_device) for t in (query, dirty_c, dirty_v, sizes, clusters)]
+    kwargs = {}
+    if from_logits:
+        bases = torch.zeros(3, dtype=torch.int64, device=triton_device)
+        counts = torch.full((3,), 40, device=triton_device)
+        ranked = cluster_logits(args[0], args[1], args[3], bases, counts, 40, scale=0.2, backend="triton")
+        kwargs = dict(logits=ranked.logits, bases=bases, logits_scale=0.2)
+    got = cluster_estimation(*args, scale=0.2, backend="triton", **kwargs)
+    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)

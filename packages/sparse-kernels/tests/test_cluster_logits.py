@@ -77,3 +77,17 @@ def test_bad_shapes_are_refused():
         cluster_logits(query[:, :3], centroids, sizes, bases, counts, 10, scale=1.0)
     with pytest.raises(ValueError, match="columns"):
         cluster_logits(query, centroids, sizes, bases, counts, 0, scale=1.0)
+
+
+def test_an_empty_clusters_centroid_is_never_used(triton_device):
+    """The Triton path loads the centroids without waiting for the sizes and drops an empty cluster's logit
+    after: NaN in its centroid changes nothing."""
+    query, centroids, sizes, bases, counts = _case(torch.float32, seed=3)
+    want = cluster_logits(query, centroids, sizes, bases, counts, 130, scale=0.3, backend="reference")
+    dirty = centroids.clone()
+    dirty[sizes == 0] = float("nan")
+    args = [t.to(triton_device) for t in (query, dirty, sizes, bases, counts)]
+    got = cluster_logits(*args, 130, scale=0.3, backend="triton")
+    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-4)
+    for g, w in zip(_merged(*got[2:]), _merged(*want[2:]), strict=True):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)

@@ -79,8 +79,9 @@ def _cluster_estimation_split_kernel(
             col = ids - base
             valid = valid & (col >= 0) & (col < num_columns)
         row = kv * num_clusters + tl.where(valid, ids, 0)
+        # Every load below depends on the ids alone (not on the sizes), so the three are in flight together;
+        # an empty cluster (size 0) is read like any other and dropped after.
         size = tl.load(size_ptr + row, mask=valid, other=0).to(tl.float32)
-        valid = valid & (size > 0)
         if FROM_LOGITS:
             s = tl.load(
                 logits_ptr + logit_rows[:, None] + tl.where(valid, col, 0)[None, :],
@@ -91,13 +92,15 @@ def _cluster_estimation_split_kernel(
         else:
             c = tl.load(c_ptr + row[None, :] * dim + d[:, None], mask=valid[None, :] & dmask[:, None], other=0.0)
             s = tl.dot(q, c.to(DOT_DTYPE), input_precision=PRECISION) * scale  # float32 [BLOCK_G, E]
+        v = tl.load(vs_ptr + row[:, None] * dim + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0).to(
+            tl.float32
+        )  # [E, D], stored float32 or 16-bit
+        valid = valid & (size > 0)
+        v = tl.where(valid[:, None], v, 0.0)  # an empty cluster's row may hold anything
         s = tl.where(valid[None, :], s + tl.log(tl.maximum(size, 1.0))[None, :], float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])  # size * exp(q.c - m_new)
-        v = tl.load(vs_ptr + row[:, None] * dim + d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0).to(
-            tl.float32
-        )  # [E, D], stored float32 or 16-bit
         denom = denom * alpha + tl.sum(p, axis=1)
         w = p / tl.maximum(size, 1.0)[None, :]
         acc = acc * alpha[:, None] + tl.dot(w, v, input_precision=VALUE_PRECISION)  # float32 value sums

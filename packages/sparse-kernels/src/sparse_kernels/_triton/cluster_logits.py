@@ -45,11 +45,14 @@ def _cluster_logits_kernel(
         col = t * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = col < columns
         cid = tl.minimum(base + col, total - 1)
-        size = tl.load(size_ptr + h * total + cid, mask=cmask & (col < count), other=0)
-        live = size > 0
+        inside = cmask & (col < count)
+        # The centroids' load does not wait for the sizes': both are in flight at once; an empty cluster's
+        # centroid is read like any other and its logit dropped after.
+        size = tl.load(size_ptr + h * total + cid, mask=inside, other=0)
         c = tl.load(
-            c_ptr + (h * total + cid)[None, :] * HEAD_DIM + d[:, None], mask=live[None, :] & dmask[:, None], other=0.0
+            c_ptr + (h * total + cid)[None, :] * HEAD_DIM + d[:, None], mask=inside[None, :] & dmask[:, None], other=0.0
         ).to(DOT_DTYPE)  # [BLOCK_D, BLOCK_C]
+        live = size > 0
         s = tl.dot(q, c, input_precision=PRECISION) * scale  # float32 [BLOCK_G, BLOCK_C]
         s = tl.where(live[None, :], s, float("-inf"))
         out = ((r * HEADS + h) * GROUP + g)[:, None] * columns + col[None, :]

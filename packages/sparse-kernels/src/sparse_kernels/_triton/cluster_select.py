@@ -87,12 +87,13 @@ def _select_round_kernel(
         safe = tl.where(top_m == float("-inf"), 0.0, top_m)
         total = tl.where(total > 0, total, 1.0)
         size = tl.load(size_ptr + row * columns + col, mask=cm, other=0)
-        live = cm & (size > 0)
         lg = tl.load(
-            logit_ptr + (row * GROUP + g)[:, None] * columns + col[None, :], mask=gm[:, None] & live[None, :],
+            logit_ptr + (row * GROUP + g)[:, None] * columns + col[None, :], mask=gm[:, None] & cm[None, :],
             other=float("-inf"),
         )  # fmt: skip
-        p = tl.sum(tl.where(gm[:, None], tl.exp(lg - safe[:, None]) / total[:, None], 0.0), axis=0) + 0.0
+        live = cm & (size > 0)  # the logits' load did not wait for the sizes: an empty column is dropped here
+        keep = gm[:, None] & live[None, :]
+        p = tl.sum(tl.where(keep, tl.exp(lg - safe[:, None]) / total[:, None], 0.0), axis=0) + 0.0
         truncated = (p.to(tl.int32, bitcast=True) >> DROP) - OFFSET  # as rank_values
         value = tl.where(live, tl.minimum(tl.maximum(truncated, 0), MAX_VALUE - 1) + 1, 0)
         tl.store(value_ptr + row * columns + col, value, mask=cm)
