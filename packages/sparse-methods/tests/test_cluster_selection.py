@@ -168,14 +168,14 @@ def test_triton_picks_equal_the_full_sort_reference(case):
     _assert_equal(*case, backend="triton")
     fast = _both(*case)[0]
     want = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, widths=widths, backend="reference")
-    blocks = picks_mod.BLOCK_R, picks_mod.MAX_BLOCK_E, picks_mod.BLOCK_W
-    for small in (False, True):  # small: several steps of the running-sum count, of the ids and of slot tiles
+    blocks = picks_mod.BLOCK, picks_mod.BLOCK_E, picks_mod.BLOCK_W
+    for small in (False, True):  # small: several tiles of the running sums, of the ids and of the slots
         if small:
-            picks_mod.BLOCK_R, picks_mod.MAX_BLOCK_E, picks_mod.BLOCK_W = 2, 16, 16
+            picks_mod.BLOCK, picks_mod.BLOCK_E, picks_mod.BLOCK_W = 2, 2, 4
         try:
             got = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, widths=widths, backend="triton")
         finally:
-            picks_mod.BLOCK_R, picks_mod.MAX_BLOCK_E, picks_mod.BLOCK_W = blocks
+            picks_mod.BLOCK, picks_mod.BLOCK_E, picks_mod.BLOCK_W = blocks
         assert torch.equal(got[0], want[0]) and (widths[1] == 0 or torch.equal(got[1], want[1]))
 
 

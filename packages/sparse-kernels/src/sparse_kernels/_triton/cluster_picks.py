@@ -1,9 +1,7 @@
 """Triton ``cluster_picks``: the running sums of the ordered clusters' sizes (tile by tile until they pass the
 row's budget), the read count and the estimated ids in one program per (row, KV head); then the slots in one
-program per (row, KV head, tile of slots), each picked token's cluster the number of running sums at or below
-its place among the places read (searchsorted, right side: a place past those starts at or past the budget,
-so its running sum lies above every picked place). Counting tiles of the running sums instead of a binary
-search over them: loads that do not depend on each other (a search's steps do, one L2 trip each)."""
+program per (row, KV head, tile of slots), each picked token's cluster found by a binary search over the
+running sums written (searchsorted, right side)."""
 
 from __future__ import annotations
 
@@ -14,13 +12,16 @@ import triton.language as tl
 from sparse_kernels._triton.launch import Kernel
 
 BLOCK = 1024  # ranked clusters per tile of the running sum
-MAX_BLOCK_E = 2048  # estimated ids per tile: all of them in one at the default ratios (1930 at 128K)
-BLOCK_W = 64  # slots per program
-BLOCK_R = 128  # running sums counted per step
+BLOCK_E = 512  # estimated ids per tile
+BLOCK_W = 256  # slots per program
+# Session 21 tried, on the H200 at batch 5 / 128K: every id in one tile of 2048 (runs 0.274 -> 0.292 ms a step)
+# and, instead of the binary search, counting the running sums at or below each place in tiles of 128 among the
+# places read, 64 slots a program (slots 0.283 -> 3.25 ms a step: far more compares than the search's loads
+# cost). Neither kept (results/bench/h200/session21/retro_c2/).
 
 
 def _cluster_runs_kernel(
-    order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, read_ptr, ids_ptr, plan_stride, order_stride, top,
+    order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, covered_ptr, ids_ptr, plan_stride, order_stride, top,
     columns, reach, est,
     HEADS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
 ):  # fmt: skip
@@ -42,7 +43,7 @@ def _cluster_runs_kernel(
         carry += tl.sum(s, axis=0)
         start += BLOCK
     tl.store(picked_ptr + row, tl.minimum(tl.maximum(tl.minimum(budget, carry), 0), reach))
-    tl.store(read_ptr + row, read.to(tl.int32))
+    tl.store(covered_ptr + row, tl.minimum(start, top))
     if ESTIMATE:
         clu_base = tl.load(plan_ptr + plan_stride + r)
         ranked = tl.load(plan_ptr + 5 * plan_stride + r) + tl.load(plan_ptr + 6 * plan_stride + r)
@@ -56,9 +57,9 @@ def _cluster_runs_kernel(
 
 
 def _cluster_slots_kernel(
-    order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, picked_ptr, read_ptr, slots_ptr,
-    plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink,
-    HEADS: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr,
+    order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, picked_ptr, covered_ptr, slots_ptr,
+    plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink, steps,
+    HEADS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -77,13 +78,16 @@ def _cluster_slots_kernel(
     k = i - num_sink
     inside = (k >= 0) & (k < num_picked) & im
     j = tl.where(inside, k, 0)
-    read = tl.load(read_ptr + row)  # places the first kernel found read (their running sums are written)
-    below = tl.zeros([BLOCK_W], tl.int64)
-    for p0 in range(0, read, BLOCK_R):  # running sums at or below j among the places read
-        p = p0 + tl.arange(0, BLOCK_R)
-        c = tl.load(cum_ptr + row * top + p, mask=p < read, other=0)
-        below += tl.sum(((c[None, :] <= j[:, None]) & (p < read)[None, :]).to(tl.int64), axis=1)
-    rank = tl.minimum(below, top - 1)
+    lo = tl.zeros([BLOCK_W], tl.int64)
+    hi = tl.zeros([BLOCK_W], tl.int64) + tl.load(covered_ptr + row)  # the running sums the first kernel wrote
+    for _ in range(steps):  # the first running sum above j
+        active = lo < hi
+        mid = (lo + hi) // 2
+        c = tl.load(cum_ptr + row * top + tl.minimum(mid, top - 1), mask=inside & active, other=0)
+        go = c <= j
+        lo = tl.where(active & go, mid + 1, lo)
+        hi = tl.where(active & ~go, mid, hi)
+    rank = tl.minimum(lo, top - 1)
     o = tl.load(order_ptr + row * order_stride + rank, mask=inside, other=0)
     c = tl.load(cum_ptr + row * top + rank, mask=inside, other=0)
     s = tl.load(sizes_ptr + row * columns + o, mask=inside, other=0).to(tl.int64)
@@ -111,19 +115,18 @@ def cluster_picks_triton(order, sizes, offsets, positions, plan, kv_lens, *, sin
     sizes = sizes.contiguous()
     cum = torch.empty(n, heads, top, dtype=torch.int64, device=device)
     picked = torch.empty(n, heads, dtype=torch.int64, device=device)
-    read = torch.empty(n, heads, dtype=torch.int32, device=device)
+    covered = torch.empty(n, heads, dtype=torch.int32, device=device)
     ids = torch.empty(n, heads, max(est, 1), dtype=torch.int64, device=device)
     cluster_runs_kernel[(n, heads)](
-        order, sizes, plan, cum, picked, read, ids, plan.stride(0), order.stride(1), top, sizes.shape[2], reach,
+        order, sizes, plan, cum, picked, covered, ids, plan.stride(0), order.stride(1), top, sizes.shape[2], reach,
         max(est, 1),
-        HEADS=heads, BLOCK=BLOCK, BLOCK_E=min(MAX_BLOCK_E, max(16, triton.next_power_of_2(est))), ESTIMATE=est > 0,
-        num_warps=4,
+        HEADS=heads, BLOCK=BLOCK, BLOCK_E=BLOCK_E, ESTIMATE=est > 0, num_warps=4,
     )  # fmt: skip
     slots = torch.empty(n, heads, width, dtype=torch.int64, device=device)
     cluster_slots_kernel[(n, heads, triton.cdiv(width, BLOCK_W))](
         order, sizes, offsets.contiguous(), positions.contiguous(), plan, kv_lens.to(torch.int64).contiguous(),
-        cum, picked, read, slots, plan.stride(0), order.stride(1), top, sizes.shape[2], offsets.shape[1],
+        cum, picked, covered, slots, plan.stride(0), order.stride(1), top, sizes.shape[2], offsets.shape[1],
         positions.shape[1], width, sink,
-        HEADS=heads, BLOCK_W=BLOCK_W, BLOCK_R=BLOCK_R, num_warps=4,
+        top.bit_length() + 1, HEADS=heads, BLOCK_W=BLOCK_W, num_warps=4,
     )  # fmt: skip
     return slots, (ids if est > 0 else None)
