@@ -36,8 +36,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--json", help="also write the rows here, with each variant's settings")
     ap.add_argument(
-        "--sweep", choices=("all", "estimation"), default="all",
-        help="estimation: a few logits shapes, the default selection and the estimation's sweep",
+        "--sweep", choices=("all", "estimation", "none"), default="all",
+        help="estimation: a few logits shapes, the default selection and the estimation's sweep; none: defaults",
     )  # fmt: skip
     args = ap.parse_args()
     dev = torch.device("cuda")
@@ -60,6 +60,8 @@ def main() -> None:
     settings = []  # (kernel, module settings, ms) for --json
     logit_defaults = logit_defaults + (logits_mod.TILES_PER_PROGRAM, logits_mod.NUM_STAGES)
     logit_shapes = [logit_defaults, (128, 2, 1, 2), (64, 2, 1, 2), (64, 4, 1, 2), (128, 8, 1, 2), (256, 8, 1, 2)]
+    if args.sweep == "none":
+        logit_shapes = [logit_defaults]
     if args.sweep == "all":
         logit_shapes += [(bc, w, t, st) for bc in (64, 128) for w in (2, 4) for t in (2, 4, 8) for st in (2, 3)]
     for block_c, warps, tiles, stages in logit_shapes:
@@ -148,12 +150,17 @@ def main() -> None:
     sorted_ids = ids.sort(-1).values
     want = cluster_estimation(query, centroids, half, sizes, sorted_ids, scale=attn_scale, backend="reference")
     shape_defaults = est_mod.BLOCK_E, est_mod.NUM_WARPS, est_mod.NUM_STAGES, est_mod.PROGRAMS_PER_SM
-    shapes = [shape_defaults] + [
-        (be, w, st, ps)
-        for be, w in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
-        for st in (1, 2, 3)
-        for ps in (8, 16, 64)
-    ]
+    shapes = (
+        [shape_defaults]
+        if args.sweep == "none"
+        else [shape_defaults]
+        + [
+            (be, w, st, ps)
+            for be, w in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4))
+            for st in (1, 2, 3)
+            for ps in (8, 16, 64)
+        ]
+    )
     for block_e, warps, stages, per_sm in shapes:
         est_mod.BLOCK_E, est_mod.NUM_WARPS, est_mod.NUM_STAGES, est_mod.PROGRAMS_PER_SM = block_e, warps, stages, per_sm
         try:

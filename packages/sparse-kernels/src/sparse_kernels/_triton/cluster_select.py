@@ -6,8 +6,9 @@ group's offset, plus one; 0 for an empty column). Two rounds find, per row and p
 target-th largest value, 12 + 11 bits at a time (the float bits took 11 + 10 + 10, a launch more): each program
 adds the digits of its chunk's values that match the digits found so far into the row's histogram (atomics),
 and the last program of the row to finish (a counter per row) picks the digit. A last pass writes every column
-at its place (a target's members: above its threshold, then the tied ones in column order; a program counts the
-members of the chunks before its own): the retrieved as sort keys, the others as columns; the row's last
+at its place (a target's members: above its threshold, then the tied ones in column order; a program takes the
+counts of the chunks before its own from their programs, by a decoupled look-back: each publishes its chunk's
+counts and waits for its predecessors'): the retrieved as sort keys, the others as columns; the row's last
 program to finish sorts the retrieved keys in registers.
 """
 
@@ -113,40 +114,55 @@ def _select_round_kernel(
 
 
 @triton.jit
-def _before(value_ptr, row, chunk, columns, p1, p2, CHUNK: tl.constexpr):
-    """Values of the chunks before ``chunk`` above and equal to each threshold."""
-    zero = tl.sum(tl.zeros([2], tl.int32), axis=0)
-    over1, same1, over2, same2 = zero, zero, zero, zero
-    for c in range(0, chunk):
-        col = c * CHUNK + tl.arange(0, CHUNK)
-        v = tl.load(value_ptr + row * columns + col, mask=col < columns, other=0).to(tl.int64)
-        over1 += tl.sum((v > p1).to(tl.int32), axis=0)
-        same1 += tl.sum((v == p1).to(tl.int32), axis=0)
-        over2 += tl.sum((v > p2).to(tl.int32), axis=0)
-        same2 += tl.sum((v == p2).to(tl.int32), axis=0)
-    return over1, same1, over2, same2
+def _counts_before(agg_ptr, flag_ptr, row, chunk, chunks, over1, same1, over2, same2, BLOCK_CH: tl.constexpr):
+    """Publish this chunk's four counts, then sum those of the row's chunks before it (decoupled look-back: a
+    chunk's program waits until each earlier chunk's program has published; chunks are handed out in the order
+    programs start, so an earlier chunk's program is running or done and the wait ends)."""
+    j = tl.arange(0, 4)
+    mine = tl.where(j == 0, over1, tl.where(j == 1, same1, tl.where(j == 2, over2, same2)))
+    tl.store(agg_ptr + (row * chunks + chunk) * 4 + j, mine)
+    tl.debug_barrier()  # every thread's counts precede the flag
+    tl.atomic_xchg(flag_ptr + row * chunks + chunk, 1, sem="release")
+    c = tl.arange(0, BLOCK_CH)
+    before = c < chunk
+    flags = row * chunks + c
+    ready = tl.sum(tl.where(before, tl.atomic_add(flag_ptr + flags, 0, mask=before, sem="acquire"), 0), axis=0)
+    while ready < chunk:
+        ready = tl.sum(tl.where(before, tl.atomic_add(flag_ptr + flags, 0, mask=before, sem="acquire"), 0), axis=0)
+    agg = tl.load(agg_ptr + flags[:, None] * 4 + j[None, :], mask=before[:, None], other=0, cache_modifier=".cg")
+    total = tl.sum(agg, axis=0)  # [4]
+    return _entry(total, j, 0), _entry(total, j, 1), _entry(total, j, 2), _entry(total, j, 3)
+
+
+@triton.jit
+def _entry(vector, j, i):
+    return tl.sum(tl.where(j == i, vector, 0), axis=0)
 
 
 def _select_write_kernel(
-    ret_ptr, est_ptr, value_ptr, count_ptr, prefix_ptr, above_ptr, out_ptr, columns, heads, read_width, est_width,
-    chunks, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+    ret_ptr, est_ptr, value_ptr, count_ptr, prefix_ptr, above_ptr, ticket_ptr, flag_ptr, agg_ptr, out_ptr, columns,
+    heads, read_width, est_width, chunks,
+    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CH: tl.constexpr,
     SHIFT: tl.constexpr, PAD: tl.constexpr, MAX_VALUE: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    chunk = tl.atomic_add(ticket_ptr + row, 1, sem="relaxed")  # chunks in the order the row's programs start
     k1, k2 = _counts(ret_ptr, est_ptr, row, heads, columns, read_width, est_width)
     p1 = tl.load(prefix_ptr + row * 2)
     p2 = tl.load(prefix_ptr + row * 2 + 1)
     a1 = tl.load(above_ptr + row * 2)
     a2 = tl.load(above_ptr + row * 2 + 1)
-    over1, tie1, over2, tie2 = _before(value_ptr, row, chunk, columns, p1, p2, CHUNK)
-    n1 = over1 + tl.minimum(tie1, k1 - a1)  # members in the chunks before: ties go in column order
-    n2 = over2 + tl.minimum(tie2, k2 - a2)
     col = chunk * CHUNK + tl.arange(0, CHUNK)
     cm = col < columns
     v = tl.load(value_ptr + row * columns + col, mask=cm, other=0).to(tl.int64)
     eq1 = (cm & (v == p1)).to(tl.int32)
     eq2 = (cm & (v == p2)).to(tl.int32)
+    over1, tie1, over2, tie2 = _counts_before(
+        agg_ptr, flag_ptr, row, chunk, chunks, tl.sum((cm & (v > p1)).to(tl.int32), axis=0), tl.sum(eq1, axis=0),
+        tl.sum((cm & (v > p2)).to(tl.int32), axis=0), tl.sum(eq2, axis=0), BLOCK_CH,
+    )  # fmt: skip
+    n1 = over1 + tl.minimum(tie1, k1 - a1)  # members in the chunks before: ties go in column order
+    n2 = over2 + tl.minimum(tie2, k2 - a2)
     in1 = cm & ((v > p1) | ((eq1 > 0) & (tie1 + tl.cumsum(eq1, axis=0) - eq1 < k1 - a1)))
     in2 = cm & ((v > p2) | ((eq2 > 0) & (tie2 + tl.cumsum(eq2, axis=0) - eq2 < k2 - a2)))
     r = in1.to(tl.int32)
@@ -179,10 +195,13 @@ def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimate
     out = torch.empty(n, heads, columns, dtype=torch.int64, device=device)
     values = torch.empty(rows, columns, dtype=torch.int32, device=device)
     hist_size = sum(rows * 2 * bins for _, bins in ROUNDS)
-    state = torch.zeros(4 * rows + rows + hist_size // 2, dtype=torch.int64, device=device)  # one memset
-    prefix, above = state[: 2 * rows], state[2 * rows : 4 * rows]  # per row and target
+    look_back = rows + rows * chunks * 5  # int32: tickets per row, flags and four counts per (row, chunk)
+    state = torch.zeros(4 * rows + rows + hist_size // 2 + (look_back + 1) // 2, dtype=torch.int64, device=device)
+    prefix, above = state[: 2 * rows], state[2 * rows : 4 * rows]  # per row and target (one memset for all)
     count = state[4 * rows : 5 * rows].view(torch.int32)[:rows]  # programs of the row done, per kernel
-    hist = state[5 * rows :].view(torch.int32)  # per round, row and target
+    hist = state[5 * rows : 5 * rows + hist_size // 2].view(torch.int32)  # per round, row and target
+    tail = state[5 * rows + hist_size // 2 :].view(torch.int32)
+    tickets, flags, aggs = tail[:rows], tail[rows : rows + rows * chunks], tail[rows + rows * chunks : look_back]
     counts = (retrieved.to(torch.int64).contiguous(), estimated.to(torch.int64).contiguous())
     logits, sizes = logits.contiguous(), sizes.to(torch.int32).contiguous()
     tile_max, tile_sum = tile_max.contiguous(), tile_sum.contiguous()
@@ -197,8 +216,8 @@ def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimate
         )  # fmt: skip
         at += rows * 2 * bins
     select_write_kernel[(rows, chunks)](
-        *counts, values, count, prefix, above, out, columns, heads, read_width, est_width, chunks,
-        CHUNK=chunk, BLOCK_R=max(16, triton.next_power_of_2(read_width)), SHIFT=SHIFT, PAD=PAD,
-        MAX_VALUE=MAX_VALUE, num_warps=NUM_WARPS,
+        *counts, values, count, prefix, above, tickets, flags, aggs, out, columns, heads, read_width, est_width, chunks,
+        CHUNK=chunk, BLOCK_R=max(16, triton.next_power_of_2(read_width)),
+        BLOCK_CH=max(2, triton.next_power_of_2(chunks)), SHIFT=SHIFT, PAD=PAD, MAX_VALUE=MAX_VALUE, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
