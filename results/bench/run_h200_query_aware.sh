@@ -29,3 +29,4 @@ for m in $METHODS; do
   esac
 done
 grep -E "^\| " "$OUT/bench.md" | head -12
+python3 "$(dirname "$0")/engine_summary.py" "$OUT/bench.json"  # per run: median gap, busy, long steps, top kernels
