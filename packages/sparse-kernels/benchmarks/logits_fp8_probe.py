@@ -25,7 +25,7 @@ from _timing import copy_bandwidth, median_ms  # noqa: E402
 from sparse_kernels import paged_logits  # noqa: E402
 from sparse_kernels._triton import logits_attention as la_kernel  # noqa: E402
 from sparse_kernels._triton import paged_logits as pl_kernel  # noqa: E402
-from sparse_kernels.logits_attention import logits_attention, softmax_stats  # noqa: E402
+from sparse_kernels.logits_attention import logits_attention, logits_lse  # noqa: E402
 
 HKV, HQ, D, BS = 8, 32, 128, 16
 
@@ -78,7 +78,7 @@ def _sweep(args, batch: int, fp8: bool, q: torch.Tensor, rows: dict, copy: float
     itemsize = 1 if fp8 else 2
     read = batch * args.context * HKV * (D * itemsize + (4 if fp8 else 0)) / 2 + batch * HQ * args.context * 4
     logits = torch.empty(batch, HQ, args.context, device="cuda")
-    m, s = torch.empty(batch, HQ, device="cuda"), torch.empty(batch, HQ, device="cuda")
+    lse = torch.empty(batch, HQ, device="cuda")
     out = torch.empty(batch, HQ, D, device="cuda", dtype=torch.bfloat16)
     pl_cfg = pl_kernel.FP8_CONFIG if fp8 else pl_kernel.CONFIG
     la_cfg = la_kernel.FP8_CONFIG if fp8 else la_kernel.CONFIG
@@ -88,10 +88,10 @@ def _sweep(args, batch: int, fp8: bool, q: torch.Tensor, rows: dict, copy: float
         paged_logits(q, k, table, starts, lens, logits, scale=D**-0.5, k_scale=ks)
 
     def run_attention():
-        logits_attention(logits, m, s, v, table, starts, lens, out, v_scale=vs)
+        logits_attention(logits, lse, v, table, starts, lens, out, v_scale=vs)
 
     run_logits()
-    softmax_stats(logits, m, s)
+    lse.copy_(logits_lse(logits))
     ref_logits = logits.clone()
     run_attention()
     ref_out = out.float().clone()

@@ -8,7 +8,7 @@ import torch
 
 from sparse_kernels import causal_attention, paged_logits
 from sparse_kernels.head_max_probs import head_max_probs
-from sparse_kernels.logits_attention import logits_attention, softmax_stats
+from sparse_kernels.logits_attention import logits_attention, logits_lse, softmax_stats
 
 KV_LENS = [5, 40, 1, 70]
 
@@ -35,8 +35,7 @@ def test_attention_from_logits_equals_attention(backend, paged_batch, triton_dev
     out = torch.full((4, 8, 32), float("nan"), device=device)
     logits_attention(
         logits.to(device),
-        m,
-        s,
+        logits_lse(logits.to(device), backend=backend),
         torch.nan_to_num(batch.v_cache).to(device),
         batch.kv_indices.to(device),
         starts.to(device),
@@ -105,10 +104,9 @@ def test_logits_and_attention_over_codes_equal_attention_over_dequantized_kv(
         expected = torch.einsum("hd,nhd->hn", q[b], k.repeat_interleave(4, dim=1)) * 0.5
         torch.testing.assert_close(logits[b, :, :n].cpu(), expected, **tol)
         assert torch.isinf(logits[b, :, n:]).all()
-    m, s = torch.empty(4, 8, device=device), torch.empty(4, 8, device=device)
-    softmax_stats(logits, m, s, backend=backend)
     out = torch.full((4, 8, 32), float("nan"), device=device)
-    logits_attention(logits, m, s, kv.v, table, starts, lens, out, v_scale=kv.v_scale, **codes, backend=backend)
+    lse = logits_lse(logits, backend=backend)
+    logits_attention(logits, lse, kv.v, table, starts, lens, out, v_scale=kv.v_scale, **codes, backend=backend)
     out = out.cpu() if rotation is None else out.cpu() @ rotation.T
     for b, (k, v) in enumerate(zip(batch.k_seqs, batch.v_seqs, strict=True)):
         expected = causal_attention(q[b : b + 1], k, v, sm_scale=0.5, causal=False)[0]

@@ -1,10 +1,11 @@
-"""Decode attention from logits already computed (``paged_logits``): softmax statistics, then
+"""Decode attention from logits already computed (``paged_logits``): each row's log-sum-exp, then
 ``softmax @ V`` reading only the values through each row's block table.
 
 A layer that needs every token's logits anyway (a method's filter layer scoring every token) has
 read the keys once to write them; attending from those logits reads V and the logits instead of K
-and V again. ``softmax_stats`` gives each (row, query head)'s max and sum of ``exp(logit - max)``,
-which also turns any logit into its probability (``exp(l - max) / sum``) for the method's scores.
+and V again. ``logits_lse`` (from ``softmax_stats``' max and sum of ``exp(logit - max)``), or the decode's
+own ``lse_out``, gives each (row, query head)'s log-sum-exp, which also turns any logit into its probability
+(``exp(l - lse)``) for the method's scores.
 Fixed grids, no host sync: graph-safe. Over an fp8 store (``v_scale``) values are e4m3 codes times a
 scale per (token, KV head), folded into each token's probability before ``P @ V``.
 """
@@ -54,8 +55,7 @@ def logits_lse(logits: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 
 def logits_attention(
     logits: torch.Tensor,
-    logit_max: torch.Tensor,
-    logit_sum: torch.Tensor,
+    logit_lse: torch.Tensor,
     v_cache: torch.Tensor,
     table_indices: torch.Tensor,
     table_start: torch.Tensor,
@@ -72,8 +72,9 @@ def logits_attention(
     ----------
     logits : torch.Tensor
         float32 ``[B, num_qo_heads, W]`` contiguous (``paged_logits``' output: ``-inf`` past a row).
-    logit_max, logit_sum : torch.Tensor
-        float32 ``[B, num_qo_heads]`` from ``softmax_stats``.
+    logit_lse : torch.Tensor
+        float32 ``[B, num_qo_heads]``, each row's log-sum-exp of its logits (``logits_lse``, or a decode's
+        ``lse_out``): a token's probability is ``exp(logit - logit_lse)``.
     v_cache : torch.Tensor
         ``[num_blocks, block_size, num_kv_heads, head_dim]`` contiguous; query head ``hq`` reads KV
         head ``hq // (num_qo_heads // num_kv_heads)``.
@@ -101,8 +102,8 @@ def logits_attention(
         raise ValueError(
             f"incompatible logits {list(logits.shape)}, v_cache {list(v_cache.shape)}, out {list(out.shape)}"
         )
-    if tuple(logit_max.shape) != (batch, num_qo_heads) or tuple(logit_sum.shape) != (batch, num_qo_heads):
-        raise ValueError(f"logit_max and logit_sum must be [{batch}, {num_qo_heads}]")
+    if tuple(logit_lse.shape) != (batch, num_qo_heads):
+        raise ValueError(f"logit_lse must be [{batch}, {num_qo_heads}]")
     if codebook is None:
         check_token_scale("v_scale", v_scale, v_cache)
     if batch == 0:
@@ -110,7 +111,7 @@ def logits_attention(
     if resolve_backend(backend, logits.device) == "triton":
         from sparse_kernels._triton.logits_attention import logits_attention_triton
 
-        args = (logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out)
+        args = (logits, logit_lse, v_cache, table_indices, table_start, kv_lens, out)
         return logits_attention_triton(*args, v_scale=v_scale, codebook=codebook)
     tok = torch.arange(width, device=logits.device)[None, :]
     lens = kv_lens.to(torch.int64)[:, None]
@@ -119,6 +120,6 @@ def logits_attention(
     slots = blocks * block_size + t % block_size
     v = read_rows(v_cache, v_scale, codebook, slots, head_dim)  # [B, W, Hkv, D]
     v = v.repeat_interleave(num_qo_heads // num_kv_heads, dim=2)  # [B, W, Hq, D]
-    probs = torch.exp(logits - logit_max[..., None]) / logit_sum[..., None]  # -inf columns -> 0
+    probs = torch.exp(logits - logit_lse[..., None])  # -inf columns -> 0
     out.copy_(torch.einsum("bhw,bwhd->bhd", probs, v))
     return out

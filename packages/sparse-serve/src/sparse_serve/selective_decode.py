@@ -311,11 +311,11 @@ class SelectiveDecode:
             # K was read once, for the logits; the output reads V only (TurboQuant: in the rotated space).
             if kv is None:
                 args = (v_cache, *self._rows_of(st), out)
-                return logits_attention(logits, logit_lse, self._ones(logit_lse), *args, backend=self.backend)
+                return logits_attention(logits, logit_lse, *args, backend=self.backend)
             into = out if kv.rotation is None else torch.empty_like(out)
             args = (kv.v, *self._rows_of(st), into)
             codes = dict(v_scale=kv.v_scale, codebook=kv.codebook)
-            logits_attention(logits, logit_lse, self._ones(logit_lse), *args, **codes, backend=self.backend)
+            logits_attention(logits, logit_lse, *args, **codes, backend=self.backend)
             return out if kv.rotation is None else rotate_quantized(into, kv, back=True, out=out)
         n = chosen.shape[0]
         wrapper = self._fast[st.unit][0]
@@ -394,11 +394,6 @@ class SelectiveDecode:
         if st.rows is not None:
             logits, lse = logits[st.rows], lse[st.rows]
         return logits, lse
-
-    @staticmethod
-    def _ones(lse: torch.Tensor) -> torch.Tensor:
-        """``logits_attention``'s normalizer when its shift is the log-sum-exp: ones shaped like it."""
-        return torch.ones_like(lse)
 
     def _logits(self, q: torch.Tensor, k_cache: torch.Tensor | None, st: _BatchedStep, kv=None):
         """Raw logits of every selecting row over its tokens (through the tables) and their softmax

@@ -41,8 +41,7 @@ def _softmax_stats_kernel(x_ptr, max_ptr, sum_ptr, width, BLOCK: tl.constexpr):
 
 def _logits_attention_split_kernel(
     logits_ptr,
-    max_ptr,
-    sum_ptr,
+    lse_ptr,
     v_ptr,
     v_scale_ptr,
     codebook_ptr,
@@ -80,9 +79,8 @@ def _logits_attention_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_g = offs_g < GROUP
     mask_d = offs_d < HEAD_DIM
-    heads = b * (NUM_KV_HEADS * GROUP) + h * GROUP + offs_g  # rows of logits / max / sum
-    m = tl.load(max_ptr + heads, mask=mask_g, other=0.0)
-    inv = 1.0 / tl.load(sum_ptr + heads, mask=mask_g, other=1.0)
+    heads = b * (NUM_KV_HEADS * GROUP) + h * GROUP + offs_g  # rows of logits / lse
+    lse = tl.load(lse_ptr + heads, mask=mask_g, other=0.0)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for t0 in range(lo, hi, BLOCK_N):
         offs_n = t0 + tl.arange(0, BLOCK_N)
@@ -105,7 +103,7 @@ def _logits_attention_split_kernel(
             mask=mask_g[:, None] & mask_n[None, :],
             other=float("-inf"),
         )
-        p = tl.exp(x - m[:, None]) * inv[:, None]  # [BLOCK_G, BLOCK_N], 0 where masked
+        p = tl.exp(x - lse[:, None])  # [BLOCK_G, BLOCK_N], 0 where masked
         if V_SCALE:  # fp8 codes: each value's scale folded into its probability
             p = p * tl.load(v_scale_ptr + slot * NUM_KV_HEADS + h, mask=mask_n, other=0.0)[None, :]
         acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
@@ -155,7 +153,7 @@ def num_splits(batch: int, num_kv_heads: int, device: torch.device, programs_per
 
 
 def logits_attention_triton(
-    logits, logit_max, logit_sum, v_cache, table_indices, table_start, kv_lens, out, v_scale=None, codebook=None
+    logits, logit_lse, v_cache, table_indices, table_start, kv_lens, out, v_scale=None, codebook=None
 ):
     from sparse_kernels._triton.quantized_decode_launch import codebook_launch
 
@@ -170,8 +168,7 @@ def logits_attention_triton(
     part = torch.empty(batch * num_qo_heads * splits * block_d, dtype=torch.float32, device=logits.device)
     logits_attention_split_kernel[(batch, num_kv_heads, splits)](
         logits,
-        logit_max,
-        logit_sum,
+        logit_lse,
         v_cache,
         v_cache if v_scale is None else v_scale,
         v_cache if codebook is None else codebook,
