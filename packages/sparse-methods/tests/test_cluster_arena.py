@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sparse_kernels.cluster_index import build_cluster_index, concat_indexes
+from sparse_kernels.cluster_index import ClusterIndex, build_cluster_index, concat_indexes
 from sparse_methods import ClusterArena
 
 HEADS, DIM = 2, 8
@@ -89,3 +89,37 @@ def test_value_sums_in_the_model_dtype_and_bytes_counted(dtype, sums):
     index = build_cluster_index(keys.to(dtype), values, start=0, avg_cluster_size=4)
     arena.write("a", 0, index)
     assert torch.equal(arena.read("a", 0, 0, 24, index.num_clusters).value_sums, index.value_sums.to(sums))
+
+
+def test_stacked_blocks_write_as_each_block_alone():
+    """``write_blocks`` of three requests' blocks, their heads stacked in one index with positions from 0, equals
+    writing each block alone (its heads of the stacked index, its positions shifted to where it starts), at
+    different rows and places; a block that would outgrow its row rejects the whole write before any row is
+    taken."""
+    g = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(2, 8, 3 * HEADS, DIM, generator=g)
+    stacked = build_cluster_index(keys, values, start=0, avg_cluster_size=4, segments=1)
+    blocks = [("a", 0, 0, 10), ("b", 2, 8, 30), ("c", 5, 20, 50)]  # (request, at cluster, at token, start)
+    together, alone = _arena(rows=5), _arena(rows=5)
+    first = build_cluster_index(keys[:, :HEADS], values[:, :HEADS], start=0, avg_cluster_size=4, segments=1)
+    for arena in (together, alone):
+        arena.write("z", 1, first)  # row 0 held: the blocks go to rows 1-3
+    together.write_blocks(1, stacked, blocks)
+    for j, (rid, at_cluster, at_token, shift) in enumerate(blocks):
+        heads = slice(j * HEADS, (j + 1) * HEADS)
+        block = ClusterIndex(
+            start=shift, end=shift + 8, centroids=stacked.centroids[heads], value_sums=stacked.value_sums[heads],
+            sizes=stacked.sizes[heads], offsets=stacked.offsets[heads],
+            sorted_positions=stacked.sorted_positions[heads] + shift,
+        )  # fmt: skip
+        alone.write(rid, 1, block, at_cluster=at_cluster, at_token=at_token)
+    for got, want in zip(together.layers[1], alone.layers[1], strict=True):
+        assert torch.equal(got, want)
+    assert together.bases("c") == alone.bases("c") == (3 * 64, 3 * 16)
+    before = [t.clone() for t in together.layers[0]]
+    with pytest.raises(ValueError, match="outgrows its arena row"):
+        together.write_blocks(0, stacked, [("d", 0, 0, 0), ("e", 15, 0, 0), ("a", 0, 0, 0)])
+    assert "d" not in together.rows
+    assert all(torch.equal(a, b) for a, b in zip(before, together.layers[0], strict=True))
+    with pytest.raises(ValueError, match="heads, got"):
+        together.write_blocks(0, stacked, blocks[:2])

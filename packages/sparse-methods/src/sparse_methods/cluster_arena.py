@@ -90,23 +90,49 @@ class ClusterArena:
         indexed on its own) into the request's row of ``layer``, its clusters from column ``at_cluster`` and its
         tokens from entry ``at_token`` of the row (an index grows by appending blocks: the clusters and tokens
         already there stay). The request takes a row on its first write."""
-        clusters = at_cluster + block.num_clusters
-        tokens = at_token + block.sorted_positions.shape[1]
-        if clusters > self.clusters or tokens > self.tokens:
-            raise ValueError(
-                f"a cluster index of {clusters} clusters over {tokens} tokens outgrows its arena row "
-                f"({self.clusters} clusters, {self.tokens} tokens): the memory plan's bound is wrong"
-            )
-        self.rows.take(request_id)
-        t0, c0 = self.bases(request_id)
-        c_at, c_end, t_at, t_end = c0 + at_cluster, c0 + clusters, t0 + at_token, t0 + tokens
+        self.write_blocks(layer, block, [(request_id, at_cluster, at_token, 0)])
+
+    def write_blocks(self, layer: int, stacked, blocks: Sequence[tuple[Hashable, int, int, int]]) -> None:
+        """Write the blocks of ``stacked`` (a ``ClusterIndex`` whose heads are ``len(blocks)`` blocks' KV heads
+        stacked, block ``j`` at heads ``[j * H, (j + 1) * H)``, all of one length) into their requests' rows of
+        ``layer``: ``blocks[j] = (request_id, at_cluster, at_token, shift)``, as ``write`` places one, its
+        token positions plus ``shift``. One indexed copy per buffer for all of them (an index update of a
+        whole batch costs a few launches a layer, not a few per request)."""
+        n = len(blocks)
+        heads, count = self.layers[layer][0].shape[0], stacked.num_clusters
+        length = stacked.sorted_positions.shape[1]
+        if stacked.centroids.shape[0] != n * heads:
+            raise ValueError(f"{n} blocks of {heads} KV heads need {n * heads} heads, got {stacked.centroids.shape[0]}")
+        for _, at_cluster, at_token, _ in blocks:  # all checked before any row is taken or written
+            if at_cluster + count > self.clusters or at_token + length > self.tokens:
+                raise ValueError(
+                    f"a cluster index of {at_cluster + count} clusters over {at_token + length} tokens outgrows its "
+                    f"arena row ({self.clusters} clusters, {self.tokens} tokens): the memory plan's bound is wrong"
+                )
+        cols, toks = [], []
+        for request_id, at_cluster, at_token, _ in blocks:
+            self.rows.take(request_id)
+            t0, c0 = self.bases(request_id)
+            cols.append(c0 + at_cluster)
+            toks.append(t0 + at_token)
         centroids, sizes, offsets, positions, value_sums = self.layers[layer]
-        centroids[:, c_at:c_end] = block.centroids
-        if block.value_sums is not None:
-            value_sums[:, c_at:c_end] = block.value_sums
-        sizes[:, c_at:c_end] = block.sizes
-        offsets[:, c_at:c_end] = block.offsets + at_token
-        positions[:, t_at:t_end] = block.sorted_positions
+        device = centroids.device
+        host = torch.tensor([cols, toks, [b[2] for b in blocks], [b[3] for b in blocks]], dtype=torch.int64)
+        firsts = host.to(device)  # one copy: column and entry bases, offsets' and positions' shifts
+        col = (firsts[0, :, None] + torch.arange(count, device=device)).view(-1)
+        tok = (firsts[1, :, None] + torch.arange(length, device=device)).view(-1)
+
+        def per_head(x: torch.Tensor) -> torch.Tensor:  # [n * H, k, ...] -> [H, n * k, ...], block-major
+            return x.reshape(n, heads, *x.shape[1:]).transpose(0, 1).reshape(heads, n * x.shape[1], *x.shape[2:])
+
+        centroids.index_copy_(1, col, per_head(stacked.centroids.to(centroids.dtype)))
+        if stacked.value_sums is not None:
+            value_sums.index_copy_(1, col, per_head(stacked.value_sums.to(value_sums.dtype)))
+        sizes.index_copy_(1, col, per_head(stacked.sizes.to(sizes.dtype)))
+        shifted = stacked.offsets.reshape(n, heads, count) + firsts[2, :, None, None]
+        offsets.index_copy_(1, col, per_head(shifted.reshape(n * heads, count).to(offsets.dtype)))
+        moved = stacked.sorted_positions.reshape(n, heads, length) + firsts[3, :, None, None]
+        positions.index_copy_(1, tok, per_head(moved.reshape(n * heads, length).to(positions.dtype)))
 
     def read(self, request_id: Hashable, layer: int, start: int, end: int, clusters: int, values: bool = True):
         """The request's index of ``layer`` as a ``ClusterIndex`` of views into its row: ``clusters`` clusters over
