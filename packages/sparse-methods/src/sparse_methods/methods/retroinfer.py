@@ -18,7 +18,8 @@ plain reference of the whole decode.
 
 On the engine, one selection path (``select_decode``, slot entries, no host sync, CUDA-graph safe): the index is
 built or extended outside graphs, from the keys ``on_attention_end`` hands over at the steps that bring a
-request's processed tokens to a new index block (``prepare_step`` observes exactly those), and written in place
+request's processed tokens to a new index block (``prepare_step`` observes exactly those; an appended block's
+k-means replays a CUDA graph of its shape, ``sparse_kernels.cluster_index_graphs``), and written in place
 into the request's row of the engine's fixed device buffers (``StoreKind.CLUSTER_INDEX``: a ``ClusterArena``
 sized at build from ``memory_plan``'s ``index_clusters``, so graphs never see it move), which the decode rows
 read through a per-step plan. The index keeps each cluster's value sum (summed in float32 from the values of its
@@ -143,6 +144,7 @@ class RetroInfer(SparseMethod):
         super().__init__(config, shape)
         self._index: dict[tuple[Hashable, int], IndexExtent] = {}  # (request id, layer) -> its index's extent
         self._observing: dict[Hashable, int] = {}  # this step: request -> tokens processed after it
+        self._blocks = None  # the appended blocks' graphed index builder, made on first use
         self._width = 0  # this step's widest selection (slots)
         self.observes_values = self.config.retroinfer_estimation_ratio > 0  # value sums for the estimation
 
@@ -269,7 +271,7 @@ class RetroInfer(SparseMethod):
     def _index_blocks(self, layer: int, batch: LayerAttentionBatch, blocks, length: int, segments) -> None:
         """Index ``blocks`` ``(request, lo, hi, segments)`` of one ``length`` in one ``build_cluster_index`` (their
         KV heads stacked), then append each to its request's index in the arena, in order."""
-        from sparse_kernels.cluster_index import ClusterIndex, build_cluster_index
+        from sparse_kernels.cluster_index import build_cluster_index
 
         if batch.batched:
             keys, values = batch.keys.spans([b[0] for b in blocks], [b[1] for b in blocks], length)
@@ -283,27 +285,25 @@ class RetroInfer(SparseMethod):
         n, h = len(blocks), self.shape.num_kv_heads
         stacked = keys.permute(1, 0, 2, 3).reshape(length, n * h, -1)
         vals = values.permute(1, 0, 2, 3).reshape(length, n * h, -1) if self.observes_values else None
-        whole = build_cluster_index(
-            stacked, vals, start=0, avg_cluster_size=self.config.retroinfer_avg_cluster_size, segments=segments
-        )
-        for j, (i, lo, hi, _) in enumerate(blocks):
-            heads = slice(j * h, (j + 1) * h)
-            block = ClusterIndex(
-                start=lo,
-                end=hi,
-                centroids=whole.centroids[heads],
-                value_sums=None if whole.value_sums is None else whole.value_sums[heads],
-                sizes=whole.sizes[heads],
-                offsets=whole.offsets[heads],
-                sorted_positions=whole.sorted_positions[heads] + lo,
-            )
+        avg = self.config.retroinfer_avg_cluster_size
+        if segments is None:  # a first index: its length is the prompt's, a shape seen once
+            whole = build_cluster_index(stacked, vals, start=0, avg_cluster_size=avg, segments=None)
+        else:  # appended blocks repeat their shape every update: replayed from a CUDA graph per shape
+            if self._blocks is None:
+                from sparse_kernels.cluster_index_graphs import GraphedIndexBuilder
+
+                self._blocks = GraphedIndexBuilder()
+            whole = self._blocks(stacked, vals, avg_cluster_size=avg, segments=segments)
+        writes = []
+        for i, lo, hi, _ in blocks:
             request_id = batch.requests[i].request_id
             key = (request_id, layer)
             extent = self._index.get(key)
             at_cluster, at_token = (0, 0) if extent is None else (extent.num_clusters, extent.end - extent.start)
-            self.arena.write(request_id, layer, block, at_cluster=at_cluster, at_token=at_token)
+            writes.append((request_id, at_cluster, at_token, lo))
             start = lo if extent is None else extent.start
-            self._index[key] = IndexExtent(start, hi, at_cluster + block.num_clusters)
+            self._index[key] = IndexExtent(start, hi, at_cluster + whole.num_clusters)
+        self.arena.write_blocks(layer, whole, writes)
 
     def release(self, request_id: Hashable) -> None:
         dropped = [k for k in self._index if k[0] == request_id]
