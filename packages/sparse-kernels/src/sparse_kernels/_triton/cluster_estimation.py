@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._decode_buffers import num_sms
-from sparse_kernels._triton.launch import Kernel, dot_args
+from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
 
 BLOCK_E = 32  # clusters per tile
 PROGRAMS_PER_SM = 8
@@ -50,9 +50,11 @@ def _cluster_estimation_split_kernel(
     HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, VALUE_PRECISION: tl.constexpr,
     FROM_LOGITS: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
     """``scale`` multiplies ``q . centroid``, or with ``FROM_LOGITS`` the logits (``[rows, HEADS, GROUP,
     num_columns]``, row ``b``'s column of cluster ``id`` is ``id - base_ptr[b]``; ``q_ptr`` / ``c_ptr`` unread)."""
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     b = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -114,11 +116,14 @@ def _cluster_estimation_split_kernel(
     out = acc / tl.where(empty, 1.0, denom)[:, None]
     tl.store(o_part_ptr + part[:, None] * BLOCK_D + d[None, :], out, mask=gmask[:, None] & dmask[None, :])
     tl.store(lse_part_ptr + part, tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, denom))), mask=gmask)
+    pdl_exit(USE_GDC)
 
 
 def _cluster_estimation_merge_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr
+    o_part_ptr, lse_part_ptr, out_ptr, lse_ptr, num_splits, dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     r = tl.program_id(0).to(tl.int64)  # row * query heads + query head
     s = tl.arange(0, BLOCK_S)
     smask = s < num_splits
@@ -138,6 +143,7 @@ def _cluster_estimation_merge_kernel(
     o = tl.sum(o * w[:, None], axis=0) / tl.where(empty, 1.0, denom)
     tl.store(out_ptr + r * dim + d, o, mask=dmask)
     tl.store(lse_ptr + r, tl.where(empty, float("-inf"), top + tl.log(tl.where(empty, 1.0, denom))))
+    pdl_exit(USE_GDC)
 
 
 cluster_estimation_split_kernel = Kernel(_cluster_estimation_split_kernel)
@@ -191,10 +197,20 @@ def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, sca
         FROM_LOGITS=from_logits,
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
+        **pdl_args(query.device),
     )
     out = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=query.device)
     cluster_estimation_merge_kernel[(batch * q_heads,)](
-        o_part, lse_part, out, lse, splits, dim, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4
+        o_part,
+        lse_part,
+        out,
+        lse,
+        splits,
+        dim,
+        BLOCK_S=triton.next_power_of_2(splits),
+        BLOCK_D=block_d,
+        num_warps=4,
+        **pdl_args(query.device),
     )
     return out, lse

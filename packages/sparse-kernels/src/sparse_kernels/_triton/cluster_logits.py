@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel, dot_args
+from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
 
 BLOCK_C = 128  # cluster columns per tile
 NUM_WARPS = 4  # benchmarks/retroinfer_kernel_probe.py sweeps these
@@ -28,7 +28,9 @@ def _cluster_logits_kernel(
     HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     TILES: tl.constexpr, STAGES: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     base = tl.load(base_ptr + r)
@@ -64,6 +66,7 @@ def _cluster_logits_kernel(
         smask = gmask & (g * 0 + t < tiles)
         tl.store(tmax_ptr + stat, m, mask=smask)
         tl.store(tsum_ptr + stat, total_exp, mask=smask)
+    pdl_exit(USE_GDC)
 
 
 cluster_logits_kernel = Kernel(_cluster_logits_kernel)
@@ -103,5 +106,6 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
         TILES=TILES_PER_PROGRAM,
         STAGES=NUM_STAGES,
         num_warps=NUM_WARPS,
+        **pdl_args(query.device),
     )
     return logits, size, tile_max, tile_sum

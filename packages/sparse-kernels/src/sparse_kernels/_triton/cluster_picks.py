@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 BLOCK = 1024  # ranked clusters per tile of the running sum
 BLOCK_E = 512  # estimated ids per tile
@@ -24,7 +24,9 @@ def _cluster_runs_kernel(
     order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, covered_ptr, ids_ptr, plan_stride, order_stride, top,
     columns, reach, est,
     HEADS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     row = r * HEADS + h
@@ -54,13 +56,16 @@ def _cluster_runs_kernel(
             rank = read + e
             o = tl.load(order_ptr + row * order_stride + tl.minimum(rank, top - 1), mask=em, other=0)
             tl.store(ids_ptr + row * est + e, tl.where((e < wanted) & (rank < top), clu_base + o, -1), mask=em)
+    pdl_exit(USE_GDC)
 
 
 def _cluster_slots_kernel(
     order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, picked_ptr, covered_ptr, slots_ptr,
     plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink, steps,
     HEADS: tl.constexpr, BLOCK_W: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     row = r * HEADS + h
@@ -99,6 +104,7 @@ def _cluster_slots_kernel(
     out = tl.where(k < num_picked, pos, out)
     out = tl.where(k < 0, i, out)
     tl.store(slots_ptr + row * width + i, out, mask=im)
+    pdl_exit(USE_GDC)
 
 
 cluster_runs_kernel = Kernel(_cluster_runs_kernel)
@@ -120,13 +126,13 @@ def cluster_picks_triton(order, sizes, offsets, positions, plan, kv_lens, *, sin
     cluster_runs_kernel[(n, heads)](
         order, sizes, plan, cum, picked, covered, ids, plan.stride(0), order.stride(1), top, sizes.shape[2], reach,
         max(est, 1),
-        HEADS=heads, BLOCK=BLOCK, BLOCK_E=BLOCK_E, ESTIMATE=est > 0, num_warps=4,
+        HEADS=heads, BLOCK=BLOCK, BLOCK_E=BLOCK_E, ESTIMATE=est > 0, num_warps=4, **pdl_args(device),
     )  # fmt: skip
     slots = torch.empty(n, heads, width, dtype=torch.int64, device=device)
     cluster_slots_kernel[(n, heads, triton.cdiv(width, BLOCK_W))](
         order, sizes, offsets.contiguous(), positions.contiguous(), plan, kv_lens.to(torch.int64).contiguous(),
         cum, picked, covered, slots, plan.stride(0), order.stride(1), top, sizes.shape[2], offsets.shape[1],
         positions.shape[1], width, sink,
-        top.bit_length() + 1, HEADS=heads, BLOCK_W=BLOCK_W, num_warps=4,
+        top.bit_length() + 1, HEADS=heads, BLOCK_W=BLOCK_W, num_warps=4, **pdl_args(device),
     )  # fmt: skip
     return slots, (ids if est > 0 else None)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 from sparse_kernels.cluster_select import RANK_BITS, RANK_DROP, rank_offset
 
 CHUNK = 1024  # columns per program
@@ -65,7 +65,9 @@ def _select_round_kernel(
     above_ptr, columns, tiles, heads, read_width, est_width, chunks, shift, digit_bits,
     FIRST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
     BINS: tl.constexpr, DROP: tl.constexpr, OFFSET: tl.constexpr, MAX_VALUE: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     row = tl.program_id(0).to(tl.int64)  # (decode row, KV head)
     chunk = tl.program_id(1)
     col = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -111,6 +113,7 @@ def _select_round_kernel(
         k1, k2 = _counts(ret_ptr, est_ptr, row, heads, columns, read_width, est_width)
         _reduce(hist_ptr, prefix_ptr, above_ptr, row, 0, k1, shift, BINS)
         _reduce(hist_ptr, prefix_ptr, above_ptr, row, 1, k2, shift, BINS)
+    pdl_exit(USE_GDC)
 
 
 @triton.jit
@@ -144,7 +147,9 @@ def _select_write_kernel(
     heads, read_width, est_width, chunks,
     CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CH: tl.constexpr,
     SHIFT: tl.constexpr, PAD: tl.constexpr, MAX_VALUE: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):  # fmt: skip
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.atomic_add(ticket_ptr + row, 1, sem="relaxed")  # chunks in the order the row's programs start
     k1, k2 = _counts(ret_ptr, est_ptr, row, heads, columns, read_width, est_width)
@@ -178,6 +183,7 @@ def _select_write_kernel(
         i = tl.arange(0, BLOCK_R)
         keys = tl.sort(tl.load(out_ptr + row * columns + i, mask=i < k1, other=PAD, cache_modifier=".cg"))
         tl.store(out_ptr + row * columns + i, keys & ((1 << SHIFT) - 1), mask=i < k1)
+    pdl_exit(USE_GDC)
 
 
 select_round_kernel = Kernel(_select_round_kernel)
@@ -212,12 +218,13 @@ def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimate
             above, columns, tiles, heads, read_width, est_width, chunks, shift, bins.bit_length() - 1,
             FIRST=i == 0, GROUP=group, BLOCK_G=triton.next_power_of_2(group),
             BLOCK_T=min(64, triton.next_power_of_2(tiles)), CHUNK=chunk, BINS=bins, DROP=RANK_DROP,
-            OFFSET=rank_offset(group), MAX_VALUE=MAX_VALUE, num_warps=NUM_WARPS,
+            OFFSET=rank_offset(group), MAX_VALUE=MAX_VALUE, num_warps=NUM_WARPS, **pdl_args(device),
         )  # fmt: skip
         at += rows * 2 * bins
     select_write_kernel[(rows, chunks)](
         *counts, values, count, prefix, above, tickets, flags, aggs, out, columns, heads, read_width, est_width, chunks,
         CHUNK=chunk, BLOCK_R=max(16, triton.next_power_of_2(read_width)),
         BLOCK_CH=max(2, triton.next_power_of_2(chunks)), SHIFT=SHIFT, PAD=PAD, MAX_VALUE=MAX_VALUE, num_warps=NUM_WARPS,
+        **pdl_args(device),
     )  # fmt: skip
     return out

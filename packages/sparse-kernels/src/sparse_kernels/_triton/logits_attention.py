@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._decode_buffers import num_sms
-from sparse_kernels._triton.launch import Kernel, dot_args
+from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
 from sparse_kernels._triton.quantized_tiles import TURBOQUANT_ID, token_value_tile
 
 STATS_BLOCK = 4096  # columns per step of softmax_stats
@@ -23,7 +23,8 @@ CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16}
 FP8_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "programs_per_sm": 16}
 
 
-def _softmax_stats_kernel(x_ptr, max_ptr, sum_ptr, width, BLOCK: tl.constexpr):
+def _softmax_stats_kernel(x_ptr, max_ptr, sum_ptr, width, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
@@ -37,6 +38,7 @@ def _softmax_stats_kernel(x_ptr, max_ptr, sum_ptr, width, BLOCK: tl.constexpr):
         m = m_new
     tl.store(max_ptr + row, m)
     tl.store(sum_ptr + row, s)
+    pdl_exit(USE_GDC)
 
 
 def _logits_attention_split_kernel(
@@ -66,7 +68,9 @@ def _logits_attention_split_kernel(
     CPW: tl.constexpr,
     WORDS: tl.constexpr,
     UNPACK_WORDS: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,6 +113,7 @@ def _logits_attention_split_kernel(
         acc += tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
     rows = heads * num_splits + split
     tl.store(part_ptr + rows[:, None] * BLOCK_D + offs_d[None, :], acc, mask=mask_g[:, None] & mask_d[None, :])
+    pdl_exit(USE_GDC)
 
 
 def _logits_attention_reduce_kernel(
@@ -121,7 +126,9 @@ def _logits_attention_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     b = tl.program_id(0).to(tl.int64)
     hq = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -134,6 +141,7 @@ def _logits_attention_reduce_kernel(
     )
     o = tl.sum(part, axis=0)
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    pdl_exit(USE_GDC)
 
 
 softmax_stats_kernel = Kernel(_softmax_stats_kernel)
@@ -144,7 +152,7 @@ logits_attention_reduce_kernel = Kernel(_logits_attention_reduce_kernel)
 def softmax_stats_triton(logits: torch.Tensor, out_max: torch.Tensor, out_sum: torch.Tensor) -> None:
     rows, width = logits.shape
     block = min(STATS_BLOCK, max(16, triton.next_power_of_2(width)))
-    softmax_stats_kernel[(rows,)](logits, out_max, out_sum, width, BLOCK=block, num_warps=8)
+    softmax_stats_kernel[(rows,)](logits, out_max, out_sum, width, BLOCK=block, num_warps=8, **pdl_args(logits.device))
 
 
 def num_splits(batch: int, num_kv_heads: int, device: torch.device, programs_per_sm: int = 8) -> int:
@@ -190,6 +198,7 @@ def logits_attention_triton(
         **codes,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
+        **pdl_args(v_cache.device),
     )
     logits_attention_reduce_kernel[(batch, num_qo_heads)](
         part,
@@ -202,5 +211,6 @@ def logits_attention_triton(
         BLOCK_S=max(2, triton.next_power_of_2(splits)),
         BLOCK_D=block_d,
         num_warps=4,
+        **pdl_args(out.device),
     )
     return out

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
 def _block_summary_kernel(
@@ -27,7 +27,9 @@ def _block_summary_kernel(
     HAS_SCALE: tl.constexpr,
     TOKEN_SCALE: tl.constexpr,
     FROM_SLOTS: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     i = tl.program_id(0)
     h = tl.program_id(1)
     if FROM_SLOTS:  # ids are a decode step's slots: the block through the written token (-1: a padding row)
@@ -55,6 +57,7 @@ def _block_summary_kernel(
         # Min and max are existing key values, so narrowing back to the cache dtype is exact.
         tl.store(kmin_ptr + dst, k_min.to(kmin_ptr.dtype.element_ty), mask=mask_d)
         tl.store(kmax_ptr + dst, k_max.to(kmax_ptr.dtype.element_ty), mask=mask_d)
+    pdl_exit(USE_GDC)
 
 
 @triton.jit
@@ -103,4 +106,5 @@ def block_summary_triton(
         TOKEN_SCALE=token_scale is not None,
         FROM_SLOTS=from_slots,
         num_warps=2,
+        **pdl_args(k_cache.device),
     )

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.launch import Kernel
+from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
 def _update_summary_kernel(
@@ -18,7 +18,9 @@ def _update_summary_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     i = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + i).to(tl.int64)
@@ -37,6 +39,7 @@ def _update_summary_kernel(
         # Min and max are existing key values, so narrowing to the summary dtype is exact.
         tl.store(kmin_ptr + dst, lo.to(kmin_ptr.dtype.element_ty), mask=mask)
         tl.store(kmax_ptr + dst, hi.to(kmax_ptr.dtype.element_ty), mask=mask)
+    pdl_exit(USE_GDC)
 
 
 update_summary_kernel = Kernel(_update_summary_kernel)
@@ -57,4 +60,5 @@ def update_block_summaries_triton(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=1,
+        **pdl_args(k_cache.device),
     )
