@@ -2,7 +2,9 @@
 
 The same launch can also copy the step's first query rows into a caller's buffer at given rows
 (``copy_rows`` / ``copy_into`` / ``copy_index``): the engine's ring of recent decode queries is written
-there at every decode step, which would otherwise cost a launch of its own per layer.
+there at every decode step, which would otherwise cost a launch of its own per layer. Likewise ``summary``:
+a decode step's block summaries (Quest's per-page key min / max) updated through the stored keys, what
+``update_block_summaries`` would do in a launch of its own right after the store.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from sparse_kernels._backend import resolve_backend
+from sparse_kernels.summary_update import check_summary_args, update_block_summaries
 
 
 def store_kv(
@@ -22,6 +25,7 @@ def store_kv(
     copy_rows: torch.Tensor | None = None,
     copy_into: torch.Tensor | None = None,
     copy_index: torch.Tensor | None = None,
+    summary: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
     backend: str = "auto",
 ) -> None:
     """Scatter ``key``/``value`` rows into their pool slots, in place; optionally copy rows elsewhere too.
@@ -39,6 +43,13 @@ def store_kv(
         All three or none: ``copy_into[copy_index[i]] = copy_rows[i]`` for every ``i < len(copy_rows)``
         (at most ``N`` rows, unit stride over the last dim; ``copy_into`` ``[R, *copy_rows.shape[1:]]``,
         contiguous, same dtype; ``copy_index`` int64 on the device, distinct rows).
+    summary : tuple, optional
+        ``(kmin, kmax, scale)``: block summaries to update through the stored keys, exactly as
+        ``update_block_summaries(k_cache, slot_mapping, kmin, kmax, scale=scale)`` right after the store
+        would (its contract: a decode step, at most one valid slot per block; ``scale`` None for float
+        summaries, float32 ``[num_blocks, Hkv]`` with int8 ``kmin`` / ``kmax`` codes). The Triton backend
+        does it in the store's launch (int8 codes: when ``head_dim`` and ``Hkv * head_dim`` are powers of
+        two and ``block_size <= 32``; otherwise the separate summary kernel follows the store).
     backend : str
         ``"auto"`` (Triton on CUDA, reference on CPU; ``SPARSE_KERNELS_BACKEND`` overrides),
         ``"triton"`` or ``"reference"``.
@@ -53,17 +64,22 @@ def store_kv(
     """
     _check(key, value, k_cache, v_cache, slot_mapping)
     copy = _check_copy(copy_rows, copy_into, copy_index, key.shape[0])
+    if summary is not None:
+        kmin, kmax, scale = summary
+        check_summary_args(k_cache, slot_mapping, kmin, kmax, scale)
     if key.shape[0] == 0:
         return
     if resolve_backend(backend, k_cache.device) == "triton":
         from sparse_kernels._triton.store import store_kv_triton
 
-        store_kv_triton(key, value, k_cache, v_cache, slot_mapping, copy)
+        store_kv_triton(key, value, k_cache, v_cache, slot_mapping, copy, summary)
         return
     store_kv_reference(key, value, k_cache, v_cache, slot_mapping)
     if copy is not None:
         rows, into, index = copy
         into.index_copy_(0, index[: rows.shape[0]], rows)
+    if summary is not None:
+        update_block_summaries(k_cache, slot_mapping, kmin, kmax, scale=scale, backend="reference")
 
 
 def store_kv_reference(

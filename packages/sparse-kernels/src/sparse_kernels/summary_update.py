@@ -47,18 +47,8 @@ def update_block_summaries(
     be captured in a CUDA graph. Equal to ``block_summary`` of each touched block over its valid
     tokens ``[0, offset]``.
     """
-    if k_cache.dim() != 4 or not k_cache.is_contiguous():
-        raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, Hkv, D], got {list(k_cache.shape)}")
+    check_summary_args(k_cache, slot_mapping, kmin, kmax, scale)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    for name, t in (("kmin", kmin), ("kmax", kmax)):
-        if tuple(t.shape) != (num_blocks, num_kv_heads, head_dim) or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous [{num_blocks}, {num_kv_heads}, {head_dim}]")
-        if (scale is not None) != (t.dtype == torch.int8):
-            raise ValueError(f"{name}: int8 summary codes go with a scale, float summaries without (got {t.dtype})")
-    if scale is not None and (tuple(scale.shape) != (num_blocks, num_kv_heads) or scale.dtype != torch.float32):
-        raise ValueError(f"scale must be a float32 [{num_blocks}, {num_kv_heads}], got {list(scale.shape)}")
-    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
-        raise ValueError("slot_mapping must be a 1-D int32/int64 tensor")
     if slot_mapping.numel() == 0:
         return
     triton = resolve_backend(backend, k_cache.device) == "triton"
@@ -87,3 +77,26 @@ def update_block_summaries(
     keys = keys.to(kmin.dtype)
     kmin[block] = torch.where(fresh, keys, torch.minimum(kmin[block], keys))
     kmax[block] = torch.where(fresh, keys, torch.maximum(kmax[block], keys))
+
+
+def check_summary_args(
+    k_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    scale: torch.Tensor | None,
+) -> None:
+    """``update_block_summaries``' argument checks (host metadata only, graph-safe); also ``store_kv``'s
+    for its ``summary``. Raises ValueError."""
+    if k_cache.dim() != 4 or not k_cache.is_contiguous():
+        raise ValueError(f"k_cache must be a contiguous [num_blocks, block_size, Hkv, D], got {list(k_cache.shape)}")
+    num_blocks, _, num_kv_heads, head_dim = k_cache.shape
+    for name, t in (("kmin", kmin), ("kmax", kmax)):
+        if tuple(t.shape) != (num_blocks, num_kv_heads, head_dim) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [{num_blocks}, {num_kv_heads}, {head_dim}]")
+        if (scale is not None) != (t.dtype == torch.int8):
+            raise ValueError(f"{name}: int8 summary codes go with a scale, float summaries without (got {t.dtype})")
+    if scale is not None and (tuple(scale.shape) != (num_blocks, num_kv_heads) or scale.dtype != torch.float32):
+        raise ValueError(f"scale must be a float32 [{num_blocks}, {num_kv_heads}], got {list(scale.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError("slot_mapping must be a 1-D int32/int64 tensor")

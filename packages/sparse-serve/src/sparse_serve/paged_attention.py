@@ -25,7 +25,6 @@ from sparse_kernels import (
     BatchPrefillWithPagedKVCache,
     block_summary,
     store_kv,
-    update_block_summaries,
 )
 from sparse_kernels.block_summary import quantized_block_summary
 from sparse_kernels.kv_quant import dequantize_blocks
@@ -312,16 +311,15 @@ class PagedAttention:
             return self._forward_lanes(layer_idx, plan, meta.groups[group_idx], q, k, v)
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
         ring_copy = self._ring_copy(layer_idx, q, window)
-        store_kv(k, v, k_cache, v_cache, plan.slot_mapping, **ring_copy)
         group = meta.groups[group_idx]
         summary = self.pool.summary(layer_idx)
-        if summary is not None:
+        # Decode-only steps: the summaries follow the slot mapping, updated in the store's launch.
+        from_slots = summary if summary is not None and self._touched is None else None
+        store_kv(k, v, k_cache, v_cache, plan.slot_mapping, **ring_copy, summary=from_slots)
+        if summary is not None and self._touched is not None:
             kmin, kmax, kscale = summary
-            if self._touched is None:
-                update_block_summaries(k_cache, plan.slot_mapping, kmin, kmax, scale=kscale)
-            else:
-                blocks, valid = self._touched[group_idx]
-                block_summary(k_cache, blocks, valid, kmin, kmax, scale=kscale)
+            blocks, valid = self._touched[group_idx]
+            block_summary(k_cache, blocks, valid, kmin, kmax, scale=kscale)
         nd = meta.num_decode_tokens
         has_prefill = meta.num_prefill_requests > 0
         method = self.method if window is None else None  # sparse methods act on full-attention layers only
