@@ -82,8 +82,8 @@ def test_single_token_clusters_read_or_estimated_equal_dense(monkeypatch):
 
     estimate, estimated = retroinfer.estimate_clusters, []
 
-    def recording(*args):
-        state = estimate(*args)
+    def recording(*args, **kwargs):
+        state = estimate(*args, **kwargs)
         estimated.append(int(state.lse.isfinite().sum()))
         return state
 

@@ -72,6 +72,27 @@ def test_triton_equals_reference(dtype, shape, sums, triton_device, ieee_values)
     torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [dict(), dict(batch=1, q_heads=2, heads=1, count=80, est=70)])  # 2, 3 splits
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_partial_states_reduce_to_the_merged_one(shape, backend, triton_device, ieee_values):
+    """``partial=True``: the Triton path's split states unmerged (``S`` of them, the reference one), and
+    ``reduce_states`` of them equals the merged estimation (rows that estimate nothing: all splits empty)."""
+    from sparse_kernels.merge_states import reduce_states
+
+    device = triton_device if backend == "triton" else "cpu"
+    args = [t.to(device) for t in _case(torch.float32, seed=2, **shape)]
+    want = cluster_estimation(*args, scale=0.2, backend=backend)
+    out, lse = cluster_estimation(*args, scale=0.2, partial=True, backend=backend)
+    batch, q_heads = args[0].shape[:2]
+    assert out.shape[:2] == (batch, q_heads) and out.shape[3] == args[0].shape[2] and lse.shape == out.shape[:3]
+    assert out.shape[2] == (1 if backend == "reference" else out.shape[2]) and out.stride(3) == 1
+    if backend == "triton" and not shape:
+        assert out.shape[2] > 1  # the default case runs several splits
+    got = reduce_states(out, lse)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def ieee_values(monkeypatch):
     """The value-sum product in IEEE float32 on CUDA too (the interpreter's always is), so the Triton path is

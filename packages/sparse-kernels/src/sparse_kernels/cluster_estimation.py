@@ -35,9 +35,13 @@ def cluster_estimation(
     logits: torch.Tensor | None = None,
     bases: torch.Tensor | None = None,
     logits_scale: float | None = None,
+    partial: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)``: float32 ``[B, Hq, D]`` and ``[B, Hq]``.
+    """``(out, lse)``: float32 ``[B, Hq, D]`` and ``[B, Hq]``; with ``partial``, ``S`` states over disjoint parts
+    of the estimated clusters, ``[B, Hq, S, D]`` and ``[B, Hq, S]``, that ``merge_states.reduce_states`` (or
+    ``BatchDecodeWithPagedKVCache.run(merge_with=...)``) merges into that one (the Triton path's splits, left
+    unmerged: one launch less; the reference gives ``S = 1``).
 
     ``query`` ``[B, Hq, D]``; ``centroids`` ``[H, C, D]`` (any float dtype); ``value_sums`` ``[H, C, D]``
     (float32, or a 16-bit float: read as float32, summed in float32); ``sizes`` int ``[H, C]``; ``clusters``
@@ -64,7 +68,7 @@ def cluster_estimation(
         from sparse_kernels._triton.cluster_estimation import cluster_estimation_triton
 
         factor = scale if logits is None else ratio  # multiplies q . centroid, or the logits
-        return cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, factor, logits, bases)
+        return cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, factor, logits, bases, partial)
     valid = clusters >= 0
     if logits is not None:
         columns = logits.shape[-1]
@@ -83,4 +87,5 @@ def cluster_estimation(
     lse = torch.logsumexp(s, dim=-1)  # -inf where nothing is estimated
     p = torch.exp(s - lse[..., None].clamp_min(torch.finfo(torch.float32).min)) / size.clamp_min(1)[:, :, None]
     out = torch.einsum("bhge,bhed->bhgd", p, value_sums[rows, ids].float() * valid[..., None])
-    return out.reshape(batch, q_heads, dim), lse.reshape(batch, q_heads)
+    out, lse = out.reshape(batch, q_heads, dim), lse.reshape(batch, q_heads)
+    return (out[:, :, None], lse[:, :, None]) if partial else (out, lse)

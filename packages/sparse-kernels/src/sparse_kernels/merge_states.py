@@ -23,6 +23,16 @@ def merge_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, 
     return (out_a * wa[..., None] + out_b * wb[..., None]) / (wa + wb)[..., None]
 
 
+def reduce_states(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``S`` states over disjoint sets merged into one: ``out`` ``[..., S, D]``, ``lse`` ``[..., S]`` (natural log,
+    ``-inf`` for an empty set) to float32 ``[..., D]`` and ``[...]`` (``-inf`` with ``out = 0`` when every set is
+    empty). A split kernel's partial states merge this way."""
+    total = torch.logsumexp(lse.float(), dim=-1)
+    w = torch.exp(lse.float() - total.clamp_min(torch.finfo(torch.float32).min)[..., None])  # 0 for empty sets
+    merged = (torch.where(w[..., None] > 0, out.float(), 0.0) * w[..., None]).sum(-2)
+    return merged, total
+
+
 def merge_states_(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor, *, backend: str = "auto"
 ) -> torch.Tensor:

@@ -176,6 +176,7 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         scores_out: torch.Tensor | None = None,
         lse_out: torch.Tensor | None = None,
         logits_out: torch.Tensor | None = None,
+        merge_with: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Decode attention for one layer, device-only (no host sync on the Triton backend).
 
@@ -204,6 +205,14 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             ``sm_scale * q . k_j`` of token ``j`` of request ``b``'s list; columns at or past the list's length
             are left as they were. With ``lse_out``, ``exp(logits_out - lse_out[..., None])`` are the
             attention probabilities: one read of K serves the output and a ranking of the tokens.
+        merge_with : tuple of torch.Tensor, optional
+            ``(out_x, lse_x)``: attention states of the same queries over other keys (disjoint from the listed
+            ones), merged into the same softmax: float32 ``out_x`` ``[B, num_qo_heads, S, head_dim]`` (unit
+            stride on the last dim), each of ``S`` states normalised over its own keys, and float32 ``lse_x``
+            ``[B, num_qo_heads, S]`` (contiguous), their natural-log denominators (``-inf`` with a finite
+            ``out_x`` for an empty state), as ``sparse_kernels.merge_states`` takes them (``S`` split states
+            of one set, as a split kernel leaves them, merge as well as one). ``out`` (and ``lse_out``) are then
+            over the union. The Triton backend merges them in its reduce launch. Not with ``scores_out``.
 
         Returns
         -------
@@ -214,13 +223,25 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
         layout = self._layout
         check_decode_run(layout, q, k_cache, v_cache, scores_out, lse_out)
         check_logits_out(layout, logits_out)
+        _check_merge_with(layout, merge_with, scores_out)
         out = output_buffer(q, out)
         if self.backend == "triton":
             from sparse_kernels._triton.decode_launch import run_decode_triton
 
             bufs = self._buffers
-            run_decode_triton(layout, bufs, self._num_splits, q, k_cache, v_cache, out, scores_out, logits_out)
+            args = (q, k_cache, v_cache, out, scores_out, logits_out, merge_with)
+            run_decode_triton(layout, bufs, self._num_splits, *args)
             self._natural_lse(lse_out)
+            return out
+        if merge_with is not None:  # the reference: the listed keys' state, then the plain merge
+            from sparse_kernels.merge_states import merge_states, reduce_states
+
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if lse_out is None else lse_out
+            self.run(q, k_cache, v_cache, out=out, lse_out=lse, logits_out=logits_out)
+            x_out, x_lse = reduce_states(*merge_with)
+            out.copy_(merge_states(out.float(), lse, x_out, x_lse))
+            if lse_out is not None:
+                lse_out.copy_(torch.logaddexp(lse, x_lse))
             return out
         extra = (scores_out, lse_out, logits_out)
         if not isinstance(plan, PagedPlan):
@@ -364,3 +385,20 @@ class BatchDecodeWithPagedKVCache(PagedAttentionWrapper):
             device=self.device,
             window_left=layout.window_left,
         )
+
+
+def _check_merge_with(layout, merge_with, scores_out) -> None:
+    if merge_with is None:
+        return
+    x_out, x_lse = merge_with
+    b, h, d = layout.batch, layout.num_qo_heads, layout.head_dim
+    if x_out.dim() != 4 or tuple(x_out.shape[:2]) != (b, h) or x_out.shape[3] != d:
+        raise ValueError(f"merge_with's out must be [{b}, {h}, S, {d}], got {list(x_out.shape)}")
+    if tuple(x_lse.shape) != tuple(x_out.shape[:3]) or x_out.shape[2] < 1:
+        raise ValueError(f"merge_with's lse must be [{b}, {h}, S >= 1] like its out, got {list(x_lse.shape)}")
+    if x_out.dtype != torch.float32 or x_lse.dtype != torch.float32 or x_out.device != x_lse.device:
+        raise ValueError("merge_with's states must be float32, on one device")
+    if x_out.stride(3) != 1 or not x_lse.is_contiguous():
+        raise ValueError("merge_with's out needs unit stride on head_dim and its lse must be contiguous")
+    if scores_out is not None:
+        raise ValueError("scores_out and merge_with do not go together (the scores are over the listed keys)")

@@ -498,10 +498,25 @@ class AttentionState:
     ``out`` float32 ``[B, num_q_heads, head_dim]``, the softmax-normalised output, and ``lse`` float32
     ``[B, num_q_heads]``, the natural log of the softmax denominator (``-inf`` with ``out = 0``: the set
     is empty for that row and head). A set may be weighted (RetroInfer's estimated clusters count each
-    centroid ``size`` times): only ``out`` and ``lse`` matter."""
+    centroid ``size`` times): only ``out`` and ``lse`` matter. A state may also come as ``S`` partial states
+    over disjoint parts of the set, ``out`` ``[B, num_q_heads, S, head_dim]`` and ``lse`` ``[B, num_q_heads,
+    S]`` (a split kernel's, left unmerged): the engine merges them with the rest in the decode's own reduce."""
 
     out: torch.Tensor
     lse: torch.Tensor
+
+    @property
+    def partial(self) -> bool:
+        """Whether the state comes as partial states (a split axis before ``head_dim``)."""
+        return self.out.dim() == 4
+
+    def merged(self) -> AttentionState:
+        """The one state (``sparse_kernels.merge_states.reduce_states`` of partial ones; itself otherwise)."""
+        if not self.partial:
+            return self
+        from sparse_kernels.merge_states import reduce_states
+
+        return AttentionState(*reduce_states(self.out, self.lse))
 
 
 @dataclass(frozen=True, slots=True)

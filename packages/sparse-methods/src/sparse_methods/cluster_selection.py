@@ -155,18 +155,25 @@ def pick_clusters(
 
 
 def estimate_clusters(
-    arena: ClusterArena, layer: int, batch: DecodeBatch, ids: torch.Tensor, ranking: ClusterRanking | None = None
+    arena: ClusterArena,
+    layer: int,
+    batch: DecodeBatch,
+    ids: torch.Tensor,
+    ranking: ClusterRanking | None = None,
+    *,
+    partial: bool = False,
 ) -> AttentionState:
     """The estimated clusters' attention state (``sparse_kernels.cluster_estimation`` at the attention's
     scale) over ``ids`` (``pick_clusters``): with a ``ranking`` that kept its logits, the scores are those
     logits times ``batch.sm_scale / ranking.scale`` (the ranking's scale is ``head_dim ** -0.5``, the
-    attention's may differ), read at the rows' columns ``id - arena.plan[1]``; else from the centroids."""
+    attention's may differ), read at the rows' columns ``id - arena.plan[1]``; else from the centroids.
+    ``partial``: as the estimation's splits left it (``AttentionState.partial``), for the decode to merge."""
     from sparse_kernels.cluster_estimation import cluster_estimation
 
     centroids, sizes_all, _, _, value_sums = arena.layers[layer]
     args = (batch.query, centroids, value_sums, sizes_all, ids)
     if ranking is None or ranking.logits is None:
-        return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale))
+        return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale, partial=partial))
     n = batch.query.shape[0]
     logits = dict(logits=ranking.logits, bases=arena.plan[1, :n], logits_scale=ranking.scale)
-    return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale, **logits))
+    return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale, partial=partial, **logits))

@@ -14,8 +14,10 @@ too, on their one-token table, and their outputs are dropped. Rows that read dif
 entries (or everything) in one step are planned row by row and run eagerly.
 
 A method may answer a ``DecodeSelection`` whose ``extra`` is an attention state over keys its entries leave
-out (e.g. a cluster index's estimated clusters): the decode kernel then also writes each query head's log-sum-exp
-(into a fixed buffer) and the two states merge into one softmax (``merge_states``), on the device.
+out (e.g. a cluster index's estimated clusters): the two states merge into one softmax, on the device. Partial
+states (a split kernel's, ``AttentionState.partial``) over every row go to the decode's own reduce
+(``run(merge_with=...)``); otherwise the decode also writes each query head's log-sum-exp (into a fixed buffer)
+and ``merge_states`` merges them.
 """
 
 from __future__ import annotations
@@ -340,6 +342,11 @@ class SelectiveDecode:
             return wrapper.run_quantized(q, kv, out=out)
         if extra is None:
             return wrapper.run(q, k_cache, v_cache, out=out)
+        if extra.partial and st.rows is None and extra.out.shape[:2] == q.shape[:2]:
+            # Every row selects, with this rank's query heads: the decode's reduce merges the states in its
+            # own launch (no log-sum-exp written out, no merge launch).
+            return wrapper.run(q, k_cache, v_cache, out=out, merge_with=(extra.out, extra.lse))
+        extra = extra.merged()
         lse = self._lse_buffer(q.shape[0])[: q.shape[0] * q.shape[1]].view(q.shape[0], q.shape[1])
         wrapper.run(q, k_cache, v_cache, out=out, lse_out=lse)
         return self._merge(out, lse, extra, st.rows)

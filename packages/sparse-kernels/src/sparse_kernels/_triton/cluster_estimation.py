@@ -156,8 +156,12 @@ def estimation_splits(batch: int, heads: int, num_est: int, device: torch.device
     return max(1, min(want, triton.cdiv(num_est, BLOCK_E)))
 
 
-def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, scale: float, logits=None, bases=None):
-    """``scale`` multiplies ``q . centroid``, or, given ``logits`` (and the rows' ``bases``), the logits."""
+def cluster_estimation_triton(
+    query, centroids, value_sums, sizes, clusters, scale: float, logits=None, bases=None, partial: bool = False
+):
+    """``scale`` multiplies ``q . centroid``, or, given ``logits`` (and the rows' ``bases``), the logits.
+    ``partial``: the splits' states ``[B, Hq, S, D]`` / ``[B, Hq, S]`` (views of the split kernel's output),
+    without the merge launch."""
     batch, q_heads, dim = query.shape
     heads, count, _ = centroids.shape
     num_est = clusters.shape[2]
@@ -199,6 +203,8 @@ def cluster_estimation_triton(query, centroids, value_sums, sizes, clusters, sca
         num_stages=NUM_STAGES,
         **pdl_args(query.device),
     )
+    if partial:
+        return o_part.view(batch, q_heads, splits, block_d)[..., :dim], lse_part.view(batch, q_heads, splits)
     out = torch.empty(batch, q_heads, dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(batch, q_heads, dtype=torch.float32, device=query.device)
     cluster_estimation_merge_kernel[(batch * q_heads,)](

@@ -140,9 +140,15 @@ def _decode_reduce_kernel(
     last_len_ptr,
     out_ptr,
     lse_ptr,
+    x_out_ptr,
+    x_lse_ptr,
     stride_ob,
     stride_oh,
+    stride_xb,
+    stride_xh,
+    stride_xs,
     num_splits,
+    x_splits,
     window_left,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -153,8 +159,13 @@ def _decode_reduce_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    EXTRA: tl.constexpr,
+    BLOCK_X: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
+    """Merge the splits' partial states into ``out`` and the base-2 ``lse``; with ``EXTRA`` also ``x_splits``
+    states over other keys (``merge_with``: normalised outputs at ``x_out_ptr`` with the given strides, natural
+    log-sum-exps ``[B, Hq, x_splits]`` contiguous at ``x_lse_ptr``; ``-inf``: empty) in the same softmax."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
     if HEAD_SPARSE:
@@ -175,12 +186,29 @@ def _decode_reduce_kernel(
     row = (b * (NUM_KV_HEADS * GROUP) + hq) * num_splits + offs_s
     lse = tl.load(lse_part_ptr + row, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, 0)
+    if EXTRA:  # the other keys' states, in base 2 like the splits'
+        offs_x = tl.arange(0, BLOCK_X)
+        mask_x = offs_x < x_splits
+        x_row = (b * (NUM_KV_HEADS * GROUP) + hq).to(tl.int64) * x_splits + offs_x
+        x_lse = tl.load(x_lse_ptr + x_row, mask=mask_x, other=float("-inf")) * 1.4426950408889634
+        m = tl.maximum(m, tl.max(x_lse, 0))
+        x_w = tl.where(mask_x, tl.exp2(x_lse - m), 0.0)  # 0 for an empty state
+        x_o = tl.load(
+            x_out_ptr + b.to(tl.int64) * stride_xb + hq * stride_xh + offs_x[:, None] * stride_xs + offs_d[None, :],
+            mask=mask_x[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        x_sum = tl.sum(tl.where(x_w[:, None] > 0.0, x_o * x_w[:, None], 0.0), 0)
+        x_den = tl.sum(x_w, 0)
+    else:
+        x_sum = tl.zeros([BLOCK_D], tl.float32)
+        x_den = 0.0
     w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
-    denom = tl.sum(w, 0)
+    denom = tl.sum(w, 0) + x_den
     o = tl.load(
         o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0
     )
-    o = tl.sum(o * w[:, None], 0) / denom
+    o = (tl.sum(o * w[:, None], 0) + x_sum) / denom
     tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
     tl.store(lse_ptr + b * (NUM_KV_HEADS * GROUP) + hq, m + tl.log2(denom))
     pdl_exit(USE_GDC)

@@ -30,9 +30,11 @@ def run_decode_triton(
     out: torch.Tensor,
     scores_out: torch.Tensor | None,
     logits_out: torch.Tensor | None = None,
+    merge_with: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Inputs checked by the wrapper; ``bufs`` holds this plan's metadata and enough scratch. ``logits_out``:
-    float32 ``[B, Hq, W]`` (dense lists), each token's raw logit written by the split kernel."""
+    float32 ``[B, Hq, W]`` (dense lists), each token's raw logit written by the split kernel. ``merge_with``:
+    other keys' states merged by the reduce (``launch_reduce``)."""
     q = q.to(k_cache.dtype)
     if q.stride(2) != 1:
         q = q.contiguous()
@@ -77,7 +79,7 @@ def run_decode_triton(
         **launch,
         **pdl_args(q.device),
     )
-    launch_reduce(layout, bufs, num_splits, out, window_left, shape)
+    launch_reduce(layout, bufs, num_splits, out, window_left, shape, merge_with)
     if scores_out is not None:
         decode_scores_kernel[grid](
             q,
@@ -108,10 +110,21 @@ def logits_strides(logits_out: torch.Tensor | None) -> tuple[int, int]:
 
 
 def launch_reduce(
-    layout: DecodeLayout, bufs: DecodeBuffers, num_splits: int, out: torch.Tensor, window_left: int, shape: dict
+    layout: DecodeLayout,
+    bufs: DecodeBuffers,
+    num_splits: int,
+    out: torch.Tensor,
+    window_left: int,
+    shape: dict,
+    merge_with: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The reduce that merges the split kernel's partials into ``out`` and ``bufs.lse`` (bf16 and quantized
-    decode alike); ``shape``: the split launch's static parameters, ``WINDOW`` included."""
+    decode alike); ``shape``: the split launch's static parameters, ``WINDOW`` included. ``merge_with``:
+    ``(out [B, Hq, S, D] float32, unit stride on D; lse [B, Hq, S] float32 natural, contiguous)``, states over
+    other keys merged in the same softmax (``BatchDecodeWithPagedKVCache.run``)."""
+    x_out, x_lse = merge_with if merge_with is not None else (bufs.o_part, bufs.lse_part)
+    x_splits = x_lse.shape[-1] if merge_with is not None else 1
+    x_strides = x_out.stride()[:3] if merge_with is not None else (0, 0, 0)
     decode_reduce_kernel[(layout.batch, layout.num_qo_heads)](
         bufs.o_part,
         bufs.lse_part,
@@ -119,12 +132,18 @@ def launch_reduce(
         bufs.last_len,
         out,
         bufs.lse,
+        x_out,
+        x_lse,
         out.stride(0),
         out.stride(1),
+        *x_strides,
         num_splits,
+        x_splits,
         window_left,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
         **shape,
+        EXTRA=merge_with is not None,
+        BLOCK_X=max(2, triton.next_power_of_2(x_splits)),
         num_warps=4,
         **pdl_args(out.device),
     )

@@ -34,7 +34,8 @@ the published ``R`` clusters when they hold at most ``R * avg`` tokens (more rig
 with ``ratio = 1`` everything (dense). The estimation rides on the same ranking: ``select_decode`` answers a
 ``DecodeSelection`` whose ``extra`` is the estimated clusters' attention state (fixed width ``round(Cw *
 retrieval_ratio) + round(Cw * estimation_ratio)`` for the batch's widest cluster count ``Cw``, unused entries
-``-1``), which the engine merges into the decode kernel's softmax; the truncated cluster's unread tokens are
+``-1``; the estimation's split states left unmerged, ``AttentionState.partial``), which the engine merges into
+the decode kernel's softmax (in its reduce launch); the truncated cluster's unread tokens are
 omitted (its value sum covers the tokens read too, so it cannot stand for the rest). With prefix caching a hit
 simply indexes the cached keys. Ranking uses the usual ``head_dim ** -0.5`` scale, the estimation the
 attention's own. A request whose context arrives without a step observing it (a prefix hit of all but its last
@@ -333,4 +334,4 @@ class RetroInfer(SparseMethod):
         slots, ids = pick_clusters(self.arena, layer, batch, ranking, sink=sink, width=self._width, widths=widths)
         if ids is None:
             return slots
-        return DecodeSelection(slots, estimate_clusters(self.arena, layer, batch, ids, ranking))
+        return DecodeSelection(slots, estimate_clusters(self.arena, layer, batch, ids, ranking, partial=True))
