@@ -158,7 +158,7 @@ def profile_device(step: Callable[[], object], steps: int, more: Callable[[], bo
 
 
 def profile_events(
-    step: Callable[[], object], steps: int, more: Callable[[], bool] = lambda: True, *, cuda: bool, top: int = 12
+    step: Callable[[], object], steps: int, more: Callable[[], bool] = lambda: True, *, cuda: bool, top: int = 24
 ) -> dict:
     """``step`` up to ``steps`` times under torch.profiler: busy ms per step and the ``top`` names by time.
 
