@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
+from sparse_kernels._triton.summary import encode_codes
 
 
 def _store_kv_kernel(
@@ -82,17 +83,15 @@ def _store_kv_kernel(
             tl.store(kmin_ptr + sdst, lo.to(kmin_ptr.dtype.element_ty), mask=mask)
             tl.store(kmax_ptr + sdst, hi.to(kmax_ptr.dtype.element_ty), mask=mask)
         if SUMMARY == 2:
-            # Encoded per KV head as summary.encode_codes: scale = amax / 127 (1 for an all-zero head), codes
-            # rounded outward and clamped to [-127, 127]. The launcher guarantees BLOCK == NUM_KV_HEADS *
-            # HEAD_DIM here, so the row reshapes to [heads, head_dim].
-            lo = tl.reshape(lo, (NUM_KV_HEADS, HEAD_DIM))
-            hi = tl.reshape(hi, (NUM_KV_HEADS, HEAD_DIM))
-            amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), 1)  # [NUM_KV_HEADS]
-            scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
+            # Encoded per KV head (``encode_codes``, as ``block_summary``): the launcher guarantees BLOCK ==
+            # NUM_KV_HEADS * HEAD_DIM here, so the row reshapes to [heads, head_dim].
             heads = tl.arange(0, NUM_KV_HEADS)
-            tl.store(scale_ptr + block * NUM_KV_HEADS + heads, scale)
-            lo = tl.minimum(tl.maximum(tl.math.floor(tl.math.div_rn(lo, scale[:, None])), -127.0), 127.0)
-            hi = tl.minimum(tl.maximum(tl.math.ceil(tl.math.div_rn(hi, scale[:, None])), -127.0), 127.0)
+            lo, hi = encode_codes(
+                tl.reshape(lo, (NUM_KV_HEADS, HEAD_DIM)),
+                tl.reshape(hi, (NUM_KV_HEADS, HEAD_DIM)),
+                heads[:, None] < NUM_KV_HEADS,  # every channel valid
+                scale_ptr + block * NUM_KV_HEADS + heads,
+            )
             cdst = (block * NUM_KV_HEADS + heads[:, None]) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
             tl.store(kmin_ptr + cdst, lo.to(kmin_ptr.dtype.element_ty))
             tl.store(kmax_ptr + cdst, hi.to(kmax_ptr.dtype.element_ty))
@@ -131,7 +130,8 @@ def store_kv_triton(
     # earlier keys fit one register tile: on an H200 (8 x 128 bf16 heads, 64 rows, CUDA-graph replays) 2.5 us
     # against 4.2 for the store and the summary kernel at block_size 16, 3.3 against 4.4 at 32, but 6 to 9
     # against 5 at 64.
-    if mode == 2 and not (_pow2(head_dim) and _pow2(num_kv_heads * head_dim) and block_t <= _MAX_FUSED_BLOCK_T):
+    per_head = triton.next_power_of_2(head_dim) == head_dim and block == num_kv_heads * head_dim
+    if mode == 2 and not (per_head and block_t <= _MAX_FUSED_BLOCK_T):
         mode, block_t = 0, 1  # stored here, summarised by the separate kernel below
     # Codes: warps enough that the tile's columns alone spread the threads, 16 bytes each, so the reduction
     # over the block's tokens stays within each thread (4 warps for 8 x 128 bf16; 8 warps there: 2x slower).
@@ -185,7 +185,3 @@ def store_kv_triton(
 
 
 _MAX_FUSED_BLOCK_T = 32
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0

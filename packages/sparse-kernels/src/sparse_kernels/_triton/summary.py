@@ -52,8 +52,10 @@ def _block_summary_kernel(
         k_max = tl.max(tl.where(mask, k, float("-inf")), 0)
         dst = (block * NUM_KV_HEADS + h) * HEAD_DIM + offs_d
         mask_d = offs_d < HEAD_DIM
-        if HAS_SCALE:
-            k_min, k_max = encode_codes(k_min, k_max, mask_d, scale_ptr + block * NUM_KV_HEADS + h)
+        if HAS_SCALE:  # one head: a one-row encode
+            head = scale_ptr + block * NUM_KV_HEADS + h + tl.zeros([1], tl.int64)
+            k_min, k_max = encode_codes(k_min[None, :], k_max[None, :], mask_d[None, :], head)
+            k_min, k_max = tl.reshape(k_min, (BLOCK_D,)), tl.reshape(k_max, (BLOCK_D,))
         # Min and max are existing key values, so narrowing back to the cache dtype is exact.
         tl.store(kmin_ptr + dst, k_min.to(kmin_ptr.dtype.element_ty), mask=mask_d)
         tl.store(kmax_ptr + dst, k_max.to(kmax_ptr.dtype.element_ty), mask=mask_d)
@@ -61,14 +63,15 @@ def _block_summary_kernel(
 
 
 @triton.jit
-def encode_codes(lo, hi, mask_d, scale_ptr):
-    """``summary_codes.encode_summary`` of one head's float32 ``lo`` / ``hi`` rows: stores the scale at
-    ``scale_ptr`` and returns the outward-rounded codes (as float32 integers in [-127, 127])."""
-    amax = tl.max(tl.where(mask_d, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0), 0)
+def encode_codes(lo, hi, mask, scale_ptrs):
+    """``summary_codes.encode_summary`` of float32 ``lo`` / ``hi`` ``[R, D]``, one KV head a row (``mask``: the
+    valid channels): stores each row's scale at ``scale_ptrs`` ``[R]`` and returns the outward-rounded codes (as
+    float32 integers in [-127, 127]). ``block_summary``'s programs encode one head, the fused store a row's."""
+    amax = tl.max(tl.where(mask, tl.maximum(tl.abs(lo), tl.abs(hi)), 0.0), 1)
     scale = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
-    tl.store(scale_ptr, scale)
-    lo = tl.minimum(tl.maximum(tl.math.floor(tl.math.div_rn(lo, scale)), -127.0), 127.0)
-    hi = tl.minimum(tl.maximum(tl.math.ceil(tl.math.div_rn(hi, scale)), -127.0), 127.0)
+    tl.store(scale_ptrs, scale)
+    lo = tl.minimum(tl.maximum(tl.math.floor(tl.math.div_rn(lo, scale[:, None])), -127.0), 127.0)
+    hi = tl.minimum(tl.maximum(tl.math.ceil(tl.math.div_rn(hi, scale[:, None])), -127.0), 127.0)
     return lo, hi
 
 
