@@ -5,10 +5,10 @@ calls it), counted and timed three ways.
 1. Ops: the top-level torch ops one call dispatches (CPU profiler; each is a launch on CUDA). Session 21 found the
    engine's update step host-bound: ~200 ops a layer, ~7,200 for 36 layers, 157-209 ms at batch 4-5 on the H200.
 2. Eager: wall time per call on ``--device`` (CUDA: synchronized around ``--reps`` calls), the engine's way.
-3. Graphed (CUDA only): the same call captured once in a CUDA graph (its inputs copied into static buffers) and
-   replayed, the time the update would take without the host's dispatch; the replay's index is checked against
-   the eager call's on the same inputs (centroids, sizes, positions). An update shape (stacked heads, block
-   length) repeats every update, so one graph per shape would serve every layer.
+3. Graphed (CUDA only): through the engine's ``GraphedIndexBuilder`` (captured once, then each call copies its
+   inputs into the graph's buffers and replays it); the replay's index on fresh inputs is checked against the
+   eager call's (centroids, sizes, positions). An update shape (stacked heads, block length) repeats every
+   update, so one graph per shape serves every layer.
 
     uv run python benchmarks/retroinfer_update_cost.py [--requests 5] [--kv-heads 8] [--tokens 1024] \\
         [--device cpu|cuda] [--reps 36]
@@ -48,21 +48,14 @@ def eager_ms(keys: torch.Tensor, values: torch.Tensor, avg: int, reps: int) -> f
 
 
 def graphed_ms(keys: torch.Tensor, values: torch.Tensor, avg: int, reps: int) -> tuple[float, bool]:
-    """ms per replay of the call captured in a CUDA graph, and whether the replay equals an eager call."""
-    static_k, static_v = keys.clone(), values.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graphs asks
-        for _ in range(2):
-            build_cluster_index(static_k, static_v, start=0, avg_cluster_size=avg, segments=1)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = build_cluster_index(static_k, static_v, start=0, avg_cluster_size=avg, segments=1)
+    """ms per call of the engine's ``GraphedIndexBuilder`` once its graph is captured (each call copies the
+    inputs into the graph's buffers and replays it), and whether a replay on fresh inputs equals an eager call."""
+    from sparse_kernels.cluster_index_graphs import GraphedIndexBuilder
+
+    builder = GraphedIndexBuilder(max_token_heads=keys.shape[0] * keys.shape[1])
+    builder(keys, values, avg_cluster_size=avg, segments=1)  # captures
     fresh_k, fresh_v = torch.randn_like(keys), torch.randn_like(values)
-    static_k.copy_(fresh_k)
-    static_v.copy_(fresh_v)
-    graph.replay()
+    out = builder(fresh_k, fresh_v, avg_cluster_size=avg, segments=1)
     want = build_cluster_index(fresh_k, fresh_v, start=0, avg_cluster_size=avg, segments=1)
     same = (
         torch.equal(out.sizes, want.sizes)
@@ -72,8 +65,9 @@ def graphed_ms(keys: torch.Tensor, values: torch.Tensor, avg: int, reps: int) ->
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(reps):
-        graph.replay()
+        builder(keys, values, avg_cluster_size=avg, segments=1)
     torch.cuda.synchronize()
+    assert builder.captures == 1
     return (time.perf_counter() - t0) * 1e3 / reps, same
 
 
