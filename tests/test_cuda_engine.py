@@ -76,6 +76,21 @@ def test_cuda_bf16_mostly_agrees_with_cpu_fp32():
     assert sum(agree) / sum(len(r) for r in ref) >= 0.5, agree
 
 
+def test_fused_decode_projections_mostly_agree_with_unfused(monkeypatch):
+    """bf16 decode batches run the projections with the residual add, norms and SiLU*mul in their epilogues
+    (``linear_epilogue``), under CUDA graphs; they agree with the separate launches up to bf16 rounding."""
+    from sparse_kernels import linear_epilogue
+
+    fused = _greedy("cuda", "bfloat16")
+    monkeypatch.setattr(linear_epilogue, "ENABLED", False)
+    plain = _greedy("cuda", "bfloat16")
+    agree = [
+        next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), len(r))
+        for r, g in zip(plain, fused, strict=True)
+    ]
+    assert sum(agree) / sum(len(r) for r in plain) >= 0.75, agree
+
+
 @pytest.mark.parametrize("method", ["quest", "omnikv"])
 def test_query_aware_methods_on_cuda_equal_cpu(method):
     """Both select on the device on CUDA (Triton: Quest's page bounds and top-k; OmniKV's filter-layer logits,

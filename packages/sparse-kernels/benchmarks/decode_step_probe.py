@@ -4,7 +4,9 @@ Per layer, as the engine runs it: fused add + RMSNorm, qkv (small-M linear), q/k
 split-K paged decode + reduce, o, fused add + RMSNorm, gate/up, SiLU*mul, down; then the final norm and the
 LM head. Distinct weights per layer (15.1 GB, far past the L2), ``--batch`` requests of ``--kv-len`` tokens
 each in shuffled 16-token pages. Variants: the decode split targets of ``--per-sm``
-(``_decode_buffers.PROGRAMS_PER_SM``), and PDL off once for scale; logits are compared with the first
+(``_decode_buffers.PROGRAMS_PER_SM``), PDL off once for scale, and with ``--fused`` the layers on
+``linear_epilogue``'s projections (residual add, RMSNorm and SiLU*mul in their epilogues, as the engine's
+decode batches run them since session 23); logits are compared with the first
 variant's (max |diff|: another split count sums the attention in another order). Reported: ms per step and
 the fraction of the copy bandwidth for the bytes a step must read (weights once, every KV slot once). A
 change to the step's kernels is timed here in one process before an engine run; what was tried this way is
@@ -33,6 +35,7 @@ from sparse_kernels import (
     store_kv,
 )
 from sparse_kernels._triton import launch
+from sparse_kernels.linear_epilogue import add_norm_inputs, linear_add_norm, linear_normed
 
 LAYERS, HIDDEN, HQ, HKV, DIM, INTER, VOCAB, PAGE = 36, 4096, 32, 8, 128, 12288, 151936, 16
 
@@ -74,7 +77,7 @@ def make_kv(batch: int, kv_len: int, gen: torch.Generator):
     return caches, (indptr, order, last_len), slots
 
 
-def build_step(model: dict, caches, csr, slots: torch.Tensor, batch: int, kv_len: int):
+def build_step(model: dict, caches, csr, slots: torch.Tensor, batch: int, kv_len: int, fused: bool = False):
     wrapper = BatchDecodeWithPagedKVCache("cuda", backend="triton", max_batch_size=batch)
     wrapper.plan(*csr, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=DIM, block_size=PAGE)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -116,7 +119,18 @@ def build_step(model: dict, caches, csr, slots: torch.Tensor, batch: int, kv_len
         h, _ = fused_add_rms_norm(x, res, model["norm"], 1e-6)
         logits.copy_(linear(h, model["lm_head"]))
 
-    return step, logits
+    def fused_step():
+        layers = model["layers"]
+        h = add_norm_inputs(x0.clone(), layers[0]["in_norm"], 1e-6)
+        for i, (layer, (kc, vc)) in enumerate(zip(layers, caches, strict=True)):
+            nxt = layers[i + 1]["in_norm"] if i + 1 < LAYERS else model["norm"]
+            o = attend(layer, linear_normed(h, layer["qkv"]), kc, vc)
+            h = linear_add_norm(o, layer["o"], None, h.hidden, layer["post_norm"], 1e-6)
+            act = linear_normed(h, layer["gate_up"], gated=True)
+            h = linear_add_norm(act, layer["down"], None, h.hidden, nxt, 1e-6)
+        logits.copy_(linear(rms_norm(h.hidden, model["norm"], 1e-6), model["lm_head"]))
+
+    return (fused_step if fused else step), logits
 
 
 def step_bytes(batch: int, kv_len: int) -> int:
@@ -130,6 +144,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=5)
     parser.add_argument("--kv-len", default="8192,131072", help="comma-separated KV lengths per request")
     parser.add_argument("--per-sm", default="8,4", help="decode split targets (programs per SM) to sweep")
+    parser.add_argument("--fused", action="store_true", help="also time each split target with fused epilogues")
+    parser.add_argument("--no-pdl-off", action="store_true", help="skip the PDL-off variant")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -137,15 +153,17 @@ def main() -> None:
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw / 1e12:.3f} TB/s (read + written)")
     per_sm = [int(v) for v in args.per_sm.split(",")]
-    variants = [(f"pdl off, {per_sm[0]}/SM", False, per_sm[0])] + [(f"{t}/SM", True, t) for t in per_sm]
+    variants = [] if args.no_pdl_off else [(f"pdl off, {per_sm[0]}/SM", False, per_sm[0], False)]
+    variants += [(f"{t}/SM", True, t, False) for t in per_sm]
+    variants += [(f"{t}/SM fused", True, t, True) for t in per_sm] if args.fused else []
     rows = []
     for kv_len in (int(v) for v in args.kv_len.split(",")):
         caches, csr, slots = make_kv(args.batch, kv_len, gen)
         nbytes = step_bytes(args.batch, kv_len)
         reference = None
-        for name, pdl, target in variants:
+        for name, pdl, target, fused in variants:
             launch.PDL, buffers.PROGRAMS_PER_SM = pdl, target
-            step, logits = build_step(model, caches, csr, slots, args.batch, kv_len)
+            step, logits = build_step(model, caches, csr, slots, args.batch, kv_len, fused)
             graph = capture(step)
             ms = median_ms(graph.replay, iters=10, reps=7)
             out = logits.float().clone()
