@@ -81,6 +81,10 @@ def _small_m_linear_kernel(
     else:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
+    if RESIDUAL:  # issued before the weight stream: the epilogue's stores then wait on no load
+        res = tl.load(res_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :])
+        if NORM_OUT:
+            g = tl.load(g_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if ROW_RMS:  # issued before the weight stream, summed after it
         t = tl.arange(0, SSQ_BLOCK)
         ssq = tl.load(
@@ -129,15 +133,12 @@ def _small_m_linear_kernel(
         else:
             mask = mask_m[:, None] & mask_n[None, :]
             if RESIDUAL:
-                acc += tl.load(res_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask=mask, other=0.0).to(
-                    tl.float32
-                )
+                acc += res.to(tl.float32)
             y = acc.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
             if NORM_OUT:  # what the next projection's ROW_RMS reads: out * g and the tile's sums of squares
                 yf = y.to(tl.float32)
                 tl.store(ssq_out_ptr + pid * M + offs_m, tl.sum(yf * yf, 1), mask=mask_m)
-                g = tl.load(g_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
                 xg = (yf * g[None, :]).to(xg_ptr.dtype.element_ty)
                 tl.store(xg_ptr + offs_m[:, None] * stride_om + offs_n[None, :], xg, mask=mask)
     pdl_exit(USE_GDC)
