@@ -28,6 +28,38 @@ def per_call_us(fn, calls: int) -> float:
     return 1e3 * median_ms(capture(fn).replay, iters=10) / calls
 
 
+def cases(name: str, m: int, gen: torch.Generator) -> dict:
+    """``{label: fn}``: the plain kernel, it plus the launch its epilogue replaces, and the fused kernel."""
+    n, k = SHAPES[name]
+    bf16 = {"device": "cuda", "dtype": torch.bfloat16}
+    ws = [torch.randn(n, k, generator=gen, **bf16) * 0.02 for _ in range(LAYERS[name])]
+    x = torch.randn(m, k, generator=gen, **bf16)
+    hidden, g = torch.randn(m, n, generator=gen, **bf16), torch.ones(n, **bf16)
+    normed = add_norm_inputs(x, torch.ones(k, **bf16), 1e-6)
+
+    def bare():
+        return [linear(x, w) for w in ws]
+
+    if name in ("o", "down"):
+
+        def glue():
+            return [fused_add_rms_norm(linear(x, w), hidden, g, 1e-6) for w in ws]
+
+        def fused():
+            return [linear_add_norm(x, w, None, hidden, g, 1e-6) for w in ws]
+
+    else:
+        gated = name == "gate_up"
+
+        def glue():
+            return [silu_and_mul(linear(x, w)) if gated else linear(x, w) for w in ws]
+
+        def fused():
+            return [linear_normed(normed, w, gated=gated) for w in ws]
+
+    return {"linear": bare, "linear + glue": glue, "fused": fused, "calls": len(ws)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="1,5")
@@ -36,25 +68,11 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows_out = []
     for m in (int(v) for v in args.rows.split(",")):
-        for name, (n, k) in SHAPES.items():
-            ws = [torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS[name])]
-            x = torch.randn(m, k, device="cuda", generator=gen, dtype=torch.bfloat16)
-            hidden = torch.randn(m, n, device="cuda", generator=gen, dtype=torch.bfloat16)
-            g = torch.ones(n, device="cuda", dtype=torch.bfloat16)
-            normed = add_norm_inputs(x, torch.ones(k, device="cuda", dtype=torch.bfloat16), 1e-6)
-            if name in ("o", "down"):
-                plain = lambda: [fused_add_rms_norm(linear(x, w), hidden, g, 1e-6) for w in ws]  # noqa: E731
-                fused = lambda: [linear_add_norm(x, w, None, hidden, g, 1e-6) for w in ws]  # noqa: E731
-                bare = lambda: [linear(x, w) for w in ws]  # noqa: E731
-            else:
-                gated = name == "gate_up"
-                after = silu_and_mul if gated else (lambda y: y)
-                plain = lambda: [after(linear(x, w)) for w in ws]  # noqa: E731
-                fused = lambda: [linear_normed(normed, w, gated=gated) for w in ws]  # noqa: E731
-                bare = lambda: [linear(x, w) for w in ws]  # noqa: E731
+        for name in SHAPES:
+            fns = cases(name, m, gen)
             row = {"rows": m, "proj": name}
-            for label, fn in (("linear", bare), ("linear + glue", plain), ("fused", fused)):
-                row[label] = per_call_us(fn, len(ws))
+            for label in ("linear", "linear + glue", "fused"):
+                row[label] = per_call_us(fns[label], fns["calls"])
             rows_out.append(row)
             print(
                 f"M {m:>2} {name:<8} linear {row['linear']:7.2f} us  + glue launch {row['linear + glue']:7.2f}"
