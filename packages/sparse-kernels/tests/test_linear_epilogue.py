@@ -95,13 +95,22 @@ def test_the_fused_chain_equals_the_unfused_one(triton_device):
     torch.testing.assert_close(n2.hidden.cpu().float(), h2.float(), atol=0.05, rtol=0.02)
 
 
-def test_inputs_of_the_first_layer_and_what_fuses():
+def test_inputs_of_the_first_layer_and_what_fuses(triton_device):
+    """The embedding enters the first layer through ``rms_norm`` (no sums pending): the projection then runs
+    without a row scale, gated or not."""
     x = torch.randn(3, 32).bfloat16()
     g_norm = (1 + 0.1 * torch.randn(32)).bfloat16()
     first = add_norm_inputs(x, g_norm, 1e-6)
-    torch.testing.assert_close(
-        first.normed().float(), rms_norm(x, g_norm, 1e-6, backend="reference").float(), **{"atol": 0.02, "rtol": 0.02}
-    )
+    assert first.sumsq is None and first.hidden is x
+    assert torch.equal(first.normed(), rms_norm(x, g_norm, 1e-6))
+    w = (torch.randn(48, 32) / 32**0.5).bfloat16()
+    dev = NormedHidden(first.hidden.to(triton_device), first.scaled.to(triton_device), None, first.eps)
+    for gated in (False, True):
+        y = F.linear(first.scaled.float(), w.float())
+        if gated:
+            y = F.silu(y[:, :24]) * y[:, 24:]
+        got = linear_normed(dev, w.to(triton_device), gated=gated, backend="triton")
+        torch.testing.assert_close(got.cpu().float(), y, atol=1e-5, rtol=2**-7)
     assert not fuses(x)  # CPU: the reference backend
     assert fuses(x, backend="triton") and not fuses(x.float(), backend="triton")
     assert not fuses(torch.randn(17, 32).bfloat16(), backend="triton")  # past the small-M kernel's rows
@@ -117,4 +126,4 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="gated"):
         linear_normed(normed, torch.randn(5, 8).bfloat16(), gated=True)
     with pytest.raises(ValueError, match="sumsq"):
-        linear_normed(normed._replace(sumsq=normed.sumsq.double()), torch.randn(4, 8).bfloat16())
+        linear_normed(normed._replace(sumsq=torch.ones(1, 2, dtype=torch.float64)), torch.randn(4, 8).bfloat16())

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from sparse_kernels._backend import check_backend, resolve_backend
 from sparse_kernels.linear import _AUTO_DTYPES, SMALL_M_MAX, linear_config
+from sparse_kernels.rms_norm import rms_norm
 
 # Benchmarks A/B the fused decode against the unfused one: ``SPARSE_KERNELS_FUSED_EPILOGUES=0`` in the
 # environment, or this switch, turns ``fuses`` off (the model then runs its separate norm / SiLU launches).
@@ -36,7 +37,8 @@ ENABLED = os.environ.get("SPARSE_KERNELS_FUSED_EPILOGUES", "1").strip() != "0"
 
 
 class NormedHidden(NamedTuple):
-    """A hidden state with its next RMSNorm pending: ``norm(hidden) = scaled * rsqrt(sum(sumsq, 0) / dim + eps)``.
+    """A hidden state with its next RMSNorm pending: ``norm(hidden) = scaled * rsqrt(sum(sumsq, 0) / dim + eps)``
+    (``sumsq`` None: ``scaled`` is the norm's output already).
 
     ``hidden [M, N]`` (the residual stream), ``scaled = hidden * g`` (``g`` the norm's weight), ``sumsq
     [tiles, M]`` fp32 partial sums of ``hidden**2`` over disjoint column ranges, ``eps`` the norm's.
@@ -44,11 +46,13 @@ class NormedHidden(NamedTuple):
 
     hidden: torch.Tensor
     scaled: torch.Tensor
-    sumsq: torch.Tensor
+    sumsq: torch.Tensor | None
     eps: float
 
     def normed(self) -> torch.Tensor:
         """The norm's output in ``hidden``'s dtype (one rounding of the fp32 product)."""
+        if self.sumsq is None:
+            return self.scaled
         return (self.scaled.float() * _row_scale(self)[:, None]).to(self.hidden.dtype)
 
 
@@ -118,7 +122,8 @@ def linear_normed(
     """
     x = normed.scaled
     _check(x, weight, bias)
-    if normed.sumsq.dim() != 2 or normed.sumsq.shape[1] != x.shape[0] or normed.sumsq.dtype != torch.float32:
+    sumsq = normed.sumsq
+    if sumsq is not None and (sumsq.dim() != 2 or sumsq.shape[1] != x.shape[0] or sumsq.dtype != torch.float32):
         raise ValueError(f"sumsq must be fp32 [tiles, M = {x.shape[0]}], got {list(normed.sumsq.shape)}")
     if gated and weight.shape[0] % 2:
         raise ValueError(f"a gated weight stacks gate over up: an even row count, got {weight.shape[0]}")
@@ -126,9 +131,11 @@ def linear_normed(
         from sparse_kernels._triton.linear import small_m_linear_triton
 
         config = _config(x.shape[0], *weight.shape)
-        row_rms = (normed.sumsq, 1.0 / x.shape[1], float(normed.eps))
+        row_rms = None if sumsq is None else (sumsq, 1.0 / x.shape[1], float(normed.eps))
         return small_m_linear_triton(_rows(x), weight, bias, config, row_rms=row_rms, gated=gated)
-    y = F.linear(x.float(), weight.float()) * _row_scale(normed)[:, None]
+    y = F.linear(x.float(), weight.float())
+    if sumsq is not None:
+        y = y * _row_scale(normed)[:, None]
     if bias is not None:
         y = y + bias.float()
     if gated:
@@ -138,10 +145,9 @@ def linear_normed(
 
 
 def add_norm_inputs(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> NormedHidden:
-    """``NormedHidden`` of a hidden state no projection wrote (the embedding, into the first layer):
-    plain torch, once per step."""
-    h = hidden.float()
-    return NormedHidden(hidden, (h * norm_weight.float()).to(hidden.dtype), (h * h).sum(-1)[None, :], eps)
+    """``NormedHidden`` of a hidden state no projection wrote (the embedding, into the first layer): its norm
+    by ``rms_norm`` (one launch), no sums pending."""
+    return NormedHidden(hidden, rms_norm(hidden, norm_weight, eps), None, eps)
 
 
 def _row_scale(normed: NormedHidden) -> torch.Tensor:
