@@ -26,7 +26,7 @@ def _counting(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])  # q/k norms; q/k/v biases
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "mistral"])  # q/k norms; biases; rope scaling; window
 def test_fused_decode_logits_equal_the_unfused_model(family, hf_checkpoint, random_batch, our_logits, monkeypatch):
     _, path = hf_checkpoint(family)
     model, config = load_model(path, dtype=torch.bfloat16)
