@@ -27,8 +27,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from sparse_kernels._backend import check_backend, resolve_backend
-from sparse_kernels.linear import _AUTO_DTYPES, SMALL_M_MAX, linear_config
+from sparse_kernels._backend import check_backend
+from sparse_kernels.linear import _AUTO_DTYPES, SMALL_M_MAX, _use_triton, linear_config
+from sparse_kernels.linear import _check as _check_linear
 from sparse_kernels.rms_norm import rms_norm
 
 # Benchmarks A/B the fused decode against the unfused one: ``SPARSE_KERNELS_FUSED_EPILOGUES=0`` in the
@@ -60,14 +61,8 @@ def fuses(x: torch.Tensor, *, backend: str = "auto") -> bool:
     """Whether decode rows ``x [M, K]`` take the fused kernels: the Triton backend for ``x``'s device,
     ``bf16`` / ``fp16``, at most ``SMALL_M_MAX`` rows (the small-M kernel's range)."""
     check_backend(backend)
-    return (
-        ENABLED
-        and backend != "reference"
-        and x.dim() == 2
-        and 0 < x.shape[0] <= SMALL_M_MAX
-        and x.dtype in _AUTO_DTYPES
-        and resolve_backend(backend, x.device) == "triton"
-    )
+    rows = x.shape[0] if x.dim() == 2 else 0
+    return ENABLED and 0 < rows <= SMALL_M_MAX and x.dtype in _AUTO_DTYPES and _use_triton(backend, x, rows)
 
 
 def linear_add_norm(
@@ -164,8 +159,8 @@ def _config(rows: int, n: int, k: int) -> dict:
 
 
 def _kernel(backend: str, x: torch.Tensor) -> bool:
-    check_backend(backend)
-    return backend != "reference" and resolve_backend(backend, x.device) == "triton"
+    """``linear``'s rule: the kernel on the Triton backend, within the small-M range on ``auto``."""
+    return _use_triton(check_backend(backend), x, x.shape[0])
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -177,11 +172,8 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"x [M, K] and weight [N, K] expected, got {list(x.shape)} and {list(weight.shape)}")
-    if weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
-        raise ValueError("x, weight and bias must share a dtype")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [N] = [{weight.shape[0]}], got {list(bias.shape)}")
+    _check_linear(x, weight, bias)
+    if x.dim() != 2:
+        raise ValueError(f"x [M, K] expected, got {list(x.shape)}")
     if weight.stride(1) != 1:
         raise ValueError("the weight needs unit stride along K")

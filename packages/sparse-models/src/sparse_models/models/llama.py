@@ -145,12 +145,7 @@ class DecoderLayer(nn.Module):
         """Whether ``decode_fused`` computes this layer: GQA attention and the dense SwiGLU MLP of this
         file, plain RMSNorms (subclasses with other norms or blocks are not)."""
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        return (
-            type(self.self_attn) is Attention
-            and type(self.mlp) is MLP
-            and all(type(n) is RMSNorm for n in norms)
-            and type(self.mlp.act) is SiluAndMul
-        )
+        return type(self.self_attn) is Attention and type(self.mlp) is MLP and all(type(n) is RMSNorm for n in norms)
 
 
 class LlamaModel(nn.Module):
