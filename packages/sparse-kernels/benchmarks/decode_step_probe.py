@@ -35,10 +35,8 @@ from sparse_kernels import (
     store_kv,
 )
 from sparse_kernels._triton import launch
-from sparse_kernels._triton import linear as linear_kernel
 from sparse_kernels.linear_epilogue import add_norm_inputs, linear_add_norm, linear_normed
 
-DEFAULTS = (linear_kernel.PREFETCH_K, linear_kernel.RELEASE_EARLY, launch.EARLY_SMALL)
 LAYERS, HIDDEN, HQ, HKV, DIM, INTER, VOCAB, PAGE = 36, 4096, 32, 8, 128, 12288, 151936, 16
 
 
@@ -135,18 +133,6 @@ def build_step(model: dict, caches, csr, slots: torch.Tensor, batch: int, kv_len
     return (fused_step if fused else step), logits
 
 
-def set_pdl_variant(spec: str) -> None:
-    """``--pdl-variants`` entry ``spec`` (empty: the defaults) into the kernels' module switches."""
-    tokens = set(spec.split("+")) - {""}
-    prefetch = [int(t[2:]) for t in tokens if t.startswith("pf")]
-    unknown = tokens - {"rel", "small"} - {t for t in tokens if t.startswith("pf")}
-    if unknown:
-        raise SystemExit(f"unknown PDL variant tokens {sorted(unknown)}")
-    linear_kernel.PREFETCH_K = prefetch[0] if prefetch else DEFAULTS[0]
-    linear_kernel.RELEASE_EARLY = "rel" in tokens or (not tokens and DEFAULTS[1])
-    launch.EARLY_SMALL = "small" in tokens or (not tokens and DEFAULTS[2])
-
-
 def step_bytes(batch: int, kv_len: int) -> int:
     per_layer = ((HQ + 2 * HKV) * DIM * HIDDEN + HIDDEN * HQ * DIM + 3 * INTER * HIDDEN) * 2
     kv = batch * (kv_len + 1) * HKV * DIM * 2 * 2
@@ -160,13 +146,6 @@ def main() -> None:
     parser.add_argument("--per-sm", default="8,4", help="decode split targets (programs per SM) to sweep")
     parser.add_argument("--fused", action="store_true", help="also time each split target with fused epilogues")
     parser.add_argument("--no-pdl-off", action="store_true", help="skip the PDL-off variant")
-    parser.add_argument(
-        "--pdl-variants",
-        default="",
-        help="comma-separated PDL variants, each timed fused at the first split target: '+'-joined 'pfN' (the "
-        "small-M linear prefetches N weight elements per row to L2 before its wait), 'rel' (it releases its "
-        "dependent right after the wait), 'small' (so do q/k norm + RoPE, the KV store and the reduce)",
-    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -177,7 +156,6 @@ def main() -> None:
     variants = [] if args.no_pdl_off else [(f"pdl off, {per_sm[0]}/SM", False, per_sm[0], False)]
     variants += [(f"{t}/SM", True, t, False) for t in per_sm]
     variants += [(f"{t}/SM fused", True, t, True) for t in per_sm] if args.fused else []
-    variants += [(f"{per_sm[0]}/SM fused {v}", True, per_sm[0], True) for v in args.pdl_variants.split(",") if v]
     rows = []
     for kv_len in (int(v) for v in args.kv_len.split(",")):
         caches, csr, slots = make_kv(args.batch, kv_len, gen)
@@ -185,7 +163,6 @@ def main() -> None:
         reference = None
         for name, pdl, target, fused in variants:
             launch.PDL, buffers.PROGRAMS_PER_SM = pdl, target
-            set_pdl_variant(name.split(" fused ")[1] if " fused " in name else "")
             step, logits = build_step(model, caches, csr, slots, args.batch, kv_len, fused)
             graph = capture(step)
             ms = median_ms(graph.replay, iters=10, reps=7)

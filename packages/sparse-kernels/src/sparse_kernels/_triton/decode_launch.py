@@ -7,7 +7,6 @@ import triton
 
 from sparse_kernels._decode_buffers import DecodeBuffers
 from sparse_kernels._decode_layout import DecodeLayout
-from sparse_kernels._triton import launch
 from sparse_kernels._triton.decode import decode_reduce_kernel, decode_scores_kernel, decode_split_kernel
 from sparse_kernels._triton.launch import dot_args, pdl_args
 
@@ -146,5 +145,5 @@ def launch_reduce(
         EXTRA=merge_with is not None,
         BLOCK_X=max(2, triton.next_power_of_2(x_splits)),
         num_warps=4,
-        **pdl_args(out.device, early=launch.EARLY_SMALL),
+        **pdl_args(out.device),
     )

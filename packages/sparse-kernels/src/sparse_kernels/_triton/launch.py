@@ -127,18 +127,12 @@ def dot_args(dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
 PDL = True
 
 
-def pdl_args(device: torch.device, early: bool = False) -> dict[str, Any]:
+def pdl_args(device: torch.device) -> dict[str, Any]:
     """``USE_GDC`` (and ``launch_pdl``) for a kernel on ``device``: on for CUDA devices of compute
-    capability 9.0 or newer while ``PDL`` is set, off elsewhere (the interpreter skips the branches).
-    ``early``: each program releases its dependent right after its wait (``USE_GDC`` 2), not at its end."""
+    capability 9.0 or newer while ``PDL`` is set, off elsewhere (the interpreter skips the branches)."""
     if device.type == "cuda" and PDL and _capability(device.index)[0] >= 9:
-        return {"USE_GDC": 2 if early else 1, "launch_pdl": True}
-    return {"USE_GDC": 0}
-
-
-# Kernels too small to crowd the grid they release (a few blocks per SM at most, each a few
-# microseconds): q/k norm + RoPE, the KV store and the split-K reduce. Benchmarks flip this switch.
-EARLY_SMALL = False
+        return {"USE_GDC": True, "launch_pdl": True}
+    return {"USE_GDC": False}
 
 
 @functools.cache
@@ -151,12 +145,10 @@ def pdl_enter(USE_GDC: tl.constexpr):
     """Before a kernel's first memory access: wait for the predecessor's completion and memory."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
-        if USE_GDC == 2:
-            tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def pdl_exit(USE_GDC: tl.constexpr):
     """After a program's last store: its dependent may launch (programs that return early release at exit)."""
-    if USE_GDC == 1:
+    if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()

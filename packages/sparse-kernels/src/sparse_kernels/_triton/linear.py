@@ -66,8 +66,8 @@ def _small_m_linear_kernel(
     ROW_RMS: tl.constexpr = False,
     GATED: tl.constexpr = False,
     SSQ_BLOCK: tl.constexpr = 1,
-    PREFETCH_K: tl.constexpr = 0,
 ):
+    pdl_enter(USE_GDC)
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -81,15 +81,6 @@ def _small_m_linear_kernel(
     else:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn  # [BLOCK_N]: int64, large vocab heads
-    k_lo = tl.program_id(1) * k_per_split  # k_per_split: K (one split) or a multiple of BLOCK_K
-    k_hi = tl.minimum(k_lo + k_per_split, K)
-    if USE_GDC:
-        if PREFETCH_K > 0:  # the weight is no kernel's output: its first lines head for L2 before the wait
-            lines = k_lo + tl.arange(0, PREFETCH_K // 64) * 64  # 128-byte lines of bf16 / fp16
-            ok = mask_n[:, None] & (lines < k_hi)[None, :]
-            prefetch_l2(tl.where(ok, w_rows[:, None] + lines[None, :], w_ptr))
-    pdl_enter(USE_GDC)
     if RESIDUAL:  # issued before the weight stream: the epilogue's stores then wait on no load
         res = tl.load(res_ptr + offs_m[:, None] * stride_om + offs_n[None, :], mask=mask_m[:, None] & mask_n[None, :])
         if NORM_OUT:
@@ -99,8 +90,11 @@ def _small_m_linear_kernel(
         ssq = tl.load(
             ssq_in_ptr + t[:, None] * M + offs_m[None, :], mask=(t[:, None] < ssq_tiles) & mask_m[None, :], other=0.0
         )
+    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn  # [BLOCK_N]: int64, large vocab heads
     x_rows = x_ptr + offs_m * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_lo = tl.program_id(1) * k_per_split  # k_per_split: K (one split) or a multiple of BLOCK_K
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + offs_k
         mask_k = k < k_hi
@@ -150,26 +144,7 @@ def _small_m_linear_kernel(
     pdl_exit(USE_GDC)
 
 
-@triton.jit
-def prefetch_l2(ptrs):
-    """A hint that the lines at ``ptrs`` go to L2 (``prefetch.global.L2``); nothing is returned or waited for."""
-    tl.inline_asm_elementwise(
-        asm="prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
-        constraints="=r,l",
-        args=[ptrs],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 small_m_linear_kernel = Kernel(_small_m_linear_kernel)
-
-# Under PDL (``launch.pdl_args``): elements of each weight row a program asks L2 for before its wait
-# (0: none), and whether a program releases its dependent grid right after its wait instead of after
-# its last store. Benchmarks flip these to measure them.
-PREFETCH_K = 0
-RELEASE_EARLY = False
 
 _SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 _RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -266,9 +241,8 @@ def small_m_linear_triton(
         ROW_RMS=row_rms is not None,
         GATED=gated,
         SSQ_BLOCK=triton.next_power_of_2(ssq_tiles),
-        PREFETCH_K=PREFETCH_K if weight.element_size() == 2 else 0,
         num_warps=config["num_warps"],
         num_stages=config["num_stages"],
-        **pdl_args(x.device, early=RELEASE_EARLY),
+        **pdl_args(x.device),
     )
     return out

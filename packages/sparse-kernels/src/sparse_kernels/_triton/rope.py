@@ -11,7 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton import launch
 from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
@@ -117,6 +116,6 @@ def rope_qk_triton(
         HAS_NORM=has_norm,
         BLOCK=triton.next_power_of_2(half),
         num_warps=1 if half <= 64 else 2,
-        **pdl_args(q.device, early=launch.EARLY_SMALL),
+        **pdl_args(q.device),
     )
     return q_out, k_out

@@ -9,7 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton import launch
 from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 from sparse_kernels._triton.summary import encode_codes
 
@@ -177,7 +176,7 @@ def store_kv_triton(
         COPY_HEADS=copy_heads,
         COPY_BLOCK=triton.next_power_of_2(max(copy_heads, 1) * head_dim),
         num_warps=warps,
-        **pdl_args(key.device, early=launch.EARLY_SMALL),
+        **pdl_args(key.device),
     )
     if summary is not None and mode == 0:
         from sparse_kernels.summary_update import update_block_summaries
