@@ -2,7 +2,8 @@
 mantissa bits (float32 bits >> 7; the best ``k1`` columns best first, ties to the lower column, then the next
 ``k2 - k1`` in column order, then the rest in column order); the Triton path (a radix select over chunks of
 columns, one chunk or several, and a sort of the retrieved only) equals the reference but for columns whose
-truncated scores may differ by float32 rounding (a score that close to a truncation step)."""
+truncated scores may differ by float32 rounding (a score that close to a truncation step), and leaves its shared
+state at 0."""
 
 from __future__ import annotations
 
@@ -130,6 +131,9 @@ def test_triton_equals_reference(seed, columns, ratios, chunk, ties, low_bits):
         select_mod.CHUNK = old
     counts = selection_counts(retrieved, estimated, columns, read_width, estimate_width)
     _assert_same_but_near_ties(got, want, plain_scores(logits, sizes), counts)
+    # The state is shared by every call (one buffer, no memset): each call leaves it at 0 for the next, whose
+    # shape differs (the examples run one after another in this process).
+    assert int(select_mod._STATE[logits.device].count_nonzero()) == 0
 
 
 def test_triton_with_the_logits_kernels_tile_statistics(triton_device):

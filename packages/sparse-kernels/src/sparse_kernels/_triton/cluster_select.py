@@ -45,6 +45,7 @@ def _reduce(hist_ptr, prefix_ptr, above_ptr, row, t, k, shift, BINS: tl.constexp
     values lie above their range); the prefix and ``above`` move to the digit's bin."""
     d = tl.arange(0, BINS)
     hist = tl.load(hist_ptr + (row * 2 + t) * BINS + d, cache_modifier=".cg")
+    tl.store(hist_ptr + (row * 2 + t) * BINS + d, tl.zeros([BINS], tl.int32))  # 0 again for the next call
     above = tl.load(above_ptr + row * 2 + t)
     at_least = tl.sum(hist, axis=0) - (tl.cumsum(hist, axis=0) - hist)  # values with digit >= d
     digit = tl.sum((above + at_least >= k).to(tl.int32), axis=0) - 1
@@ -183,11 +184,39 @@ def _select_write_kernel(
         i = tl.arange(0, BLOCK_R)
         keys = tl.sort(tl.load(out_ptr + row * columns + i, mask=i < k1, other=PAD, cache_modifier=".cg"))
         tl.store(out_ptr + row * columns + i, keys & ((1 << SHIFT) - 1), mask=i < k1)
+        # Every program of the row has read its state: the row's state goes back to 0 for the next call.
+        j = tl.arange(0, 2)
+        tl.store(prefix_ptr + row * 2 + j, tl.zeros([2], tl.int64))
+        tl.store(above_ptr + row * 2 + j, tl.zeros([2], tl.int64))
+        tl.store(ticket_ptr + row, 0)
+        c = tl.arange(0, BLOCK_CH)
+        tl.store(flag_ptr + row * chunks + c, tl.zeros([BLOCK_CH], tl.int32), mask=c < chunks)
+        q = tl.arange(0, 4)
+        tl.store(agg_ptr + (row * chunks + c[:, None]) * 4 + q[None, :], tl.zeros([BLOCK_CH, 4], tl.int32),
+                 mask=(c < chunks)[:, None])  # fmt: skip
     pdl_exit(USE_GDC)
 
 
 select_round_kernel = Kernel(_select_round_kernel)
 select_write_kernel = Kernel(_select_write_kernel)
+
+
+_STATE: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def _state(device: torch.device, numel: int) -> torch.Tensor:
+    """The selection's int64 state of ``device`` (prefixes, counts, counters, histograms, look-back flags): zero
+    when allocated, and every launch leaves what it used at 0 again (the last program of a row resets the row's),
+    so one buffer serves every call without a memset launch. Grown when a call needs more (the old one is kept
+    alive for CUDA graphs captured with it: it is 0 too)."""
+    state = _STATE.get(device)
+    if state is None or state.numel() < numel:
+        if state is not None:
+            _RETIRED.append(state)
+        state = _STATE[device] = torch.zeros(max(numel, 0 if state is None else 2 * state.numel()), dtype=torch.int64,
+                                             device=device)  # fmt: skip
+    return state
 
 
 def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimated, read_width: int, est_width: int):
@@ -202,7 +231,7 @@ def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimate
     values = torch.empty(rows, columns, dtype=torch.int32, device=device)
     hist_size = sum(rows * 2 * bins for _, bins in ROUNDS)
     look_back = rows + rows * chunks * 5  # int32: tickets per row, flags and four counts per (row, chunk)
-    state = torch.zeros(4 * rows + rows + hist_size // 2 + (look_back + 1) // 2, dtype=torch.int64, device=device)
+    state = _state(device, 4 * rows + rows + hist_size // 2 + (look_back + 1) // 2)
     prefix, above = state[: 2 * rows], state[2 * rows : 4 * rows]  # per row and target (one memset for all)
     count = state[4 * rows : 5 * rows].view(torch.int32)[:rows]  # programs of the row done, per kernel
     hist = state[5 * rows : 5 * rows + hist_size // 2].view(torch.int32)  # per round, row and target
