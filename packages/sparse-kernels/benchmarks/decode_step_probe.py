@@ -6,8 +6,7 @@ LM head. Distinct weights per layer (15.1 GB, far past the L2), ``--batch`` requ
 each in shuffled 16-token pages. Variants: the decode split targets of ``--per-sm``
 (``_decode_buffers.PROGRAMS_PER_SM``), PDL off once for scale, and with ``--fused`` the layers on
 ``linear_epilogue``'s projections (residual add, RMSNorm and SiLU*mul in their epilogues, as the engine's
-decode batches run them since session 23), and with ``--reduce-ab`` those again with the split-K reduce as its own
-launch instead of merged by the split kernel (session 24); logits are compared with the first
+decode batches run them since session 23); logits are compared with the first
 variant's (max |diff|: another split count sums the attention in another order). Reported: ms per step and
 the fraction of the copy bandwidth for the bytes a step must read (weights once, every KV slot once). A
 change to the step's kernels is timed here in one process before an engine run; what was tried this way is
@@ -35,10 +34,9 @@ from sparse_kernels import (
     silu_and_mul,
     store_kv,
 )
-from sparse_kernels._triton import decode_launch, launch
+from sparse_kernels._triton import launch
 from sparse_kernels.linear_epilogue import add_norm_inputs, linear_add_norm, linear_normed
 
-MERGE_MAX_SPLITS = decode_launch.MERGE_MAX_SPLITS
 LAYERS, HIDDEN, HQ, HKV, DIM, INTER, VOCAB, PAGE = 36, 4096, 32, 8, 128, 12288, 151936, 16
 
 
@@ -148,11 +146,6 @@ def main() -> None:
     parser.add_argument("--per-sm", default="8,4", help="decode split targets (programs per SM) to sweep")
     parser.add_argument("--fused", action="store_true", help="also time each split target with fused epilogues")
     parser.add_argument("--no-pdl-off", action="store_true", help="skip the PDL-off variant")
-    parser.add_argument(
-        "--reduce-ab",
-        action="store_true",
-        help="also time each fused variant with the split-K reduce as its own launch (MERGE_MAX_SPLITS 0)",
-    )
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -163,8 +156,6 @@ def main() -> None:
     variants = [] if args.no_pdl_off else [(f"pdl off, {per_sm[0]}/SM", False, per_sm[0], False)]
     variants += [(f"{t}/SM", True, t, False) for t in per_sm]
     variants += [(f"{t}/SM fused", True, t, True) for t in per_sm] if args.fused else []
-    if args.fused and args.reduce_ab:
-        variants += [(f"{t}/SM fused reduce launch", True, t, True) for t in per_sm]
     rows = []
     for kv_len in (int(v) for v in args.kv_len.split(",")):
         caches, csr, slots = make_kv(args.batch, kv_len, gen)
@@ -172,7 +163,6 @@ def main() -> None:
         reference = None
         for name, pdl, target, fused in variants:
             launch.PDL, buffers.PROGRAMS_PER_SM = pdl, target
-            decode_launch.MERGE_MAX_SPLITS = 0 if name.endswith("reduce launch") else MERGE_MAX_SPLITS
             step, logits = build_step(model, caches, csr, slots, args.batch, kv_len, fused)
             graph = capture(step)
             ms = median_ms(graph.replay, iters=10, reps=7)

@@ -92,7 +92,6 @@ class DecodeBuffers:
         self.o_part = torch.empty(0, device=device)  # float32 [rows * BLOCK_D]
         self.lse_part = torch.empty(0, device=device)  # float32 [rows], base-2 log-sum-exp per split
         self.lse = torch.empty(0, device=device)  # float32 [batch * num_qo_heads], final, base 2
-        self.arrivals = self._int32(0)  # [batch * num_kv_heads] splits done per list; 0 between launches
 
     def load(
         self,
@@ -168,8 +167,6 @@ class DecodeBuffers:
             self.lse_part = torch.empty(_grown(self.lse_part.numel(), rows), device=self.device)
         if self.lse.numel() < lse_rows:
             self.lse = torch.empty(_grown(self.lse.numel(), lse_rows), device=self.device)
-        if self.arrivals.numel() < max(sizes) * num_kv_heads:
-            self.arrivals = self._int32(_grown(self.arrivals.numel(), max(sizes) * num_kv_heads))
         self._scratch_key = key
 
     def num_splits(self, batch: int, num_kv_heads: int, quantized: bool = False, program_warps: int = 4) -> int:

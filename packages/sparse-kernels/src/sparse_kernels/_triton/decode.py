@@ -42,49 +42,6 @@ def store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, 
     tl.store(logits_ptr + row[:, None] + offs_n[None, :], s * 0.6931471805599453, mask=mask)
 
 
-@triton.jit
-def merge_group(
-    o_part_ptr,
-    lse_part_ptr,
-    out_ptr,
-    lse_ptr,
-    b,
-    h,
-    live,
-    num_splits,
-    stride_ob,
-    stride_oh,
-    NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """The reduce of query heads ``h * GROUP ..`` of request ``b``, inside the split kernel: their ``live``
-    partial states merged into ``out`` and the base-2 ``lse``, as ``_decode_reduce_kernel`` does (the partials
-    were written by other programs of this launch: read past L1)."""
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < live
-    mask_d = offs_d < HEAD_DIM
-    for g in tl.static_range(GROUP):
-        hq = h * GROUP + g
-        row = (b * (NUM_KV_HEADS * GROUP) + hq) * num_splits + offs_s
-        lse = tl.load(lse_part_ptr + row, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-        m = tl.max(lse, 0)
-        w = tl.where(mask_s, tl.exp2(lse - m), 0.0)
-        denom = tl.sum(w, 0)
-        o = tl.load(
-            o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-            mask=mask_s[:, None] & mask_d[None, :],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        o = tl.sum(o * w[:, None], 0) / denom
-        tl.store(out_ptr + b * stride_ob + hq * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
-        tl.store(lse_ptr + b * (NUM_KV_HEADS * GROUP) + hq, m + tl.log2(denom))
-
-
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -95,15 +52,10 @@ def _decode_split_kernel(
     o_part_ptr,
     lse_part_ptr,
     logits_ptr,
-    arrivals_ptr,  # MERGE: int32 [batch * NUM_KV_HEADS], 0 between launches
-    out_ptr,  # MERGE: the reduce's outputs
-    lse_ptr,
     stride_qb,
     stride_qh,
     stride_lb,
     stride_lh,
-    stride_ob,
-    stride_oh,
     scale_log2,
     num_splits,
     window_left,
@@ -120,8 +72,6 @@ def _decode_split_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
-    MERGE: tl.constexpr = False,
-    BLOCK_S: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -180,29 +130,6 @@ def _decode_split_kernel(
             mask=mask_g[:, None] & mask_d[None, :],
         )
         tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
-        if MERGE:  # the split that arrives last merges the group's partials (no reduce launch)
-            tl.debug_barrier()  # every thread's partial precedes the release below
-            pair = b * NUM_KV_HEADS + h
-            live = tl.cdiv(kv_len - first, chunk)
-            if tl.atomic_add(arrivals_ptr + pair, 1, sem="acq_rel") == live - 1:
-                tl.store(arrivals_ptr + pair, 0)  # ready for the next launch (and CUDA-graph replays)
-                merge_group(
-                    o_part_ptr,
-                    lse_part_ptr,
-                    out_ptr,
-                    lse_ptr,
-                    b,
-                    h,
-                    live,
-                    num_splits,
-                    stride_ob,
-                    stride_oh,
-                    NUM_KV_HEADS,
-                    GROUP,
-                    HEAD_DIM,
-                    BLOCK_S,
-                    BLOCK_D,
-                )
         pdl_exit(USE_GDC)
 
 

@@ -18,10 +18,6 @@ DECODE_CONFIG = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 # (``decode_bandwidth.py --logits``, 33 shapes at 128K x 5 on an H200, session 19): 32 tokens a step in 2 warps
 # 749 us a layer against 907 with DECODE_CONFIG's shape (the plain decode: 632).
 LOGITS_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 2, "num_stages": 2}
-# Up to this many splits the split that finishes a (request, KV head) last merges its partials (``MERGE``:
-# one launch a layer, not two); more (a request or two per GPU) keep the reduce launch, whose program per
-# query head holds its splits' partials in registers. Set to 0 to always launch the reduce (benchmarks).
-MERGE_MAX_SPLITS = 32
 
 
 def run_decode_triton(
@@ -60,7 +56,6 @@ def run_decode_triton(
     scale_log2 = layout.sm_scale * LOG2_E
     window_left = max(layout.window_left, 0)
     grid = (layout.batch, layout.num_kv_heads, num_splits)
-    merge = merge_with is None and num_splits <= MERGE_MAX_SPLITS
     decode_split_kernel[grid](
         q,
         k_cache,
@@ -71,14 +66,9 @@ def run_decode_triton(
         bufs.o_part,
         bufs.lse_part,
         logits_out if logits_out is not None else bufs.lse_part,
-        bufs.arrivals,
-        out,
-        bufs.lse,
         q.stride(0),
         q.stride(1),
         *logits_strides(logits_out),
-        out.stride(0),
-        out.stride(1),
         scale_log2,
         num_splits,
         window_left,
@@ -88,11 +78,8 @@ def run_decode_triton(
         **dots,
         **launch,
         **pdl_args(q.device),
-        MERGE=merge,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
     )
-    if not merge:
-        launch_reduce(layout, bufs, num_splits, out, window_left, shape, merge_with)
+    launch_reduce(layout, bufs, num_splits, out, window_left, shape, merge_with)
     if scores_out is not None:
         decode_scores_kernel[grid](
             q,
