@@ -9,7 +9,9 @@ and the last program of the row to finish (a counter per row) picks the digit. A
 at its place (a target's members: above its threshold, then the tied ones in column order; a program takes the
 counts of the chunks before its own from their programs, by a decoupled look-back: each publishes its chunk's
 counts and waits for its predecessors'): the retrieved as sort keys, the others as columns; the row's last
-program to finish sorts the retrieved keys in registers.
+program to finish sorts the retrieved keys in registers. The state (histograms, prefixes, counters, look-back
+flags) is one buffer per device that every launch leaves at 0: the write pass's programs zero their row's
+histograms between them, and its last program of a row the rest of the row's state (no memset launch).
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ def _reduce(hist_ptr, prefix_ptr, above_ptr, row, t, k, shift, BINS: tl.constexp
     values lie above their range); the prefix and ``above`` move to the digit's bin."""
     d = tl.arange(0, BINS)
     hist = tl.load(hist_ptr + (row * 2 + t) * BINS + d, cache_modifier=".cg")
-    tl.store(hist_ptr + (row * 2 + t) * BINS + d, tl.zeros([BINS], tl.int32))  # 0 again for the next call
     above = tl.load(above_ptr + row * 2 + t)
     at_least = tl.sum(hist, axis=0) - (tl.cumsum(hist, axis=0) - hist)  # values with digit >= d
     digit = tl.sum((above + at_least >= k).to(tl.int32), axis=0) - 1
@@ -143,16 +144,27 @@ def _entry(vector, j, i):
     return tl.sum(tl.where(j == i, vector, 0), axis=0)
 
 
+@triton.jit
+def _zero_share(ptr, size, chunk, chunks, ZB: tl.constexpr):
+    """Program ``chunk`` of ``chunks`` zeroes its share of ``size`` int32 at ``ptr``: every ``chunks``-th tile."""
+    for t in range(chunk * ZB, size, chunks * ZB):
+        z = t + tl.arange(0, ZB)
+        tl.store(ptr + z, tl.zeros([ZB], tl.int32), mask=z < size)
+
+
 def _select_write_kernel(
     ret_ptr, est_ptr, value_ptr, count_ptr, prefix_ptr, above_ptr, ticket_ptr, flag_ptr, agg_ptr, out_ptr, columns,
-    heads, read_width, est_width, chunks,
-    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CH: tl.constexpr,
+    heads, read_width, est_width, chunks, hist_ptr, rows,
+    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_CH: tl.constexpr, BINS0: tl.constexpr, BINS1: tl.constexpr,
     SHIFT: tl.constexpr, PAD: tl.constexpr, MAX_VALUE: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.atomic_add(ticket_ptr + row, 1, sem="relaxed")  # chunks in the order the row's programs start
+    # The rounds are done with the row's histograms: its programs share zeroing them for the next call.
+    _zero_share(hist_ptr + row * (2 * BINS0), 2 * BINS0, chunk, chunks, 1024)
+    _zero_share(hist_ptr + rows * (2 * BINS0) + row * (2 * BINS1), 2 * BINS1, chunk, chunks, 1024)
     k1, k2 = _counts(ret_ptr, est_ptr, row, heads, columns, read_width, est_width)
     p1 = tl.load(prefix_ptr + row * 2)
     p2 = tl.load(prefix_ptr + row * 2 + 1)
@@ -207,7 +219,7 @@ _RETIRED: list[torch.Tensor] = []
 
 def _state(device: torch.device, numel: int) -> torch.Tensor:
     """The selection's int64 state of ``device`` (prefixes, counts, counters, histograms, look-back flags): zero
-    when allocated, and every launch leaves what it used at 0 again (the last program of a row resets the row's),
+    when allocated, and every launch leaves what it used at 0 again (the module docstring says who resets what),
     so one buffer serves every call without a memset launch. Grown when a call needs more (the old one is kept
     alive for CUDA graphs captured with it: it is 0 too)."""
     state = _STATE.get(device)
@@ -252,7 +264,8 @@ def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimate
         at += rows * 2 * bins
     select_write_kernel[(rows, chunks)](
         *counts, values, count, prefix, above, tickets, flags, aggs, out, columns, heads, read_width, est_width, chunks,
-        CHUNK=chunk, BLOCK_R=max(16, triton.next_power_of_2(read_width)),
+        hist, rows, CHUNK=chunk, BLOCK_R=max(16, triton.next_power_of_2(read_width)), BINS0=ROUNDS[0][1],
+        BINS1=ROUNDS[1][1],
         BLOCK_CH=max(2, triton.next_power_of_2(chunks)), SHIFT=SHIFT, PAD=PAD, MAX_VALUE=MAX_VALUE, num_warps=NUM_WARPS,
         **pdl_args(device),
     )  # fmt: skip
