@@ -133,7 +133,7 @@ def test_triton_equals_reference(seed, columns, ratios, chunk, ties, low_bits):
     _assert_same_but_near_ties(got, want, plain_scores(logits, sizes), counts)
     # The state is shared by every call (one buffer, no memset): each call leaves it at 0 for the next, whose
     # shape differs (the examples run one after another in this process).
-    assert int(select_mod._STATE[logits.device].count_nonzero()) == 0
+    assert int(select_mod._STATE[logits.device][0].count_nonzero()) == 0
 
 
 def test_triton_with_the_logits_kernels_tile_statistics(triton_device):

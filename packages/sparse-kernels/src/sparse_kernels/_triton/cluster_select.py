@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_kernels._triton import scratch
 from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 from sparse_kernels.cluster_select import RANK_BITS, RANK_DROP, rank_offset
 
@@ -213,22 +214,14 @@ select_round_kernel = Kernel(_select_round_kernel)
 select_write_kernel = Kernel(_select_write_kernel)
 
 
-_STATE: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
+_STATE: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
 
 def _state(device: torch.device, numel: int) -> torch.Tensor:
     """The selection's int64 state of ``device`` (prefixes, counts, counters, histograms, look-back flags): zero
     when allocated, and every launch leaves what it used at 0 again (the module docstring says who resets what),
-    so one buffer serves every call without a memset launch. Grown when a call needs more (the old one is kept
-    alive for CUDA graphs captured with it: it is 0 too)."""
-    state = _STATE.get(device)
-    if state is None or state.numel() < numel:
-        if state is not None:
-            _RETIRED.append(state)
-        state = _STATE[device] = torch.zeros(max(numel, 0 if state is None else 2 * state.numel()), dtype=torch.int64,
-                                             device=device)  # fmt: skip
-    return state
+    so one buffer serves every call without a memset launch (``scratch.grown``)."""
+    return scratch.grown(_STATE, device, ((numel, torch.int64, True),))[0]
 
 
 def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimated, read_width: int, est_width: int):
@@ -244,7 +237,7 @@ def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimate
     hist_size = sum(rows * 2 * bins for _, bins in ROUNDS)
     look_back = rows + rows * chunks * 5  # int32: tickets per row, flags and four counts per (row, chunk)
     state = _state(device, 4 * rows + rows + hist_size // 2 + (look_back + 1) // 2)
-    prefix, above = state[: 2 * rows], state[2 * rows : 4 * rows]  # per row and target (one memset for all)
+    prefix, above = state[: 2 * rows], state[2 * rows : 4 * rows]  # per row and target
     count = state[4 * rows : 5 * rows].view(torch.int32)[:rows]  # programs of the row done, per kernel
     hist = state[5 * rows : 5 * rows + hist_size // 2].view(torch.int32)  # per round, row and target
     tail = state[5 * rows + hist_size // 2 :].view(torch.int32)

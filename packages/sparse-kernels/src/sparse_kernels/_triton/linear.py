@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_kernels._triton import scratch
 from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
@@ -146,25 +147,13 @@ def _small_m_linear_kernel(
 
 small_m_linear_kernel = Kernel(_small_m_linear_kernel)
 
-_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-_RETIRED: list[tuple[torch.Tensor, torch.Tensor]] = []
+_SCRATCH: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
 
-def split_scratch(device: torch.device, partial_elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split-K partials (fp32) and arrival counters (int32, all 0 between launches) of ``device``: one
-    pair shared by every call (launches on one stream run one after another; each leaves its counters
-    at 0), grown when a call needs more. Growing moves them (the old pair is kept alive, not reused), so
-    the first call of each shape should come before a CUDA-graph capture (the engine's warm-up forwards)."""
-    part, arrivals = _SCRATCH.get(device, (None, None))
-    if part is None or part.numel() < partial_elements or arrivals.numel() < tiles:
-        size = max(partial_elements, 0 if part is None else part.numel())
-        count = max(tiles, 0 if arrivals is None else arrivals.numel())
-        if device in _SCRATCH:
-            _RETIRED.append(_SCRATCH[device])  # a graph captured before may still point at them
-        part = torch.empty(size, dtype=torch.float32, device=device)
-        arrivals = torch.zeros(count, dtype=torch.int32, device=device)
-        _SCRATCH[device] = (part, arrivals)
-    return part, arrivals
+def split_scratch(device: torch.device, partial_elements: int, tiles: int) -> tuple[torch.Tensor, ...]:
+    """The split-K partials (fp32) and arrival counters (int32, all 0 between launches) of ``device``
+    (``scratch.grown``: shared by every call, each leaving its counters at 0)."""
+    return scratch.grown(_SCRATCH, device, ((partial_elements, torch.float32, False), (tiles, torch.int32, True)))
 
 
 def small_m_linear_triton(
