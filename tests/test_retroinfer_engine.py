@@ -74,6 +74,32 @@ def test_every_cluster_retrieved_equals_dense():
     assert seen and llm.engine.runner.attention.selective.num_selections > 0
 
 
+def test_index_updates_observe_after_the_forward():
+    """RetroInfer reads no queries (``observes_queries`` False): a step that grows an index plans its forward
+    observing nothing (so on a GPU its decode replays a graph) and hands every full-attention layer over after
+    it, from the pool; the views' queries have no heads."""
+    llm = _llm(**SMALL)
+    attention, method = llm.engine.runner.attention, llm.engine.method
+    planned, after, heads = [], [], []
+    plan, observe_stored, observe = attention.plan, attention.observe_stored, method.on_attention_end
+
+    def planning(meta, observed=frozenset()):
+        planned.append(frozenset(observed))
+        return plan(meta, observed)
+
+    def observing_stored(meta, observed):
+        after.append(frozenset(observed))
+        return observe_stored(meta, observed)
+
+    def observing(layer, batch):
+        heads.extend(batch.request(i).queries.shape[1] for i in range(len(batch)))
+        return observe(layer, batch)
+
+    attention.plan, attention.observe_stored, method.on_attention_end = planning, observing_stored, observing
+    assert attention.observes_stored and all(len(t) == GREEDY.max_tokens for t in _tokens(llm))
+    assert not any(planned) and after and all(after) and heads and set(heads) == {0}
+
+
 def test_single_token_clusters_read_or_estimated_equal_dense(monkeypatch):
     """Clusters of one token each (avg 1: every key seeds its own cluster), half of them read and the rest
     estimated: an estimated cluster's centroid is its key and its value sum its value, so the merged softmax
@@ -311,8 +337,18 @@ def test_decode_replays_cuda_graphs_and_equals_eager():
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     graphs, eager = _llm(**cfg), _llm(**cfg, enforce_eager=True)
     pointers = _arena_pointers(graphs)
+    runner, updates = graphs.engine.runner, []  # per decode step that grew an index: whether it replayed
+    eligible = runner.graphs.eligible
+
+    def recording(meta, method, observed=frozenset()):
+        replays = eligible(meta, method, observed)
+        if runner.observed and not meta.num_prefill_requests:
+            updates.append(replays)
+        return replays
+
+    runner.graphs.eligible = recording
     tokens = [[o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)] for llm in (graphs, eager)]
     assert tokens[0] == tokens[1]
-    runner = graphs.engine.runner
     assert runner.graphs.selecting_graphs and runner.graphs.num_replays > 0
+    assert updates and all(updates)  # decode steps that grew an index replayed their graph too
     assert runner.attention.selective.num_selections > 0 and _arena_pointers(graphs) == pointers

@@ -28,7 +28,10 @@ classes. Per step:
 3. after each full-attention layer's attention, once: ``on_attention_end(layer, batch)`` with every observed
    request (``LayerAttentionBatch``: each one's new queries and keys as a ``LayerAttention``, and, for
    decode rows over a plain paged store, the whole batch as tensors with its keys left in their pages);
-   a method that declares ``observes_values`` gets the layer's values beside the keys.
+   a method that declares ``observes_values`` gets the layer's values beside the keys. A method that
+   reads only stored keys and values (``observes_queries`` False, e.g. RetroInfer's index update) gets
+   every layer's batch after the step's forward instead, read from the pool: its observing decode steps
+   then replay their CUDA graph like any other.
 4. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per layer and
    KV head); the engine gathers the kept slots to the front of each layer and frees whole blocks that no
    layer uses any more.
@@ -589,6 +592,11 @@ class SparseMethod(ABC):
     ``PagedKeys.v_cache``) where the store keeps them plainly (a paged store with a table per request, as the
     query-aware methods' are; elsewhere None); a method may set it per instance (from its config) in
     ``__init__``."""
+    observes_queries: ClassVar[bool] = True
+    """``on_attention_end`` reads the observed requests' queries. False: it reads only their stored keys (and
+    values), so the engine may hand each layer's batch over after the step's forward, from the pool (a decode
+    step that observes then still replays its CUDA graph); the queries it gets then have no heads
+    (``[num_new_tokens, 0, head_dim]``)."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         if not isinstance(config, self.Config):

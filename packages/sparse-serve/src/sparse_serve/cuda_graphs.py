@@ -195,8 +195,9 @@ class DecodeGraphs:
         return None
 
     def eligible(self, meta: StepMetadata, method, observed: Collection[Hashable] = frozenset()) -> bool:
-        """Whether the step replays a graph: decode only, within a bucket, observing nothing (``observed``:
-        what the method's ``prepare_step`` returned), every request selecting alike."""
+        """Whether the step replays a graph: decode only, within a bucket, observing nothing during the forward
+        (``observed``: what the method's ``prepare_step`` returned, less what it observes from the pool after the
+        step, ``PagedAttention.observe_stored``), every request selecting alike."""
         if meta.num_prefill_requests or meta.layer_group != self.layer_group or self.bucket(meta.num_tokens) is None:
             return False
         if len(meta.sampled) != meta.num_tokens:  # a one-token prefill chunk that samples nothing

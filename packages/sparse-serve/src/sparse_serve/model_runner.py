@@ -244,16 +244,23 @@ class ModelRunner:
         computed at once (host sync) into the result's ``prompt_logprobs``.
         """
         self.observed = frozenset() if self.method is None else self.method.prepare_step(StepContext(meta.steps))
-        if self.graphs is not None and self.graphs.eligible(meta, self.method, self.observed):
+        # A method that reads only stored keys observes after the forward, from the pool (graphs replay).
+        after = bool(self.observed) and self.attention.observes_stored
+        during = frozenset() if after else self.observed
+        if self.graphs is not None and self.graphs.eligible(meta, self.method, during):
             hidden = self.graphs.run(meta, feed)  # decode-only: every row is sampled, in order
+            if after:
+                self.attention.observe_stored(meta, self.observed)
             logits = self.model.compute_logits(hidden)
         else:
             input_ids = to_device(meta.input_ids, self.device)
             if feed is not None:
                 feed.apply_(input_ids)
             positions = to_device(meta.positions, self.device)
-            self.attention.plan(meta, self.observed)
+            self.attention.plan(meta, during)
             hidden = self.model(input_ids, positions, self.attention)
+            if after:
+                self.attention.observe_stored(meta, self.observed)
             computed = {
                 r.request_id: prompt_token_logprobs(
                     self.model.compute_logits(hidden[r.start : r.start + len(r.targets)]), r

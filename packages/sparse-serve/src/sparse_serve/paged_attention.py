@@ -540,6 +540,34 @@ class PagedAttention:
         steps = tuple(meta.steps[i] for i in index)
         self.method.on_attention_end(layer_idx, LayerAttentionBatch(steps, self.sm_scale, view, queries, keys))
 
+    @property
+    def observes_stored(self) -> bool:
+        """The method's observation can wait for the step's end (``observe_stored``): it reads no queries and the
+        store keeps plain keys on one lane, without tensor parallelism's query regrouping."""
+        method = self.method
+        plain = self.quantized is None and self.latent is None and self.lanes == 1 and self.group_queries is None
+        return method is not None and not method.observes_queries and plain
+
+    def observe_stored(self, meta: StepMetadata, observed: Collection[Hashable]) -> None:
+        """After a step's forward (or its graph's replay, which observed nothing): hand the method each
+        full-attention layer's ``observed`` requests as ``on_attention_end`` would have during the forward,
+        their keys and values read from the pool (where the step's own are stored by now) and their queries
+        without heads (``observes_stored``)."""
+        if not self.observes_stored:
+            raise RuntimeError("the method observes queries or the store is not plain: observe during the forward")
+        self._meta = meta
+        self._observed_slots, self._observed_tables = {}, {}
+        self._observed = observed
+        self._observed_index = [i for i, step in enumerate(meta.steps) if step.request_id in observed]
+        if not self._observed_index:
+            return
+        k_cache = self.pool.k[0]
+        q = k_cache.new_empty((meta.num_tokens, 0, k_cache.shape[-1]))
+        for layer_idx in range(len(self.pool.k)):
+            if layer_idx not in self._layer_window:  # sparse methods act on full-attention layers only
+                group = meta.groups[meta.layer_group[layer_idx]]
+                self._observe(layer_idx, q, self.pool.k[layer_idx], group, observed, self.pool.v[layer_idx])
+
     def _observed_rows_of(self, group) -> ObservedRows | None:
         """The observed decode rows' block tables in ``group`` (once per group and step)."""
         key = id(group)

@@ -17,8 +17,9 @@ same softmax: each as ``size`` tokens sharing the key ``centroid`` and the value
 plain reference of the whole decode.
 
 On the engine, one selection path (``select_decode``, slot entries, no host sync, CUDA-graph safe): the index is
-built or extended outside graphs, from the keys ``on_attention_end`` hands over at the steps that bring a
-request's processed tokens to a new index block (``prepare_step`` observes exactly those; an appended block's
+built or extended outside graphs, from the stored keys ``on_attention_end`` hands over after the forward of the
+steps that bring a request's processed tokens to a new index block (``prepare_step`` observes exactly those; the
+method reads no queries, ``observes_queries`` False, so such a decode step still replays its graph; an appended block's
 k-means replays a CUDA graph of its shape, ``sparse_kernels.cluster_index_graphs``), and written in place
 into the request's row of the engine's fixed device buffers (``StoreKind.CLUSTER_INDEX``: a ``ClusterArena``
 sized at build from ``memory_plan``'s ``index_clusters``, so graphs never see it move), which the decode rows
@@ -140,6 +141,7 @@ class RetroInfer(SparseMethod):
     Config = RetroInferConfig
     storage = Storage(StoreKind.CLUSTER_INDEX)
     supports = frozenset({Support.TENSOR_PARALLEL})  # an index and a cluster ranking per KV head
+    observes_queries = False  # the index reads stored keys and values: an update step replays its graph
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         super().__init__(config, shape)
