@@ -1,8 +1,9 @@
 """RetroInfer indexes the blocks a step completes for several requests in one k-means per layer (their KV heads
 stacked): each request's index, read back from the arena, equals indexing its blocks one by one in plain torch
 (``build_cluster_index`` per block, appended with ``concat_indexes``), for requests that start an index, append
-one block or several in the step, or are not due; with and without value sums, and with a batch small enough
-that the stacked blocks split into several products."""
+one block or several in the step, or are not due; with and without value sums, with a batch small enough
+that the stacked blocks split into several products, and with appended blocks of both layers indexed in one
+k-means (the layers' heads stacked until the last layer) or flushed early by the graphed builder's size cap."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 import sparse_methods as sm
 from sparse_kernels.cluster_index import build_cluster_index, concat_indexes
+from sparse_kernels.cluster_index_graphs import GraphedIndexBuilder
 from sparse_methods import ClusterArena
 from sparse_methods.attention_batch import LayerAttentionBatch
 from sparse_methods.base import LayerAttention, RequestStep
@@ -37,9 +39,20 @@ def _plain(keys, values, blocks):
 
 @pytest.mark.parametrize("estimation", [0.2, 0.0])
 @pytest.mark.parametrize("stacked", [retroinfer.STACKED_TOKENS, 16])
-def test_blocks_indexed_together_equal_one_by_one(estimation, stacked, monkeypatch):
+@pytest.mark.parametrize("cap", [None, 24])
+def test_blocks_indexed_together_equal_one_by_one(estimation, stacked, cap, monkeypatch):
     monkeypatch.setattr(retroinfer, "STACKED_TOKENS", stacked)
     method = sm.build_method("retroinfer", SHAPE, retroinfer_estimation_ratio=estimation, **CONFIG)
+    if cap is not None:  # 8-token blocks x 2 heads: at most one block's heads per k-means
+        method._blocks = GraphedIndexBuilder(max_token_heads=cap)
+    builds = []
+    build = method._flush
+
+    def flushing():
+        builds.append(len(method._pending))
+        return build()
+
+    method._flush = flushing
     method.cluster_arena = ClusterArena(2, 4, 128, 32, 2, 8, torch.float32, "cpu", plan_rows=4)
     gen = torch.Generator().manual_seed(0)
     keys = {r: torch.randn(90, 2, 8, generator=gen) for r in "abcd"}
@@ -77,5 +90,7 @@ def test_blocks_indexed_together_equal_one_by_one(estimation, stacked, monkeypat
                 assert got.value_sums is None
             for name in ("sizes", "offsets", "sorted_positions"):
                 assert torch.equal(getattr(got, name), getattr(want, name).to(getattr(got, name).dtype)), name
+    stacks = [n for n in builds if n]
+    assert stacks and (max(stacks) > 1 if cap is None else max(stacks) == 1)  # both layers in one k-means, or not
     method.release("a")
     assert method.index("a", 0) is None and "a" not in method.cluster_arena.rows

@@ -47,7 +47,7 @@ builds the index."""
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from pydantic import Field, model_validator
@@ -116,6 +116,19 @@ completes blocks for a whole batch runs the k-means once per layer, not once per
 index of 128K tokens goes alone (its float32 copies stay ~0.5 GB each)."""
 
 
+def _head_range(index, lo: int, hi: int):
+    """KV heads ``[lo, hi)`` of a ``ClusterIndex`` (views)."""
+    sums = None if index.value_sums is None else index.value_sums[lo:hi]
+    return replace(
+        index,
+        centroids=index.centroids[lo:hi],
+        value_sums=sums,
+        sizes=index.sizes[lo:hi],
+        offsets=index.offsets[lo:hi],
+        sorted_positions=index.sorted_positions[lo:hi],
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class IndexExtent:
     """What the method keeps of a request's index in one layer: the tokens ``[start, end)`` it covers and its
@@ -148,6 +161,10 @@ class RetroInfer(SparseMethod):
         self._index: dict[tuple[Hashable, int], IndexExtent] = {}  # (request id, layer) -> its index's extent
         self._observing: dict[Hashable, int] = {}  # this step: request -> tokens processed after it
         self._blocks = None  # the appended blocks' graphed index builder, made on first use
+        self._pending: list[tuple[int, list, torch.Tensor, torch.Tensor | None]] = []  # gathered, not yet indexed
+        self._pending_segments = 1
+        full = [layer for layer in range(shape.num_layers) if layer not in shape.windowed_layers]
+        self._last_layer = full[-1] if full else -1  # where a step's pending blocks are indexed together
         self._width = 0  # this step's widest selection (slots)
         self.observes_values = self.config.retroinfer_estimation_ratio > 0  # value sums for the estimation
 
@@ -272,8 +289,9 @@ class RetroInfer(SparseMethod):
         return blocks
 
     def _index_blocks(self, layer: int, batch: LayerAttentionBatch, blocks, length: int, segments) -> None:
-        """Index ``blocks`` ``(request, lo, hi, segments)`` of one ``length`` in one ``build_cluster_index`` (their
-        KV heads stacked), then append each to its request's index in the arena, in order."""
+        """Gather ``blocks`` ``(request, lo, hi, segments)`` of one ``length`` with their KV heads stacked. A first
+        index is built (one ``build_cluster_index``) and appended to the arena at once; appended blocks wait in
+        ``_pending`` so that several layers' share one graphed k-means (``_flush``)."""
         from sparse_kernels.cluster_index import build_cluster_index
 
         if batch.batched:
@@ -288,18 +306,50 @@ class RetroInfer(SparseMethod):
         n, h = len(blocks), self.shape.num_kv_heads
         stacked = keys.permute(1, 0, 2, 3).reshape(length, n * h, -1)
         vals = values.permute(1, 0, 2, 3).reshape(length, n * h, -1) if self.observes_values else None
-        avg = self.config.retroinfer_avg_cluster_size
+        spans = [(batch.requests[i].request_id, lo, hi) for i, lo, hi, _ in blocks]
         if segments is None:  # a first index: its length is the prompt's, a shape seen once
-            whole = build_cluster_index(stacked, vals, start=0, avg_cluster_size=avg, segments=None)
-        else:  # appended blocks repeat their shape every update: replayed from a CUDA graph per shape
-            if self._blocks is None:
-                from sparse_kernels.cluster_index_graphs import GraphedIndexBuilder
+            avg = self.config.retroinfer_avg_cluster_size
+            self._append(layer, spans, build_cluster_index(stacked, vals, start=0, avg_cluster_size=avg, segments=None))
+            return
+        if self._blocks is None:  # appended blocks repeat their shape every update: replayed from a CUDA graph
+            from sparse_kernels.cluster_index_graphs import GraphedIndexBuilder
 
-                self._blocks = GraphedIndexBuilder()
-            whole = self._blocks(stacked, vals, avg_cluster_size=avg, segments=segments)
+            self._blocks = GraphedIndexBuilder()
+        shape = (length, segments)
+        if self._pending and (
+            self._pending[0][2].shape[0] != length
+            or self._pending_segments != segments
+            or length * (sum(p[2].shape[1] for p in self._pending) + n * h) > self._blocks.max_token_heads
+        ):
+            self._flush()
+        self._pending.append((layer, spans, stacked, vals))
+        self._pending_segments = shape[1]
+        if layer == self._last_layer:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Index the pending appended blocks (several layers' heads stacked, all of one shape) in one k-means
+        replay and append each layer's part to its requests' arena rows, in the order they were observed."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        keys = torch.cat([p[2] for p in pending], dim=1) if len(pending) > 1 else pending[0][2]
+        vals = None
+        if pending[0][3] is not None:
+            vals = torch.cat([p[3] for p in pending], dim=1) if len(pending) > 1 else pending[0][3]
+        avg = self.config.retroinfer_avg_cluster_size
+        whole = self._blocks(keys, vals, avg_cluster_size=avg, segments=self._pending_segments)
+        at = 0
+        for layer, spans, stacked, _ in pending:
+            heads = stacked.shape[1]
+            self._append(layer, spans, _head_range(whole, at, at + heads))
+            at += heads
+
+    def _append(self, layer: int, spans, whole) -> None:
+        """Append the blocks ``spans`` ``(request_id, lo, hi)`` of ``whole`` (their heads stacked in that order)
+        to their requests' indexes in ``layer``: the extents here, the clusters in the arena."""
         writes = []
-        for i, lo, hi, _ in blocks:
-            request_id = batch.requests[i].request_id
+        for request_id, lo, hi in spans:
             key = (request_id, layer)
             extent = self._index.get(key)
             at_cluster, at_token = (0, 0) if extent is None else (extent.num_clusters, extent.end - extent.start)
@@ -308,7 +358,12 @@ class RetroInfer(SparseMethod):
             self._index[key] = IndexExtent(start, hi, at_cluster + whole.num_clusters)
         self.arena.write_blocks(layer, whole, writes)
 
+    def finish_step(self) -> dict:
+        self._flush()  # normally done at the last full-attention layer already
+        return {}
+
     def release(self, request_id: Hashable) -> None:
+        self._flush()
         dropped = [k for k in self._index if k[0] == request_id]
         for key in dropped:
             del self._index[key]
