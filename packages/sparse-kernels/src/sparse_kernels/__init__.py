@@ -40,7 +40,7 @@ from sparse_kernels.quantized_compact import compact_quantized
 from sparse_kernels.quantized_kv import QuantizedKV
 from sparse_kernels.quantized_store import store_kv_quantized
 from sparse_kernels.rms_norm import fused_add_rms_norm, rms_norm
-from sparse_kernels.rope import rope_qk
+from sparse_kernels.rope import Rotation, rope_qk, rope_store
 from sparse_kernels.selection_entries import selection_entries
 from sparse_kernels.settings import launch_settings
 from sparse_kernels.silu_mul import silu_and_mul
@@ -70,6 +70,8 @@ __all__ = [
     "resolve_backend",
     "rms_norm",
     "rope_qk",
+    "rope_store",
+    "Rotation",
     "selection_entries",
     "silu_and_mul",
     "softmax_stats",
