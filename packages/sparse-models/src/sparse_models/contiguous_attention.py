@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from sparse_kernels import Rotation
+
 
 class ContiguousCausalAttention:
     """Causal (optionally sliding-window) GQA attention for a varlen batch, softmax in fp32.
@@ -37,8 +39,18 @@ class ContiguousCausalAttention:
             return self.sliding_window
         return self.sliding_window[layer_idx]
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        rotation: Rotation | None = None,
+    ) -> torch.Tensor:
         """``q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] -> [T, Hq, Dv]``; see ``AttentionBackend.forward``."""
+        if rotation is not None:
+            q, k = rotation.apply(q, k)
         num_tokens, num_heads, _ = q.shape
         if num_tokens != self.bounds[-1]:
             raise ValueError(f"got {num_tokens} tokens but cu_seqlens covers {self.bounds[-1]}")

@@ -23,7 +23,9 @@ from sparse_cache import TailRows
 from sparse_kernels import (
     BatchDecodeWithPagedKVCache,
     BatchPrefillWithPagedKVCache,
+    Rotation,
     block_summary,
+    rope_store,
     store_kv,
 )
 from sparse_kernels.block_summary import quantized_block_summary
@@ -296,11 +298,26 @@ class PagedAttention:
             to_device(torch.tensor(valid, dtype=torch.int32), self.device),
         )
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        rotation: Rotation | None = None,
+    ) -> torch.Tensor:
+        """``sparse_models.AttentionBackend.forward``: a plain store without block summaries rotates and stores
+        in one launch (``rope_store``); the others rotate first."""
         if abs(scale - self.sm_scale) > 1e-12 * self.sm_scale:
             raise ValueError(f"attention scale {scale} differs from the planned {self.sm_scale}")
         meta = self._meta
         group_idx = meta.layer_group[layer_idx]
+        plain = self.latent is None and self.quantized is None and self.lanes == 1
+        summary = self.pool.summary(layer_idx) if plain else None
+        if rotation is not None and (not plain or summary is not None):
+            q, k = rotation.apply(q, k)
+            rotation = None
         if self.latent is not None:
             return self._forward_latent(layer_idx, group_idx, q, k)
         window = self._layer_window.get(layer_idx)
@@ -312,10 +329,14 @@ class PagedAttention:
         k_cache, v_cache = self.pool.k[layer_idx], self.pool.v[layer_idx]
         ring_copy = self._ring_copy(layer_idx, q, window)
         group = meta.groups[group_idx]
-        summary = self.pool.summary(layer_idx)
-        # Decode-only steps: the summaries follow the slot mapping, updated in the store's launch.
-        from_slots = summary if summary is not None and self._touched is None else None
-        store_kv(k, v, k_cache, v_cache, plan.slot_mapping, **ring_copy, summary=from_slots)
+        if rotation is not None:  # no summary: rotated, stored and the decode queries recorded in one launch
+            copy = dict(copy_into=ring_copy["copy_into"], copy_index=ring_copy["copy_index"]) if ring_copy else {}
+            num_copy = ring_copy["copy_rows"].shape[0] if ring_copy else 0
+            q = rope_store(q, k, v, rotation, k_cache, v_cache, plan.slot_mapping, **copy, num_copy=num_copy)
+        else:
+            # Decode-only steps: the summaries follow the slot mapping, updated in the store's launch.
+            from_slots = summary if summary is not None and self._touched is None else None
+            store_kv(k, v, k_cache, v_cache, plan.slot_mapping, **ring_copy, summary=from_slots)
         if summary is not None and self._touched is not None:
             kmin, kmax, kscale = summary
             blocks, valid = self._touched[group_idx]

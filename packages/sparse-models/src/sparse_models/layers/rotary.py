@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from sparse_kernels import rope_qk
+from sparse_kernels import Rotation
 from sparse_kernels.rope import apply_rotary  # noqa: F401  (re-exported: the reference rotation)
 from sparse_models.config import RopeScaling
 from sparse_models.layers.norm import RMSNorm
@@ -69,11 +69,17 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``q [T, Hq, D]`` and ``k [T, Hkv, D]`` by ``positions [T]`` (int64), after the per-head
         ``q_norm`` / ``k_norm`` when given (Qwen3). One fused kernel on CUDA, HF's sequence of ops on
         CPU (see ``sparse_kernels.rope``); returns new contiguous tensors."""
+        return self.rotation(positions, q_norm, k_norm).apply(q, k)
+
+    def rotation(
+        self, positions: torch.Tensor, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+    ) -> Rotation:
+        """What ``forward`` does to q and k, not done yet: an attention backend applies it, fused with storing
+        the keys where it can (``sparse_kernels.rope_store``)."""
         if (q_norm is None) != (k_norm is None):
             raise ValueError("pass both q_norm and k_norm, or neither")
-        weights = {}
-        if q_norm is not None:
-            if q_norm.eps != k_norm.eps:
-                raise ValueError(f"q_norm and k_norm must share eps, got {q_norm.eps} and {k_norm.eps}")
-            weights = dict(q_weight=q_norm.weight, k_weight=k_norm.weight, eps=q_norm.eps)
-        return rope_qk(q, k, positions, self.cos_sin, **weights)
+        if q_norm is None:
+            return Rotation(positions, self.cos_sin)
+        if q_norm.eps != k_norm.eps:
+            raise ValueError(f"q_norm and k_norm must share eps, got {q_norm.eps} and {k_norm.eps}")
+        return Rotation(positions, self.cos_sin, q_norm.weight, k_norm.weight, q_norm.eps)

@@ -71,8 +71,9 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 norms each head first
-        o = attn.forward(self.layer_idx, q, k, v, self.scale)  # [T, Hq, D]
+        # Rotated by the backend (with its KV store where it can); Qwen3 norms each head first.
+        rotation = rotary.rotation(positions, self.q_norm, self.k_norm)
+        o = attn.forward(self.layer_idx, q, k, v, self.scale, rotation)  # [T, Hq, D]
         return o.reshape(-1, self.num_heads * self.head_dim)  # a view of the kernels' output
 
 
