@@ -55,30 +55,61 @@ def test_reference_norm_then_rotate():
     torch.testing.assert_close(got_k, exp_k, atol=0, rtol=0)
 
 
+def _triton_and_reference(tokens, head_dim, heads, norm, dtype, device):
+    """``rope_qk`` of one random step on the Triton backend (on the CPU) and the reference."""
+    num_q_heads, num_kv_heads = heads
+    q, k, positions, (qw, kw) = _qkv(tokens, num_q_heads, num_kv_heads, head_dim, dtype, seed=tokens)
+    table = _table(head_dim)
+    weights = dict(q_weight=qw, k_weight=kw) if norm else {}
+    exp_q, exp_k = rope_qk(q, k, positions, table, eps=1e-6, backend="reference", **weights)
+    dev = {name: w.to(device) for name, w in weights.items()}
+    got_q, got_k = rope_qk(
+        q.to(device), k.to(device), positions.to(device), table.to(device), eps=1e-6, backend="triton", **dev
+    )
+    assert got_q.is_contiguous() and got_k.is_contiguous() and got_q.dtype == dtype
+    torch.testing.assert_close(got_q.cpu(), exp_q, **TOL[dtype])
+    torch.testing.assert_close(got_k.cpu(), exp_k, **TOL[dtype])
+    return got_q.cpu(), got_k.cpu()
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 17])
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("heads", [(1, 1), (4, 1), (8, 2)])
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_matches_reference(tokens, head_dim, heads, norm, dtype, triton_device):
-    num_q_heads, num_kv_heads = heads
-    q, k, positions, (qw, kw) = _qkv(tokens, num_q_heads, num_kv_heads, head_dim, dtype, seed=tokens)
-    table = _table(head_dim)
-    weights = dict(q_weight=qw, k_weight=kw) if norm else {}
-    exp_q, exp_k = rope_qk(q, k, positions, table, eps=1e-6, backend="reference", **weights)
-    dev = {name: w.to(triton_device) for name, w in weights.items()}
-    got_q, got_k = rope_qk(
-        q.to(triton_device),
-        k.to(triton_device),
-        positions.to(triton_device),
-        table.to(triton_device),
-        eps=1e-6,
-        backend="triton",
-        **dev,
-    )
-    assert got_q.is_contiguous() and got_k.is_contiguous() and got_q.dtype == dtype
-    torch.testing.assert_close(got_q.cpu(), exp_q, **TOL[dtype])
-    torch.testing.assert_close(got_k.cpu(), exp_k, **TOL[dtype])
+    _triton_and_reference(tokens, head_dim, heads, norm, dtype, triton_device)
+
+
+@pytest.mark.parametrize("tokens", [3, 70])  # either side of TILE_MIN_TOKENS; 70 ends in a partial tile
+@pytest.mark.parametrize("head_dim", [16, 96])  # 96: 48 columns of a 64-column tile
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_token_tiles(tokens, head_dim, norm, dtype, triton_device, monkeypatch):
+    """The launch the step's length picks (one token a program below the threshold, tiles of tokens from
+    it) matches the reference, and the other launch writes the same bits."""
+    from sparse_kernels._triton import rope as rope_triton
+
+    chosen = _triton_and_reference(tokens, head_dim, (2, 1), norm, dtype, triton_device)
+    if tokens >= rope_triton.TILE_MIN_TOKENS and not (norm and dtype == torch.bfloat16 and head_dim == 96):
+        return  # 70 tokens one a program is slow interpreted: compared in one case (and in test_rope_store)
+    tiled = tokens >= rope_triton.TILE_MIN_TOKENS
+    monkeypatch.setattr(rope_triton, "TILE_MIN_TOKENS", 10**9 if tiled else 1)
+    assert rope_triton._token_tile(tokens, head_dim // 2)[0] == (1 if tiled else rope_triton.TILE_TOKENS)
+    other = _triton_and_reference(tokens, head_dim, (2, 1), norm, dtype, triton_device)
+    for got, exp in zip(chosen, other, strict=True):
+        torch.testing.assert_close(got, exp, atol=0, rtol=0)
+
+
+def test_token_tile_choice():
+    """Decode-sized steps keep the one-token launch (and its warps); longer steps stack it 8 times."""
+    from sparse_kernels._triton.rope import TILE_MIN_TOKENS, _token_tile
+
+    assert TILE_MIN_TOKENS == 64
+    for tokens in (1, 5, 32, 63):
+        assert _token_tile(tokens, 32) == _token_tile(tokens, 64) == (1, 1) and _token_tile(tokens, 128) == (1, 2)
+    for tokens in (64, 2048, 8192):
+        assert _token_tile(tokens, 32) == _token_tile(tokens, 64) == (8, 8) and _token_tile(tokens, 128) == (8, 16)
 
 
 def test_triton_int32_positions(triton_device):

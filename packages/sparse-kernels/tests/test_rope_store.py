@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparse_kernels import Rotation, rope_qk, rope_store, store_kv
+from sparse_kernels._triton.compile_check import compiling_for
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=5e-2, rtol=5e-2)}
 EXACT = dict(atol=0, rtol=0)
@@ -41,10 +42,12 @@ def _case(slots, num_q_heads=4, num_kv_heads=2, head_dim=16, *, dtype=torch.floa
     positions = torch.randint(0, MAX_POSITION, (tokens,), generator=gen)
     weights = [(1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype) for _ in range(2)] if norm else [None] * 2
     rotation = Rotation(positions, _table(head_dim), *weights, eps=1e-6)
-    shape = (6, 4, num_kv_heads, head_dim)  # [num_blocks, block_size, Hkv, D]: 24 slots
+    num_blocks = max(6, max(slots, default=0) // 4 + 1)  # at least 24 slots, enough for long steps
+    shape = (num_blocks, 4, num_kv_heads, head_dim)  # [num_blocks, block_size, Hkv, D]
     k_cache, v_cache = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
-    ring = torch.randn(7, num_q_heads, head_dim, generator=gen).to(dtype)
-    index = torch.randperm(7, generator=gen)  # distinct ring rows, more than any step copies
+    rows = max(7, tokens)
+    ring = torch.randn(rows, num_q_heads, head_dim, generator=gen).to(dtype)
+    index = torch.randperm(rows, generator=gen)  # distinct ring rows, more than any step copies
     return q, k, v, rotation, k_cache, v_cache, torch.tensor(slots, dtype=torch.int32), ring, index
 
 
@@ -113,6 +116,11 @@ def _check_all(case, num_copy, device):
     _check_against_truth(triton, case, num_copy, TOL[dtype])
 
 
+# A prefill-sized step (tiles of tokens, see ``_token_tile``): 70 tokens, so the last tile is partial;
+# distinct slots of a 24 x 4 pool, padded tokens scattered and one run of them across a tile boundary.
+LONG_SLOTS = [-1 if t % 9 == 4 or 44 <= t < 50 else (37 * t) % 96 for t in range(70)]
+
+
 @pytest.mark.parametrize(
     ("slots", "num_copy"),
     [
@@ -120,6 +128,7 @@ def _check_all(case, num_copy, device):
         ([4, -1, 9, -1], 2),  # padded tokens among real ones; the first two queries copied
         ([13, 2, -1, -1], 4),  # CUDA-graph bucket: padded tokens' queries are copied too
         ([-1, -1, -1], 1),  # all padding: the pool stays as it was
+        (LONG_SLOTS, 21),  # tiles of tokens; the copy ends inside a tile
     ],
 )
 @pytest.mark.parametrize("norm", [False, True])
@@ -128,11 +137,49 @@ def test_matches_unfused_chain(slots, num_copy, norm, dtype, triton_device):
     _check_all(_case(slots, dtype=dtype, norm=norm), num_copy, triton_device)
 
 
+@pytest.mark.parametrize(
+    ("slots", "num_copy"),
+    [
+        ([4, -1, 9, 2, -1], 3),  # one-token launch, then 5 live rows of one tile
+        (LONG_SLOTS, 21),  # tiles, then 70 one-token programs
+    ],
+)
+@pytest.mark.parametrize(("dtype", "norm"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_token_tiles_match_one_token_launch(slots, num_copy, dtype, norm, triton_device, monkeypatch):
+    """The launch chosen by the step's length and the other one write the same bits everywhere."""
+    from sparse_kernels._triton import rope as rope_triton
+
+    case = _case(slots, 2, 1, dtype=dtype, norm=norm, seed=5)
+    chosen = _fused(case, num_copy, "triton", triton_device)
+    tiled = len(slots) >= rope_triton.TILE_MIN_TOKENS
+    monkeypatch.setattr(rope_triton, "TILE_MIN_TOKENS", 10**9 if tiled else 1)
+    assert rope_triton._token_tile(len(slots), 8)[0] == (1 if tiled else rope_triton.TILE_TOKENS)
+    with compiling_for(None):  # both launches compile for sm_90 in test_tiled_launch_compiles_for_sm90
+        other = _fused(case, num_copy, "triton", triton_device)
+    for got, exp in zip(chosen, other, strict=True):
+        torch.testing.assert_close(got, exp, **EXACT, equal_nan=True)
+
+
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2), (3, 1)])
 def test_head_layouts_and_head_dim_32(heads, triton_device):
     num_q_heads, num_kv_heads = heads
     case = _case([3, 0, -1, 17, 8], num_q_heads, num_kv_heads, head_dim=32, dtype=torch.bfloat16, seed=3)
     _check_all(case, 3, triton_device)
+
+
+def test_tiled_launch_compiles_for_sm90():
+    """Both launches at Qwen3's head_dim in bf16 with the norm compile for sm_90 (on CPU tensors, so also on a
+    GPU machine): rope_store with a copy, and rope_qk, at a tiled and a one-token length."""
+    from sparse_kernels._triton.rope import TILE_TOKENS, _token_tile
+
+    for slots, num_copy in ((LONG_SLOTS, 21), ([3, -1, 8], 2)):
+        assert _token_tile(len(slots), 64)[0] == (TILE_TOKENS if len(slots) == 70 else 1)
+        case = _case(slots, 4, 2, head_dim=128, dtype=torch.bfloat16, seed=1)
+        with compiling_for("cuda", 90, 32):
+            got = _fused(case, num_copy, "triton", "cpu")
+            q, k, _, rotation, *_ = case
+            q_out, _ = rotation.apply(q, k, backend="triton")
+        torch.testing.assert_close(got[0], q_out, **EXACT)
 
 
 def test_empty_step_changes_nothing(triton_device):
