@@ -283,6 +283,16 @@ def test_an_arena_that_cannot_be_sized_is_refused_at_build():
         _llm(**SMALL, max_model_len=12)
 
 
+def test_a_synthetic_request_the_pool_cannot_hold_names_the_arena():
+    """The bench's synthetic requests: one that does not fit says how full the pool is and, for a cluster-index
+    method, what its arena (reserved before the pool, for max_num_seqs requests) holds."""
+    for kw, tail in ((SMALL, r"; the cluster index arena holds [0-9.]+ GiB for max_num_seqs=8 requests"), ({}, "$")):
+        engine = _llm(**kw, num_kv_blocks=16, max_model_len=256).engine
+        engine.add_synthetic_request(200)  # 13 of the 16 blocks
+        with pytest.raises(ValueError, match=r"holding 200 tokens .*\(3 of its 16 blocks free\)" + tail):
+            engine.add_synthetic_request(200)
+
+
 def test_async_scheduling_equals_sync():
     cfg = dict(**SMALL, retroinfer_retrieval_ratio=0.1)
     assert _tokens(_llm(**cfg, async_scheduling=True)) == _tokens(_llm(**cfg))

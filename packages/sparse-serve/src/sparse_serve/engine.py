@@ -288,7 +288,17 @@ class LLMEngine:
             resident = self.kv.layout.per_table(resident)
         req.kv_lens = [n - 1 for n in resident]
         if self.kv.allocate_computed(request_id, resident, req.kv_lens) is None:
-            raise ValueError(f"a synthetic request holding {max(resident)} tokens does not fit the KV pool now")
+            free, total = self.kv.num_free_blocks, self.kv.num_blocks
+            why = f"a synthetic request holding {max(resident)} tokens does not fit the KV pool now"
+            why += f" ({free} of its {total} blocks free)"
+            arena = getattr(self.method, "cluster_arena", None)
+            if arena is not None:  # reserved before the pool, for max_num_seqs requests of max_model_len
+                held = sum(t.numel() * t.element_size() for layer in arena.layers for t in layer)
+                why += (
+                    f"; the cluster index arena holds {held / 2**30:.1f} GiB for max_num_seqs="
+                    f"{self.config.max_num_seqs} requests of up to max_model_len tokens: lower max_num_seqs"
+                )
+            raise ValueError(why)
         req.num_computed_tokens = req.prefill_len = num_prompt_tokens
         req.num_computed_tokens -= 1
         req.status = RequestStatus.RUNNING
