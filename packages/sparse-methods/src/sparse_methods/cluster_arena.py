@@ -80,6 +80,11 @@ class ClusterArena:
         per_cluster = head_dim * (dtype.itemsize + value_sum_dtype(dtype).itemsize) + 2 * 4
         return num_layers * num_kv_heads * num_rows * (clusters * per_cluster + tokens * 4)
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the arena holds (its per-layer buffers)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
     def bases(self, request_id: Hashable) -> tuple[int, int]:
         """The request's first token and first cluster column (it holds a row)."""
         row = self.rows[request_id]

@@ -291,11 +291,10 @@ class LLMEngine:
             free, total = self.kv.num_free_blocks, self.kv.num_blocks
             why = f"a synthetic request holding {max(resident)} tokens does not fit the KV pool now"
             why += f" ({free} of its {total} blocks free)"
-            arena = getattr(self.method, "cluster_arena", None)
+            arena = self.method.cluster_arena
             if arena is not None:  # reserved before the pool, for max_num_seqs requests of max_model_len
-                held = sum(t.numel() * t.element_size() for layer in arena.layers for t in layer)
                 why += (
-                    f"; the cluster index arena holds {held / 2**30:.1f} GiB for max_num_seqs="
+                    f"; the cluster index arena holds {arena.nbytes / 2**30:.1f} GiB for max_num_seqs="
                     f"{self.config.max_num_seqs} requests of up to max_model_len tokens: lower max_num_seqs"
                 )
             raise ValueError(why)

@@ -200,6 +200,7 @@ class PagedAttention:
             )
         # Per layer group (its own tables): the first keeps fixed buffers for graphs, the rest grow as needed.
         # The first is the batched selection path CUDA graphs ask for their keys (a latent store's: its own).
+        self._plain = self.latent is None and self.quantized is None and self.lanes == 1  # model-dtype K/V, one lane
         self._selectives = [
             self.latent.selective
             if self.latent is not None
@@ -219,9 +220,7 @@ class PagedAttention:
         """Prepare one step: copy each layer group's slot mapping and plan its kernels. ``observed``: the
         requests whose attention inputs every full-attention layer hands the method (``prepare_step``)."""
         self._meta = meta
-        self._observed_slots, self._observed_tables = {}, {}
-        self._observed = observed if self.method is not None else frozenset()
-        self._observed_index = [i for i, step in enumerate(meta.steps) if step.request_id in self._observed]
+        self._observe_in(meta, observed if self.method is not None else frozenset())
         if self.score_sums is not None and meta.num_decode_tokens:
             self._score_columns = int(meta.groups[0].decode_kv_indptr[-1]) * self.block_size
         if self.latent is not None:
@@ -313,9 +312,8 @@ class PagedAttention:
             raise ValueError(f"attention scale {scale} differs from the planned {self.sm_scale}")
         meta = self._meta
         group_idx = meta.layer_group[layer_idx]
-        plain = self.latent is None and self.quantized is None and self.lanes == 1
-        summary = self.pool.summary(layer_idx) if plain else None
-        if rotation is not None and (not plain or summary is not None):
+        summary = self.pool.summary(layer_idx) if self._plain else None
+        if rotation is not None and (not self._plain or summary is not None):
             q, k = rotation.apply(q, k)
             rotation = None
         if self.latent is not None:
@@ -566,8 +564,7 @@ class PagedAttention:
         """The method's observation can wait for the step's end (``observe_stored``): it reads no queries and the
         store keeps plain keys on one lane, without tensor parallelism's query regrouping."""
         method = self.method
-        plain = self.quantized is None and self.latent is None and self.lanes == 1 and self.group_queries is None
-        return method is not None and not method.observes_queries and plain
+        return method is not None and not method.observes_queries and self._plain and self.group_queries is None
 
     def observe_stored(self, meta: StepMetadata, observed: Collection[Hashable]) -> None:
         """After a step's forward (or its graph's replay, which observed nothing): hand the method each
@@ -577,9 +574,7 @@ class PagedAttention:
         if not self.observes_stored:
             raise RuntimeError("the method observes queries or the store is not plain: observe during the forward")
         self._meta = meta
-        self._observed_slots, self._observed_tables = {}, {}
-        self._observed = observed
-        self._observed_index = [i for i, step in enumerate(meta.steps) if step.request_id in observed]
+        self._observe_in(meta, observed)
         if not self._observed_index:
             return
         k_cache = self.pool.k[0]
@@ -588,6 +583,12 @@ class PagedAttention:
             if layer_idx not in self._layer_window:  # sparse methods act on full-attention layers only
                 group = meta.groups[meta.layer_group[layer_idx]]
                 self._observe(layer_idx, q, self.pool.k[layer_idx], group, observed, self.pool.v[layer_idx])
+
+    def _observe_in(self, meta: StepMetadata, observed: Collection[Hashable]) -> None:
+        """The requests of ``meta`` whose attention the method observes, and fresh per-step lookups for them."""
+        self._observed_slots, self._observed_tables = {}, {}
+        self._observed = observed
+        self._observed_index = [i for i, step in enumerate(meta.steps) if step.request_id in observed]
 
     def _observed_rows_of(self, group) -> ObservedRows | None:
         """The observed decode rows' block tables in ``group`` (once per group and step)."""

@@ -162,7 +162,7 @@ class RetroInfer(SparseMethod):
         self._observing: dict[Hashable, int] = {}  # this step: request -> tokens processed after it
         self._blocks = None  # the appended blocks' graphed index builder, made on first use
         self._pending: list[tuple[int, list, torch.Tensor, torch.Tensor | None]] = []  # gathered, not yet indexed
-        self._pending_segments = 1
+        self._pending_shape = (0, 1)  # the pending blocks' (length, segments)
         full = [layer for layer in range(shape.num_layers) if layer not in shape.windowed_layers]
         self._last_layer = full[-1] if full else -1  # where a step's pending blocks are indexed together
         self._width = 0  # this step's widest selection (slots)
@@ -315,15 +315,11 @@ class RetroInfer(SparseMethod):
             from sparse_kernels.cluster_index_graphs import GraphedIndexBuilder
 
             self._blocks = GraphedIndexBuilder()
-        shape = (length, segments)
-        if self._pending and (
-            self._pending[0][2].shape[0] != length
-            or self._pending_segments != segments
-            or length * (sum(p[2].shape[1] for p in self._pending) + n * h) > self._blocks.max_token_heads
-        ):
+        token_heads = length * (sum(p[2].shape[1] for p in self._pending) + n * h)
+        if self._pending and (self._pending_shape != (length, segments) or token_heads > self._blocks.max_token_heads):
             self._flush()
         self._pending.append((layer, spans, stacked, vals))
-        self._pending_segments = shape[1]
+        self._pending_shape = (length, segments)
         if layer == self._last_layer:
             self._flush()
 
@@ -333,12 +329,13 @@ class RetroInfer(SparseMethod):
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        keys = torch.cat([p[2] for p in pending], dim=1) if len(pending) > 1 else pending[0][2]
-        vals = None
-        if pending[0][3] is not None:
-            vals = torch.cat([p[3] for p in pending], dim=1) if len(pending) > 1 else pending[0][3]
+
+        def heads(i: int) -> torch.Tensor | None:  # the blocks' i-th tensors with their heads stacked
+            parts = [p[i] for p in pending]
+            return None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
         avg = self.config.retroinfer_avg_cluster_size
-        whole = self._blocks(keys, vals, avg_cluster_size=avg, segments=self._pending_segments)
+        whole = self._blocks(heads(2), heads(3), avg_cluster_size=avg, segments=self._pending_shape[1])
         at = 0
         for layer, spans, stacked, _ in pending:
             heads = stacked.shape[1]
