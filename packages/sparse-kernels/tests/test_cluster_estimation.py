@@ -208,6 +208,24 @@ def test_in_place_merge_equals_merge_states(dtype, triton_device):
         merge_states_(out_a, lse_a, out_b[:, :2], lse_b)
 
 
+def test_in_place_merge_reads_transposed_second_states(triton_device):
+    """The cascade prefill's merge: the second state comes as a transposed view (``[T, H, D]`` of a head-major
+    ``[H, T, D]`` tensor, in bf16) and its LSE as the transpose of ``[H, T]``; both merge without a copy into
+    the first state, equal to ``merge_states`` on contiguous copies."""
+    gen = torch.Generator().manual_seed(9)
+    t, h, d = 5, 4, 24
+    out_a = torch.randn(t, h, d, generator=gen).to(torch.bfloat16)
+    lse_a = torch.randn(t, h, generator=gen)
+    out_b = torch.randn(h, t, d, generator=gen).to(torch.bfloat16).transpose(0, 1)
+    lse_b = torch.randn(h, t, generator=gen).T
+    want = merge_states(out_a.float(), lse_a, out_b.float().contiguous(), lse_b.contiguous()).to(torch.bfloat16)
+    for backend in ("reference", "triton"):
+        dev = out_a.to(triton_device, copy=True)
+        args = [x.to(triton_device) for x in (lse_a, out_b, lse_b)]
+        got = merge_states_(dev, args[0], args[1], args[2], backend=backend)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("from_logits", [False, True])
 def test_an_empty_clusters_rows_are_never_used(from_logits, triton_device, ieee_values):
     """The Triton path reads an empty cluster's centroid and value sum without waiting for its size (the loads

@@ -56,6 +56,28 @@ def test_query_bucket_pads_to_powers_of_two(monkeypatch):
     assert [prefix_attention.query_bucket(n) for n in (1, 4, 5, 8, 9, 2048, 2049)] == [4, 4, 8, 8, 16, 2048, 4096]
 
 
+def test_warm_plans_builds_nothing_where_the_fused_attention_does_not_run():
+    step = prefix_attention.CASCADE_PREFIX_STEP
+    # Off CUDA there is no cuDNN plan to build; on any device a chunk too short to split, or a prompt shorter
+    # than one step, needs none.
+    assert prefix_attention.warm_plans(2048, 64 * step, 32, 8, 128, torch.bfloat16, "cpu") == 0
+    assert (
+        prefix_attention.warm_plans(
+            prefix_attention.CASCADE_MIN_QUERIES - 1, 64 * step, 8, 2, 64, torch.bfloat16, "cpu"
+        )
+        == 0
+    )
+    assert prefix_attention.warm_plans(2048, step - 1, 8, 2, 64, torch.bfloat16, "cpu") == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_warm_plans_builds_one_plan_per_prefix_step_on_cuda():
+    step = prefix_attention.CASCADE_PREFIX_STEP
+    assert prefix_attention.warm_plans(256, 5 * step + 7, 8, 2, 64, torch.bfloat16, "cuda") == 5
+    assert prefix_attention.warm_plans(256, 100 * step, 8, 2, 64, torch.bfloat16, "cuda", max_shapes=3) == 3
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_prefill_equals_one_pass(paged_batch, triton_device, monkeypatch, dtype):
     monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)

@@ -38,8 +38,9 @@ def merge_states_(
 ) -> torch.Tensor:
     """``merge_states`` written into ``out_a`` (any float dtype; the merge runs in float32), returned.
 
-    ``out_a`` ``[..., D]``; ``out_b`` ``[..., D]`` float32 and the two ``lse`` ``[...]`` float32, of the same
-    leading shape. Triton runs an ``out_a`` of 2 or 3 dims with unit stride on ``D``, the reference the rest."""
+    ``out_a`` ``[..., D]``; ``out_b`` ``[..., D]`` (any float dtype) and the two ``lse`` ``[...]`` float32, of the
+    same leading shape. Triton runs states of 2 or 3 dims with unit stride on ``D`` (other strides are free: a
+    transposed view merges without a copy), the reference the rest."""
     if out_b.shape != out_a.shape or lse_a.shape != out_a.shape[:-1] or lse_b.shape != lse_a.shape:
         raise ValueError(f"states must share a shape: {tuple(out_a.shape)} / {tuple(out_b.shape)}, lse [...]")
     if resolve_backend(backend, out_a.device) == "triton" and out_a.stride(-1) == 1 and out_a.dim() in (2, 3):

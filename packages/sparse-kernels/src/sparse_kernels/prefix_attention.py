@@ -1,12 +1,14 @@
 """Cascade prefill: a chunk's attention split at a page boundary into its cached prefix and the rest.
 
 Every query of a chunk sees the whole cached prefix, so that part needs no mask: it is a plain dense
-attention over a contiguous copy of the prefix's pages, run on CUDA by cuDNN's fused attention (through
-torch's ``_scaled_dot_product_cudnn_attention``, which also returns the log-sum-exp) with the query
-heads of each GQA group folded into rows (exact without a mask, and no K/V repeat). The rest (the
-chunk's own keys and a partial last prefix page) runs in the paged Triton kernel with the causal mask,
-and the two partial softmaxes are merged by their log-sum-exps, as FlashInfer's cascade attention does.
-The plain formula below is the reference for both parts and the fallback off CUDA.
+attention over the prefix's pages (read in place when they are one ascending run of pool blocks, else
+gathered), run on CUDA by cuDNN's fused attention (through torch's ``_scaled_dot_product_cudnn_attention``,
+which also returns the log-sum-exp and takes GQA's fewer KV heads as they are). Queries, keys and values
+go in as strided views of their token-major tensors and the output comes back token-major, so nothing is
+copied around the call. The rest (the chunk's own keys and the prefix past the last whole step) runs in
+the paged Triton kernel with the causal mask, and the two partial softmaxes are merged by their
+log-sum-exps in one launch (``merge_states_``), as FlashInfer's cascade attention does. The plain formula
+below is the reference for both parts and the fallback off CUDA.
 """
 
 from __future__ import annotations
@@ -15,14 +17,18 @@ import functools
 
 import torch
 
+from sparse_kernels.merge_states import merge_states_
+
 # cuDNN builds an execution plan for every new shape, which costs the host tens of milliseconds: in
 # serving, where every chunk has its own prefix length, that cost dominated the step (measured on the
 # H200: the agent benchmark's mixed steps spent 70-90 ms more on the host than before the cascade). So
 # shapes are made to repeat: the fused part takes the largest multiple of CASCADE_PREFIX_STEP tokens of
 # the prefix (whole pages; the paged kernel reads the rest), and its queries are padded with zero rows
 # to a power of two (at least CASCADE_MIN_QUERIES). A chunk with fewer queries, or a prefix shorter than
-# one step, runs in the paged kernel alone (as fast there; measured on the H200).
-CASCADE_PREFIX_STEP = 4096
+# one step, runs in the paged kernel alone (as fast there; measured on the H200). The step is the default
+# chunk: chunked prefill then hands cuDNN the whole prefix (the paged kernel runs at ~250 TFLOP/s on what it
+# gets, cuDNN at ~660; session 26: a new shape's plan costs ~35 ms once per process).
+CASCADE_PREFIX_STEP = 2048
 CASCADE_MIN_QUERIES = 128
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 # Tests set this to run the split off CUDA too (prefix part by the plain formula).
@@ -84,15 +90,13 @@ def _attention_with_lse(q, k, v, sm_scale: float) -> tuple[torch.Tensor, torch.T
     hkv = k.shape[1]
     group = hq // hkv
     if use_fused(q):
-        # Rows (g, i) of KV head h: query i's head h * group + g; no mask, so the fold is exact.
-        qf = q.view(t, hkv, group, d).permute(1, 2, 0, 3).reshape(1, hkv, group * t, d)
-        kf, vf = (x.view(1, -1, hkv, d).transpose(1, 2) for x in (k, v))
+        # [1, heads, tokens, D] views of the token-major tensors (no copies); cuDNN returns its output in
+        # q's token-major order and its LSE as [1, Hq, T(, 1)].
+        qf, kf, vf = (x.unsqueeze(0).transpose(1, 2) for x in (q, k, v))
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             qf, kf, vf, None, True, 0.0, False, False, scale=sm_scale
         )  # fmt: skip
-        out = res[0].view(hkv, group, t, d).permute(2, 0, 1, 3).reshape(t, hq, d)
-        lse = res[1].view(hkv, group, t).permute(2, 0, 1).reshape(t, hq)
-        return out, lse.float()
+        return res[0][0].transpose(0, 1), res[1].view(hq, t).T.float()
     kk = k.float().repeat_interleave(group, dim=1)
     vv = v.float().repeat_interleave(group, dim=1)
     s = torch.einsum("thd,nhd->htn", q.float(), kk) * sm_scale
@@ -101,10 +105,43 @@ def _attention_with_lse(q, k, v, sm_scale: float) -> tuple[torch.Tensor, torch.T
     return out.to(q.dtype), lse.T.contiguous()
 
 
+def warm_plans(
+    num_queries: int,
+    max_prefix: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    max_shapes: int = 64,
+) -> int:
+    """Build cuDNN's plans for the prefix shapes that chunks of ``num_queries`` queries meet on prompts of up
+    to ``max_prefix`` cached tokens (each multiple of ``CASCADE_PREFIX_STEP``, at most ``max_shapes`` of
+    them, the shortest first); returns how many were built (0 where the fused attention does not run).
+
+    A plan is built on a shape's first call and kept for the process (~35 ms each on an H200, session 26);
+    the first 128K prompt otherwise pays ~2 s of them inside its prefill. The keys and values are zeros
+    (their values do not matter to a plan) and are freed on return.
+    """
+    device = torch.device(device)
+    rows = query_bucket(num_queries)
+    if num_queries < CASCADE_MIN_QUERIES or max_prefix < CASCADE_PREFIX_STEP:
+        return 0
+    q = torch.zeros(rows, num_q_heads, head_dim, dtype=dtype, device=device)
+    if not use_fused(q):
+        return 0
+    lengths = range(CASCADE_PREFIX_STEP, max_prefix + 1, CASCADE_PREFIX_STEP)[:max_shapes]
+    kv = torch.zeros(2, lengths[-1], num_kv_heads, head_dim, dtype=dtype, device=device)
+    for n in lengths:
+        attention_with_lse(q, kv[0, :n], kv[1, :n], head_dim**-0.5)
+    return len(lengths)
+
+
 def merge_into(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor) -> None:
     """``out`` (with ``lse``) becomes the softmax over both key sets, ``other`` holding the second part.
 
-    ``out``/``other`` ``[T, H, D]``, ``lse``/``other_lse`` ``[T, H]`` float32 (natural log).
+    ``out``/``other`` ``[T, H, D]`` (any strides with unit stride on ``D``), ``lse``/``other_lse`` ``[T, H]``
+    float32 (natural log). One Triton launch on CUDA (``merge_states_``), plain torch elsewhere.
     """
-    w = torch.sigmoid(other_lse - lse)[..., None]  # the other part's share of the total mass
-    out.copy_(torch.lerp(out.float(), other.float(), w))
+    merge_states_(out, lse, other, other_lse)

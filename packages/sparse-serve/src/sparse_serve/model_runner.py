@@ -9,6 +9,7 @@ import torch
 from sparse_cache import SUMMARY_TENSORS, LayerLayout, TailRows
 from sparse_kernels import block_summary
 from sparse_kernels.block_summary import quantized_block_summary
+from sparse_kernels.prefix_attention import warm_plans
 from sparse_methods import (
     ClusterArena,
     DecodeRead,
@@ -105,6 +106,7 @@ class ModelRunner:
         self.score_sums = _decode_score_sums(method, sums, self.store, config, self.device)
         graph_batch = min(config.max_cuda_graph_batch_size, config.max_num_seqs)
         _cluster_arena(method, config, max_model_len_hint, graph_batch, self.dtype, self.device)
+        self.cascade_plans = self._warm_cascade_plans(max_model_len_hint)
         self.num_blocks = min_over_ranks(self._num_blocks(max_model_len_hint))  # one scheduler for all ranks
         self.num_pool_blocks = self.num_blocks * (layout.num_tables if per_layer else 1)
         self.kv = allocate_kv_pool(
@@ -160,6 +162,25 @@ class ModelRunner:
         if self.lanes == 1:
             return full + graph_batch
         return min(full * self.lanes, self.num_pool_blocks) + graph_batch * self.lanes
+
+    def _warm_cascade_plans(self, max_model_len: int) -> int:
+        """Build cuDNN's plans for the prefill chunks' cached-prefix shapes now (``prefix_attention.warm_plans``),
+        before the pool takes the free memory, so that the first long prompts do not pay them (~2 s inside a
+        first 128K prefill on an H200). A plain (bf16 / fp16) store only; how many were built (0 elsewhere)."""
+        if self.device.type != "cuda" or self.store.quantized or self.store.latent or self.lanes != 1:
+            return 0
+        heads = self.rank_config
+        built = warm_plans(
+            self.config.max_num_batched_tokens,
+            max_model_len - 1,
+            heads.num_attention_heads,
+            heads.num_key_value_heads,
+            self.model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        torch.cuda.empty_cache()
+        return built
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg, bs = self.model_config, self.config.block_size

@@ -10,21 +10,24 @@ from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
 def _merge_states_kernel(
-    out_ptr, lse_ptr, ob_ptr, lseb_ptr, dim, rows_per_outer, stride_outer, stride_row, BLOCK_D: tl.constexpr,
-    USE_GDC: tl.constexpr,
+    out_ptr, lse_ptr, ob_ptr, lseb_ptr, dim, rows_per_outer,
+    stride_outer, stride_row, stride_b_outer, stride_b_row,
+    stride_l_outer, stride_l_row, stride_lb_outer, stride_lb_row,
+    BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     r = tl.program_id(0).to(tl.int64)
+    o, i = r // rows_per_outer, r % rows_per_outer
     d = tl.arange(0, BLOCK_D)
     m = d < dim
-    dst = out_ptr + (r // rows_per_outer) * stride_outer + (r % rows_per_outer) * stride_row + d
-    la = tl.load(lse_ptr + r)
-    lb = tl.load(lseb_ptr + r)
+    dst = out_ptr + o * stride_outer + i * stride_row + d
+    la = tl.load(lse_ptr + o * stride_l_outer + i * stride_l_row)
+    lb = tl.load(lseb_ptr + o * stride_lb_outer + i * stride_lb_row)
     top = tl.maximum(la, lb)
     wa = tl.exp(la - top)
     wb = tl.exp(lb - top)
     a = tl.load(dst, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(ob_ptr + r * dim + d, mask=m, other=0.0)
+    b = tl.load(ob_ptr + o * stride_b_outer + i * stride_b_row + d, mask=m, other=0.0).to(tl.float32)
     tl.store(dst, ((a * wa + b * wb) / (wa + wb)).to(out_ptr.dtype.element_ty), mask=m)
     pdl_exit(USE_GDC)
 
@@ -32,19 +35,33 @@ def _merge_states_kernel(
 merge_states_kernel = Kernel(_merge_states_kernel)
 
 
+def _leading(x: torch.Tensor, dims: int) -> torch.Tensor:
+    return x if x.dim() == dims else x.unsqueeze(0)
+
+
 def merge_states_triton(out_a, lse_a, out_b, lse_b):
-    """``out_a`` ``[R, D]`` or ``[B, R, D]`` (any strides but unit on ``D``)."""
-    view = out_a if out_a.dim() == 3 else out_a.unsqueeze(0)
+    """``out_a``, ``out_b`` ``[R, D]`` or ``[B, R, D]`` (any strides, unit on ``D``; any float dtypes), the LSEs
+    ``[R]`` / ``[B, R]`` (any strides)."""
+    view, other = _leading(out_a, 3), _leading(out_b, 3)
+    if other.stride(-1) != 1:
+        other = other.contiguous()
+    la, lb = (_leading(x.to(torch.float32), 2) for x in (lse_a, lse_b))
     outer, rows, dim = view.shape
     merge_states_kernel[(outer * rows,)](
         view,
-        lse_a.contiguous(),
-        out_b.to(torch.float32).contiguous(),
-        lse_b.to(torch.float32).contiguous(),
+        la,
+        other,
+        lb,
         dim,
         rows,
         view.stride(0),
         view.stride(1),
+        other.stride(0),
+        other.stride(1),
+        la.stride(0),
+        la.stride(1),
+        lb.stride(0),
+        lb.stride(1),
         BLOCK_D=triton.next_power_of_2(dim),
         num_warps=1,
         **pdl_args(out_a.device),
