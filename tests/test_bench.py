@@ -55,6 +55,7 @@ def test_bench_writes_report_with_consistent_numbers(tmp_path):
         assert raw["kv_bytes_in_use"] == b * blocks_per_req * run["kv_bytes_per_block"]
         assert raw["stalls"]["allocator"] == {} and isinstance(raw["stalls"]["gc"], dict)  # CPU: no allocator
         assert raw["host_threads"] == torch.get_num_threads()  # a CPU engine leaves torch's threads
+        assert run["cascade_plans"]["built"] == 0  # no cuDNN plans to build off CUDA
     assert hf["metrics"]["weight_bytes_per_step"] == runs[0]["metrics"]["weight_bytes_per_step"]
 
 

@@ -240,6 +240,8 @@ def engine_settings(engine: LLMEngine) -> dict:
         "num_kv_blocks": runner.num_blocks,
         "kv_bytes_per_block": runner.kv_bytes_per_block,
         "kv_store": runner.store.describe(),
+        # cuDNN plans for the prefill's cached-prefix shapes, built at engine start (and the seconds they took).
+        "cascade_plans": {"built": runner.cascade_plans, "seconds": round(runner.cascade_plans_s, 3)},
         "kv_cache_dtype": config.resolved_kv_cache_dtype(),
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "max_num_seqs": config.max_num_seqs,
