@@ -115,9 +115,11 @@ def variants(scheme: str, bits: int) -> list[dict]:
     if scheme == "bf16":
         return []
     if scheme == "kivi":
-        configs = [dict(num_warps=2), dict(num_stages=3), dict(UNPACK_WORDS=False), dict(num_stages=1)]
+        configs = [dict(SWAP_AB=True), dict(SWAP_AB=True, num_stages=3), dict(num_warps=2), dict(num_stages=3)]
+        configs += [dict(UNPACK_WORDS=False), dict(num_stages=1)]
     else:
-        configs = [dict(num_stages=2), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2), dict(BLOCK_N=128, num_warps=4)]
+        configs = [dict(SWAP_AB=True), dict(num_stages=2), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2)]
+        configs += [dict(BLOCK_N=128, num_warps=4)]
         if bits in (2, 4):
             configs[1:1] = [dict(UNPACK_WORDS=False)]
         configs += [dict(BLOCK_N=64, num_warps=1), dict(BLOCK_N=16)]
@@ -126,7 +128,7 @@ def variants(scheme: str, bits: int) -> list[dict]:
 
 def apply(cfg: dict, scheme: str) -> None:
     target = qlaunch.KIVI_DECODE_CONFIG if scheme == "kivi" else qlaunch.QUANT_DECODE_CONFIG
-    for key in ("BLOCK_N", "num_warps", "num_stages"):
+    for key in ("BLOCK_N", "num_warps", "num_stages", "SWAP_AB"):
         if key in cfg:
             target[key] = cfg[key]
     if "UNPACK_WORDS" in cfg:

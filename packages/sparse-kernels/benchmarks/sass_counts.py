@@ -44,8 +44,11 @@ ARGS = {  # the runtime arguments' types for a bf16 model (KIVI's statistics fp1
     "tail_index_ptr": "*i32",
     "o_part_ptr": "*fp32",
     "lse_part_ptr": "*fp32",
+    "logits_ptr": "*fp32",
     "stride_qb": "i32",
     "stride_qh": "i32",
+    "stride_lb": "i32",
+    "stride_lh": "i32",
     "scale_log2": "fp32",
     "num_splits": "i32",
 }
@@ -87,16 +90,18 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
-def quantized_decode_case(scheme: str, bits: int, config: dict) -> tuple[dict, dict]:
+def quantized_decode_case(
+    scheme: str, bits: int, config: dict, block_g: int = 16, swap: bool = False
+) -> tuple[dict, dict]:
     """Signature and constexprs of the quantized decode kernel for one Qwen3-8B layer (one list per request)."""
     cpw = 1 if scheme == "fp8" else 32 // bits
     words = 128 if scheme == "fp8" else -(-128 // cpw)
     const = dict(
         SCHEME=SCHEME_IDS[scheme], BITS=bits, CPW=cpw, WORDS=words, NUM_GROUPS=4 if scheme == "kivi" else 1,
         NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, PAGE_SIZE=32 if scheme == "kivi" else 16, HEAD_SPARSE=False,
-        BLOCK_G=16, BLOCK_D=128, BLOCK_N=32 if scheme == "kivi" else config["BLOCK_N"],
+        LOGITS=False, BLOCK_G=block_g, BLOCK_D=128, BLOCK_N=32 if scheme == "kivi" else config["BLOCK_N"],
         UNPACK_WORDS=scheme != "fp8" and cpw & (cpw - 1) == 0 and words * cpw == 128,
-        DOT_DTYPE=tl.float16, PRECISION="tf32", USE_GDC=True,
+        DOT_DTYPE=tl.float16, PRECISION="tf32", USE_GDC=True, SWAP_AB=swap,
     )  # fmt: skip
     types = dict(ARGS, k_ptr=CODES[scheme], v_ptr=CODES[scheme], k_scale_ptr=SCALES[scheme])
     types.update(v_scale_ptr=SCALES[scheme], k_min_ptr=SCALES[scheme], v_min_ptr=SCALES[scheme])
@@ -109,6 +114,8 @@ def main() -> None:
     parser.add_argument("--schemes", default="kivi4,kivi2,fp8,tq3", help="kivi4, kivi2, fp8, tq4, tq3, tq2")
     parser.add_argument("--warps", type=int, default=None, help="instead of the scheme's launch config")
     parser.add_argument("--stages", type=int, default=None)
+    parser.add_argument("--block-g", type=int, default=None, help="query rows a program holds (default: as launched)")
+    parser.add_argument("--swap-ab", action="store_true", help="transposed dots (SWAP_AB), the group unpadded")
     args = parser.parse_args()
     names = {"kivi": "kivi", "fp": "fp8", "tq": "turboquant"}
     for case in args.schemes.split(","):
@@ -117,10 +124,13 @@ def main() -> None:
         config = launch.KIVI_DECODE_CONFIG if scheme == "kivi" else launch.QUANT_DECODE_CONFIG
         warps = args.warps or config["num_warps"]
         stages = args.stages or config["num_stages"]
-        signature, const = quantized_decode_case(scheme, bits, config)
+        swap = args.swap_ab or bool(config.get("SWAP_AB"))
+        block_g = args.block_g or (4 if swap else 16)
+        signature, const = quantized_decode_case(scheme, bits, config, block_g, swap)
         sass, res = compile_sass(_quantized_decode_split_kernel, signature, const, warps, stages)
         usage = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
-        print(f"{case}: {warps} warps, {stages} stages, {const['BLOCK_N']} tokens a step; registers "
+        print(f"{case}: {warps} warps, {stages} stages, {const['BLOCK_N']} tokens a step, {block_g} query rows"
+              f"{' (swapped dots)' if swap else ''}; registers "
               f"{usage[1] if usage else '?'}, stack {usage[2] if usage else '?'} bytes")  # fmt: skip
         for start, end, body in loops(sass):
             top = collections.Counter(opcode(t) for t in body).most_common(12)

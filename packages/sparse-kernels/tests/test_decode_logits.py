@@ -62,8 +62,13 @@ QUANT_TOL = {"cpu": {"atol": 1e-4, "rtol": 1e-4}, "cuda": {"atol": 2e-2, "rtol":
 
 
 @pytest.mark.parametrize(("scheme", "bits"), [("fp8", 8), ("turboquant", 3)], ids=["fp8", "turboquant3"])
-def test_logits_out_quantized(quantized_batch, triton_device, scheme, bits):
-    """Over the dequantized keys (TurboQuant: its rotated query and keys give the same logits)."""
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["rows", "swapped"])
+def test_logits_out_quantized(quantized_batch, triton_device, scheme, bits, swap_ab, monkeypatch):
+    """Over the dequantized keys (TurboQuant: its rotated query and keys give the same logits), with the dots as
+    written and transposed (``SWAP_AB``, where the logits leave as a token-major tile)."""
+    from sparse_kernels._triton import quantized_decode_launch
+
+    monkeypatch.setitem(quantized_decode_launch.QUANT_DECODE_CONFIG, "SWAP_AB", swap_ab)
     kv_lens = [1, 97, 40, 33]
     batch = quantized_batch(kv_lens, scheme=scheme, bits=bits, block_size=16, num_kv_heads=HEADS, head_dim=64)
     q = torch.randn(4, GROUP * HEADS, 64, generator=torch.Generator().manual_seed(1))

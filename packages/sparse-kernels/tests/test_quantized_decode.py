@@ -23,6 +23,16 @@ SCHEMES = [("fp8", 8), ("kivi", 2), ("kivi", 4), ("turboquant", 2), ("turboquant
 TOL = {"cpu": {"atol": 1e-4, "rtol": 1e-4}, "cuda": {"atol": 2e-2, "rtol": 2e-2}}
 
 
+@pytest.fixture(params=[False, True], ids=["rows", "swapped"])
+def swap_ab(request, monkeypatch):
+    """The dots as written (the query group as the MMA's rows) and transposed (``SWAP_AB``: the tokens as rows)."""
+    from sparse_kernels._triton import quantized_decode_launch
+
+    for config in (quantized_decode_launch.QUANT_DECODE_CONFIG, quantized_decode_launch.KIVI_DECODE_CONFIG):
+        monkeypatch.setitem(config, "SWAP_AB", request.param)
+    return request.param
+
+
 def _expected(batch, q: torch.Tensor) -> torch.Tensor:
     q = q.cpu().float()
     outs = [
@@ -54,7 +64,7 @@ COMPILE = {"bs16-g2-d64": ("cuda", 90, 32), "bs32-g4-d64-splits3": (None,)}
 
 @pytest.mark.parametrize(("scheme", "bits"), SCHEMES, ids=[f"{s}{b}" for s, b in SCHEMES])
 @pytest.mark.parametrize("case", CASES)
-def test_quantized_decode_matches_dequantized_attention(quantized_batch, triton_device, scheme, bits, case):
+def test_quantized_decode_matches_dequantized_attention(quantized_batch, triton_device, swap_ab, scheme, bits, case):
     kv_lens, block_size, group, head_dim, splits = CASES[case]
     batch = quantized_batch(
         kv_lens, scheme=scheme, bits=bits, block_size=block_size, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim
@@ -72,7 +82,7 @@ def test_quantized_decode_matches_dequantized_attention(quantized_batch, triton_
         torch.testing.assert_close(out.cpu(), expected, **TOL[torch.device(triton_device).type], msg=backend)
 
 
-def test_kivi_bf16_tail_d128_group4(quantized_batch, triton_device):
+def test_kivi_bf16_tail_d128_group4(quantized_batch, triton_device, swap_ab):
     # bf16 queries and tails, head_dim 128 (4-bit words unpack 8 channels each, 16 words a row).
     batch = quantized_batch(
         [1, 45, 64], scheme="kivi", bits=4, block_size=32, num_kv_heads=NUM_KV_HEADS, head_dim=128,
@@ -94,7 +104,7 @@ HEAD_SPARSE_CASES += [("kivi", 2, False), ("kivi", 4, False)]  # KIVI: whole pag
     HEAD_SPARSE_CASES,
     ids=[f"{s}{b}-{'slot' if sl else 'block'}-lists" for s, b, sl in HEAD_SPARSE_CASES],
 )
-def test_head_sparse_lists(quantized_batch, head_lists, triton_device, scheme, bits, slots):
+def test_head_sparse_lists(quantized_batch, head_lists, triton_device, swap_ab, scheme, bits, slots):
     """Per-(request, KV head) lists in shuffled order. KIVI: a list that takes its request's incomplete
     last page takes it last, and reads it from the request's tail row (``tail_index`` per request)."""
     batch = quantized_batch(

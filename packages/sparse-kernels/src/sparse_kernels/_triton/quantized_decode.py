@@ -10,10 +10,16 @@ tokens at or past ``(kv_len // S) * S`` are read from its request's full-precisi
 
 TurboQuant runs in the rotated space: the host rotates the query before and the output after (its logits,
 ``q R . k R``, are ``q . k``). ``LOGITS`` (fp8 / TurboQuant, dense lists): raw logits out, as in ``decode.py``.
+
+``SWAP_AB``: the dots run transposed, ``S^T = K @ Q^T`` and ``O^T += V^T @ P^T``, so a step's 32 tokens are the
+MMA's rows and the query group (4) its columns, which need no padding to 16 rows (Triton pads small columns
+itself); ``BLOCK_G`` is then the group's power of two. The key tile comes from the value tile's loader and the
+other way round.
 """
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from sparse_kernels._triton.decode import store_logits
@@ -25,6 +31,149 @@ from sparse_kernels._triton.quantized_tiles import (
     token_key_tile,
     token_value_tile,
 )
+
+
+@triton.jit
+def kivi_swapped(
+    q_row_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_min_ptr, v_min_ptr, k_tail_ptr, v_tail_ptr, indices_ptr,
+    tail_index_ptr, o_part_ptr, lse_part_ptr, b, h, split, page_lo, lo, hi, kv_len, stride_qh, scale_log2, num_splits,
+    offs_g, offs_d, mask_g, mask_d, heads,
+    BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One split of a KIVI list with transposed dots: the group's queries as columns ``[BLOCK_D, BLOCK_G]``,
+    scores ``[BLOCK_N, BLOCK_G]`` (the softmax runs along axis 0), the output accumulated as ``[BLOCK_D, BLOCK_G]``
+    and stored transposed into the split's partial rows."""
+    both_q = mask_d[:, None] & mask_g[None, :]
+    q_t = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None], mask=both_q, other=0.0)
+    q_t = q_t.to(tl.float32) * scale_log2  # [BLOCK_D, BLOCK_G]
+    m_i = tl.full(offs_g.shape, float("-inf"), tl.float32)
+    l_i = tl.zeros(offs_g.shape, tl.float32)
+    acc = tl.zeros(both_q.shape, tl.float32)
+    full = (kv_len // PAGE_SIZE) * PAGE_SIZE
+    offs_t = tl.arange(0, BLOCK_N)
+    for start in range(lo, tl.minimum(hi, full), BLOCK_N):
+        block = tl.load(indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
+        rows = (block * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h
+        s = kivi_key_page(
+            q_t, k_ptr, k_scale_ptr, k_min_ptr, block, h, rows, offs_d, mask_d,
+            BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION, True,
+        )  # fmt: skip
+        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
+        v = kivi_value_tile(
+            v_ptr,
+            v_scale_ptr,
+            v_min_ptr,
+            rows,
+            offs_d,
+            offs_t < BLOCK_N,
+            mask_d,
+            BITS,
+            CPW,
+            WORDS,
+            NUM_GROUPS,
+            PAGE_SIZE,
+            BLOCK_D,
+            BLOCK_N,
+            UNPACK_WORDS,
+            DOT_DTYPE == tl.float16,
+            True,
+        )  # fmt: skip  [BLOCK_D, BLOCK_N]
+        acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
+    if hi > full:  # this split holds the tail (hi == kv_len; full is page-aligned, so full >= lo)
+        tail = tl.load(tail_index_ptr + b).to(tl.int64)
+        mask_n = full + offs_t < hi
+        rows = ((tail * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h) * HEAD_DIM
+        k = tl.load(k_tail_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        s = tl.dot(k.to(DOT_DTYPE), q_t.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_N, BLOCK_G]
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
+        v = tl.load(v_tail_ptr + rows[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
+    store_swapped(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
+                  NUM_KV_HEADS, GROUP, BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def token_swapped(
+    q_row_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, codebook_ptr, indices_ptr, o_part_ptr, lse_part_ptr,
+    logits_ptr, b, split, page_lo, lo, hi, h, stride_qh, stride_lb, stride_lh, scale_log2, num_splits,
+    offs_g, offs_d, mask_g, mask_d, heads,
+    SCHEME: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, LOGITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One split of an fp8 / TurboQuant list with transposed dots: keys ``[BLOCK_N, BLOCK_D]`` (the value tile's
+    loader) times the group's queries as columns, values ``[BLOCK_D, BLOCK_N]`` (the key tile's loader) times the
+    probabilities ``[BLOCK_N, BLOCK_G]``; a token's scales scale its score row and its probability row."""
+    both_q = mask_d[:, None] & mask_g[None, :]
+    q_t = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None], mask=both_q, other=0.0).to(DOT_DTYPE)
+    m_i = tl.full(offs_g.shape, float("-inf"), tl.float32)
+    l_i = tl.zeros(offs_g.shape, tl.float32)
+    acc = tl.zeros(both_q.shape, tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
+        k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
+        k = token_value_tile(
+            k_ptr,
+            codebook_ptr,
+            rows,
+            offs_d,
+            mask_n,
+            mask_d,
+            SCHEME,
+            BITS,
+            CPW,
+            WORDS,
+            BLOCK_D,
+            BLOCK_N,
+            UNPACK_WORDS,
+            DOT_DTYPE,
+        )  # fmt: skip  [BLOCK_N, BLOCK_D]
+        s = tl.dot(k, q_t, input_precision=PRECISION) * k_scale[:, None]  # [BLOCK_N, BLOCK_G]
+        if LOGITS:
+            row = b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh
+            tl.store(logits_ptr + row[None, :] + offs_n[:, None], s * 0.6931471805599453,
+                     mask=mask_n[:, None] & mask_g[None, :])  # fmt: skip
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
+        v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
+        v = token_key_tile(
+            v_ptr,
+            codebook_ptr,
+            rows,
+            offs_d,
+            mask_n,
+            mask_d,
+            SCHEME,
+            BITS,
+            CPW,
+            WORDS,
+            BLOCK_D,
+            BLOCK_N,
+            UNPACK_WORDS,
+            DOT_DTYPE,
+        )  # fmt: skip  [BLOCK_D, BLOCK_N]
+        pv = (p * v_scale[:, None]).to(DOT_DTYPE)
+        acc = acc * alpha[None, :] + tl.dot(v, pv, input_precision=PRECISION)
+    store_swapped(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
+                  NUM_KV_HEADS, GROUP, BLOCK_D)  # fmt: skip
+
+
+@triton.jit
+def store_swapped(
+    o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """A split's partial output ``acc`` ``[BLOCK_D, BLOCK_G]`` (transposed) and LSE into its rows."""
+    row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
+    both = mask_d[:, None] & mask_g[None, :]
+    tl.store(o_part_ptr + row[None, :] * BLOCK_D + offs_d[:, None], acc / l_i[None, :], mask=both)
+    tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
 
 
 def _quantized_decode_split_kernel(
@@ -69,6 +218,7 @@ def _quantized_decode_split_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -90,74 +240,92 @@ def _quantized_decode_split_kernel(
         mask_g = offs_g < GROUP
         mask_d = offs_d < HEAD_DIM
         heads = h * GROUP + offs_g
-        q = tl.load(
-            q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=mask_g[:, None] & mask_d[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-        if SCHEME == 1:  # KIVI: full pages from codes, the incomplete last page from the tail
-            q_scaled = q * scale_log2
-            full = (kv_len // PAGE_SIZE) * PAGE_SIZE
-            offs_t = tl.arange(0, BLOCK_N)
-            for start in range(lo, tl.minimum(hi, full), BLOCK_N):
-                block = tl.load(indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
-                rows = (block * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h
-                s = kivi_key_page(
-                    q_scaled, k_ptr, k_scale_ptr, k_min_ptr, block, h, rows, offs_d, mask_d,
-                    BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION,
-                )  # fmt: skip
-                p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
-                v = kivi_value_tile(
-                    v_ptr, v_scale_ptr, v_min_ptr, rows, offs_d, offs_t < BLOCK_N, mask_d,
-                    BITS, CPW, WORDS, NUM_GROUPS, PAGE_SIZE, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE == tl.float16,
-                )  # fmt: skip
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-            if hi > full:  # this split holds the tail (hi == kv_len; full is page-aligned, so full >= lo)
-                tail = tl.load(tail_index_ptr + b).to(tl.int64)
-                mask_n = full + offs_t < hi
-                rows = ((tail * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h) * HEAD_DIM
-                both_t = mask_n[None, :] & mask_d[:, None]
-                k = tl.load(k_tail_ptr + rows[None, :] + offs_d[:, None], mask=both_t, other=0.0)  # [D, N]
-                s = tl.dot(q_scaled.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=PRECISION)
-                s = tl.where(mask_n[None, :], s, float("-inf"))
-                p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
-                both = mask_n[:, None] & mask_d[None, :]
-                v = tl.load(v_tail_ptr + rows[:, None] + offs_d[None, :], mask=both, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
-        else:  # fp8 / TurboQuant: codes per token, one scale per (token, head)
-            q_dot = q.to(DOT_DTYPE)
-            for start in range(lo, hi, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < hi
-                page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-                rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
-                k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
-                k = token_key_tile(
-                    k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
-                    SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
-                )  # fmt: skip
-                s = tl.dot(q_dot, k, input_precision=PRECISION) * k_scale[None, :]
-                if LOGITS:
-                    store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n)
-                s = tl.where(mask_n[None, :], s, float("-inf"))
-                p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
-                v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
-                v = token_value_tile(
-                    v_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
-                    SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
-                )  # fmt: skip
-                pv = (p * v_scale[None, :]).to(DOT_DTYPE)
-                acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-        row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
-        tl.store(
-            o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-            acc / l_i[:, None],
-            mask=mask_g[:, None] & mask_d[None, :],
-        )
-        tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+        if SWAP_AB and SCHEME != 1:
+            token_swapped(
+                q_ptr + b * stride_qb, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, codebook_ptr, indices_ptr, o_part_ptr,
+                lse_part_ptr, logits_ptr, b, split, page_lo, lo, hi, h, stride_qh, stride_lb, stride_lh, scale_log2,
+                num_splits, offs_g, offs_d, mask_g, mask_d, heads,
+                SCHEME, BITS, CPW, WORDS, NUM_KV_HEADS, GROUP, PAGE_SIZE, LOGITS, BLOCK_D, BLOCK_N, UNPACK_WORDS,
+                DOT_DTYPE, PRECISION,
+            )  # fmt: skip
+        elif SWAP_AB:  # KIVI
+            kivi_swapped(
+                q_ptr + b * stride_qb, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_min_ptr, v_min_ptr, k_tail_ptr,
+                v_tail_ptr, indices_ptr, tail_index_ptr, o_part_ptr, lse_part_ptr, b, h, split, page_lo, lo, hi,
+                kv_len, stride_qh, scale_log2, num_splits, offs_g, offs_d, mask_g, mask_d, heads,
+                BITS, CPW, WORDS, NUM_GROUPS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_D, BLOCK_N,
+                UNPACK_WORDS, DOT_DTYPE, PRECISION,
+            )  # fmt: skip
+        else:
+            q = tl.load(
+                q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None] & mask_d[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_G, BLOCK_D]
+            m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_G], tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+            if SCHEME == 1:  # KIVI: full pages from codes, the incomplete last page from the tail
+                q_scaled = q * scale_log2
+                full = (kv_len // PAGE_SIZE) * PAGE_SIZE
+                offs_t = tl.arange(0, BLOCK_N)
+                for start in range(lo, tl.minimum(hi, full), BLOCK_N):
+                    block = tl.load(indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
+                    rows = (block * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h
+                    s = kivi_key_page(
+                        q_scaled, k_ptr, k_scale_ptr, k_min_ptr, block, h, rows, offs_d, mask_d,
+                        BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION,
+                    )  # fmt: skip
+                    p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
+                    v = kivi_value_tile(
+                        v_ptr, v_scale_ptr, v_min_ptr, rows, offs_d, offs_t < BLOCK_N, mask_d,
+                        BITS, CPW, WORDS, NUM_GROUPS, PAGE_SIZE, BLOCK_D, BLOCK_N, UNPACK_WORDS,
+                        DOT_DTYPE == tl.float16,
+                    )  # fmt: skip
+                    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+                if hi > full:  # this split holds the tail (hi == kv_len; full is page-aligned, so full >= lo)
+                    tail = tl.load(tail_index_ptr + b).to(tl.int64)
+                    mask_n = full + offs_t < hi
+                    rows = ((tail * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h) * HEAD_DIM
+                    both_t = mask_n[None, :] & mask_d[:, None]
+                    k = tl.load(k_tail_ptr + rows[None, :] + offs_d[:, None], mask=both_t, other=0.0)  # [D, N]
+                    s = tl.dot(q_scaled.to(DOT_DTYPE), k.to(DOT_DTYPE), input_precision=PRECISION)
+                    s = tl.where(mask_n[None, :], s, float("-inf"))
+                    p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
+                    both = mask_n[:, None] & mask_d[None, :]
+                    v = tl.load(v_tail_ptr + rows[:, None] + offs_d[None, :], mask=both, other=0.0)
+                    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
+            else:  # fp8 / TurboQuant: codes per token, one scale per (token, head)
+                q_dot = q.to(DOT_DTYPE)
+                for start in range(lo, hi, BLOCK_N):
+                    offs_n = start + tl.arange(0, BLOCK_N)
+                    mask_n = offs_n < hi
+                    page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+                    rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
+                    k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
+                    k = token_key_tile(
+                        k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
+                        SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+                    )  # fmt: skip
+                    s = tl.dot(q_dot, k, input_precision=PRECISION) * k_scale[None, :]
+                    if LOGITS:
+                        store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n)
+                    s = tl.where(mask_n[None, :], s, float("-inf"))
+                    p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
+                    v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
+                    v = token_value_tile(
+                        v_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
+                        SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+                    )  # fmt: skip
+                    pv = (p * v_scale[None, :]).to(DOT_DTYPE)
+                    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
+            row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
+            tl.store(
+                o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
+                acc / l_i[:, None],
+                mask=mask_g[:, None] & mask_d[None, :],
+            )
+            tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
         pdl_exit(USE_GDC)
 
 

@@ -24,8 +24,12 @@ LOG2_E = 1.4426950408889634
 # 18.5 / 6.2 / 10.5% at batch 16 (128 tokens, 4 warps before); KIVI in one warp 2.0x faster than in 4 at batch
 # 16, 1.7x at batch 4. UNPACK_WORDS (packed codes): load each packed word once and shift it into its channels,
 # instead of a load per channel (4-10x slower; 3-bit rows, 10 codes a word, always take it).
-QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True}
-KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 2}
+# SWAP_AB: the dots transposed (a step's tokens as the MMA's rows, the query group of 4 as its columns, unpadded).
+# sm_90 SASS on the CPU (benchmarks/sass_counts.py --swap-ab, session 26), instructions a 32-token step in one warp:
+# KIVI-4 2105 -> 1706 (48 bytes of spills -> none), KIVI-2 2135 -> 1685 (128 -> none), fp8 1015 -> 827, TurboQuant-3
+# 2767 -> 2736; half the HMMAs. Not yet timed on a GPU (benchmarks/quantized_decode_bandwidth.py sweeps it): off.
+QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": False}
+KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 2, "SWAP_AB": False}
 
 
 def decode_config(kv: QuantizedKV) -> dict[str, Any]:
@@ -131,6 +135,7 @@ def run_quantized_decode_triton(
         "BLOCK_D": scheme.pop("BLOCK_D"),
         "BLOCK_N": block_n(kv),
     }
+    swap = bool(config.get("SWAP_AB", False))
     grid = (layout.batch, layout.num_kv_heads, num_splits)
     quantized_decode_split_kernel[grid](
         q,
@@ -148,7 +153,9 @@ def run_quantized_decode_triton(
         layout.sm_scale * LOG2_E,
         num_splits,
         LOGITS=logits_out is not None,
-        BLOCK_G=max(16, triton.next_power_of_2(layout.group)),  # tl.dot needs M >= 16
+        # As the dot's rows the group is padded to 16 (the MMA's rows); as its columns (SWAP_AB) Triton pads it.
+        BLOCK_G=triton.next_power_of_2(layout.group) if swap else max(16, triton.next_power_of_2(layout.group)),
+        SWAP_AB=swap,
         **scheme,
         **shape,
         **quant_dot_args(q.device),

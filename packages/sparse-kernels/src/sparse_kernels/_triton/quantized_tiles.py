@@ -162,34 +162,51 @@ def kivi_value_tile(
     BLOCK_N: tl.constexpr,
     UNPACK_WORDS: tl.constexpr,
     HALF: tl.constexpr = False,
+    TRANSPOSED: tl.constexpr = False,
 ):
     """KIVI values ``[BLOCK_N, BLOCK_D]``: ``code * scale + min`` per (token, channel group).
 
     Unpacking whole words, a word's ``CPW`` channels share one group (``CPW <= GROUP_SIZE``), so the
     statistics are loaded once per word and broadcast over its channels. ``HALF``: computed in float16
     (codes become halves without a conversion, the statistics are float16 already; for fp16 dots),
-    else in float32.
+    else in float32. ``TRANSPOSED``: the tile as ``[BLOCK_D, BLOCK_N]`` (channels as rows), the left
+    operand of ``V^T @ P^T``.
     """
     if UNPACK_WORDS:
         offs_w = tl.arange(0, WORDS)
-        words = tl.load(v_ptr + rows[:, None] * WORDS + offs_w[None, :], mask=mask_n[:, None], other=0)  # [N, W]
-        stat = rows[:, None] * NUM_GROUPS + (offs_w * CPW // GROUP_SIZE)[None, :]
-        scale = tl.load(v_scale_ptr + stat, mask=mask_n[:, None], other=0.0)
-        zero = tl.load(v_min_ptr + stat, mask=mask_n[:, None], other=0.0)
         shifts = tl.arange(0, CPW) * BITS
-        codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # [N, W, CPW]
+        if TRANSPOSED:  # words [W, N] -> codes [W, CPW, N]
+            words = tl.load(v_ptr + rows[None, :] * WORDS + offs_w[:, None], mask=mask_n[None, :], other=0)
+            stat = rows[None, :] * NUM_GROUPS + (offs_w * CPW // GROUP_SIZE)[:, None]
+            scale = tl.load(v_scale_ptr + stat, mask=mask_n[None, :], other=0.0)[:, None, :]
+            zero = tl.load(v_min_ptr + stat, mask=mask_n[None, :], other=0.0)[:, None, :]
+            codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+            shape: tl.constexpr = [BLOCK_D, BLOCK_N]
+        else:  # words [N, W] -> codes [N, W, CPW]
+            words = tl.load(v_ptr + rows[:, None] * WORDS + offs_w[None, :], mask=mask_n[:, None], other=0)
+            stat = rows[:, None] * NUM_GROUPS + (offs_w * CPW // GROUP_SIZE)[None, :]
+            scale = tl.load(v_scale_ptr + stat, mask=mask_n[:, None], other=0.0)[:, :, None]
+            zero = tl.load(v_min_ptr + stat, mask=mask_n[:, None], other=0.0)[:, :, None]
+            codes = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+            shape: tl.constexpr = [BLOCK_N, BLOCK_D]
         if HALF:
-            v = code_half(codes) * scale[:, :, None] + zero[:, :, None]
+            v = code_half(codes) * scale + zero
         else:
-            v = code_float(codes) * scale[:, :, None].to(tl.float32) + zero[:, :, None].to(tl.float32)
-        return tl.reshape(v, [BLOCK_N, BLOCK_D])
+            v = code_float(codes) * scale.to(tl.float32) + zero.to(tl.float32)
+        v = tl.reshape(v, shape)
     else:
-        codes = value_codes(v_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
-        stat = rows[:, None] * NUM_GROUPS + (offs_d // GROUP_SIZE)[None, :]
-        both = mask_n[:, None] & mask_d[None, :]
+        if TRANSPOSED:
+            codes = key_codes(v_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
+            stat = rows[None, :] * NUM_GROUPS + (offs_d // GROUP_SIZE)[:, None]
+            both = mask_n[None, :] & mask_d[:, None]
+        else:
+            codes = value_codes(v_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
+            stat = rows[:, None] * NUM_GROUPS + (offs_d // GROUP_SIZE)[None, :]
+            both = mask_n[:, None] & mask_d[None, :]
         scale = tl.load(v_scale_ptr + stat, mask=both, other=0.0).to(tl.float32)
         zero = tl.load(v_min_ptr + stat, mask=both, other=0.0).to(tl.float32)
-        return code_float(codes) * scale + zero
+        v = code_float(codes) * scale + zero
+    return v
 
 
 @triton.jit
@@ -213,30 +230,46 @@ def kivi_key_page(
     UNPACK_WORDS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SWAPPED: tl.constexpr = False,
 ):
     """Scores ``q_scaled @ K`` ``[M, BLOCK_N]`` over one full KIVI page (``BLOCK_N`` = block size tokens).
 
     Per-channel statistics are loaded once per page and folded into the query:
     ``q . (c * s + z) = (q * s) . c + q . z``, so the codes enter the dot as exact small integers.
+    ``SWAPPED``: ``q_scaled`` comes as ``[BLOCK_D, M]`` and the scores go out as ``K @ q`` ``[BLOCK_N, M]``
+    (the page's tokens are the dot's rows, the query group its columns).
     """
     stat = (block * NUM_KV_HEADS + h) * HEAD_DIM + offs_d
     scale = tl.load(k_scale_ptr + stat, mask=mask_d, other=0.0).to(tl.float32)
     zero = tl.load(k_min_ptr + stat, mask=mask_d, other=0.0).to(tl.float32)
-    q_page = (q_scaled * scale[None, :]).to(DOT_DTYPE)
-    q_zero = tl.sum(q_scaled * zero[None, :], 1)
     mask_n = tl.full([BLOCK_N], 1, tl.int1)
-    codes = key_codes(k_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
+    if SWAPPED:
+        q_page = (q_scaled * scale[:, None]).to(DOT_DTYPE)
+        q_zero = tl.sum(q_scaled * zero[:, None], 0)
+        codes = value_codes(k_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
+    else:
+        q_page = (q_scaled * scale[None, :]).to(DOT_DTYPE)
+        q_zero = tl.sum(q_scaled * zero[None, :], 1)
+        codes = key_codes(k_ptr, rows, offs_d, mask_n, mask_d, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS)
     if DOT_DTYPE == tl.float16:
         k = code_half(codes)
     else:
         k = code_float(codes).to(DOT_DTYPE)
-    return tl.dot(q_page, k, input_precision=PRECISION) + q_zero[:, None]
+    if SWAPPED:
+        s = tl.dot(k, q_page, input_precision=PRECISION) + q_zero[None, :]
+    else:
+        s = tl.dot(q_page, k, input_precision=PRECISION) + q_zero[:, None]
+    return s
 
 
 @triton.jit
-def online_softmax(s, m_i, l_i):
-    """One base-2 online-softmax step over scores ``s`` ``[M, N]``: ``(p, alpha, l_new, m_new)``."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def online_softmax(s, m_i, l_i, AXIS: tl.constexpr = 1):
+    """One base-2 online-softmax step over scores ``s`` ``[M, N]`` (the keys along ``AXIS``, 1 or 0):
+    ``(p, alpha, l_new, m_new)``."""
+    m_new = tl.maximum(m_i, tl.max(s, AXIS))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+    if AXIS == 1:
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        p = tl.exp2(s - m_new[None, :])
+    return p, alpha, l_i * alpha + tl.sum(p, AXIS), m_new
