@@ -26,10 +26,12 @@ from sparse_kernels._triton.decode import store_logits
 from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
 from sparse_kernels._triton.quantized_tiles import (
     kivi_key_page,
+    kivi_key_slices,
     kivi_value_tile,
     online_softmax,
     token_key_tile,
     token_value_tile,
+    transposed_rows,
 )
 
 
@@ -39,8 +41,8 @@ def kivi_swapped(
     tail_index_ptr, o_part_ptr, lse_part_ptr, b, h, split, page_lo, lo, hi, kv_len, stride_qh, scale_log2, num_splits,
     offs_g, offs_d, mask_g, mask_d, heads,
     BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    UNPACK_WORDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, UNPACK_WORDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One split of a KIVI list with transposed dots: the group's queries as columns ``[BLOCK_D, BLOCK_G]``,
     scores ``[BLOCK_N, BLOCK_G]`` (the softmax runs along axis 0), the output accumulated as ``[BLOCK_D, BLOCK_G]``
@@ -53,13 +55,20 @@ def kivi_swapped(
     acc = tl.zeros(both_q.shape, tl.float32)
     full = (kv_len // PAGE_SIZE) * PAGE_SIZE
     offs_t = tl.arange(0, BLOCK_N)
+    chan = transposed_rows(offs_d, CPW, WORDS, UNPACK_WORDS)  # the channel of each row of the value tiles and acc
     for start in range(lo, tl.minimum(hi, full), BLOCK_N):
         block = tl.load(indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
         rows = (block * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h
-        s = kivi_key_page(
-            q_t, k_ptr, k_scale_ptr, k_min_ptr, block, h, rows, offs_d, mask_d,
-            BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION, True,
-        )  # fmt: skip
+        if UNPACK_WORDS and WORDS >= 16:  # a dot per bit position (its reduction: WORDS channels)
+            s = kivi_key_slices(
+                q_row_ptr, heads, mask_g, stride_qh, scale_log2, k_ptr, k_scale_ptr, k_min_ptr, block, h, rows,
+                BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, BLOCK_N, DOT_DTYPE, PRECISION,
+            )  # fmt: skip
+        else:
+            s = kivi_key_page(
+                q_t, k_ptr, k_scale_ptr, k_min_ptr, block, h, rows, offs_d, mask_d,
+                BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION, True,
+            )  # fmt: skip
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
         v = kivi_value_tile(
             v_ptr,
@@ -89,9 +98,9 @@ def kivi_swapped(
         s = tl.dot(k.to(DOT_DTYPE), q_t.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_N, BLOCK_G]
         s = tl.where(mask_n[:, None], s, float("-inf"))
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
-        v = tl.load(v_tail_ptr + rows[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        v = tl.load(v_tail_ptr + rows[None, :] + chan[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
-    store_swapped(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
+    store_swapped(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, chan, mask_g, mask_d,
                   NUM_KV_HEADS, GROUP, BLOCK_D)  # fmt: skip
 
 
@@ -253,7 +262,7 @@ def _quantized_decode_split_kernel(
                 q_ptr + b * stride_qb, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_min_ptr, v_min_ptr, k_tail_ptr,
                 v_tail_ptr, indices_ptr, tail_index_ptr, o_part_ptr, lse_part_ptr, b, h, split, page_lo, lo, hi,
                 kv_len, stride_qh, scale_log2, num_splits, offs_g, offs_d, mask_g, mask_d, heads,
-                BITS, CPW, WORDS, NUM_GROUPS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_D, BLOCK_N,
+                BITS, CPW, WORDS, NUM_GROUPS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, BLOCK_N,
                 UNPACK_WORDS, DOT_DTYPE, PRECISION,
             )  # fmt: skip
         else:

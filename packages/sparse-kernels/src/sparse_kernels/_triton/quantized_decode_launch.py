@@ -26,8 +26,9 @@ LOG2_E = 1.4426950408889634
 # instead of a load per channel (4-10x slower; 3-bit rows, 10 codes a word, always take it).
 # SWAP_AB: the dots transposed (a step's tokens as the MMA's rows, the query group of 4 as its columns, unpadded).
 # sm_90 SASS on the CPU (benchmarks/sass_counts.py --swap-ab, session 26), instructions a 32-token step in one warp:
-# KIVI-4 2105 -> 1706 (48 bytes of spills -> none), KIVI-2 2135 -> 1685 (128 -> none), fp8 1015 -> 827, TurboQuant-3
-# 2767 -> 2736; half the HMMAs. Not yet timed on a GPU (benchmarks/quantized_decode_bandwidth.py sweeps it): off.
+# KIVI-4 2105 -> 1298 (48 bytes of spills -> none; its keys a dot per bit position, its values in shift-major rows,
+# so neither tile crosses shared memory), KIVI-2 2135 -> 1553 (128 -> none), fp8 1015 -> 827, TurboQuant-3 2767 ->
+# 2736; half the HMMAs. Not yet timed on a GPU (benchmarks/quantized_decode_bandwidth.py sweeps it first): off.
 QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": False}
 KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 2, "SWAP_AB": False}
 

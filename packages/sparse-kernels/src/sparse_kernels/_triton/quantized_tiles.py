@@ -175,12 +175,12 @@ def kivi_value_tile(
     if UNPACK_WORDS:
         offs_w = tl.arange(0, WORDS)
         shifts = tl.arange(0, CPW) * BITS
-        if TRANSPOSED:  # words [W, N] -> codes [W, CPW, N]
+        if TRANSPOSED:  # words [W, N] -> codes [CPW, W, N]: row j * W + w holds channel w * CPW + j
             words = tl.load(v_ptr + rows[None, :] * WORDS + offs_w[:, None], mask=mask_n[None, :], other=0)
             stat = rows[None, :] * NUM_GROUPS + (offs_w * CPW // GROUP_SIZE)[:, None]
-            scale = tl.load(v_scale_ptr + stat, mask=mask_n[None, :], other=0.0)[:, None, :]
-            zero = tl.load(v_min_ptr + stat, mask=mask_n[None, :], other=0.0)[:, None, :]
-            codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
+            scale = tl.load(v_scale_ptr + stat, mask=mask_n[None, :], other=0.0)[None, :, :]
+            zero = tl.load(v_min_ptr + stat, mask=mask_n[None, :], other=0.0)[None, :, :]
+            codes = (words[None, :, :] >> shifts[:, None, None]) & ((1 << BITS) - 1)
             shape: tl.constexpr = [BLOCK_D, BLOCK_N]
         else:  # words [N, W] -> codes [N, W, CPW]
             words = tl.load(v_ptr + rows[:, None] * WORDS + offs_w[None, :], mask=mask_n[:, None], other=0)
@@ -207,6 +207,66 @@ def kivi_value_tile(
         zero = tl.load(v_min_ptr + stat, mask=both, other=0.0).to(tl.float32)
         v = code_float(codes) * scale + zero
     return v
+
+
+@triton.jit
+def transposed_rows(offs_d, CPW: tl.constexpr, WORDS: tl.constexpr, UNPACK_WORDS: tl.constexpr):
+    """The channel of each row of a ``TRANSPOSED`` KIVI value tile (``offs_d`` itself without ``UNPACK_WORDS``)."""
+    if UNPACK_WORDS:
+        chan = (offs_d % WORDS) * CPW + offs_d // WORDS
+    else:
+        chan = offs_d
+    return chan
+
+
+@triton.jit
+def kivi_key_slices(
+    q_row_ptr,
+    heads,
+    mask_g,
+    stride_qh,
+    scale_log2,
+    k_ptr,
+    k_scale_ptr,
+    k_min_ptr,
+    block,
+    h,
+    rows,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Scores ``K @ q`` ``[BLOCK_N, BLOCK_G]`` over one full KIVI page, one dot per bit position of the packed words.
+
+    Shift ``j`` of the page's words ``[BLOCK_N, WORDS]`` holds channels ``w * CPW + j``: its codes meet the queries'
+    rows of those channels (loaded for the slice, scaled by the keys' per-channel statistics), so no code tile is
+    reshaped or shuffled (each dot's reduction is ``WORDS``, at least 16). ``q . (c * s + z) = (q * s) . c + q . z``.
+    """
+    offs_w = tl.arange(0, WORDS)
+    words = tl.load(k_ptr + rows[:, None] * WORDS + offs_w[None, :])  # [BLOCK_N, WORDS]
+    base = (block * NUM_KV_HEADS + h) * HEAD_DIM
+    s = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    q_zero = tl.zeros([BLOCK_G], tl.float32)
+    for j in tl.static_range(CPW):
+        chan = offs_w * CPW + j
+        q = tl.load(q_row_ptr + heads[None, :] * stride_qh + chan[:, None], mask=mask_g[None, :], other=0.0)
+        q = q.to(tl.float32) * scale_log2  # [WORDS, BLOCK_G]
+        scale = tl.load(k_scale_ptr + base + chan).to(tl.float32)
+        zero = tl.load(k_min_ptr + base + chan).to(tl.float32)
+        q_zero += tl.sum(q * zero[:, None], 0)
+        codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+        if DOT_DTYPE == tl.float16:
+            k = code_half(codes)
+        else:
+            k = code_float(codes).to(DOT_DTYPE)
+        s = tl.dot(k, (q * scale[:, None]).to(DOT_DTYPE), acc=s, input_precision=PRECISION)
+    return s + q_zero[None, :]
 
 
 @triton.jit
