@@ -70,25 +70,10 @@ def kivi_swapped(
                 BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION, True,
             )  # fmt: skip
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
-        v = kivi_value_tile(
-            v_ptr,
-            v_scale_ptr,
-            v_min_ptr,
-            rows,
-            offs_d,
-            offs_t < BLOCK_N,
-            mask_d,
-            BITS,
-            CPW,
-            WORDS,
-            NUM_GROUPS,
-            PAGE_SIZE,
-            BLOCK_D,
-            BLOCK_N,
-            UNPACK_WORDS,
-            DOT_DTYPE == tl.float16,
-            True,
-        )  # fmt: skip  [BLOCK_D, BLOCK_N]
+        v = kivi_value_tile(  # [BLOCK_D, BLOCK_N]
+            v_ptr, v_scale_ptr, v_min_ptr, rows, offs_d, offs_t < BLOCK_N, mask_d, BITS, CPW, WORDS, NUM_GROUPS,
+            PAGE_SIZE, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE == tl.float16, True,
+        )  # fmt: skip
         acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
     if hi > full:  # this split holds the tail (hi == kv_len; full is page-aligned, so full >= lo)
         tail = tl.load(tail_index_ptr + b).to(tl.int64)
@@ -127,22 +112,10 @@ def token_swapped(
         page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
         rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
         k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
-        k = token_value_tile(
-            k_ptr,
-            codebook_ptr,
-            rows,
-            offs_d,
-            mask_n,
-            mask_d,
-            SCHEME,
-            BITS,
-            CPW,
-            WORDS,
-            BLOCK_D,
-            BLOCK_N,
-            UNPACK_WORDS,
-            DOT_DTYPE,
-        )  # fmt: skip  [BLOCK_N, BLOCK_D]
+        k = token_value_tile(  # [BLOCK_N, BLOCK_D]
+            k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d, SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N,
+            UNPACK_WORDS, DOT_DTYPE,
+        )  # fmt: skip
         s = tl.dot(k, q_t, input_precision=PRECISION) * k_scale[:, None]  # [BLOCK_N, BLOCK_G]
         if LOGITS:
             row = b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh
@@ -151,22 +124,10 @@ def token_swapped(
         s = tl.where(mask_n[:, None], s, float("-inf"))
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
         v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
-        v = token_key_tile(
-            v_ptr,
-            codebook_ptr,
-            rows,
-            offs_d,
-            mask_n,
-            mask_d,
-            SCHEME,
-            BITS,
-            CPW,
-            WORDS,
-            BLOCK_D,
-            BLOCK_N,
-            UNPACK_WORDS,
-            DOT_DTYPE,
-        )  # fmt: skip  [BLOCK_D, BLOCK_N]
+        v = token_key_tile(  # [BLOCK_D, BLOCK_N]
+            v_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d, SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N,
+            UNPACK_WORDS, DOT_DTYPE,
+        )  # fmt: skip
         pv = (p * v_scale[:, None]).to(DOT_DTYPE)
         acc = acc * alpha[None, :] + tl.dot(v, pv, input_precision=PRECISION)
     store_swapped(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
