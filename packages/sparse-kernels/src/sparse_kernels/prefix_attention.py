@@ -114,6 +114,7 @@ def warm_plans(
     dtype: torch.dtype,
     device: torch.device | str,
     *,
+    sm_scale: float | None = None,
     max_shapes: int = 64,
 ) -> int:
     """Build cuDNN's plans for the prefix shapes that chunks of ``num_queries`` queries meet on prompts of up
@@ -122,7 +123,8 @@ def warm_plans(
 
     A plan is built on a shape's first call and kept for the process (~35 ms each on an H200, session 26);
     the first 128K prompt otherwise pays ~2 s of them inside its prefill. The keys and values are zeros
-    (their values do not matter to a plan) and are freed on return.
+    (their values do not matter to a plan) and are freed on return; ``sm_scale`` (default ``head_dim ** -0.5``)
+    is the model's, as its chunks will pass it.
     """
     device = torch.device(device)
     rows = query_bucket(num_queries)
@@ -134,7 +136,7 @@ def warm_plans(
     lengths = range(CASCADE_PREFIX_STEP, max_prefix + 1, CASCADE_PREFIX_STEP)[:max_shapes]
     kv = torch.zeros(2, lengths[-1], num_kv_heads, head_dim, dtype=dtype, device=device)
     for n in lengths:
-        attention_with_lse(q, kv[0, :n], kv[1, :n], head_dim**-0.5)
+        attention_with_lse(q, kv[0, :n], kv[1, :n], head_dim**-0.5 if sm_scale is None else sm_scale)
     return len(lengths)
 
 

@@ -181,6 +181,7 @@ class ModelRunner:
             self.model_config.head_dim,
             self.dtype,
             self.device,
+            sm_scale=self.model_config.softmax_scale,
         )
         torch.cuda.empty_cache()
         return built
