@@ -132,7 +132,10 @@ def test_rejects_bad_inputs():
 def test_launch_settings_follow_the_switches(monkeypatch):
     from sparse_kernels import launch_settings
     from sparse_kernels._triton import launch
+    from sparse_kernels._triton import quantized_decode_launch as quantized
 
     monkeypatch.setattr(launch, "PDL", False)
     monkeypatch.setattr(sys.modules["sparse_kernels.linear"], "SMALL_M_MAX", 4)
-    assert launch_settings() == {"pdl": False, "small_m_linear_max_rows": 4}
+    monkeypatch.setitem(quantized.KIVI_DECODE_CONFIG, "SWAP_AB", True)
+    monkeypatch.setitem(quantized.QUANT_DECODE_CONFIG, "SWAP_AB", False)
+    assert launch_settings() == {"pdl": False, "small_m_linear_max_rows": 4, "quantized_swap_ab": [False, True]}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -28,9 +29,11 @@ LOG2_E = 1.4426950408889634
 # sm_90 SASS on the CPU (benchmarks/sass_counts.py --swap-ab, session 26), instructions a 32-token step in one warp:
 # KIVI-4 2105 -> 1298 (48 bytes of spills -> none; its keys a dot per bit position, its values in shift-major rows,
 # so neither tile crosses shared memory), KIVI-2 2135 -> 1553 (128 -> none), fp8 1015 -> 827, TurboQuant-3 2767 ->
-# 2736; half the HMMAs. Not yet timed on a GPU (benchmarks/quantized_decode_bandwidth.py sweeps it first): off.
-QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": False}
-KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 2, "SWAP_AB": False}
+# 2736; half the HMMAs. Not yet timed on a GPU (benchmarks/quantized_decode_bandwidth.py sweeps it first): off,
+# unless ``SPARSE_KERNELS_SWAP_AB=1`` (a whole process, so that the engine benchmark can A/B it; reports record it).
+_SWAP_AB = os.environ.get("SPARSE_KERNELS_SWAP_AB", "0").strip() == "1"
+QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": _SWAP_AB}
+KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 2, "SWAP_AB": _SWAP_AB}
 
 
 def decode_config(kv: QuantizedKV) -> dict[str, Any]:

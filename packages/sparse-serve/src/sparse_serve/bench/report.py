@@ -68,7 +68,9 @@ def _kernels_note(env: dict) -> str:
     if not kernels:
         return ""
     pdl = "on" if kernels.get("pdl") else "off"
-    return f"; kernels: PDL {pdl}, small-M linear up to {kernels.get('small_m_linear_max_rows')} rows"
+    swap = kernels.get("quantized_swap_ab")
+    swapped = f", quantized decode dots transposed (per-token / KIVI) {swap}" if swap and any(swap) else ""
+    return f"; kernels: PDL {pdl}, small-M linear up to {kernels.get('small_m_linear_max_rows')} rows{swapped}"
 
 
 def markdown_report(invocations: list[dict]) -> str:
