@@ -178,8 +178,9 @@ class EngineChainMachine(RuleBasedStateMachine):
             self.llm.fork_chain(cid)
         self.engine.abort_request(rid)  # the chain gets its history back, and the refused token appended
         model["history"] = model["history"] + [5]
-        if not model["has_kv"]:
+        if not model["has_kv"]:  # checked out without KV: to be recomputed, so no longer degraded
             model["processed"] = 0
+            model["degraded"] = False
 
     @rule()
     def capacity(self):
@@ -193,8 +194,9 @@ class EngineChainMachine(RuleBasedStateMachine):
             self.engine.abort_request(rid)
             model = self.chains[c]
             model["history"] = model["history"] + [5]
-            if not model["has_kv"]:
+            if not model["has_kv"]:  # as in second_writer_is_refused
                 model["processed"] = 0
+                model["degraded"] = False
 
     # -- invariants -----------------------------------------------------------------------------
     @invariant()
