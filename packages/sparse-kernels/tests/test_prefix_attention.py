@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from sparse_kernels import BatchPrefillWithPagedKVCache, prefix_attention
-from sparse_kernels.prefix_attention import attention_with_lse, merge_into, prefix_pages
+from sparse_kernels.merge_states import merge_states_
+from sparse_kernels.prefix_attention import attention_with_lse, prefix_pages
 
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 2e-2}}
 
@@ -38,7 +39,7 @@ def test_merge_of_two_key_sets_equals_attention_over_both():
     k, v = torch.randn(30, 2, 16, generator=g), torch.randn(30, 2, 16, generator=g)
     out, lse = attention_with_lse(q, k[:11], v[:11], 0.25)
     other, other_lse = attention_with_lse(q, k[11:], v[11:], 0.25)
-    merge_into(out, lse, other, other_lse)
+    merge_states_(out, lse, other, other_lse)
     torch.testing.assert_close(out.double(), _plain(q, k, v, 0.25)[0], atol=1e-5, rtol=1e-5)
 
 

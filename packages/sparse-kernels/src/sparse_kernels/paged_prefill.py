@@ -18,7 +18,8 @@ from sparse_kernels._paged_validate import (
 )
 from sparse_kernels._paged_wrapper import PagedAttentionWrapper, output_buffer
 from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, rotate, run_dequantized
-from sparse_kernels.prefix_attention import attention_with_lse, merge_into, prefix_pages, use_split
+from sparse_kernels.merge_states import merge_states_
+from sparse_kernels.prefix_attention import attention_with_lse, prefix_pages, use_split
 from sparse_kernels.quantized_kv import QuantizedKV
 
 
@@ -203,7 +204,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
                 k, v = k_cache[blocks], v_cache[blocks]
             k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
             prefix_out, prefix_lse = attention_with_lse(q[lo:hi], k, v, plan.sm_scale)
-            merge_into(out[lo:hi], lse[lo:hi], prefix_out, prefix_lse)
+            merge_states_(out[lo:hi], lse[lo:hi], prefix_out, prefix_lse)
         return out
 
     def run_quantized(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:

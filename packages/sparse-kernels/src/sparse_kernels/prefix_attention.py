@@ -17,8 +17,6 @@ import functools
 
 import torch
 
-from sparse_kernels.merge_states import merge_states_
-
 # cuDNN builds an execution plan for every new shape, which costs the host tens of milliseconds: in
 # serving, where every chunk has its own prefix length, that cost dominated the step (measured on the
 # H200: the agent benchmark's mixed steps spent 70-90 ms more on the host than before the cascade). So
@@ -138,12 +136,3 @@ def warm_plans(
     for n in lengths:
         attention_with_lse(q, kv[0, :n], kv[1, :n], head_dim**-0.5 if sm_scale is None else sm_scale)
     return len(lengths)
-
-
-def merge_into(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor) -> None:
-    """``out`` (with ``lse``) becomes the softmax over both key sets, ``other`` holding the second part.
-
-    ``out``/``other`` ``[T, H, D]`` (any strides with unit stride on ``D``), ``lse``/``other_lse`` ``[T, H]``
-    float32 (natural log). One Triton launch on CUDA (``merge_states_``), plain torch elsewhere.
-    """
-    merge_states_(out, lse, other, other_lse)

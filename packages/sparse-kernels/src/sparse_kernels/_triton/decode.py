@@ -35,11 +35,20 @@ def _window_start(kv_len, window_left, WINDOW: tl.constexpr):
 
 
 @triton.jit
-def store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n):
-    """``logits[b, head, token] = s * ln 2`` for a tile of base-2 scores ``s`` ``[BLOCK_G, BLOCK_N]``."""
+def store_logits(
+    logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n, TOKENS_FIRST: tl.constexpr = False
+):
+    """``logits[b, head, token] = s * ln 2`` for a tile of base-2 scores ``s`` ``[BLOCK_G, BLOCK_N]`` (``TOKENS_FIRST``:
+    ``[BLOCK_N, BLOCK_G]``, as the transposed dots give them)."""
     row = b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh
-    mask = mask_g[:, None] & mask_n[None, :]
-    tl.store(logits_ptr + row[:, None] + offs_n[None, :], s * 0.6931471805599453, mask=mask)
+    if TOKENS_FIRST:
+        tl.store(
+            logits_ptr + row[None, :] + offs_n[:, None], s * 0.6931471805599453, mask=mask_n[:, None] & mask_g[None, :]
+        )
+    else:
+        tl.store(
+            logits_ptr + row[:, None] + offs_n[None, :], s * 0.6931471805599453, mask=mask_g[:, None] & mask_n[None, :]
+        )
 
 
 def _decode_split_kernel(

@@ -118,9 +118,7 @@ def token_swapped(
         )  # fmt: skip
         s = tl.dot(k, q_t, input_precision=PRECISION) * k_scale[:, None]  # [BLOCK_N, BLOCK_G]
         if LOGITS:
-            row = b.to(tl.int64) * stride_lb + heads.to(tl.int64) * stride_lh
-            tl.store(logits_ptr + row[None, :] + offs_n[:, None], s * 0.6931471805599453,
-                     mask=mask_n[:, None] & mask_g[None, :])  # fmt: skip
+            store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n, True)
         s = tl.where(mask_n[:, None], s, float("-inf"))
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
         v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
