@@ -51,6 +51,23 @@ def store_logits(
         )
 
 
+@triton.jit
+def store_partial(
+    o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr = False,
+):  # fmt: skip
+    """A split's normalised partial output ``acc`` ``[BLOCK_G, BLOCK_D]`` (``TRANSPOSED``: ``[BLOCK_D, BLOCK_G]``, as
+    the transposed dots accumulate it) and its base-2 LSE into the split's rows, for the reduce."""
+    row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
+    if TRANSPOSED:
+        both = mask_d[:, None] & mask_g[None, :]
+        tl.store(o_part_ptr + row[None, :] * BLOCK_D + offs_d[:, None], acc / l_i[None, :], mask=both)
+    else:
+        both = mask_g[:, None] & mask_d[None, :]
+        tl.store(o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :], acc / l_i[:, None], mask=both)
+    tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+
+
 def _decode_split_kernel(
     q_ptr,
     k_ptr,
@@ -132,13 +149,8 @@ def _decode_split_kernel(
             v = tl.load(v_ptr + kv_row[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=PRECISION)
             m_i = m_new
-        row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
-        tl.store(
-            o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-            acc / l_i[:, None],
-            mask=mask_g[:, None] & mask_d[None, :],
-        )
-        tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+        store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
+                      NUM_KV_HEADS, GROUP, BLOCK_D)  # fmt: skip
         pdl_exit(USE_GDC)
 
 

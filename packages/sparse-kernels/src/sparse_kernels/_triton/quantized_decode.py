@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sparse_kernels._triton.decode import store_logits
+from sparse_kernels._triton.decode import store_logits, store_partial
 from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
 from sparse_kernels._triton.quantized_tiles import (
     kivi_key_page,
@@ -85,8 +85,8 @@ def kivi_swapped(
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
         v = tl.load(v_tail_ptr + rows[None, :] + chan[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
-    store_swapped(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, chan, mask_g, mask_d,
-                  NUM_KV_HEADS, GROUP, BLOCK_D)  # fmt: skip
+    store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, chan, mask_g, mask_d,
+                  NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
 
 
 @triton.jit
@@ -128,20 +128,8 @@ def token_swapped(
         )  # fmt: skip
         pv = (p * v_scale[:, None]).to(DOT_DTYPE)
         acc = acc * alpha[None, :] + tl.dot(v, pv, input_precision=PRECISION)
-    store_swapped(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
-                  NUM_KV_HEADS, GROUP, BLOCK_D)  # fmt: skip
-
-
-@triton.jit
-def store_swapped(
-    o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """A split's partial output ``acc`` ``[BLOCK_D, BLOCK_G]`` (transposed) and LSE into its rows."""
-    row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
-    both = mask_d[:, None] & mask_g[None, :]
-    tl.store(o_part_ptr + row[None, :] * BLOCK_D + offs_d[:, None], acc / l_i[None, :], mask=both)
-    tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+    store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
+                  NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
 
 
 def _quantized_decode_split_kernel(
@@ -287,13 +275,8 @@ def _quantized_decode_split_kernel(
                     )  # fmt: skip
                     pv = (p * v_scale[None, :]).to(DOT_DTYPE)
                     acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
-            row = (b * (NUM_KV_HEADS * GROUP) + heads) * num_splits + split  # [BLOCK_G]
-            tl.store(
-                o_part_ptr + row[:, None] * BLOCK_D + offs_d[None, :],
-                acc / l_i[:, None],
-                mask=mask_g[:, None] & mask_d[None, :],
-            )
-            tl.store(lse_part_ptr + row, m_i + tl.log2(l_i), mask=mask_g)
+            store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
+                          NUM_KV_HEADS, GROUP, BLOCK_D)  # fmt: skip
         pdl_exit(USE_GDC)
 
 
