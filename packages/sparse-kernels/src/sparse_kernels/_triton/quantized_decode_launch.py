@@ -29,11 +29,13 @@ LOG2_E = 1.4426950408889634
 # sm_90 SASS on the CPU (benchmarks/sass_counts.py --swap-ab, session 26), instructions a 32-token step in one warp:
 # KIVI-4 2105 -> 1298 (48 bytes of spills -> none; its keys a dot per bit position, its values in shift-major rows,
 # so neither tile crosses shared memory), KIVI-2 2135 -> 1553 (128 -> none), fp8 1015 -> 827, TurboQuant-3 2767 ->
-# 2736; half the HMMAs. Not yet timed on a GPU (benchmarks/quantized_decode_bandwidth.py sweeps it first): off,
-# unless ``SPARSE_KERNELS_SWAP_AB=1`` (a whole process, so that the engine benchmark can A/B it; reports record it).
-_SWAP_AB = os.environ.get("SPARSE_KERNELS_SWAP_AB", "0").strip() == "1"
+# 2736; half the HMMAs. Timed on an H200 (session 27, quantized_decode_bandwidth.py, batch 16 at 128K, one layer):
+# KIVI-4 2858 -> 2190 us (3 stages: 2154), KIVI-2 2696 -> 2340, fp8 1387 -> 1369, TurboQuant-4 / -3 / -2 2889 /
+# 7099 / 2686 -> 2743 / 6970 / 2584: on by default; ``SPARSE_KERNELS_SWAP_AB=0`` turns it off for a whole process
+# (so that the engine benchmark can A/B it; reports record it).
+_SWAP_AB = os.environ.get("SPARSE_KERNELS_SWAP_AB", "1").strip() != "0"
 QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": _SWAP_AB}
-KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 2, "SWAP_AB": _SWAP_AB}
+KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 3 if _SWAP_AB else 2, "SWAP_AB": _SWAP_AB}
 
 
 def decode_config(kv: QuantizedKV) -> dict[str, Any]:
