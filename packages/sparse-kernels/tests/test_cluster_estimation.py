@@ -226,6 +226,24 @@ def test_in_place_merge_reads_transposed_second_states(triton_device):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-2, atol=1e-2)
 
 
+def test_merge_into_a_third_tensor(triton_device):
+    """The cascade prefill's square + prefix merge: both states as cuDNN returns them (token-major, bf16), written
+    into a row slice of the step's output; the two states stay as they were."""
+    gen = torch.Generator().manual_seed(10)
+    t, h, d = 6, 4, 24
+    out_a = torch.randn(h, t, d, generator=gen).to(torch.bfloat16).transpose(0, 1)
+    out_b = torch.randn(t, h, d, generator=gen).to(torch.bfloat16)
+    lse_a, lse_b = torch.randn(t, h, generator=gen), torch.randn(h, t, generator=gen).T
+    want = merge_states(out_a.float(), lse_a, out_b.float(), lse_b.contiguous()).to(torch.bfloat16)
+    for backend in ("reference", "triton"):
+        a, b, la, lb = (x.to(triton_device, copy=True) for x in (out_a, out_b, lse_a, lse_b))
+        step = torch.zeros(t + 3, h, d, dtype=torch.bfloat16, device=triton_device)
+        got = merge_states_(a, la, b, lb, out=step[2 : 2 + t], backend=backend)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-2, atol=1e-2)
+        assert torch.equal(a.cpu(), out_a) and torch.equal(b.cpu(), out_b)
+        assert not step[:2].any() and not step[2 + t :].any()
+
+
 @pytest.mark.parametrize("from_logits", [False, True])
 def test_an_empty_clusters_rows_are_never_used(from_logits, triton_device, ieee_values):
     """The Triton path reads an empty cluster's centroid and value sum without waiting for its size (the loads

@@ -43,6 +43,91 @@ def test_merge_of_two_key_sets_equals_attention_over_both():
     torch.testing.assert_close(out.double(), _plain(q, k, v, 0.25)[0], atol=1e-5, rtol=1e-5)
 
 
+def test_merge_into_a_third_tensor_leaves_both_states():
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(6, 4, 16, generator=g)
+    k, v = torch.randn(20, 2, 16, generator=g), torch.randn(20, 2, 16, generator=g)
+    out, lse = attention_with_lse(q, k[:9], v[:9], 0.5)
+    other, other_lse = attention_with_lse(q, k[9:], v[9:], 0.5)
+    before = out.clone()
+    dst = torch.empty_like(out)
+    assert merge_states_(out, lse, other, other_lse, out=dst) is dst
+    torch.testing.assert_close(dst.double(), _plain(q, k, v, 0.5)[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out, before)
+    with pytest.raises(ValueError, match="share a shape"):
+        merge_states_(out, lse, other, other_lse, out=dst[:3])
+
+
+def test_causal_square_matches_the_masked_formula(monkeypatch):
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 4)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(8, h, 16, generator=g) for h in (4, 2, 2))
+    out, lse = attention_with_lse(q, k, v, 0.4, causal=True)
+    for i in range(8):  # query i over keys 0..i, each row alone through the unmasked formula
+        ref, ref_lse = _plain(q[i : i + 1], k[: i + 1], v[: i + 1], 0.4)
+        torch.testing.assert_close(out[i : i + 1].double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[i : i + 1].double(), ref_lse, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="square"):
+        attention_with_lse(q[:6], k[:6], v[:6], 0.4, causal=True)  # not a bucket's size: shapes would not repeat
+    with pytest.raises(ValueError, match="square"):
+        attention_with_lse(q, torch.cat([k, k]), torch.cat([v, v]), 0.4, causal=True)
+
+
+def test_squares_are_whole_page_chunks_of_a_bucket_size(monkeypatch):
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 4)
+    qo = torch.tensor([16, 32, 16, 8, 1, 64])
+    kv = torch.tensor([16, 64, 36, 24, 40, 64])
+    pages = torch.tensor([0, 2, 1, 1, 0, 1])
+    # A: a first chunk; B: after 2 prefix pages; C: 20 keys left for 16 queries; D: half a page; E: a decode row;
+    # F: 48 keys left for 64 queries.
+    assert prefix_attention.squares(qo, kv, pages, 16).tolist() == [True, True, False, False, False, False]
+    monkeypatch.setattr(prefix_attention, "CASCADE_SQUARES", False)
+    assert not prefix_attention.squares(qo, kv, pages, 16).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused_squares", [True, False])
+def test_split_with_causal_squares_equals_one_pass(paged_batch, triton_device, monkeypatch, dtype, fused_squares):
+    monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
+    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 16)
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
+    monkeypatch.setattr(prefix_attention, "CASCADE_SQUARES", fused_squares)
+    # A first chunk of 16 (a square alone), 32 after a 32-token prefix (square + prefix), 16 after 20 (prefix +
+    # paged rest), a decode row, 8 queries after 16 (half a page: paged rest).
+    qo_lens, kv_lens = [16, 32, 16, 1, 8], [16, 64, 36, 40, 24]
+    batch = paged_batch(
+        qo_lens, kv_lens, block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=32, dtype=dtype, seed=7
+    ).to(triton_device)
+    wrapper = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
+    batch.plan_prefill(wrapper)
+    rest, requests = wrapper._split
+    shape = [
+        (lo, None if prefix is None else prefix[1], None if own is None else own[1]) for lo, _, prefix, own in requests
+    ]
+    if fused_squares:
+        assert shape == [(0, None, 1), (16, 2, 2), (48, 1, None), (65, 1, None)]
+    else:
+        assert shape == [(16, 2, None), (48, 1, None), (65, 1, None)]
+    out = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
+    torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[dtype])
+
+
+def test_split_of_squares_only_launches_no_paged_kernel(paged_batch, triton_device, monkeypatch):
+    monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
+    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 16)
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
+    batch = paged_batch([32, 16], [32 + 48, 16], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=32, seed=8).to(
+        triton_device
+    )
+    wrapper = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
+    batch.plan_prefill(wrapper)
+    rest, requests = wrapper._split
+    assert rest is None and [own[1] for *_, own in requests] == [2, 1]
+    torch.testing.assert_close(
+        wrapper.run(batch.q, batch.k_cache, batch.v_cache).cpu(), batch.reference(), **TOL[torch.float32]
+    )
+
+
 def test_prefix_pages_takes_whole_pages_of_long_prefixes_only(monkeypatch):
     monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 32)
     monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 4)
@@ -75,8 +160,9 @@ def test_warm_plans_builds_nothing_where_the_fused_attention_does_not_run():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_warm_plans_builds_one_plan_per_prefix_step_on_cuda():
     step = prefix_attention.CASCADE_PREFIX_STEP
-    assert prefix_attention.warm_plans(256, 5 * step + 7, 8, 2, 64, torch.bfloat16, "cuda") == 5
-    assert prefix_attention.warm_plans(256, 100 * step, 8, 2, 64, torch.bfloat16, "cuda", max_shapes=3) == 3
+    squares = 2  # causal squares of 128 and 256 rows (CASCADE_MIN_QUERIES 128)
+    assert prefix_attention.warm_plans(256, 5 * step + 7, 8, 2, 64, torch.bfloat16, "cuda") == 5 + squares
+    assert prefix_attention.warm_plans(256, 100 * step, 8, 2, 64, torch.bfloat16, "cuda", max_shapes=3) == 3 + squares
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -92,7 +178,7 @@ def test_split_prefill_equals_one_pass(paged_batch, triton_device, monkeypatch, 
     wrapper = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
     batch.plan_prefill(wrapper)
     rest, requests = wrapper._split
-    assert [(lo, pages) for lo, _, _, pages, _ in requests] == [(20, 1), (29, 3)]
+    assert [(lo, prefix[1], own) for lo, _, prefix, own in requests] == [(20, 1, None), (29, 3, None)]
     out = wrapper.run(batch.q, batch.k_cache, batch.v_cache)
     torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[dtype])
 
@@ -114,7 +200,7 @@ def test_split_reads_an_ascending_page_run_in_place(paged_batch, triton_device, 
     batch.kv_indices[lo:hi] = torch.arange(base, base + hi - lo, dtype=torch.int32)
     wrapper = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
     batch.plan_prefill(wrapper)
-    runs = [run for *_, run in wrapper._split[1]]
+    runs = [prefix[2] for _, _, prefix, _ in wrapper._split[1]]
     assert runs[1] == base and (runs[0] == -1 or runs[0] >= 0)
     torch.testing.assert_close(
         wrapper.run(batch.q, batch.k_cache, batch.v_cache).cpu(), batch.reference(), **TOL[torch.float32]
@@ -123,7 +209,7 @@ def test_split_reads_an_ascending_page_run_in_place(paged_batch, triton_device, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("chunk", [(30720, 32768), (0, 8192)])
+@pytest.mark.parametrize("chunk", [(30720, 32768), (0, 8192), (30000, 32768)])
 def test_split_prefill_32k_against_sdpa_on_cuda(chunk):
     import torch.nn.functional as F
 
@@ -143,7 +229,10 @@ def test_split_prefill_32k_against_sdpa_on_cuda(chunk):
         torch.tensor([bs], dtype=torch.int32),
         num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
     )  # fmt: skip
-    assert (wrapper._split is not None) == (lo > 0)
+    rest, requests = wrapper._split
+    # 2048 queries after 15 whole steps, and a first chunk of 8192: causal squares (no paged kernel); 2768 queries
+    # after 30000 tokens: the paged kernel reads the rest.
+    assert (rest is None) == (lo != 30000) and (requests[0][3] is not None) == (lo != 30000)
     out = wrapper.run(q, k_cache, v_cache)
     k, v = (c[perm].reshape(hi, hkv, d).transpose(0, 1)[None].float() for c in (k_cache, v_cache))
     mask = torch.arange(hi, device="cuda")[None, :] <= torch.arange(lo, hi, device="cuda")[:, None]

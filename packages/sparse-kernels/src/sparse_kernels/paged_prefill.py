@@ -19,7 +19,7 @@ from sparse_kernels._paged_validate import (
 from sparse_kernels._paged_wrapper import PagedAttentionWrapper, output_buffer
 from sparse_kernels._quantized_run import check_quantized_kv, check_tail_index, rotate, run_dequantized
 from sparse_kernels.merge_states import merge_states_
-from sparse_kernels.prefix_attention import attention_with_lse, prefix_pages, use_split
+from sparse_kernels.prefix_attention import attention_with_lse, prefix_pages, squares, use_split
 from sparse_kernels.quantized_kv import QuantizedKV
 
 
@@ -141,23 +141,28 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
 
     def _plan_split(self, qo_lens, kv_lens, qo_indptr, kv_indptr, kv_indices, kv_last_len, layout: dict):
         """The cascade split (``prefix_attention``): requests with a long cached prefix read its whole
-        pages by the fused dense attention and only the rest through the paged kernel."""
+        pages by the fused dense attention, requests whose remaining keys are their chunk's own square
+        (``squares``) run that square fused too, and only the rest goes through the paged kernel."""
         pages = prefix_pages(qo_lens, kv_lens, layout["block_size"])
-        if not bool(pages.any()):
+        square = squares(qo_lens, kv_lens, pages, layout["block_size"])
+        if not bool(pages.any() or square.any()):
             return None
         starts = kv_indptr[:-1].long()
         counts = kv_indptr.diff().long() - pages
         firsts, ends = (starts + pages).tolist(), kv_indptr[1:].tolist()
         keep = torch.cat([torch.arange(lo, hi) for lo, hi in zip(firsts, ends, strict=True)])
         rest_indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(counts, 0)]).to(torch.int32)
-        rest = self._triton_plan(qo_lens, qo_indptr, rest_indptr, kv_indices[keep], kv_last_len, layout)
+        # A square's request keeps no query tile in the paged kernel's plan (none at all: no launch).
+        rest_qo = torch.where(square, torch.zeros_like(qo_lens), qo_lens)
+        rest = None
+        if bool(rest_qo.any()):
+            rest = self._triton_plan(rest_qo, qo_indptr, rest_indptr, kv_indices[keep], kv_last_len, layout)
         requests = []
-        for b in torch.nonzero(pages).flatten().tolist():
+        for b in torch.nonzero(pages.bool() | square).flatten().tolist():
             start, n = int(starts[b]), int(pages[b])
-            ids = kv_indices[start : start + n]
-            # Pages in one ascending run (a fresh pool hands them out so) are read in place, not gathered.
-            run = int(ids[0]) if n == 1 or bool((ids.diff() == 1).all()) else -1
-            requests.append((int(qo_indptr[b]), int(qo_indptr[b + 1]), start, n, run))
+            prefix = _page_run(kv_indices, start, n) if n else None
+            own = _page_run(kv_indices, start + n, int(counts[b])) if bool(square[b]) else None
+            requests.append((int(qo_indptr[b]), int(qo_indptr[b + 1]), prefix, own))
         return rest, requests
 
     def run(
@@ -193,18 +198,23 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
         if self._split is None or not use_split(q):
             return run_prefill_triton(plan, q, k_cache, v_cache, out)
         rest, requests = self._split
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-        run_prefill_triton(rest, q, k_cache, v_cache, out, lse=lse)
-        _, _, num_kv_heads, head_dim = k_cache.shape
-        for lo, hi, start, pages, run in requests:
-            if run >= 0:
-                k, v = k_cache[run : run + pages], v_cache[run : run + pages]
-            else:
-                blocks = plan.kv_indices[start : start + pages].long()
-                k, v = k_cache[blocks], v_cache[blocks]
-            k, v = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+        lse = None
+        if rest is not None:
+            lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+            run_prefill_triton(rest, q, k_cache, v_cache, out, lse=lse)
+        for lo, hi, prefix, own in requests:
+            if own is not None:
+                k, v = _pages_of(plan, k_cache, v_cache, own)
+                own_out, own_lse = attention_with_lse(q[lo:hi], k, v, plan.sm_scale, causal=True)
+                if prefix is None:
+                    out[lo:hi].copy_(own_out)
+                    continue
+            k, v = _pages_of(plan, k_cache, v_cache, prefix)
             prefix_out, prefix_lse = attention_with_lse(q[lo:hi], k, v, plan.sm_scale)
-            merge_states_(out[lo:hi], lse[lo:hi], prefix_out, prefix_lse)
+            if own is not None:
+                merge_states_(own_out, own_lse, prefix_out, prefix_lse, out=out[lo:hi])
+            else:
+                merge_states_(out[lo:hi], lse[lo:hi], prefix_out, prefix_lse)
         return out
 
     def run_quantized(self, q: torch.Tensor, kv: QuantizedKV, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,3 +292,22 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             block_size=plan.block_size, page_size=plan.block_size, device=self.device, plan_inner=plan_inner,
         )  # fmt: skip
         return out
+
+
+def _page_run(kv_indices: torch.Tensor, start: int, n: int) -> tuple[int, int, int]:
+    """``(start, n, run)`` of ``n`` pages listed from ``kv_indices[start]``: ``run`` is the first pool block when they
+    are one ascending run of blocks (a fresh pool hands them out so; read in place, not gathered), else -1."""
+    ids = kv_indices[start : start + n]
+    return start, n, int(ids[0]) if n == 1 or bool((ids.diff() == 1).all()) else -1
+
+
+def _pages_of(plan, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: tuple[int, int, int]):
+    """Keys and values ``[n * block_size, Hkv, D]`` of a ``_page_run``: a view of the pool, or a gather."""
+    start, n, run = pages
+    if run >= 0:
+        k, v = k_cache[run : run + n], v_cache[run : run + n]
+    else:
+        blocks = plan.kv_indices[start : start + n].long()
+        k, v = k_cache[blocks], v_cache[blocks]
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    return k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)

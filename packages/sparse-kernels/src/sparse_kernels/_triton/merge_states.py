@@ -1,5 +1,5 @@
-"""Triton ``merge_states_``: a program per ``ROWS_PER_PROGRAM`` query rows (``D`` elements each), in place on the
-first state."""
+"""Triton ``merge_states_``: a program per ``ROWS_PER_PROGRAM`` query rows (``D`` elements each), written over the
+first state or into a third tensor."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 
 
 def _merge_states_kernel(
-    out_ptr, lse_ptr, ob_ptr, lseb_ptr, dim, rows_per_outer, num_rows,
-    stride_outer, stride_row, stride_b_outer, stride_b_row,
+    out_ptr, lse_ptr, ob_ptr, lseb_ptr, dst_ptr, dim, rows_per_outer, num_rows,
+    stride_outer, stride_row, stride_b_outer, stride_b_row, stride_d_outer, stride_d_row,
     stride_l_outer, stride_l_row, stride_lb_outer, stride_lb_row,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, USE_GDC: tl.constexpr,
 ):  # fmt: skip
@@ -22,16 +22,17 @@ def _merge_states_kernel(
     o, i = r // rows_per_outer, r % rows_per_outer
     d = tl.arange(0, BLOCK_D)
     m = live[:, None] & (d < dim)[None, :]
-    dst = out_ptr + (o * stride_outer + i * stride_row)[:, None] + d[None, :]
+    src = out_ptr + (o * stride_outer + i * stride_row)[:, None] + d[None, :]
+    dst = dst_ptr + (o * stride_d_outer + i * stride_d_row)[:, None] + d[None, :]
     la = tl.load(lse_ptr + o * stride_l_outer + i * stride_l_row, mask=live, other=0.0)
     lb = tl.load(lseb_ptr + o * stride_lb_outer + i * stride_lb_row, mask=live, other=0.0)
     top = tl.maximum(la, lb)
     wa = tl.exp(la - top)
     wb = tl.exp(lb - top)
-    a = tl.load(dst, mask=m, other=0.0).to(tl.float32)
+    a = tl.load(src, mask=m, other=0.0).to(tl.float32)
     b = tl.load(ob_ptr + (o * stride_b_outer + i * stride_b_row)[:, None] + d[None, :], mask=m, other=0.0)
     merged = (a * wa[:, None] + b.to(tl.float32) * wb[:, None]) / (wa + wb)[:, None]
-    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=m)
+    tl.store(dst, merged.to(dst_ptr.dtype.element_ty), mask=m)
     pdl_exit(USE_GDC)
 
 
@@ -45,10 +46,12 @@ def _leading(x: torch.Tensor, dims: int) -> torch.Tensor:
     return x if x.dim() == dims else x.unsqueeze(0)
 
 
-def merge_states_triton(out_a, lse_a, out_b, lse_b):
+def merge_states_triton(out_a, lse_a, out_b, lse_b, out=None):
     """``out_a``, ``out_b`` ``[R, D]`` or ``[B, R, D]`` (any strides, unit on ``D``; any float dtypes), the LSEs
-    ``[R]`` / ``[B, R]`` (any strides)."""
-    view, other = _leading(out_a, 3), _leading(out_b, 3)
+    ``[R]`` / ``[B, R]`` (any strides); the merge is written into ``out`` (the same shape, unit stride on ``D``;
+    default ``out_a``), which is returned."""
+    out = out_a if out is None else out
+    view, other, dst = _leading(out_a, 3), _leading(out_b, 3), _leading(out, 3)
     if other.stride(-1) != 1:
         other = other.contiguous()
     la, lb = (_leading(x.to(torch.float32), 2) for x in (lse_a, lse_b))
@@ -60,6 +63,7 @@ def merge_states_triton(out_a, lse_a, out_b, lse_b):
         la,
         other,
         lb,
+        dst,
         dim,
         rows,
         outer * rows,
@@ -67,6 +71,8 @@ def merge_states_triton(out_a, lse_a, out_b, lse_b):
         view.stride(1),
         other.stride(0),
         other.stride(1),
+        dst.stride(0),
+        dst.stride(1),
         la.stride(0),
         la.stride(1),
         lb.stride(0),
@@ -76,4 +82,4 @@ def merge_states_triton(out_a, lse_a, out_b, lse_b):
         num_warps=4 if block_r * block_d >= 1024 else 1,
         **pdl_args(out_a.device),
     )
-    return out_a
+    return out
