@@ -57,11 +57,12 @@ def random_prompt(engine: LLMEngine, num_tokens: int, generator: torch.Generator
 
 
 def warm_prefill(engine: LLMEngine, prompts: torch.Generator, max_len: int) -> None:
-    """Run one short request to its end (a full chunk, then a chunk after a cached prefix, one
-    decode; at most ``max_len`` prompt tokens): the kernels' first-call compilation stays out of the
-    timed prefills."""
+    """Run one short request to its end (a full chunk, a full chunk after a cached prefix, a partial one,
+    one decode; at most ``max_len`` prompt tokens): the kernels' first-call compilation stays out of the
+    timed prefills (each of the cascade's paths: a causal square alone, a square and a prefix merged into
+    the output, a prefix merged with the paged kernel's rest)."""
     chunk = engine.config.max_num_batched_tokens
-    n = max(2, min(chunk + chunk // 2 + 1, max_len, engine.max_model_len - 3))
+    n = max(2, min(2 * chunk + chunk // 2 + 1, max_len, engine.max_model_len - 3))
     prompt = random_prompt(engine, n, prompts)
     rid = engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     try:
