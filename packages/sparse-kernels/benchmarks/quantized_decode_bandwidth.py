@@ -115,8 +115,8 @@ def variants(scheme: str, bits: int) -> list[dict]:
     if scheme == "bf16":
         return []
     if scheme == "kivi":
-        configs = [dict(SWAP_AB=True), dict(SWAP_AB=True, num_stages=3), dict(num_warps=2), dict(num_stages=3)]
-        configs += [dict(UNPACK_WORDS=False), dict(num_stages=1)]
+        configs = [dict(PAIRS=True), dict(PAIRS=True, num_stages=2), dict(SWAP_AB=False, num_stages=2)]
+        configs += [dict(num_warps=2), dict(UNPACK_WORDS=False), dict(num_stages=1)]
     else:
         configs = [dict(SWAP_AB=True), dict(num_stages=2), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2)]
         configs += [dict(BLOCK_N=128, num_warps=4)]
@@ -128,7 +128,7 @@ def variants(scheme: str, bits: int) -> list[dict]:
 
 def apply(cfg: dict, scheme: str) -> None:
     target = qlaunch.KIVI_DECODE_CONFIG if scheme == "kivi" else qlaunch.QUANT_DECODE_CONFIG
-    for key in ("BLOCK_N", "num_warps", "num_stages", "SWAP_AB"):
+    for key in ("BLOCK_N", "num_warps", "num_stages", "SWAP_AB", "PAIRS"):
         if key in cfg:
             target[key] = cfg[key]
     if "UNPACK_WORDS" in cfg:
@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=150.0, help="seconds for the whole run (sweep stops)")
     parser.add_argument("--jsonl", default=None)
     parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--schemes", default=None, help="e.g. bf16:16,kivi:4,kivi:2 (default: all)")
     parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes: checks the script runs")
     args = parser.parse_args()
     if args.smoke:
@@ -170,6 +171,8 @@ def main() -> None:
     table, sweep_jobs, sweep_rows = [], [], []
     for batch in [int(b) for b in args.batches.split(",")]:
         for scheme, bits in SCHEMES:
+            if args.schemes and f"{scheme}:{bits}" not in args.schemes.split(","):
+                continue
             layers, csr, q, layer_bytes = make_step(scheme, bits, batch)
             restore()
             ms, out, splits = time_decode(layers, csr, q)

@@ -91,7 +91,7 @@ def opcode(text: str) -> str:
 
 
 def quantized_decode_case(
-    scheme: str, bits: int, config: dict, block_g: int = 16, swap: bool = False
+    scheme: str, bits: int, config: dict, block_g: int = 16, swap: bool = False, pairs: bool = False
 ) -> tuple[dict, dict]:
     """Signature and constexprs of the quantized decode kernel for one Qwen3-8B layer (one list per request)."""
     cpw = 1 if scheme == "fp8" else 32 // bits
@@ -101,7 +101,7 @@ def quantized_decode_case(
         NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, PAGE_SIZE=32 if scheme == "kivi" else 16, HEAD_SPARSE=False,
         LOGITS=False, BLOCK_G=block_g, BLOCK_D=128, BLOCK_N=32 if scheme == "kivi" else config["BLOCK_N"],
         UNPACK_WORDS=scheme != "fp8" and cpw & (cpw - 1) == 0 and words * cpw == 128,
-        DOT_DTYPE=tl.float16, PRECISION="tf32", USE_GDC=True, SWAP_AB=swap,
+        DOT_DTYPE=tl.float16, PRECISION="tf32", USE_GDC=True, SWAP_AB=swap, PAIRS=pairs,
     )  # fmt: skip
     types = dict(ARGS, k_ptr=CODES[scheme], v_ptr=CODES[scheme], k_scale_ptr=SCALES[scheme])
     types.update(v_scale_ptr=SCALES[scheme], k_min_ptr=SCALES[scheme], v_min_ptr=SCALES[scheme])
@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--block-g", type=int, default=None, help="query rows a program holds (default: as launched)")
     parser.add_argument("--swap-ab", action="store_true", help="transposed dots (SWAP_AB), the group unpadded")
+    parser.add_argument("--pairs", action="store_true", help="KIVI codes two per word half-pair in PTX (PAIRS)")
     args = parser.parse_args()
     names = {"kivi": "kivi", "fp": "fp8", "tq": "turboquant"}
     for case in args.schemes.split(","):
@@ -126,7 +127,8 @@ def main() -> None:
         stages = args.stages or config["num_stages"]
         swap = args.swap_ab or bool(config.get("SWAP_AB"))
         block_g = args.block_g or (4 if swap else 16)
-        signature, const = quantized_decode_case(scheme, bits, config, block_g, swap)
+        pairs = args.pairs or bool(config.get("PAIRS"))
+        signature, const = quantized_decode_case(scheme, bits, config, block_g, swap, pairs)
         sass, res = compile_sass(_quantized_decode_split_kernel, signature, const, warps, stages)
         usage = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
         print(f"{case}: {warps} warps, {stages} stages, {const['BLOCK_N']} tokens a step, {block_g} query rows"

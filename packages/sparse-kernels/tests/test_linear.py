@@ -138,4 +138,10 @@ def test_launch_settings_follow_the_switches(monkeypatch):
     monkeypatch.setattr(sys.modules["sparse_kernels.linear"], "SMALL_M_MAX", 4)
     monkeypatch.setitem(quantized.KIVI_DECODE_CONFIG, "SWAP_AB", True)
     monkeypatch.setitem(quantized.QUANT_DECODE_CONFIG, "SWAP_AB", False)
-    assert launch_settings() == {"pdl": False, "small_m_linear_max_rows": 4, "quantized_swap_ab": [False, True]}
+    monkeypatch.setitem(quantized.KIVI_DECODE_CONFIG, "PAIRS", True)
+    assert launch_settings() == {
+        "pdl": False,
+        "small_m_linear_max_rows": 4,
+        "quantized_swap_ab": [False, True],
+        "kivi_pairs": True,
+    }

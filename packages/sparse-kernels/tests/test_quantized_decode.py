@@ -23,14 +23,17 @@ SCHEMES = [("fp8", 8), ("kivi", 2), ("kivi", 4), ("turboquant", 2), ("turboquant
 TOL = {"cpu": {"atol": 1e-4, "rtol": 1e-4}, "cuda": {"atol": 2e-2, "rtol": 2e-2}}
 
 
-@pytest.fixture(params=[False, True], ids=["rows", "swapped"])
+@pytest.fixture(params=["rows", "swapped", "pairs"])
 def swap_ab(request, monkeypatch):
-    """The dots as written (the query group as the MMA's rows) and transposed (``SWAP_AB``: the tokens as rows)."""
+    """The dots as written (the query group as the MMA's rows), transposed (``SWAP_AB``: the tokens as rows), and
+    transposed with KIVI's codes unpacked in pairs (``PAIRS``: inline PTX, so on the GPU and in the sm_90 compile
+    checks only; the interpreter runs the transposed path)."""
     from sparse_kernels._triton import quantized_decode_launch
 
     for config in (quantized_decode_launch.QUANT_DECODE_CONFIG, quantized_decode_launch.KIVI_DECODE_CONFIG):
-        monkeypatch.setitem(config, "SWAP_AB", request.param)
-    return request.param
+        monkeypatch.setitem(config, "SWAP_AB", request.param != "rows")
+    monkeypatch.setitem(quantized_decode_launch.KIVI_DECODE_CONFIG, "PAIRS", request.param == "pairs")
+    return request.param != "rows"
 
 
 def _expected(batch, q: torch.Tensor) -> torch.Tensor:

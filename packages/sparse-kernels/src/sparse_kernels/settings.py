@@ -9,10 +9,16 @@ def launch_settings() -> dict:
     """``pdl``: decode-path kernels use programmatic dependent launch on Hopper
     (``sparse_kernels._triton.launch.PDL``); ``small_m_linear_max_rows``: the most rows the small-M
     linear kernel takes (``sparse_kernels.linear.SMALL_M_MAX``); ``quantized_swap_ab``: the quantized decode's
-    transposed dots, per-token schemes / KIVI (``SWAP_AB`` in ``quantized_decode_launch``'s configs)."""
+    transposed dots, per-token schemes / KIVI (``SWAP_AB`` in ``quantized_decode_launch``'s configs);
+    ``kivi_pairs``: KIVI's codes unpacked two per word in inline PTX (``PAIRS``)."""
     from sparse_kernels._triton import launch
     from sparse_kernels._triton import quantized_decode_launch as quantized
 
     linear_module = sys.modules["sparse_kernels.linear"]  # the package attribute of that name is the function
     swap = [bool(c.get("SWAP_AB")) for c in (quantized.QUANT_DECODE_CONFIG, quantized.KIVI_DECODE_CONFIG)]
-    return {"pdl": launch.PDL, "small_m_linear_max_rows": linear_module.SMALL_M_MAX, "quantized_swap_ab": swap}
+    return {
+        "pdl": launch.PDL,
+        "small_m_linear_max_rows": linear_module.SMALL_M_MAX,
+        "quantized_swap_ab": swap,
+        "kivi_pairs": bool(quantized.KIVI_DECODE_CONFIG.get("PAIRS")),
+    }

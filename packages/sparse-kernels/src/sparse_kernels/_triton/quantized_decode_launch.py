@@ -35,7 +35,9 @@ LOG2_E = 1.4426950408889634
 # (so that the engine benchmark can A/B it; reports record it).
 _SWAP_AB = os.environ.get("SPARSE_KERNELS_SWAP_AB", "1").strip() != "0"
 QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": _SWAP_AB}
-KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 3 if _SWAP_AB else 2, "SWAP_AB": _SWAP_AB}
+# PAIRS (KIVI with SWAP_AB on the GPU): codes unpacked two per word half-pair in inline PTX (``half_pairs``).
+_PAIRS = os.environ.get("SPARSE_KERNELS_KIVI_PAIRS", "0").strip() == "1"
+KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 3 if _SWAP_AB else 2, "SWAP_AB": _SWAP_AB, "PAIRS": _PAIRS}
 
 
 def decode_config(kv: QuantizedKV) -> dict[str, Any]:
@@ -162,6 +164,7 @@ def run_quantized_decode_triton(
         # As the dot's rows the group is padded to 16 (the MMA's rows); as its columns (SWAP_AB) Triton pads it.
         BLOCK_G=triton.next_power_of_2(layout.group) if swap else max(16, triton.next_power_of_2(layout.group)),
         SWAP_AB=swap,
+        PAIRS=bool(config.get("PAIRS", False)),
         **scheme,
         **shape,
         **quant_dot_args(q.device),

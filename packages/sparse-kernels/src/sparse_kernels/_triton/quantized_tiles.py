@@ -37,6 +37,28 @@ def code_half(codes):
 
 
 @triton.jit
+def half_pairs(words, BITS: tl.constexpr):
+    """The codes in bits ``[0, BITS)`` and ``[16, 16 + BITS)`` of int32 ``words`` as two float16 tensors (exact small
+    integers), in inline PTX that keeps each word's two halves together: the mask and the OR into the mantissa of
+    1024.0 (one LOP3 for both codes), 1024 subtracted from both (one HSUB2). ``code_half`` on each code costs about
+    twice that (the int16 truncations become PRMTs). GPU only: the interpreter runs no PTX."""
+    if BITS == 4:
+        asm: tl.constexpr = (
+            "{ .reg .b32 t, m; and.b32 t, $2, 0x000F000F; or.b32 t, t, 0x64006400; mov.b32 m, 0x64006400;"
+            " sub.f16x2 t, t, m; mov.b32 {$0, $1}, t; }"
+        )
+    else:
+        asm: tl.constexpr = (
+            "{ .reg .b32 t, m; and.b32 t, $2, 0x00030003; or.b32 t, t, 0x64006400; mov.b32 m, 0x64006400;"
+            " sub.f16x2 t, t, m; mov.b32 {$0, $1}, t; }"
+        )
+    tl.static_assert(BITS == 4 or BITS == 2, "half_pairs: 2- or 4-bit codes")
+    return tl.inline_asm_elementwise(
+        asm=asm, constraints="=h,=h,r", args=[words], dtype=(tl.float16, tl.float16), is_pure=True, pack=1
+    )
+
+
+@triton.jit
 def key_codes(
     ptr,
     rows,
@@ -210,6 +232,39 @@ def kivi_value_tile(
 
 
 @triton.jit
+def kivi_value_pairs(
+    v_ptr,
+    v_scale_ptr,
+    v_min_ptr,
+    rows,
+    BITS: tl.constexpr,
+    CPW: tl.constexpr,
+    WORDS: tl.constexpr,
+    NUM_GROUPS: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """KIVI values of one full page as two float16 tiles ``[CPW / 2 * WORDS, BLOCK_N]`` (channels as rows, through
+    ``half_pairs``): row ``j * WORDS + w`` of the first holds channel ``w * CPW + j``, of the second ``w * CPW + CPW / 2
+    + j`` (``pair_rows``); ``code * scale + min`` per (token, channel group)."""
+    offs_w = tl.arange(0, WORDS)
+    words = tl.load(v_ptr + rows[None, :] * WORDS + offs_w[:, None])  # [W, N]
+    stat = rows[None, :] * NUM_GROUPS + (offs_w * CPW // GROUP_SIZE)[:, None]
+    scale = tl.load(v_scale_ptr + stat)[None, :, :]
+    zero = tl.load(v_min_ptr + stat)[None, :, :]
+    low, high = half_pairs(words[None, :, :] >> (tl.arange(0, CPW // 2) * BITS)[:, None, None], BITS)
+    shape: tl.constexpr = [CPW // 2 * WORDS, BLOCK_N]
+    return tl.reshape(low * scale + zero, shape), tl.reshape(high * scale + zero, shape)
+
+
+@triton.jit
+def pair_rows(CPW: tl.constexpr, WORDS: tl.constexpr):
+    """The channels of the first of ``kivi_value_pairs``' tiles by row (the second's are ``CPW // 2`` more)."""
+    r = tl.arange(0, CPW // 2 * WORDS)
+    return (r % WORDS) * CPW + r // WORDS
+
+
+@triton.jit
 def transposed_rows(offs_d, CPW: tl.constexpr, WORDS: tl.constexpr, UNPACK_WORDS: tl.constexpr):
     """The channel of each row of a ``TRANSPOSED`` KIVI value tile (``offs_d`` itself without ``UNPACK_WORDS``)."""
     if UNPACK_WORDS:
@@ -241,32 +296,56 @@ def kivi_key_slices(
     BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    PAIRS: tl.constexpr = False,
 ):
     """Scores ``K @ q`` ``[BLOCK_N, BLOCK_G]`` over one full KIVI page, one dot per bit position of the packed words.
 
     Shift ``j`` of the page's words ``[BLOCK_N, WORDS]`` holds channels ``w * CPW + j``: its codes meet the queries'
     rows of those channels (loaded for the slice, scaled by the keys' per-channel statistics), so no code tile is
     reshaped or shuffled (each dot's reduction is ``WORDS``, at least 16). ``q . (c * s + z) = (q * s) . c + q . z``.
+    ``PAIRS`` (float16 dots): shifts ``j`` and ``j + CPW / 2`` come out of one ``half_pairs``.
     """
     offs_w = tl.arange(0, WORDS)
     words = tl.load(k_ptr + rows[:, None] * WORDS + offs_w[None, :])  # [BLOCK_N, WORDS]
     base = (block * NUM_KV_HEADS + h) * HEAD_DIM
     s = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     q_zero = tl.zeros([BLOCK_G], tl.float32)
-    for j in tl.static_range(CPW):
-        chan = offs_w * CPW + j
-        q = tl.load(q_row_ptr + heads[None, :] * stride_qh + chan[:, None], mask=mask_g[None, :], other=0.0)
-        q = q.to(tl.float32) * scale_log2  # [WORDS, BLOCK_G]
-        scale = tl.load(k_scale_ptr + base + chan).to(tl.float32)
-        zero = tl.load(k_min_ptr + base + chan).to(tl.float32)
-        q_zero += tl.sum(q * zero[:, None], 0)
-        codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
-        if DOT_DTYPE == tl.float16:
-            k = code_half(codes)
-        else:
-            k = code_float(codes).to(DOT_DTYPE)
-        s = tl.dot(k, (q * scale[:, None]).to(DOT_DTYPE), acc=s, input_precision=PRECISION)
+    if PAIRS and DOT_DTYPE == tl.float16:
+        # Half-word u of a page row holds channels u * CPW / 2 + j (j < CPW / 2): a word's two codes at shift j are
+        # half-words 2w and 2w + 1, adjacent in the dot's reduction, as a float16 MMA operand holds them.
+        offs_u = tl.arange(0, 2 * WORDS)
+        for j in tl.static_range(CPW // 2):
+            low, high = half_pairs(words >> (j * BITS), BITS)
+            k = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * WORDS])
+            s, q_zero = key_slice_dot(s, q_zero, k, j, q_row_ptr, heads, mask_g, stride_qh, scale_log2,
+                                      k_scale_ptr, k_min_ptr, base, offs_u, CPW // 2, DOT_DTYPE, PRECISION)  # fmt: skip
+    else:
+        for j in tl.static_range(CPW):
+            codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
+            if DOT_DTYPE == tl.float16:
+                k = code_half(codes)
+            else:
+                k = code_float(codes).to(DOT_DTYPE)
+            s, q_zero = key_slice_dot(s, q_zero, k, j, q_row_ptr, heads, mask_g, stride_qh, scale_log2,
+                                      k_scale_ptr, k_min_ptr, base, offs_w, CPW, DOT_DTYPE, PRECISION)  # fmt: skip
     return s + q_zero[None, :]
+
+
+@triton.jit
+def key_slice_dot(
+    s, q_zero, k, j, q_row_ptr, heads, mask_g, stride_qh, scale_log2, k_scale_ptr, k_min_ptr, base, offs_w,
+    CPW: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One bit position ``j`` of ``kivi_key_slices``: its codes ``k`` ``[BLOCK_N, len(offs_w)]`` against the queries'
+    rows of channels ``w * CPW + j`` (``w`` in ``offs_w``) scaled by the keys' statistics; ``(s, q_zero)`` updated."""
+    chan = offs_w * CPW + j
+    q = tl.load(q_row_ptr + heads[None, :] * stride_qh + chan[:, None], mask=mask_g[None, :], other=0.0)
+    q = q.to(tl.float32) * scale_log2  # [WORDS, BLOCK_G]
+    scale = tl.load(k_scale_ptr + base + chan).to(tl.float32)
+    zero = tl.load(k_min_ptr + base + chan).to(tl.float32)
+    q_zero += tl.sum(q * zero[:, None], 0)
+    s = tl.dot(k, (q * scale[:, None]).to(DOT_DTYPE), acc=s, input_precision=PRECISION)
+    return s, q_zero
 
 
 @triton.jit

@@ -70,7 +70,8 @@ def _kernels_note(env: dict) -> str:
     pdl = "on" if kernels.get("pdl") else "off"
     swap = kernels.get("quantized_swap_ab")
     swapped = f", quantized decode dots transposed (per-token / KIVI) {swap}" if swap and any(swap) else ""
-    return f"; kernels: PDL {pdl}, small-M linear up to {kernels.get('small_m_linear_max_rows')} rows{swapped}"
+    pairs = ", KIVI codes in PTX pairs" if kernels.get("kivi_pairs") else ""
+    return f"; kernels: PDL {pdl}, small-M linear up to {kernels.get('small_m_linear_max_rows')} rows{swapped}{pairs}"
 
 
 def markdown_report(invocations: list[dict]) -> str:
