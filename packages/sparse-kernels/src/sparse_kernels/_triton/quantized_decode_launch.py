@@ -31,13 +31,16 @@ LOG2_E = 1.4426950408889634
 # so neither tile crosses shared memory), KIVI-2 2135 -> 1553 (128 -> none), fp8 1015 -> 827, TurboQuant-3 2767 ->
 # 2736; half the HMMAs. Timed on an H200 (session 27, quantized_decode_bandwidth.py, batch 16 at 128K, one layer):
 # KIVI-4 2858 -> 2190 us (3 stages: 2154), KIVI-2 2696 -> 2340, fp8 1387 -> 1369, TurboQuant-4 / -3 / -2 2889 /
-# 7099 / 2686 -> 2743 / 6970 / 2584: on by default; ``SPARSE_KERNELS_SWAP_AB=0`` turns it off for a whole process
-# (so that the engine benchmark can A/B it; reports record it).
-_SWAP_AB = os.environ.get("SPARSE_KERNELS_SWAP_AB", "1").strip() != "0"
-QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": _SWAP_AB}
+# 7099 / 2686 -> 2743 / 6970 / 2584; in the engine at 128K x 5 (swap_c1 against session 25's stores_c1) KIVI-4's
+# kernel 38.8 -> 31.8 ms a step, but fp8's 14.6 -> 16.8 ms (and 34.0 -> 34.7 at its largest batch, 11). So KIVI
+# transposes by default and the per-token schemes (fp8, TurboQuant) do not; ``SPARSE_KERNELS_SWAP_AB`` = 1 / 0 turns
+# both on / off for a whole process (so that the engine benchmark can A/B it; reports record it).
+_SWAP_ENV = os.environ.get("SPARSE_KERNELS_SWAP_AB", "").strip()
+_SWAP_AB = {"1": (True, True), "0": (False, False)}.get(_SWAP_ENV, (False, True))  # (per-token, KIVI)
+QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": _SWAP_AB[0]}
 # PAIRS (KIVI with SWAP_AB on the GPU): codes unpacked two per word half-pair in inline PTX (``half_pairs``).
 _PAIRS = os.environ.get("SPARSE_KERNELS_KIVI_PAIRS", "0").strip() == "1"
-KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 3 if _SWAP_AB else 2, "SWAP_AB": _SWAP_AB, "PAIRS": _PAIRS}
+KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 3 if _SWAP_AB[1] else 2, "SWAP_AB": _SWAP_AB[1], "PAIRS": _PAIRS}
 
 
 def decode_config(kv: QuantizedKV) -> dict[str, Any]:
