@@ -39,23 +39,24 @@ def test_merge_of_two_key_sets_equals_attention_over_both():
     k, v = torch.randn(30, 2, 16, generator=g), torch.randn(30, 2, 16, generator=g)
     out, lse = attention_with_lse(q, k[:11], v[:11], 0.25)
     other, other_lse = attention_with_lse(q, k[11:], v[11:], 0.25)
-    merge_states_(out, lse, other, other_lse)
-    torch.testing.assert_close(out.double(), _plain(q, k, v, 0.25)[0], atol=1e-5, rtol=1e-5)
-
-
-def test_merge_into_a_third_tensor_leaves_both_states():
-    g = torch.Generator().manual_seed(2)
-    q = torch.randn(6, 4, 16, generator=g)
-    k, v = torch.randn(20, 2, 16, generator=g), torch.randn(20, 2, 16, generator=g)
-    out, lse = attention_with_lse(q, k[:9], v[:9], 0.5)
-    other, other_lse = attention_with_lse(q, k[9:], v[9:], 0.5)
-    before = out.clone()
-    dst = torch.empty_like(out)
+    want = _plain(q, k, v, 0.25)[0]
+    # Into a third tensor: both states stay as they were.
+    before, dst = out.clone(), torch.empty_like(out)
     assert merge_states_(out, lse, other, other_lse, out=dst) is dst
-    torch.testing.assert_close(dst.double(), _plain(q, k, v, 0.5)[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dst.double(), want, atol=1e-5, rtol=1e-5)
     assert torch.equal(out, before)
     with pytest.raises(ValueError, match="share a shape"):
         merge_states_(out, lse, other, other_lse, out=dst[:3])
+    merge_states_(out, lse, other, other_lse)  # in place
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def small_split(monkeypatch):
+    """The split at the tests' sizes, off CUDA too: prefix steps of one 16-token page, chunks of 2 queries and up."""
+    monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
+    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 16)
+    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
 
 
 def test_causal_square_matches_the_masked_formula(monkeypatch):
@@ -87,10 +88,9 @@ def test_squares_are_whole_page_chunks_of_a_bucket_size(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fused_squares", [True, False])
-def test_split_with_causal_squares_equals_one_pass(paged_batch, triton_device, monkeypatch, dtype, fused_squares):
-    monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
-    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 16)
-    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
+def test_split_with_causal_squares_equals_one_pass(
+    small_split, paged_batch, triton_device, monkeypatch, dtype, fused_squares
+):
     monkeypatch.setattr(prefix_attention, "CASCADE_SQUARES", fused_squares)
     # A first chunk of 16 (a square alone), 32 after a 32-token prefix (square + prefix), 16 after 20 (prefix +
     # paged rest), a decode row, 8 queries after 16 (half a page: paged rest).
@@ -112,10 +112,7 @@ def test_split_with_causal_squares_equals_one_pass(paged_batch, triton_device, m
     torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[dtype])
 
 
-def test_split_of_squares_only_launches_no_paged_kernel(paged_batch, triton_device, monkeypatch):
-    monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
-    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 16)
-    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
+def test_split_of_squares_only_launches_no_paged_kernel(small_split, paged_batch, triton_device, monkeypatch):
     batch = paged_batch([32, 16], [32 + 48, 16], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=32, seed=8).to(
         triton_device
     )
@@ -166,10 +163,7 @@ def test_warm_plans_builds_one_plan_per_prefix_step_on_cuda():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_prefill_equals_one_pass(paged_batch, triton_device, monkeypatch, dtype):
-    monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
-    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 16)
-    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
+def test_split_prefill_equals_one_pass(small_split, paged_batch, triton_device, monkeypatch, dtype):
     # Prefixes of 0, 1 page + a partial page, 3 pages exactly; one request too short to split.
     qo_lens, kv_lens = [20, 9, 33, 1], [20, 9 + 27, 33 + 48, 60]
     batch = paged_batch(
@@ -183,10 +177,7 @@ def test_split_prefill_equals_one_pass(paged_batch, triton_device, monkeypatch, 
     torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[dtype])
 
 
-def test_split_reads_an_ascending_page_run_in_place(paged_batch, triton_device, monkeypatch):
-    monkeypatch.setattr(prefix_attention, "SPLIT_WITHOUT_FUSED", True)
-    monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 16)
-    monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 2)
+def test_split_reads_an_ascending_page_run_in_place(small_split, paged_batch, triton_device, monkeypatch):
     batch = paged_batch(
         [9, 33], [9 + 27, 33 + 48], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=32, seed=6
     ).to(triton_device)

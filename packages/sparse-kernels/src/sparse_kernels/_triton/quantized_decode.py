@@ -89,17 +89,29 @@ def kivi_swapped(
         )  # fmt: skip
         acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
     if hi > full:  # this split holds the tail (hi == kv_len; full is page-aligned, so full >= lo)
-        tail = tl.load(tail_index_ptr + b).to(tl.int64)
-        mask_n = full + offs_t < hi
-        rows = ((tail * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h) * HEAD_DIM
-        k = tl.load(k_tail_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        s = tl.dot(k.to(DOT_DTYPE), q_t.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_N, BLOCK_G]
-        s = tl.where(mask_n[:, None], s, float("-inf"))
+        s, rows, mask_n = kivi_tail_scores(q_t, k_tail_ptr, tail_index_ptr, b, h, full, hi, offs_t, offs_d, mask_d,
+                                           NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_DTYPE, PRECISION)  # fmt: skip
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
         v = tl.load(v_tail_ptr + rows[None, :] + chan[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
     store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, chan, mask_g, mask_d,
                   NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
+
+
+@triton.jit
+def kivi_tail_scores(
+    q_t, k_tail_ptr, tail_index_ptr, b, h, full, hi, offs_t, offs_d, mask_d,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Transposed scores ``[BLOCK_N, BLOCK_G]`` of a KIVI request's incomplete page (its bf16 tail row), ``-inf`` past
+    ``hi``; with the tail's element offsets ``rows`` and token mask, for its values."""
+    tail = tl.load(tail_index_ptr + b).to(tl.int64)
+    mask_n = full + offs_t < hi
+    rows = ((tail * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h) * HEAD_DIM
+    k = tl.load(k_tail_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    s = tl.dot(k.to(DOT_DTYPE), q_t.to(DOT_DTYPE), input_precision=PRECISION)
+    return tl.where(mask_n[:, None], s, float("-inf")), rows, mask_n
 
 
 @triton.jit
@@ -138,12 +150,8 @@ def kivi_swapped_pairs(
         both_q = mask_d[:, None] & mask_g[None, :]
         q_t = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None], mask=both_q, other=0.0)
         q_t = q_t.to(tl.float32) * scale_log2  # [BLOCK_D, BLOCK_G]
-        tail = tl.load(tail_index_ptr + b).to(tl.int64)
-        mask_n = full + offs_t < hi
-        rows = ((tail * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h) * HEAD_DIM
-        k = tl.load(k_tail_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        s = tl.dot(k.to(DOT_DTYPE), q_t.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_N, BLOCK_G]
-        s = tl.where(mask_n[:, None], s, float("-inf"))
+        s, rows, mask_n = kivi_tail_scores(q_t, k_tail_ptr, tail_index_ptr, b, h, full, hi, offs_t, offs_d, mask_d,
+                                           NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_DTYPE, PRECISION)  # fmt: skip
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
         p = p.to(DOT_DTYPE)
         both_v = mask_n[None, :] & mask_h[:, None]
