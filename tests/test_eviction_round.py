@@ -31,10 +31,16 @@ ROUND = {
 }
 
 
-def _run(method: str, batched: bool, **config):
+def _run(method: str, batched: bool, after: list | None = None, **config):
+    """Tokens, kept slots, the chain's saved windows and each batched round's size; ``after`` collects the
+    requests the engine handed over after a step's forward (``observe_stored``)."""
     llm = _llm(method, max_num_batched_tokens=512, max_num_seqs=8, **ROUND[method], **config)
     llm.engine.method.observes_batched = batched
     outs, releases, rounds = (_spy(llm, name) for name in ("finish_step", "release", "_compact_batch"))
+    if after is not None:
+        attention = llm.engine.runner.attention
+        observe_stored = attention.observe_stored
+        attention.observe_stored = lambda meta, observed: (after.append(set(observed)), observe_stored(meta, observed))
     script = {0: [("add", f"r{i}", p, greedy(22, ignore_eos=True)) for i, p in enumerate(PROMPTS)]}
     script[0].append(("add", "t", PROMPTS[2], greedy(14, ignore_eos=True), {"chain_id": "c"}))
     trace = drive(llm, script, chains=("c",))
@@ -70,3 +76,25 @@ def test_a_round_cut_into_chunks_keeps_the_same(monkeypatch):
     assert trace.tokens == ref_trace.tokens and rounds and set(rounds) == {1}
     for (_, a), (_, b) in zip(keeps, ref_keeps, strict=True):
         assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("method", sorted(ROUND))
+def test_a_round_observed_after_the_forward_equals_one_observed_during_it(method, monkeypatch):
+    """At a decode round every observed request's window is in the query ring (or its scores in the device's
+    sums), so the method reads no query from the forward (``observes_queries`` False for that step): the engine
+    runs the forward observing nothing (a GPU replays the step's CUDA graph) and hands the layers over after it,
+    from the pool. The same tokens, kept slots and chain windows as observing during the forward."""
+    from sparse_methods.eviction import EvictionMethod
+
+    stored = []
+    trace, keeps, saved, _ = _run(method, batched=True, after=stored)
+    assert stored and all(stored)  # decode rounds observed after their forward
+    monkeypatch.setattr(EvictionMethod, "observes_queries", property(lambda self: True))
+    never = []
+    ref_trace, ref_keeps, ref_saved, _ = _run(method, batched=True, after=never)
+    assert not never
+    assert trace.tokens == ref_trace.tokens and trace.final == ref_trace.final
+    assert [rid for rid, _ in keeps] == [rid for rid, _ in ref_keeps]
+    for (_, a), (_, b) in zip(keeps, ref_keeps, strict=True):
+        assert all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(saved, ref_saved, strict=True))

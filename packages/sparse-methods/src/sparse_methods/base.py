@@ -29,9 +29,10 @@ classes. Per step:
    request (``LayerAttentionBatch``: each one's new queries and keys as a ``LayerAttention``, and, for
    decode rows over a plain paged store, the whole batch as tensors with its keys left in their pages);
    a method that declares ``observes_values`` gets the layer's values beside the keys. A method that
-   reads only stored keys and values (``observes_queries`` False, e.g. RetroInfer's index update) gets
-   every layer's batch after the step's forward instead, read from the pool: its observing decode steps
-   then replay their CUDA graph like any other.
+   reads only stored keys and values at a step (``observes_queries`` False, e.g. RetroInfer's index update,
+   or an eviction round whose windows are all in the query ring) gets every layer's batch after the step's
+   forward instead, read from the pool: its observing decode steps then replay their CUDA graph like any
+   other.
 4. ``finish_step()`` returns the compactions to apply (``Compaction``: kept slot indices per layer and
    KV head); the engine gathers the kept slots to the front of each layer and frees whole blocks that no
    layer uses any more.
@@ -596,7 +597,8 @@ class SparseMethod(ABC):
     """``on_attention_end`` reads the observed requests' queries. False: it reads only their stored keys (and
     values), so the engine may hand each layer's batch over after the step's forward, from the pool (a decode
     step that observes then still replays its CUDA graph); the queries it gets then have no heads
-    (``[num_new_tokens, 0, head_dim]``)."""
+    (``[num_new_tokens, 0, head_dim]``). The engine reads it after ``prepare_step``, so a method may answer per
+    step (a property): the eviction family's decode rounds read their windows from the query ring."""
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         if not isinstance(config, self.Config):

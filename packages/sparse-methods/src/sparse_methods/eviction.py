@@ -211,6 +211,13 @@ class EvictionMethod(DeviceObservation, BatchedRound, SparseMethod):
         self._observing = frozenset(rid for rid, (_, rows) in self._step.items() if rows)
         return self._observing
 
+    @property
+    def observes_queries(self) -> bool:  # type: ignore[override]  # per step (after ``prepare_step``)
+        """False at a step whose every observed request is a decode row whose query the device keeps (the query
+        ring's window, or the decode kernel's score sums, this step's included): its observation reads no query
+        from the forward, so the step can replay its CUDA graph and be observed after, from the pool."""
+        return not self._observing <= self._recorded
+
     def device_state(self) -> DeviceState:
         """With decode-time eviction, a window scorer remembers its decode queries in the ring and an
         accumulating scorer adds the decode kernel's scores on the device."""

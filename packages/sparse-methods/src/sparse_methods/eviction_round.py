@@ -8,7 +8,9 @@ ring (positions made once per step), one ``score_batch`` over the paged keys (Sn
 place on a GPU), one ``keep_indices_batch``; no host sync. The others (and every request when
 ``observes_batched`` is False: the reference) go through their own view (``_observe_request``).
 Each compaction names the round's tensor and its row (``Compaction.rows``), so the engine compacts a
-layer's requests from that tensor in a few ops.
+layer's requests from that tensor in a few ops. A round that reads no query from the forward (every observed
+request's window in the ring, ``EvictionMethod.observes_queries``) is handed over after the step's forward,
+from the pool, so on a GPU its step replays the decode graph instead of running eagerly.
 """
 
 from __future__ import annotations
