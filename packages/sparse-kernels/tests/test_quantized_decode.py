@@ -85,10 +85,12 @@ def test_quantized_decode_matches_dequantized_attention(quantized_batch, triton_
         torch.testing.assert_close(out.cpu(), expected, **TOL[torch.device(triton_device).type], msg=backend)
 
 
-def test_kivi_bf16_tail_d128_group4(quantized_batch, triton_device, swap_ab):
-    # bf16 queries and tails, head_dim 128 (4-bit words unpack 8 channels each, 16 words a row).
+@pytest.mark.parametrize("bits", [4, 2])
+def test_kivi_bf16_tail_d128_group4(quantized_batch, triton_device, swap_ab, bits):
+    # bf16 queries and tails, head_dim 128 (4-bit words unpack 8 channels each, 16 words a row; 2-bit 16 and 8: on
+    # the GPU both take the PTX pairs' path, whose keys need 16 half-words a row).
     batch = quantized_batch(
-        [1, 45, 64], scheme="kivi", bits=4, block_size=32, num_kv_heads=NUM_KV_HEADS, head_dim=128,
+        [1, 45, 64], scheme="kivi", bits=bits, block_size=32, num_kv_heads=NUM_KV_HEADS, head_dim=128,
         tail_dtype=torch.bfloat16, seed=2,
     )  # fmt: skip
     q = torch.randn(3, 4 * NUM_KV_HEADS, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
