@@ -32,7 +32,9 @@ from sparse_kernels._triton.quantized_tiles import (
     online_softmax,
     pair_rows,
     token_key_tile,
+    token_scores,
     token_value_tile,
+    token_values,
     transposed_rows,
 )
 
@@ -50,32 +52,33 @@ def kivi_swapped(
     """One split of a KIVI list with transposed dots: the group's queries as columns ``[BLOCK_D, BLOCK_G]``,
     scores ``[BLOCK_N, BLOCK_G]`` (the softmax runs along axis 0), the output accumulated as ``[BLOCK_D, BLOCK_G]``
     and stored transposed into the split's partial rows. ``PAIRS`` (float16 dots, whole words): codes through
-    ``half_pairs``, the values in two tiles and two accumulators (``kivi_value_pairs``)."""
-    if PAIRS and DOT_DTYPE == tl.float16 and UNPACK_WORDS and 2 * WORDS >= 16:
-        kivi_swapped_pairs(
-            q_row_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_min_ptr, v_min_ptr, k_tail_ptr, v_tail_ptr,
-            indices_ptr, tail_index_ptr, o_part_ptr, lse_part_ptr, b, h, split, page_lo, lo, hi, kv_len, stride_qh,
-            scale_log2, num_splits, offs_g, offs_d, mask_g, mask_d, heads,
-            BITS, CPW, WORDS, NUM_GROUPS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, BLOCK_N,
-            DOT_DTYPE, PRECISION,
-        )  # fmt: skip
-        return
+    ``half_pairs``, keys over half-words, the values in two half tiles whose rows are ``pair_rows`` and ``pair_rows +
+    CPW / 2``, each into its own accumulator ``[BLOCK_D / 2, BLOCK_G]`` (``kivi_value_pairs``)."""
+    pairs: tl.constexpr = PAIRS and DOT_DTYPE == tl.float16 and UNPACK_WORDS and 2 * WORDS >= 16
+    slices: tl.constexpr = pairs or (UNPACK_WORDS and WORDS >= 16)  # keys in a dot per bit position
     both_q = mask_d[:, None] & mask_g[None, :]
-    q_t = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None], mask=both_q, other=0.0)
-    q_t = q_t.to(tl.float32) * scale_log2  # [BLOCK_D, BLOCK_G]
+    if not slices:
+        q_t = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None], mask=both_q, other=0.0)
+        q_t = q_t.to(tl.float32) * scale_log2  # [BLOCK_D, BLOCK_G]
     m_i = tl.full(offs_g.shape, float("-inf"), tl.float32)
     l_i = tl.zeros(offs_g.shape, tl.float32)
-    acc = tl.zeros(both_q.shape, tl.float32)
+    if pairs:
+        half = pair_rows(CPW, WORDS)  # [BLOCK_D / 2]
+        mask_h = half < HEAD_DIM
+        acc_lo = tl.zeros([BLOCK_D // 2, BLOCK_G], tl.float32)
+        acc_hi = tl.zeros([BLOCK_D // 2, BLOCK_G], tl.float32)
+    else:
+        acc = tl.zeros(both_q.shape, tl.float32)
+        chan = transposed_rows(offs_d, CPW, WORDS, UNPACK_WORDS)  # the channel of each row of the value tiles, acc
     full = (kv_len // PAGE_SIZE) * PAGE_SIZE
     offs_t = tl.arange(0, BLOCK_N)
-    chan = transposed_rows(offs_d, CPW, WORDS, UNPACK_WORDS)  # the channel of each row of the value tiles and acc
     for start in range(lo, tl.minimum(hi, full), BLOCK_N):
         block = tl.load(indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
         rows = (block * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h
-        if UNPACK_WORDS and WORDS >= 16:  # a dot per bit position (its reduction: WORDS channels)
+        if slices:
             s = kivi_key_slices(
                 q_row_ptr, heads, mask_g, stride_qh, scale_log2, k_ptr, k_scale_ptr, k_min_ptr, block, h, rows,
-                BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, BLOCK_N, DOT_DTYPE, PRECISION,
+                BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, BLOCK_N, DOT_DTYPE, PRECISION, pairs,
             )  # fmt: skip
         else:
             s = kivi_key_page(
@@ -83,86 +86,46 @@ def kivi_swapped(
                 BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION, True,
             )  # fmt: skip
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
-        v = kivi_value_tile(  # [BLOCK_D, BLOCK_N]
-            v_ptr, v_scale_ptr, v_min_ptr, rows, offs_d, offs_t < BLOCK_N, mask_d, BITS, CPW, WORDS, NUM_GROUPS,
-            PAGE_SIZE, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE == tl.float16, True,
-        )  # fmt: skip
-        acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
+        if pairs:
+            v_lo, v_hi = kivi_value_pairs(v_ptr, v_scale_ptr, v_min_ptr, rows, BITS, CPW, WORDS, NUM_GROUPS, PAGE_SIZE,
+                                          BLOCK_N)  # fmt: skip
+            p = p.to(DOT_DTYPE)
+            acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo, p, input_precision=PRECISION)
+            acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi, p, input_precision=PRECISION)
+        else:
+            v = kivi_value_tile(  # [BLOCK_D, BLOCK_N]
+                v_ptr, v_scale_ptr, v_min_ptr, rows, offs_d, offs_t < BLOCK_N, mask_d, BITS, CPW, WORDS, NUM_GROUPS,
+                PAGE_SIZE, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE == tl.float16, True,
+            )  # fmt: skip
+            acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
     if hi > full:  # this split holds the tail (hi == kv_len; full is page-aligned, so full >= lo)
-        s, rows, mask_n = kivi_tail_scores(q_t, k_tail_ptr, tail_index_ptr, b, h, full, hi, offs_t, offs_d, mask_d,
-                                           NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_DTYPE, PRECISION)  # fmt: skip
-        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
-        v = tl.load(v_tail_ptr + rows[None, :] + chan[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
-    store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, chan, mask_g, mask_d,
-                  NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
-
-
-@triton.jit
-def kivi_tail_scores(
-    q_t, k_tail_ptr, tail_index_ptr, b, h, full, hi, offs_t, offs_d, mask_d,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Transposed scores ``[BLOCK_N, BLOCK_G]`` of a KIVI request's incomplete page (its bf16 tail row), ``-inf`` past
-    ``hi``; with the tail's element offsets ``rows`` and token mask, for its values."""
-    tail = tl.load(tail_index_ptr + b).to(tl.int64)
-    mask_n = full + offs_t < hi
-    rows = ((tail * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h) * HEAD_DIM
-    k = tl.load(k_tail_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-    s = tl.dot(k.to(DOT_DTYPE), q_t.to(DOT_DTYPE), input_precision=PRECISION)
-    return tl.where(mask_n[:, None], s, float("-inf")), rows, mask_n
-
-
-@triton.jit
-def kivi_swapped_pairs(
-    q_row_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, k_min_ptr, v_min_ptr, k_tail_ptr, v_tail_ptr, indices_ptr,
-    tail_index_ptr, o_part_ptr, lse_part_ptr, b, h, split, page_lo, lo, hi, kv_len, stride_qh, scale_log2, num_splits,
-    offs_g, offs_d, mask_g, mask_d, heads,
-    BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """``kivi_swapped`` with ``PAIRS``: keys by ``kivi_key_slices`` over half-words, values in two half tiles whose
-    rows are ``pair_rows`` and ``pair_rows + CPW / 2``, each into its own accumulator ``[BLOCK_D / 2, BLOCK_G]``."""
-    half = pair_rows(CPW, WORDS)  # [BLOCK_D / 2]
-    mask_h = half < HEAD_DIM
-    m_i = tl.full(offs_g.shape, float("-inf"), tl.float32)
-    l_i = tl.zeros(offs_g.shape, tl.float32)
-    acc_lo = tl.zeros([BLOCK_D // 2, BLOCK_G], tl.float32)
-    acc_hi = tl.zeros([BLOCK_D // 2, BLOCK_G], tl.float32)
-    full = (kv_len // PAGE_SIZE) * PAGE_SIZE
-    offs_t = tl.arange(0, BLOCK_N)
-    for start in range(lo, tl.minimum(hi, full), BLOCK_N):
-        block = tl.load(indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
-        rows = (block * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h
-        s = kivi_key_slices(
-            q_row_ptr, heads, mask_g, stride_qh, scale_log2, k_ptr, k_scale_ptr, k_min_ptr, block, h, rows,
-            BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_G, BLOCK_N, DOT_DTYPE, PRECISION, True,
-        )  # fmt: skip
-        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
-        v_lo, v_hi = kivi_value_pairs(v_ptr, v_scale_ptr, v_min_ptr, rows, BITS, CPW, WORDS, NUM_GROUPS, PAGE_SIZE,
-                                      BLOCK_N)  # fmt: skip
+        if slices:
+            q_t = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None], mask=both_q, other=0.0)
+            q_t = q_t.to(tl.float32) * scale_log2  # [BLOCK_D, BLOCK_G]
+        tail = tl.load(tail_index_ptr + b).to(tl.int64)
+        mask_n = full + offs_t < hi
+        rows = ((tail * PAGE_SIZE + offs_t) * NUM_KV_HEADS + h) * HEAD_DIM
+        k = tl.load(k_tail_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        s = tl.dot(k.to(DOT_DTYPE), q_t.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_N, BLOCK_G]
+        p, alpha, l_i, m_i = online_softmax(tl.where(mask_n[:, None], s, float("-inf")), m_i, l_i, 0)
         p = p.to(DOT_DTYPE)
-        acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo, p, input_precision=PRECISION)
-        acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi, p, input_precision=PRECISION)
-    if hi > full:  # this split holds the tail (hi == kv_len; full is page-aligned, so full >= lo)
-        both_q = mask_d[:, None] & mask_g[None, :]
-        q_t = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None], mask=both_q, other=0.0)
-        q_t = q_t.to(tl.float32) * scale_log2  # [BLOCK_D, BLOCK_G]
-        s, rows, mask_n = kivi_tail_scores(q_t, k_tail_ptr, tail_index_ptr, b, h, full, hi, offs_t, offs_d, mask_d,
-                                           NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, DOT_DTYPE, PRECISION)  # fmt: skip
-        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
-        p = p.to(DOT_DTYPE)
-        both_v = mask_n[None, :] & mask_h[:, None]
-        v_lo = tl.load(v_tail_ptr + rows[None, :] + half[:, None], mask=both_v, other=0.0)
-        v_hi = tl.load(v_tail_ptr + rows[None, :] + (half + CPW // 2)[:, None], mask=both_v, other=0.0)
-        acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo.to(DOT_DTYPE), p, input_precision=PRECISION)
-        acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi.to(DOT_DTYPE), p, input_precision=PRECISION)
-    store_partial(o_part_ptr, lse_part_ptr, acc_lo, m_i, l_i, b, split, num_splits, heads, half, mask_g, mask_h,
-                  NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
-    store_partial(o_part_ptr, lse_part_ptr, acc_hi, m_i, l_i, b, split, num_splits, heads, half + CPW // 2, mask_g,
-                  mask_h, NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
+        if pairs:
+            both_v = mask_n[None, :] & mask_h[:, None]
+            v_lo = tl.load(v_tail_ptr + rows[None, :] + half[:, None], mask=both_v, other=0.0)
+            v_hi = tl.load(v_tail_ptr + rows[None, :] + (half + CPW // 2)[:, None], mask=both_v, other=0.0)
+            acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo.to(DOT_DTYPE), p, input_precision=PRECISION)
+            acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi.to(DOT_DTYPE), p, input_precision=PRECISION)
+        else:
+            v = tl.load(v_tail_ptr + rows[None, :] + chan[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+            acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p, input_precision=PRECISION)
+    if pairs:
+        store_partial(o_part_ptr, lse_part_ptr, acc_lo, m_i, l_i, b, split, num_splits, heads, half, mask_g, mask_h,
+                      NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
+        store_partial(o_part_ptr, lse_part_ptr, acc_hi, m_i, l_i, b, split, num_splits, heads, half + CPW // 2,
+                      mask_g, mask_h, NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
+    else:
+        store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, chan, mask_g, mask_d,
+                      NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
 
 
 @triton.jit
@@ -333,25 +296,18 @@ def _quantized_decode_split_kernel(
                 for start in range(lo, hi, BLOCK_N):
                     offs_n = start + tl.arange(0, BLOCK_N)
                     mask_n = offs_n < hi
-                    page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-                    rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
-                    k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
-                    k = token_key_tile(
-                        k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
-                        SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+                    rows, s = token_scores(
+                        q_dot, k_ptr, k_scale_ptr, codebook_ptr, indices_ptr, page_lo, offs_n, mask_n, h, offs_d,
+                        mask_d, scale_log2, SCHEME, BITS, CPW, WORDS, PAGE_SIZE, NUM_KV_HEADS, BLOCK_D, BLOCK_N,
+                        UNPACK_WORDS, DOT_DTYPE, PRECISION,
                     )  # fmt: skip
-                    s = tl.dot(q_dot, k, input_precision=PRECISION) * k_scale[None, :]
                     if LOGITS:
                         store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n)
-                    s = tl.where(mask_n[None, :], s, float("-inf"))
-                    p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
-                    v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
-                    v = token_value_tile(
-                        v_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
-                        SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+                    p, alpha, l_i, m_i = online_softmax(tl.where(mask_n[None, :], s, float("-inf")), m_i, l_i)
+                    acc = token_values(
+                        acc, p, alpha, v_ptr, v_scale_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
+                        SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION,
                     )  # fmt: skip
-                    pv = (p * v_scale[None, :]).to(DOT_DTYPE)
-                    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=PRECISION)
             store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
                           NUM_KV_HEADS, GROUP, BLOCK_D)  # fmt: skip
         pdl_exit(USE_GDC)

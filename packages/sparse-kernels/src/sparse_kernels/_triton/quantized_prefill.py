@@ -20,8 +20,8 @@ from sparse_kernels._triton.quantized_tiles import (
     kivi_key_page,
     kivi_value_tile,
     online_softmax,
-    token_key_tile,
-    token_value_tile,
+    token_scores,
+    token_values,
 )
 from sparse_kernels.quantized_kv import QuantizedKV
 
@@ -130,24 +130,19 @@ def _quantized_prefill_kernel(
         for start in range(0, hi, BLOCK_N):
             offs_n = start + offs_t
             mask_n = offs_n < hi
-            block = tl.load(kv_indices_ptr + page_lo + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-            rows = (block.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE) * NUM_KV_HEADS + h
-            k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
-            k = token_key_tile(
-                k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
-                SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+            rows, s = token_scores(
+                q_dot, k_ptr, k_scale_ptr, codebook_ptr, kv_indices_ptr, page_lo, offs_n, mask_n, h, offs_d, mask_d,
+                scale_log2, SCHEME, BITS, CPW, WORDS, BLOCK_SIZE, NUM_KV_HEADS, BLOCK_D, BLOCK_N, UNPACK_WORDS,
+                DOT_DTYPE, PRECISION,
             )  # fmt: skip
-            s = tl.dot(q_dot, k, input_precision=PRECISION) * k_scale[None, :]
             keep = mask_n[None, :]
             if CAUSAL:
                 keep = keep & (offs_n[None, :] <= q_pos[:, None])
             p, alpha, l_i, m_i = online_softmax(tl.where(keep, s, float("-inf")), m_i, l_i)
-            v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
-            v = token_value_tile(
-                v_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
-                SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+            acc = token_values(
+                acc, p, alpha, v_ptr, v_scale_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
+                SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION,
             )  # fmt: skip
-            acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(DOT_DTYPE), v, input_precision=PRECISION)
     tl.store(
         out_ptr + rows_q[:, None] * stride_ot + hq * stride_oh + offs_d[None, :],
         (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),

@@ -167,6 +167,42 @@ def token_value_tile(
 
 
 @triton.jit
+def token_scores(
+    q_dot, k_ptr, k_scale_ptr, codebook_ptr, indices_ptr, page_lo, offs_n, mask_n, h, offs_d, mask_d, scale_log2,
+    SCHEME: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UNPACK_WORDS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """A per-token scheme's step over the list's tokens ``offs_n`` (pages from ``indices_ptr[page_lo]``): their rows
+    (``slot * NUM_KV_HEADS + h``) and the base-2 scores ``q_dot @ K`` ``[M, BLOCK_N]``, each token's key scale
+    applied (fp8 / TurboQuant; the decode's and the prefill's loops)."""
+    page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+    rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
+    k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
+    k = token_key_tile(
+        k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
+        SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+    )  # fmt: skip
+    return rows, tl.dot(q_dot, k, input_precision=PRECISION) * k_scale[None, :]
+
+
+@triton.jit
+def token_values(
+    acc, p, alpha, v_ptr, v_scale_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
+    SCHEME: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, UNPACK_WORDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """``token_scores``' step on the value side: ``acc [M, BLOCK_D]`` rescaled by ``alpha`` plus the probabilities
+    ``p [M, BLOCK_N]`` (each token's value scale applied) times the tokens' values."""
+    v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
+    v = token_value_tile(
+        v_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
+        SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+    )  # fmt: skip
+    return acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(DOT_DTYPE), v, input_precision=PRECISION)
+
+
+@triton.jit
 def kivi_value_tile(
     v_ptr,
     v_scale_ptr,
