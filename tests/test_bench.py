@@ -107,3 +107,37 @@ def test_label_names_the_store_scheme_after_its_summaries():
     assert label(dict(engine="sparse-engine", sparse_method="quest", kv_store=store)) == "quest [fp8, 8 bits]"
     plain = dict(engine="sparse-engine", sparse_method="kivi", kv_store="quantized paged (kivi, 2 bits)")
     assert label(plain) == "kivi [kivi, 2 bits]"
+
+
+def test_synthetic_bench_runs_one_eviction_round_before_timing():
+    """With synthetic prefill and decode-time eviction the bench first steps the same batch through one
+    interval (untimed), so the timed batch's first round is not the process's first; the round did observe."""
+    from sparse_serve.bench.decode import DecodeCase, run_decode_case
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(DEFAULT_MODEL),
+            device="cpu",
+            num_kv_blocks=200,
+            sparse_method="snapkv",
+            sink_keep_tokens=4,
+            decode_keep_tokens=12,
+            recent_keep_tokens=32,
+            decode_eviction_interval=3,
+        )
+    )
+    rounds = []
+    prepare = engine.method.prepare_step
+    engine.method.prepare_step = lambda ctx: rounds.append(len(observed := prepare(ctx))) or observed
+    raw = run_decode_case(engine, DecodeCase(PROMPT, 2, 8, warmup_steps=1), kv_bytes_per_slot=1, progress=False)
+    assert raw["warm_round_steps"] == 5  # interval + 2 steps
+    assert 2 in rounds[1:5]  # a decode-time round (both requests observed) after the warm-up's first step
+    assert len(raw["step_seconds"]) == 8 - 1
+    # no warm-up without decode-time eviction, or with a real prefill (its own eviction ran the paths)
+    engine.method.prepare_step = prepare
+    assert (
+        run_decode_case(engine, DecodeCase(PROMPT, 2, 8, prefill="real"), kv_bytes_per_slot=1, progress=False)[
+            "warm_round_steps"
+        ]
+        == 0
+    )
