@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_methods import scoring
+from sparse_methods import keep_selection, scoring
 from sparse_methods.keep_selection import keep_indices, keep_indices_batch, keep_indices_batch_reference
 from sparse_methods.scoring import (
     attention_column_sums,
@@ -55,8 +55,7 @@ def test_keep_indices_breaks_ties_toward_earlier_tokens():
 _SCORE_POOL = [float("-inf"), -2.5, -1e-45, -0.0, 0.0, 1e-45, 0.5, 0.50000006, 3.0, float("inf"), float("nan")]
 
 
-@settings(max_examples=150, deadline=None)
-@given(
+_KEEP_CASES = dict(
     heads=st.integers(1, 3),
     sink=st.integers(0, 6),
     recent=st.integers(0, 8),
@@ -66,22 +65,40 @@ _SCORE_POOL = [float("-inf"), -2.5, -1e-45, -0.0, 0.0, 1e-45, 0.5, 0.50000006, 3
     distinct=st.integers(1, len(_SCORE_POOL)),
     seed=st.integers(0, 2**16),
 )
-def test_keep_indices_batch_selects_as_two_stable_sorts(
-    heads, sink, recent, num_middle, extra, padding, distinct, seed
-):  # noqa: E501
-    """The topk selection equals the two-sort reference and each request alone, exactly: scores from a
-    few distinct values (ties everywhere; -inf, signed zeros, NaN among them), requests of different
-    lengths (1 evicted: almost nothing; up to more evicted than kept), num_middle 0, padded columns."""
+
+
+def _check_keep_batch(heads, sink, recent, num_middle, extra, padding, distinct, seed, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     kv_lens = torch.tensor([sink + num_middle + recent + e for e in extra])
     width = int(kv_lens.max()) - recent + padding
     values = torch.tensor(_SCORE_POOL)[torch.randperm(len(_SCORE_POOL), generator=gen)[:distinct]]
     scores = values[torch.randint(0, distinct, (len(extra), heads, width), generator=gen)]
     kw = dict(sink=sink, recent=recent, num_middle=num_middle)
-    got = keep_indices_batch(scores, kv_lens, **kw)
+    got = keep_indices_batch(scores.to(device), kv_lens.to(device), **kw).cpu()
     assert torch.equal(got, keep_indices_batch_reference(scores, kv_lens, **kw))
     for b, kv_len in enumerate(kv_lens.tolist()):
         assert torch.equal(got[b], keep_indices(scores[b], kv_len=kv_len, **kw))
+    if device == "cpu" and num_middle:  # the GPU's one-kernel selection, through the kernel's reference here
+        middle = keep_selection._middle_scores(scores, (kv_lens - recent).view(-1, 1, 1), sink)
+        expect = keep_selection._top_middle(middle, num_middle)
+        assert torch.equal(keep_selection._top_middle_device(middle.clone(), num_middle), expect)
+
+
+@settings(max_examples=150, deadline=None)
+@given(**_KEEP_CASES)
+def test_keep_indices_batch_selects_as_two_stable_sorts(**case):
+    """The topk selection equals the two-sort reference and each request alone, exactly: scores from a
+    few distinct values (ties everywhere; -inf, signed zeros, denormals, NaN among them), requests of different
+    lengths (1 evicted: almost nothing; up to more evicted than kept), num_middle 0, padded columns."""
+    _check_keep_batch(**case)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=60, deadline=None)
+@given(**_KEEP_CASES)
+def test_keep_indices_batch_on_gpu_selects_as_two_stable_sorts(**case):
+    """The same on a GPU, where the middle's selection is one ``top_k_ascending`` kernel."""
+    _check_keep_batch(**case, device="cuda")
 
 
 @settings(max_examples=100, deadline=None)

@@ -48,7 +48,8 @@ def keep_indices_batch(
     not read); ``kv_lens``: int64 ``[B]`` on the scores' device, each above ``sink + num_middle + recent``.
     Row ``b`` equals ``keep_indices(scores[b], kv_len=kv_lens[b], ...)`` (ties to the earlier slot).
     No sort: one ``topk`` of the fewer of the evicted and the kept middle slots (a decode round evicts a
-    few hundred of thousands), then the kept ones in slot order from a prefix sum of their mask.
+    few hundred of thousands), then the kept ones in slot order from a prefix sum of their mask; on a GPU
+    one ``top_k_ascending`` kernel does both.
     ``keep_indices_batch_reference`` is the plain two-sort version; tests hold them equal.
     """
     b, num_heads, _ = scores.shape
@@ -56,9 +57,21 @@ def keep_indices_batch(
     mid_hi = (kv_lens - recent).view(b, 1, 1)
     parts = [torch.arange(sink, device=device).expand(b, num_heads, sink)]
     if num_middle > 0:
-        parts.append(_top_middle(_middle_scores(scores, mid_hi, sink), num_middle).add_(sink))
+        middle = _middle_scores(scores, mid_hi, sink)
+        top = _top_middle_device(middle, num_middle) if middle.is_cuda else _top_middle(middle, num_middle)
+        parts.append(top.add_(sink))
     parts.append((mid_hi + torch.arange(recent, device=device).view(1, 1, -1)).expand(b, num_heads, recent))
     return torch.cat(parts, dim=2)
+
+
+def _top_middle_device(middle: torch.Tensor, num_middle: int) -> torch.Tensor:
+    """``_top_middle`` on a GPU in one selection kernel (``sparse_kernels.top_k_ascending``: the ordered bit
+    patterns, ties to the earlier column, ``-0.0`` equal to ``0.0``) instead of about fifteen ops, which a
+    decode-time round launches per layer. Every NaN is first made the one positive NaN whose ordered key
+    ranks above every number, all NaNs equal, as ``_top_middle`` ranks them."""
+    from sparse_methods._kernels import kernels
+
+    return kernels().top_k_ascending(middle.masked_fill_(middle.isnan(), float("nan")), num_middle)
 
 
 def _middle_scores(scores: torch.Tensor, mid_hi: torch.Tensor, sink: int) -> torch.Tensor:
