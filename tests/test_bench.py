@@ -133,8 +133,11 @@ def test_synthetic_bench_runs_one_eviction_round_before_timing():
     assert raw["warm_round_steps"] == 5  # interval + 2 steps
     assert 2 in rounds[1:5]  # a decode-time round (both requests observed) after the warm-up's first step
     assert len(raw["step_seconds"]) == 8 - 1
-    # no warm-up without decode-time eviction, or with a real prefill (its own eviction ran the paths)
+    # no warm-up without decode-time eviction, with a real prefill (its own eviction ran the paths), or when the
+    # case's steps end before the interval's first round
     engine.method.prepare_step = prepare
+    short = DecodeCase(PROMPT, 2, 8, warmup_steps=1, timed_steps=1)
+    assert run_decode_case(engine, short, kv_bytes_per_slot=1, progress=False)["warm_round_steps"] == 0
     assert (
         run_decode_case(engine, DecodeCase(PROMPT, 2, 8, prefill="real"), kv_bytes_per_slot=1, progress=False)[
             "warm_round_steps"

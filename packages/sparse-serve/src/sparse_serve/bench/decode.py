@@ -210,10 +210,13 @@ def warm_decode_round(engine: LLMEngine, case: DecodeCase, batch: int) -> int:
     decode and the case's prefill is synthetic), so that the timed batch's first round is not the process's
     first. A real prefill's own eviction runs the round's paths first; a synthetic one does not, and the first
     round then loads and compiles its kernels inside the timed window (0.25-1.8 s on an H200, session 28).
-    Returns the steps run (0: none needed)."""
+    Returns the steps run (0: none needed, also when the case's steps end before its first round)."""
     config = getattr(engine.method, "config", None)
     interval = getattr(config, "decode_eviction_interval", None)
-    if case.prefill != "synthetic" or not interval or case.output_len <= interval:
+    planned = (
+        case.output_len if case.timed_steps is None else min(case.output_len, case.warmup_steps + case.timed_steps)
+    )
+    if case.prefill != "synthetic" or not interval or planned < interval:  # no round in the window: nothing to warm
         return 0
     warm = dataclasses.replace(case, output_len=interval + 2)
     ids = _add_requests(engine, warm, batch, torch.Generator().manual_seed(0))
