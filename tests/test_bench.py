@@ -133,7 +133,7 @@ def test_synthetic_bench_runs_one_eviction_round_before_timing():
     assert raw["warm_round_steps"] == 5  # interval + 2 steps
     assert 2 in rounds[1:5]  # a decode-time round (both requests observed) after the warm-up's first step
     assert len(raw["step_seconds"]) == 8 - 1
-    # no warm-up without decode-time eviction, with a real prefill (its own eviction ran the paths), or when the
+    # no warm-up without decode-time eviction, with a real prefill (it would prefill the batch twice), or when the
     # case's steps end before the interval's first round
     engine.method.prepare_step = prepare
     short = DecodeCase(PROMPT, 2, 8, warmup_steps=1, timed_steps=1)

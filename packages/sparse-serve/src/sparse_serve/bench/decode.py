@@ -208,9 +208,10 @@ def run_decode_case(
 def warm_decode_round(engine: LLMEngine, case: DecodeCase, batch: int) -> int:
     """Untimed: the same batch through one decode-time eviction interval (when the method evicts during
     decode and the case's prefill is synthetic), so that the timed batch's first round is not the process's
-    first. A real prefill's own eviction runs the round's paths first; a synthetic one does not, and the first
-    round then loads and compiles its kernels inside the timed window (0.25-1.8 s on an H200, session 28).
-    Returns the steps run (0: none needed, also when the case's steps end before its first round)."""
+    first: that round loads and compiles its kernels (0.25-1.8 s on an H200, session 28), which a server pays once
+    per process. Real prefill is not warmed (it would prefill the batch twice): its first round, if the prompt's
+    own eviction did not already compile the same kernels, stays inside the timed window. Returns the steps run
+    (0: none needed, also when the case's steps end before its first round)."""
     config = getattr(engine.method, "config", None)
     interval = getattr(config, "decode_eviction_interval", None)
     planned = (
