@@ -291,7 +291,9 @@ def test_full_waiting_queue_answers_503():
                 assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
                 assert r.headers["retry-after"] == "1"
                 assert _metric(srv.url, 'sparse_requests_rejected_total{reason="queue_full"}') == 1
-        # Both closed: the queue has room again.
+        # Both closed: once the server has seen the disconnects and aborted them, the queue has room again.
+        _wait_for(lambda: _metric(srv.url, "sparse_requests_waiting") == 0)
+        _wait_for(lambda: _metric(srv.url, "sparse_requests_running") == 0)
         assert httpx.post(srv.url + "/v1/completions", json=C).status_code == 200
 
 
