@@ -8,8 +8,8 @@ of values reach, bit by bit from the top (23 steps, each one count of the values
 places every column (a target's members: above its threshold, then the tied ones in column order; running
 counts carried from tile to tile), and sorts the retrieved keys in registers.
 
-The values go to a scratch row (``SUB`` columns at a time) and come back into registers as one tile of up to
-``MAX_TILE`` columns (16384: 256K tokens at 16-token clusters); past that every step loops over the tiles. Session 29
+A row's columns are held in registers, one tile of up to ``MAX_TILE`` (16384 columns: 256K tokens at 16-token
+clusters); past that the values go through a scratch tensor and every step loops over the tiles. Session 29
 replaced a radix select spread over (row, chunk) programs (two histogram rounds and a write pass with a
 decoupled look-back: three launches, ~38 us a layer at batch 5 and 128K on the H200) by this: the work of a row
 is small, so the launches' latency was the cost, not the parallelism.
@@ -25,27 +25,15 @@ from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 from sparse_kernels.cluster_select import RANK_BITS, RANK_DROP, rank_offset
 
 MAX_TILE = 16384  # columns a program holds at once
-SUB = 2048  # columns whose rank values are computed at once
-NUM_WARPS = 16
 MAX_VALUE = (1 << RANK_BITS) - 1  # rank values are at most this
 SHIFT = 24  # sort key of a retrieved column: (MAX_VALUE - rank value) << SHIFT | column, below 2 ** 47
 PAD = 1 << 62
 
 
-def _cluster_select_kernel(
-    logit_ptr, size_ptr, tmax_ptr, tsum_ptr, ret_ptr, est_ptr, value_ptr, out_ptr, columns, tiles, heads,
-    read_width, est_width,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, SUB: tl.constexpr, TILE: tl.constexpr,
-    ONE_TILE: tl.constexpr, BLOCK_R: tl.constexpr, DROP: tl.constexpr, OFFSET: tl.constexpr,
-    MAX_VALUE: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr, PAD: tl.constexpr,
-    USE_GDC: tl.constexpr,
-):  # fmt: skip
-    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
-    row = tl.program_id(0).to(tl.int64)  # (decode row, KV head)
-    b = row // heads
-    k1 = tl.minimum(tl.maximum(tl.load(ret_ptr + b), 0), tl.minimum(read_width, columns)).to(tl.int32)
-    k2 = tl.minimum(k1 + tl.minimum(tl.maximum(tl.load(est_ptr + b), 0), est_width), columns).to(tl.int32)
-    # Per query head of the group: the row's logit maximum and sum of exp(logit - max), from the tile statistics.
+@triton.jit
+def _normalizer(tmax_ptr, tsum_ptr, row, tiles, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per query head of the group: the row's logit maximum (0 where none is finite) and the sum of
+    ``exp(logit - max)`` (1 where 0), merged from the logits kernel's tile statistics."""
     g = tl.arange(0, BLOCK_G)
     gm = g < GROUP
     top_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -60,69 +48,101 @@ def _cluster_select_kernel(
         safe = tl.where(new == float("-inf"), 0.0, new)
         total = total * tl.exp(top_m - safe) + tl.sum(st * tl.exp(mt - safe[:, None]), axis=1)
         top_m = new
-    safe = tl.where(top_m == float("-inf"), 0.0, top_m)
-    total = tl.where(total > 0, total, 1.0)
-    # The rank values (as rank_values), SUB columns at a time, into the scratch row.
-    for c0 in range(0, columns, SUB):
-        c = c0 + tl.arange(0, SUB)
-        cm = c < columns
-        size = tl.load(size_ptr + row * columns + c, mask=cm, other=0)
-        lg = tl.load(
-            logit_ptr + (row * GROUP + g)[:, None] * columns + c[None, :], mask=gm[:, None] & cm[None, :],
-            other=float("-inf"),
-        )  # fmt: skip
-        live = cm & (size > 0)
-        keep = gm[:, None] & live[None, :]
-        p = tl.sum(tl.where(keep, tl.exp(lg - safe[:, None]) / total[:, None], 0.0), axis=0) + 0.0
-        truncated = (p.to(tl.int32, bitcast=True) >> DROP) - OFFSET
-        value = tl.where(live, tl.minimum(tl.maximum(truncated, 0), MAX_VALUE - 1) + 1, 0)
-        tl.store(value_ptr + row * columns + c, value, mask=cm)
-    tl.debug_barrier()  # the values are stored before any thread reads them
+    return tl.where(top_m == float("-inf"), 0.0, top_m), tl.where(total > 0, total, 1.0)
+
+
+@triton.jit
+def _tile_values(
+    logit_ptr, size_ptr, row, col, cm, columns, safe, total,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, DROP: tl.constexpr, OFFSET: tl.constexpr, MAX_VALUE: tl.constexpr,
+):  # fmt: skip
+    """The rank values of columns ``col`` (as ``rank_values``); -1 past the row (below every threshold)."""
+    g = tl.arange(0, BLOCK_G)
+    gm = g < GROUP
+    size = tl.load(size_ptr + row * columns + col, mask=cm, other=0)
+    lg = tl.load(
+        logit_ptr + (row * GROUP + g)[:, None] * columns + col[None, :], mask=gm[:, None] & cm[None, :],
+        other=float("-inf"),
+    )  # fmt: skip
+    live = cm & (size > 0)
+    keep = gm[:, None] & live[None, :]
+    p = tl.sum(tl.where(keep, tl.exp(lg - safe[:, None]) / total[:, None], 0.0), axis=0) + 0.0
+    truncated = (p.to(tl.int32, bitcast=True) >> DROP) - OFFSET
+    value = tl.where(live, tl.minimum(tl.maximum(truncated, 0), MAX_VALUE - 1) + 1, 0)
+    return tl.where(cm, value, -1)
+
+
+@triton.jit
+def _at_least(value_ptr, row, v, t, columns, TILE: tl.constexpr, ONE_TILE: tl.constexpr):
+    """``[2]`` how many of the row's values are at least ``t[0]`` and ``t[1]``."""
+    if ONE_TILE:
+        n = tl.sum((v[:, None] >= t[None, :]).to(tl.int32), axis=0)
+    else:
+        n = tl.zeros([2], tl.int32)
+        for c0 in range(0, columns, TILE):
+            col = c0 + tl.arange(0, TILE)
+            w = tl.load(value_ptr + row * columns + col, mask=col < columns, other=-1, cache_modifier=".cg")
+            n += tl.sum((w[:, None] >= t[None, :]).to(tl.int32), axis=0)
+    return n
+
+
+@triton.jit
+def _pick(vector, i):
+    return tl.sum(tl.where(tl.arange(0, 2) == i, vector, 0), axis=0)
+
+
+def _cluster_select_kernel(
+    logit_ptr, size_ptr, tmax_ptr, tsum_ptr, ret_ptr, est_ptr, value_ptr, out_ptr, columns, tiles, heads,
+    read_width, est_width,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, TILE: tl.constexpr, ONE_TILE: tl.constexpr,
+    BLOCK_R: tl.constexpr, DROP: tl.constexpr, OFFSET: tl.constexpr, MAX_VALUE: tl.constexpr, BITS: tl.constexpr,
+    SHIFT: tl.constexpr, PAD: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):  # fmt: skip
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
+    row = tl.program_id(0).to(tl.int64)  # (decode row, KV head)
+    b = row // heads
+    k1 = tl.minimum(tl.maximum(tl.load(ret_ptr + b), 0), tl.minimum(read_width, columns)).to(tl.int32)
+    k2 = tl.minimum(k1 + tl.minimum(tl.maximum(tl.load(est_ptr + b), 0), est_width), columns).to(tl.int32)
+    safe, total = _normalizer(tmax_ptr, tsum_ptr, row, tiles, GROUP, BLOCK_G, BLOCK_T)
     col = tl.arange(0, TILE)
-    v = tl.load(value_ptr + row * columns + col, mask=col < columns, other=-1, cache_modifier=".cg")
-    # Per target the largest threshold that at least k of the values reach (k = 0: the top value, which none
-    # passes), bit by bit from the top; then how many lie above it.
-    lo1 = tl.full([], 0, tl.int32)
-    lo2 = tl.full([], 0, tl.int32)
-    for i in tl.static_range(BITS + 1):
-        if i < BITS:
-            t1 = lo1 + (1 << (BITS - 1 - i))
-            t2 = lo2 + (1 << (BITS - 1 - i))
-        else:  # the last count: above the thresholds
-            t1 = lo1 + 1
-            t2 = lo2 + 1
-        if ONE_TILE:
-            n1 = tl.sum((v >= t1).to(tl.int32), axis=0)
-            n2 = tl.sum((v >= t2).to(tl.int32), axis=0)
-        else:
-            n1 = tl.full([], 0, tl.int32)
-            n2 = tl.full([], 0, tl.int32)
-            for c0 in range(0, columns, TILE):
-                c = c0 + col
-                w = tl.load(value_ptr + row * columns + c, mask=c < columns, other=-1, cache_modifier=".cg")
-                n1 += tl.sum((w >= t1).to(tl.int32), axis=0)
-                n2 += tl.sum((w >= t2).to(tl.int32), axis=0)
-        if i < BITS:
-            lo1 = tl.where(n1 >= k1, t1, lo1)
-            lo2 = tl.where(n2 >= k2, t2, lo2)
-        else:
-            s1 = k1 - n1  # tied values each target takes, in column order
-            s2 = k2 - n2
+    if ONE_TILE:
+        v = _tile_values(logit_ptr, size_ptr, row, col, col < columns, columns, safe, total,
+                         GROUP, BLOCK_G, DROP, OFFSET, MAX_VALUE)  # fmt: skip
+    else:
+        v = tl.zeros([TILE], tl.int32)
+        for c0 in range(0, columns, TILE):
+            cm = c0 + col < columns
+            w = _tile_values(logit_ptr, size_ptr, row, c0 + col, cm, columns, safe, total,
+                             GROUP, BLOCK_G, DROP, OFFSET, MAX_VALUE)  # fmt: skip
+            tl.store(value_ptr + row * columns + c0 + col, w, mask=cm)
+        tl.debug_barrier()  # the values are stored before any thread counts them
+    # Per target the largest threshold at least k of the values reach (k = 0: the top value, which none passes),
+    # bit by bit from the top; then how many lie above it.
+    j = tl.arange(0, 2)
+    k = tl.where(j == 0, k1, k2)
+    lo = tl.zeros([2], tl.int32)
+    for i in tl.static_range(BITS):
+        t = lo + (1 << (BITS - 1 - i))
+        lo = tl.where(_at_least(value_ptr, row, v, t, columns, TILE, ONE_TILE) >= k, t, lo)
+    above = _at_least(value_ptr, row, v, lo + 1, columns, TILE, ONE_TILE)
+    p1, p2 = _pick(lo, 0), _pick(lo, 1)
+    s1, s2 = k1 - _pick(above, 0), k2 - _pick(above, 1)  # tied values each target takes, in column order
     # Place every column: the retrieved as sort keys at [0, k1), the estimated at [k1, k2), the rest after.
-    tie1 = tl.full([], 0, tl.int32)
-    tie2 = tl.full([], 0, tl.int32)
-    n_r = tl.full([], 0, tl.int32)
-    n_e = tl.full([], 0, tl.int32)
-    n_o = tl.full([], 0, tl.int32)
+    tie1 = tl.sum(tl.zeros([2], tl.int32), axis=0)
+    tie2 = tie1
+    n_r = tie1
+    n_e = tie1
+    n_o = tie1
     for c0 in range(0, columns, TILE):
         c = c0 + col
         cm = c < columns
         if not ONE_TILE:
             v = tl.load(value_ptr + row * columns + c, mask=cm, other=-1, cache_modifier=".cg")
-        eq1 = (cm & (v == lo1)).to(tl.int32)
-        eq2 = (cm & (v == lo2)).to(tl.int32)
-        in1 = cm & ((v > lo1) | ((eq1 > 0) & (tie1 + tl.cumsum(eq1, axis=0) - eq1 < s1)))
-        in2 = cm & ((v > lo2) | ((eq2 > 0) & (tie2 + tl.cumsum(eq2, axis=0) - eq2 < s2)))
+        eq1 = (cm & (v == p1)).to(tl.int32)
+        eq2 = (cm & (v == p2)).to(tl.int32)
+        in1 = cm & ((v > p1) | ((eq1 > 0) & (tie1 + tl.cumsum(eq1, axis=0) - eq1 < s1)))
+        in2 = cm & ((v > p2) | ((eq2 > 0) & (tie2 + tl.cumsum(eq2, axis=0) - eq2 < s2)))
         r = in1.to(tl.int32)
         e = (in2 & ~in1).to(tl.int32)
         o = (cm & ~in2).to(tl.int32)
@@ -156,16 +176,15 @@ def cluster_select_triton(logits, sizes, tile_max, tile_sum, retrieved, estimate
     tile = min(MAX_TILE, max(16, triton.next_power_of_2(columns)))
     one_tile = columns <= tile
     out = torch.empty(n, heads, columns, dtype=torch.int64, device=device)
-    values = torch.empty(rows, columns, dtype=torch.int32, device=device)
+    values = out if one_tile else torch.empty(rows, columns, dtype=torch.int32, device=device)  # unused if one tile
     counts = (retrieved.to(torch.int64).contiguous(), estimated.to(torch.int64).contiguous())
     logits, sizes = logits.contiguous(), sizes.to(torch.int32).contiguous()
     cluster_select_kernel[(rows,)](
         logits, sizes, tile_max.contiguous(), tile_sum.contiguous(), *counts, values, out, columns, tiles, heads,
         read_width, est_width,
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_T=min(64, triton.next_power_of_2(tiles)),
-        SUB=min(SUB, tile), TILE=tile, ONE_TILE=one_tile,
-        BLOCK_R=max(16, triton.next_power_of_2(min(read_width, columns))), DROP=RANK_DROP, OFFSET=rank_offset(group),
-        MAX_VALUE=MAX_VALUE, BITS=RANK_BITS, SHIFT=SHIFT, PAD=PAD,
-        num_warps=NUM_WARPS, **pdl_args(device),
+        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_T=min(64, triton.next_power_of_2(tiles)), TILE=tile,
+        ONE_TILE=one_tile, BLOCK_R=max(16, triton.next_power_of_2(min(read_width, columns))), DROP=RANK_DROP,
+        OFFSET=rank_offset(group), MAX_VALUE=MAX_VALUE, BITS=RANK_BITS, SHIFT=SHIFT, PAD=PAD,
+        num_warps=max(4, min(32, tile // 512)), **pdl_args(device),
     )  # fmt: skip
     return out
