@@ -30,14 +30,14 @@ def test_retroinfer_kernels_compile_for_hopper():
     torch.testing.assert_close(logits, want[0], rtol=1e-3, atol=1e-3)
 
     counts = (torch.tensor([6, 5]), torch.tensor([9, 8]))
-    with compiling_for():  # one tile of columns; then several
+    with compiling_for():  # one chunk of columns; then several
         stats = dict(tile_max=tile_max, tile_sum=tile_sum)
         one = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, **stats, backend="triton")
-        select_module.MAX_TILE, tile = 16, select_module.MAX_TILE
+        select_module.CHUNK, chunk = 16, select_module.CHUNK
         try:
             several = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, backend="triton")
         finally:
-            select_module.MAX_TILE = tile
+            select_module.CHUNK = chunk
     want = cluster_select(logits, size, *counts, read_width=6, estimate_width=9, backend="reference")
     assert torch.equal(one, want) and torch.equal(several, want)
 

@@ -1,9 +1,9 @@
 """RetroInfer's selection by count: the reference equals a plain per-row ranking of the scores truncated to 16
 mantissa bits (float32 bits >> 7; the best ``k1`` columns best first, ties to the lower column, then the next
-``k2 - k1`` in column order, then the rest in column order); the Triton path (one program per row: thresholds
-found bit by bit over one tile of the row's columns or several, and a sort of the retrieved only) equals the
-reference but for columns whose truncated scores may differ by float32 rounding (a score that close to a
-truncation step)."""
+``k2 - k1`` in column order, then the rest in column order); the Triton path (a radix select over chunks of
+columns, one chunk or several, and a sort of the retrieved only) equals the reference but for columns whose
+truncated scores may differ by float32 rounding (a score that close to a truncation step), and leaves its shared
+state at 0."""
 
 from __future__ import annotations
 
@@ -109,11 +109,11 @@ def test_reference_ranks_by_the_truncated_float32_scores(low_bits):
     seed=st.integers(0, 10_000),
     columns=st.integers(1, 90),
     ratios=st.tuples(st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
-    tile=st.sampled_from([16, 32, 128]),
+    chunk=st.sampled_from([16, 32, 128]),
     ties=st.booleans(),
     low_bits=st.booleans(),
 )
-def test_triton_equals_reference(seed, columns, ratios, tile, ties, low_bits):
+def test_triton_equals_reference(seed, columns, ratios, chunk, ties, low_bits):
     logits, sizes = case(seed, columns=columns, ties=ties, low_bits=low_bits)
     read_width = max(1, round(columns * ratios[0]))
     estimate_width = round(columns * ratios[1])
@@ -122,15 +122,18 @@ def test_triton_equals_reference(seed, columns, ratios, tile, ties, low_bits):
     want = cluster_select(
         logits, sizes, retrieved, estimated, read_width=read_width, estimate_width=estimate_width, backend="reference"
     )
-    old, select_mod.MAX_TILE = select_mod.MAX_TILE, tile  # one tile of the row's columns, or several
+    old, select_mod.CHUNK = select_mod.CHUNK, chunk
     try:
         got = select_mod.cluster_select_triton(
             logits, sizes, *softmax_statistics(logits), retrieved, estimated, read_width, estimate_width
         )
     finally:
-        select_mod.MAX_TILE = old
+        select_mod.CHUNK = old
     counts = selection_counts(retrieved, estimated, columns, read_width, estimate_width)
     _assert_same_but_near_ties(got, want, plain_scores(logits, sizes), counts)
+    # The state is shared by every call (one buffer, no memset): each call leaves it at 0 for the next, whose
+    # shape differs (the examples run one after another in this process).
+    assert int(select_mod._STATE[logits.device][0].count_nonzero()) == 0
 
 
 def test_triton_with_the_logits_kernels_tile_statistics(triton_device):

@@ -16,12 +16,13 @@ the other columns in ascending order.
 Why truncated: both paths rank by one int32 per column whose order is the rank's, ``rank_values``: the float32
 score's bits shifted right by 7 (16 mantissa bits kept: a relative resolution of ``2 ** -16``), less an offset
 for the group (the score is at most ``G``, so at most ``0x7F0000`` is left), plus one; 0 for an empty column.
-Those values are below ``2 ** 23``, so the Triton path finds a threshold in 23 steps of one bit. Scores closer
-than ``2 ** -16`` relative may tie and then go in column order.
+Those values are below ``2 ** 23``, so the Triton path's radix select finds a threshold in two rounds (12 + 11
+bits) where the float bits took three, a launch less per layer. Scores closer than ``2 ** -16`` relative may
+tie and then go in column order.
 
 Only the retrieved need an order (a reader cuts them at a token budget, in rank order); the estimated are a
 sum. So the Triton path never sorts the row: one program per (row, KV head) writes every column's rank value,
-finds the ``k1``-th and ``k2``-th largest bit by bit (``_triton/cluster_select.py``), places the columns
+finds the ``k1``-th and ``k2``-th largest by a radix select (``_triton/cluster_select.py``), places the columns
 above each threshold and the first of the tied ones in column order (prefix sums), and sorts only the ``k1``
 retrieved, in registers. The reference is a full stable sort (torch) of the same values. The scores the two
 paths compute may differ in the last bits (the softmax's sums run in another order), so a score that close to
