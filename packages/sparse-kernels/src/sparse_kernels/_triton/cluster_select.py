@@ -12,6 +12,11 @@ counts and waits for its predecessors'): the retrieved as sort keys, the others 
 program to finish sorts the retrieved keys in registers. The state (histograms, prefixes, counters, look-back
 flags) is one buffer per device that every launch leaves at 0: the write pass's programs zero their row's
 histograms between them, and its last program of a row the rest of the row's state (no memset launch).
+
+Session 29 tried one program per (row, KV head) in one launch instead (thresholds found bit by bit over the row's
+values held in registers, running counts instead of the look-back; a4c4c9d): at batch 5 / 128K on the H200 (40
+rows of 8208 columns) it took 75 us a call at 16 warps (114 at 8, 89 at 32) against these three launches' 37
+(``results/bench/h200/session29/select_c2``): a row's serial steps cost more than the launches they save.
 """
 
 from __future__ import annotations
