@@ -172,6 +172,13 @@ def test_adakv_decode_reads_each_heads_own_tokens(tiny_checkpoint):
     assert list(out.token_ids) != _masked_decode_reference(model, prompt, union, 8)
 
 
+def test_head_major_prefill_runs_the_lanes_in_one_paged_launch(tiny_checkpoint):
+    """A head-major store's prefill rows are (request, KV head) lanes: no cascade split (a fused call per lane)."""
+    attention = _llm(tiny_checkpoint("llama")[0], **_kvpress_params(60, 16, 0.2)).engine.runner.attention
+    assert attention.lanes > 1
+    assert attention._new_plan(None, 0).prefill.cascade is False
+
+
 def test_adakv_budget_above_context_is_dense(tiny_checkpoint):
     path, _ = tiny_checkpoint("qwen3")
     prompt = _prompt(6, 90)

@@ -125,6 +125,22 @@ def test_split_of_squares_only_launches_no_paged_kernel(small_split, paged_batch
     )
 
 
+def test_no_cascade_keeps_every_request_in_the_paged_kernel(small_split, paged_batch, triton_device):
+    """``cascade=False`` (a head-major store's lanes): the same layout plans no split and gives the same output."""
+    batch = paged_batch(
+        [16, 32, 16], [16, 64, 36], block_size=16, num_qo_heads=8, num_kv_heads=2, head_dim=32, seed=9
+    ).to(triton_device)
+    split = BatchPrefillWithPagedKVCache(triton_device, backend="triton")
+    batch.plan_prefill(split)
+    assert split._split is not None  # the layout splits when allowed
+    whole = BatchPrefillWithPagedKVCache(triton_device, backend="triton", cascade=False)
+    batch.plan_prefill(whole)
+    assert whole._split is None
+    got = whole.run(batch.q, batch.k_cache, batch.v_cache)
+    torch.testing.assert_close(got.cpu(), batch.reference(), **TOL[torch.float32])
+    torch.testing.assert_close(got, split.run(batch.q, batch.k_cache, batch.v_cache), **TOL[torch.float32])
+
+
 def test_prefix_pages_takes_whole_pages_of_long_prefixes_only(monkeypatch):
     monkeypatch.setattr(prefix_attention, "CASCADE_PREFIX_STEP", 32)
     monkeypatch.setattr(prefix_attention, "CASCADE_MIN_QUERIES", 4)

@@ -37,7 +37,16 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
     Quantized KV (fp8, KIVI, TurboQuant): ``run_quantized(q, kv)`` over the same plan reads the history
     as codes and scales, dequantized tile by tile in registers (no dense copy of the history); the
     reference dequantizes the listed blocks (KIVI: plus tails) and runs the plain reference.
+
+    ``cascade=False``: every request in the paged kernel's launch, none split (``prefix_attention``). The
+    split runs a fused call or two per request, each with its own host cost (~0.28 ms on the H200): worth it
+    for a few long requests, not for a plan of many narrow rows, such as a head-major store's (request, KV
+    head) lanes (KVzip's 32K prefill made 11,520 of those calls).
     """
+
+    def __init__(self, device: torch.device | str = "cpu", *, cascade: bool = True, **kwargs):
+        super().__init__(device, **kwargs)
+        self.cascade = cascade
 
     def plan(
         self,
@@ -110,7 +119,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
             layout.update(block_size=block_size, causal=causal, sm_scale=sm_scale, window_left=window_left)
             self._plan = self._triton_plan(qo_lens, qo_indptr, kv_indptr, kv_indices, kv_last_len, layout)
             splittable = self.device.type == "cuda" or prefix_attention.SPLIT_WITHOUT_FUSED
-            if causal and window_left < 0 and tail_index is None and splittable:
+            if self.cascade and causal and window_left < 0 and tail_index is None and splittable:
                 self._split = self._plan_split(qo_lens, kv_lens, qo_indptr, kv_indptr, kv_indices, kv_last_len, layout)
             return
         self._plan = build_plan(

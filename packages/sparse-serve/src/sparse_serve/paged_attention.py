@@ -15,6 +15,7 @@ A head-major store (one table per (layer, KV head) lane) runs the same kernels w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Hashable, Sequence
 
 import torch
@@ -45,6 +46,11 @@ from sparse_serve.observed_keys import ObservedRows, observed_rows
 from sparse_serve.selective_decode import SelectiveDecode
 from sparse_serve.selective_prefill import SelectivePrefill
 from sparse_serve.step_metadata import LayerGroupMetadata, StepMetadata, table_slots, to_device, to_device_buffer
+
+# A head-major store's prefill rows are (request, KV head) lanes: the cascade split would make a fused call per
+# lane (``BatchPrefillWithPagedKVCache(cascade=...)``); off, they all go through the paged kernel's one launch.
+# Benchmarks A/B it.
+HEAD_MAJOR_CASCADE = False
 
 
 class _GroupPlan:
@@ -176,6 +182,8 @@ class PagedAttention:
         self._make_prefill = (
             BatchPrefillWithPagedKVCache if prefill_attention is None else prefill_attention.prefill_wrapper
         )
+        if prefill_attention is None and self.lanes > 1:  # many narrow rows: one paged launch, no fused calls
+            self._make_prefill = functools.partial(BatchPrefillWithPagedKVCache, cascade=HEAD_MAJOR_CASCADE)
         # The leading groups' plans have fixed-capacity buffers (CUDA graphs replay against them).
         self._caps = (max_num_tokens, max_batch_size, max_num_pages)
         self._num_graph_groups = num_graph_groups
