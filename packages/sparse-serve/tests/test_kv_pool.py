@@ -56,3 +56,31 @@ def test_one_tensor_pool_holds_the_same_bytes_for_every_layer(store):
     assert all(one.layers[layer] is one.layers[0] for layer in range(3))
     if one.quantized is not None:
         assert all(q.k.data_ptr() == one.quantized[0].k.data_ptr() for q in one.quantized)
+
+
+def test_a_gpu_pool_that_fits_no_block_says_where_the_memory_went(monkeypatch):
+    """The KV budget on a GPU is what is free after the weights, less what utilization keeps free and the
+    activation reserve of the largest step: when nothing is left the error names all three and what to change."""
+    from types import SimpleNamespace
+
+    from sparse_serve.model_runner import ModelRunner
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * gib, 140 * gib))
+    runner = SimpleNamespace(
+        model_config=SimpleNamespace(num_hidden_layers=36, hidden_size=4096),
+        config=SimpleNamespace(
+            block_size=16, num_kv_blocks=None, gpu_memory_utilization=0.9, max_num_batched_tokens=131072
+        ),
+        device=SimpleNamespace(type="cuda"),
+        store=paged(16, 8, 128),
+        lanes=1,
+        dtype=torch.bfloat16,
+        num_tail_rows=0,
+    )
+    with pytest.raises(ValueError, match=r"no KV block fits.*60.0 GiB free.*14.0 GiB kept free.*128.0 GiB reserved"):
+        ModelRunner._num_blocks(runner, 131072)
+    runner.config.max_num_batched_tokens = 2048  # 2 GiB of activations: the rest holds blocks
+    assert ModelRunner._num_blocks(runner, 131072) == (60 - 14 - 2) * gib // bytes_per_block(
+        paged(16, 8, 128), 36, torch.bfloat16
+    )

@@ -206,10 +206,20 @@ class ModelRunner:
         # The weights are already loaded, so `free` excludes them; keep (1 - utilization) of the card
         # for others and a rough activation reserve for the largest step (measured in a later issue).
         activation_reserve = 64 * self.config.max_num_batched_tokens * cfg.hidden_size * 4
-        budget = free - int(total * (1.0 - self.config.gpu_memory_utilization)) - activation_reserve
-        return num_blocks_for_budget(
-            self.store, cfg.num_hidden_layers * self.lanes, self.dtype, budget, num_tail_rows=self.num_tail_rows
-        )
+        kept_free = int(total * (1.0 - self.config.gpu_memory_utilization))
+        budget = free - kept_free - activation_reserve
+        try:
+            return num_blocks_for_budget(
+                self.store, cfg.num_hidden_layers * self.lanes, self.dtype, budget, num_tail_rows=self.num_tail_rows
+            )
+        except ValueError as e:  # say where the memory went: free after the weights, kept free, activations
+            gib = 2**30
+            raise ValueError(
+                f"{e}: {free / gib:.1f} GiB free after the weights, {kept_free / gib:.1f} GiB kept free "
+                f"(gpu_memory_utilization={self.config.gpu_memory_utilization}), {activation_reserve / gib:.1f} GiB "
+                f"reserved for the activations of max_num_batched_tokens={self.config.max_num_batched_tokens}; "
+                "lower max_num_batched_tokens or raise gpu_memory_utilization"
+            ) from e
 
     @torch.inference_mode()
     def randomize_kv(self, seed: int = 0) -> None:
