@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Session 29 call 2 (issue 17): the one-program cluster selection, probed alone against the three-launch one (warps
 # 4-32), GPU tests of the cluster kernels, then RetroInfer at batch 5 / 128K (256 timed steps, profiled) beside dense.
+# Ran at a4c4c9d, whose tree also held old_cluster_select.py (the three-launch kernel of 1bc70f8~1, which the
+# package holds again since the revert): check that commit out to re-run it.
 OUT=$1; C=$2
 mkdir -p $OUT
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > $OUT/clocks.txt
