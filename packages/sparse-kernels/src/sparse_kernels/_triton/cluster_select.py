@@ -4,8 +4,9 @@ Every column gets a rank value (``sparse_kernels.cluster_select.rank_values``, t
 ``2 ** 23`` whose order is the rank's (the non-negative score's float32 bits without their 7 lowest, less the
 group's offset, plus one; 0 for an empty column). Two rounds find, per row and per target (``k1``, ``k2``), the
 target-th largest value, 12 + 11 bits at a time (the float bits took 11 + 10 + 10, a launch more): each program
-adds the digits of its chunk's values that match the digits found so far into the row's histogram (atomics),
-and the last program of the row to finish (a counter per row) picks the digit. A last pass writes every column
+adds the digits of its chunk's values that match the digits found so far into the row's histogram (atomics;
+in the first round, where both targets match every value, into one histogram both read), and the last program of
+the row to finish (a counter per row) picks the digit. A last pass writes every column
 at its place (a target's members: above its threshold, then the tied ones in column order; a program takes the
 counts of the chunks before its own from their programs, by a decoupled look-back: each publishes its chunk's
 counts and waits for its predecessors'): the retrieved as sort keys, the others as columns; the row's last
@@ -48,11 +49,11 @@ def _last_of_row(count_ptr, row, chunks):
 
 
 @triton.jit
-def _reduce(hist_ptr, prefix_ptr, above_ptr, row, t, k, shift, BINS: tl.constexpr):
+def _reduce(hist_ptr, prefix_ptr, above_ptr, row, t, src, k, shift, BINS: tl.constexpr):
     """Target ``t``'s round: the digit of its ``k``-th largest value among the matching ones (``above`` of its
-    values lie above their range); the prefix and ``above`` move to the digit's bin."""
+    values lie above their range), counted in histogram ``src``; the prefix and ``above`` move to the digit's bin."""
     d = tl.arange(0, BINS)
-    hist = tl.load(hist_ptr + (row * 2 + t) * BINS + d, cache_modifier=".cg")
+    hist = tl.load(hist_ptr + (row * 2 + src) * BINS + d, cache_modifier=".cg")
     above = tl.load(above_ptr + row * 2 + t)
     at_least = tl.sum(hist, axis=0) - (tl.cumsum(hist, axis=0) - hist)  # values with digit >= d
     digit = tl.sum((above + at_least >= k).to(tl.int32), axis=0) - 1
@@ -116,11 +117,12 @@ def _select_round_kernel(
     m2 = cm & ((v >> high) == (tl.load(prefix_ptr + row * 2 + 1) >> high))
     digit = ((v >> shift) & (BINS - 1)).to(tl.int32)
     tl.atomic_add(hist_ptr + (row * 2) * BINS + digit, 1, mask=m1, sem="relaxed")
-    tl.atomic_add(hist_ptr + (row * 2 + 1) * BINS + digit, 1, mask=m2, sem="relaxed")
+    if not FIRST:  # the first round's prefixes are both 0: one histogram serves both targets
+        tl.atomic_add(hist_ptr + (row * 2 + 1) * BINS + digit, 1, mask=m2, sem="relaxed")
     if _last_of_row(count_ptr, row, chunks):
         k1, k2 = _counts(ret_ptr, est_ptr, row, heads, columns, read_width, est_width)
-        _reduce(hist_ptr, prefix_ptr, above_ptr, row, 0, k1, shift, BINS)
-        _reduce(hist_ptr, prefix_ptr, above_ptr, row, 1, k2, shift, BINS)
+        _reduce(hist_ptr, prefix_ptr, above_ptr, row, 0, 0, k1, shift, BINS)
+        _reduce(hist_ptr, prefix_ptr, above_ptr, row, 1, 0 if FIRST else 1, k2, shift, BINS)
     pdl_exit(USE_GDC)
 
 
