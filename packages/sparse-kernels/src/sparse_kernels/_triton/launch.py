@@ -91,6 +91,29 @@ def _interpreting() -> Iterator[None]:
                 scope.restore()
 
 
+def _squeeze_scalar_index() -> None:
+    """Triton 3.6's interpreter (the GPU box's) turns a scalar tensor into a Python int by ``int(data)``, and its
+    scalars are 1-element arrays, which NumPy 2.4 refuses to convert: an interpreted kernel that loops over
+    ``range`` of a runtime argument then fails ("only 0-dimensional arrays can be converted"). Triton 3.9
+    squeezes the array first; this makes every version do so, by re-patching ``__index__`` after Triton's own
+    patch of the language's tensor (its scope restores both, last first)."""
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.squeezes_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+_squeeze_scalar_index()
+
+
 def _library_fn() -> Callable[..., Any]:
     """A plain function from Triton's library module, whose globals hold ``triton.language.core``."""
     fn = tl.standard.max
