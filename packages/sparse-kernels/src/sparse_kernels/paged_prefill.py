@@ -41,7 +41,7 @@ class BatchPrefillWithPagedKVCache(PagedAttentionWrapper):
     ``cascade=False``: every request in the paged kernel's launch, none split (``prefix_attention``). The
     split runs a fused call or two per request, each with its own host cost (~0.28 ms on the H200): worth it
     for a few long requests, not for a plan of many narrow rows, such as a head-major store's (request, KV
-    head) lanes (KVzip's 32K prefill made 11,520 of those calls).
+    head) lanes (a 32K prefill over such a store with replay passes made 11,520 of those calls).
     """
 
     def __init__(self, device: torch.device | str = "cpu", *, cascade: bool = True, **kwargs):
