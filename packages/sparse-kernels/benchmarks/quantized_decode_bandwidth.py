@@ -115,8 +115,9 @@ def variants(scheme: str, bits: int) -> list[dict]:
     if scheme == "bf16":
         return []
     if scheme == "kivi":
-        configs = [dict(PAIRS=True), dict(PAIRS=True, num_stages=2), dict(SWAP_AB=False, num_stages=2)]
-        configs += [dict(num_warps=2), dict(UNPACK_WORDS=False), dict(num_stages=1)]
+        configs = [dict(GROUPED=False), dict(maxnreg=168), dict(maxnreg=128), dict(num_stages=2)]
+        configs += [dict(maxnreg=128, per_sm=16), dict(maxnreg=96), dict(GROUPED=False, maxnreg=168)]
+        configs += [dict(maxnreg=168, num_stages=2), dict(PAIRS=False), dict(SWAP_AB=False, num_stages=2)]
     else:
         configs = [dict(SWAP_AB=True), dict(num_stages=2), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2)]
         configs += [dict(BLOCK_N=128, num_warps=4)]
@@ -128,7 +129,7 @@ def variants(scheme: str, bits: int) -> list[dict]:
 
 def apply(cfg: dict, scheme: str) -> None:
     target = qlaunch.KIVI_DECODE_CONFIG if scheme == "kivi" else qlaunch.QUANT_DECODE_CONFIG
-    for key in ("BLOCK_N", "num_warps", "num_stages", "SWAP_AB", "PAIRS"):
+    for key in ("BLOCK_N", "num_warps", "num_stages", "SWAP_AB", "PAIRS", "GROUPED", "maxnreg"):
         if key in cfg:
             target[key] = cfg[key]
     if "UNPACK_WORDS" in cfg:

@@ -56,13 +56,17 @@ CODES = {"fp8": "*fp8e4nv", "kivi": "*i32", "turboquant": "*i32"}
 SCALES = {"fp8": "*fp32", "kivi": "*fp16", "turboquant": "*fp32"}
 
 
-def compile_sass(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> tuple[str, str]:
+def compile_sass(
+    fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int, maxnreg: int | None = None
+) -> tuple[str, str]:
     """``(sass, resource usage)`` of ``fn`` compiled for sm_90 with 16-byte aligned pointers."""
     names = list(signature)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if signature[n].startswith("*")}
     source = triton.compiler.ASTSource(fn=triton.jit(fn), signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(
-        source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages)
+        source,
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {})),
     )
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
@@ -102,6 +106,7 @@ def quantized_decode_case(
         LOGITS=False, BLOCK_G=block_g, BLOCK_D=128, BLOCK_N=32 if scheme == "kivi" else config["BLOCK_N"],
         UNPACK_WORDS=scheme != "fp8" and cpw & (cpw - 1) == 0 and words * cpw == 128,
         DOT_DTYPE=tl.float16, PRECISION="tf32", USE_GDC=True, SWAP_AB=swap, PAIRS=pairs,
+        GROUPED=bool(config.get("GROUPED", False)),
     )  # fmt: skip
     types = dict(ARGS, k_ptr=CODES[scheme], v_ptr=CODES[scheme], k_scale_ptr=SCALES[scheme])
     types.update(v_scale_ptr=SCALES[scheme], k_min_ptr=SCALES[scheme], v_min_ptr=SCALES[scheme])
@@ -114,6 +119,7 @@ def main() -> None:
     parser.add_argument("--schemes", default="kivi4,kivi2,fp8,tq3", help="kivi4, kivi2, fp8, tq4, tq3, tq2")
     parser.add_argument("--warps", type=int, default=None, help="instead of the scheme's launch config")
     parser.add_argument("--stages", type=int, default=None)
+    parser.add_argument("--maxnreg", type=int, default=None, help="registers a thread may use (else the config's)")
     parser.add_argument("--block-g", type=int, default=None, help="query rows a program holds (default: as launched)")
     parser.add_argument("--swap-ab", action="store_true", help="transposed dots (SWAP_AB), the group unpadded")
     parser.add_argument("--pairs", action="store_true", help="KIVI codes two per word half-pair in PTX (PAIRS)")
@@ -129,13 +135,14 @@ def main() -> None:
         block_g = args.block_g or (4 if swap else 16)
         pairs = args.pairs or bool(config.get("PAIRS"))
         signature, const = quantized_decode_case(scheme, bits, config, block_g, swap, pairs)
-        sass, res = compile_sass(_quantized_decode_split_kernel, signature, const, warps, stages)
+        maxnreg = args.maxnreg or config.get("maxnreg")
+        sass, res = compile_sass(_quantized_decode_split_kernel, signature, const, warps, stages, maxnreg)
         usage = re.search(r"REG:(\d+).*?STACK:(\d+)", res, re.S)
         print(f"{case}: {warps} warps, {stages} stages, {const['BLOCK_N']} tokens a step, {block_g} query rows"
               f"{' (swapped dots)' if swap else ''}; registers "
               f"{usage[1] if usage else '?'}, stack {usage[2] if usage else '?'} bytes")  # fmt: skip
         for start, end, body in loops(sass):
-            top = collections.Counter(opcode(t) for t in body).most_common(12)
+            top = collections.Counter(opcode(t) for t in body).most_common(int(os.environ.get("SASS_TOP", "12")))
             print(f"  loop {start:#x}-{end:#x}: {len(body)} instructions; " + ", ".join(f"{k} {v}" for k, v in top))
 
 

@@ -139,9 +139,13 @@ def test_launch_settings_follow_the_switches(monkeypatch):
     monkeypatch.setitem(quantized.KIVI_DECODE_CONFIG, "SWAP_AB", True)
     monkeypatch.setitem(quantized.QUANT_DECODE_CONFIG, "SWAP_AB", False)
     monkeypatch.setitem(quantized.KIVI_DECODE_CONFIG, "PAIRS", True)
+    monkeypatch.setitem(quantized.KIVI_DECODE_CONFIG, "GROUPED", False)
+    monkeypatch.setitem(quantized.KIVI_DECODE_CONFIG, "maxnreg", 168)
     assert launch_settings() == {
         "pdl": False,
         "small_m_linear_max_rows": 4,
         "quantized_swap_ab": [False, True],
         "kivi_pairs": True,
+        "kivi_grouped": False,
+        "kivi_maxnreg": 168,
     }

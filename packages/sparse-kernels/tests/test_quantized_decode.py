@@ -100,6 +100,27 @@ def test_kivi_bf16_tail_d128_group4(quantized_batch, triton_device, swap_ab, bit
     torch.testing.assert_close(out.cpu(), _expected(batch, q).to(torch.bfloat16), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_kivi_grouped_values_equal_the_ungrouped(quantized_batch, triton_device, monkeypatch, bits):
+    """The values by channel group (``GROUPED``: scales folded into the probabilities, the minima's term apart) and
+    dequantized tile by tile give the same attention: 32-token pages, groups of 32 channels (16 rows a half)."""
+    from sparse_kernels._triton import quantized_decode_launch
+
+    batch = quantized_batch(
+        [97, 64, 33], scheme="kivi", bits=bits, block_size=32, num_kv_heads=NUM_KV_HEADS, head_dim=64, seed=7
+    )
+    q = torch.randn(3, 4 * NUM_KV_HEADS, 64, generator=torch.Generator().manual_seed(8)).to(triton_device)
+    monkeypatch.setitem(quantized_decode_launch.KIVI_DECODE_CONFIG, "SWAP_AB", True)
+    outs = []
+    for grouped in (True, False):
+        monkeypatch.setitem(quantized_decode_launch.KIVI_DECODE_CONFIG, "GROUPED", grouped)
+        wrapper = BatchDecodeWithPagedKVCache(triton_device, backend="triton", num_splits=2)
+        _plan(wrapper, batch, 4)
+        outs.append(wrapper.run_quantized(q, batch.kv_on(triton_device)).cpu())
+    torch.testing.assert_close(outs[0], outs[1], **TOL[torch.device(triton_device).type])
+    torch.testing.assert_close(outs[0], _expected(batch, q), **TOL[torch.device(triton_device).type])
+
+
 HEAD_SPARSE_CASES = [("fp8", 8, False), ("fp8", 8, True), ("turboquant", 3, False), ("turboquant", 3, True)]
 HEAD_SPARSE_CASES += [("kivi", 2, False), ("kivi", 4, False)]  # KIVI: whole pages only
 

@@ -10,7 +10,9 @@ def launch_settings() -> dict:
     (``sparse_kernels._triton.launch.PDL``); ``small_m_linear_max_rows``: the most rows the small-M
     linear kernel takes (``sparse_kernels.linear.SMALL_M_MAX``); ``quantized_swap_ab``: the quantized decode's
     transposed dots, per-token schemes / KIVI (``SWAP_AB`` in ``quantized_decode_launch``'s configs);
-    ``kivi_pairs``: KIVI's codes unpacked two per word in inline PTX (``PAIRS``)."""
+    ``kivi_pairs``: KIVI's codes unpacked two per word in inline PTX (``PAIRS``); ``kivi_grouped``: KIVI's values
+    one dot per channel group, the scales folded into the probabilities (``GROUPED``); ``kivi_maxnreg``: the
+    register cap of KIVI's decode (0: none)."""
     from sparse_kernels._triton import launch
     from sparse_kernels._triton import quantized_decode_launch as quantized
 
@@ -21,4 +23,6 @@ def launch_settings() -> dict:
         "small_m_linear_max_rows": linear_module.SMALL_M_MAX,
         "quantized_swap_ab": swap,
         "kivi_pairs": bool(quantized.KIVI_DECODE_CONFIG.get("PAIRS")),
+        "kivi_grouped": bool(quantized.KIVI_DECODE_CONFIG.get("GROUPED")),
+        "kivi_maxnreg": int(quantized.KIVI_DECODE_CONFIG.get("maxnreg") or 0),
     }

@@ -11,6 +11,9 @@ tokens at or past ``(kv_len // S) * S`` are read from its request's full-precisi
 TurboQuant runs in the rotated space: the host rotates the query before and the output after (its logits,
 ``q R . k R``, are ``q . k``). ``LOGITS`` (fp8 / TurboQuant, dense lists): raw logits out, as in ``decode.py``.
 
+``GROUPED`` (KIVI, transposed): a page's values enter one dot per channel group as exact codes, the group's
+per-token scales folded into that dot's probabilities and the minima's term kept apart (``kivi_group_values``).
+
 ``SWAP_AB``: the dots run transposed, ``S^T = K @ Q^T`` and ``O^T += V^T @ P^T``, so a step's 32 tokens are the
 MMA's rows and the query group (4) its columns, which need no padding to 16 rows (Triton pads small columns
 itself); ``BLOCK_G`` is then the group's power of two. The key tile comes from the value tile's loader and the
@@ -25,6 +28,8 @@ import triton.language as tl
 from sparse_kernels._triton.decode import store_logits, store_partial
 from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
 from sparse_kernels._triton.quantized_tiles import (
+    group_rows,
+    kivi_group_values,
     kivi_key_page,
     kivi_key_slices,
     kivi_value_pairs,
@@ -47,22 +52,35 @@ def kivi_swapped(
     BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, NUM_GROUPS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, UNPACK_WORDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    PAIRS: tl.constexpr,
+    PAIRS: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
     """One split of a KIVI list with transposed dots: the group's queries as columns ``[BLOCK_D, BLOCK_G]``,
     scores ``[BLOCK_N, BLOCK_G]`` (the softmax runs along axis 0), the output accumulated as ``[BLOCK_D, BLOCK_G]``
     and stored transposed into the split's partial rows. ``PAIRS`` (float16 dots, whole words): codes through
     ``half_pairs``, keys over half-words, the values in two half tiles whose rows are ``pair_rows`` and ``pair_rows +
-    CPW / 2``, each into its own accumulator ``[BLOCK_D / 2, BLOCK_G]`` (``kivi_value_pairs``)."""
+    CPW / 2``, each into its own accumulator ``[BLOCK_D / 2, BLOCK_G]`` (``kivi_value_pairs``). ``GROUPED`` (whole
+    words, a channel group of at least 16 rows a half): the values by channel group, their scales folded into the
+    probabilities (``kivi_group_values``), into accumulators ``[NUM_GROUPS, rows, BLOCK_G]`` plus the minima's term
+    ``[NUM_GROUPS, BLOCK_G]``; with ``PAIRS`` its codes come through PTX too, else from plain integer ops."""
     pairs: tl.constexpr = PAIRS and DOT_DTYPE == tl.float16 and UNPACK_WORDS and 2 * WORDS >= 16
     slices: tl.constexpr = pairs or (UNPACK_WORDS and WORDS >= 16)  # keys in a dot per bit position
+    GROUP_SIZE: tl.constexpr = HEAD_DIM // NUM_GROUPS
+    WPG: tl.constexpr = GROUP_SIZE // CPW
+    grouped: tl.constexpr = GROUPED and UNPACK_WORDS and WPG * CPW == GROUP_SIZE and (CPW // 2) * WPG >= 16
     both_q = mask_d[:, None] & mask_g[None, :]
     if not slices:
         q_t = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None], mask=both_q, other=0.0)
         q_t = q_t.to(tl.float32) * scale_log2  # [BLOCK_D, BLOCK_G]
     m_i = tl.full(offs_g.shape, float("-inf"), tl.float32)
     l_i = tl.zeros(offs_g.shape, tl.float32)
-    if pairs:
+    if grouped:
+        ROWS: tl.constexpr = (CPW // 2) * WPG
+        gchan = tl.reshape(group_rows(NUM_GROUPS, CPW, WPG), [NUM_GROUPS, ROWS])
+        acc_lo = tl.zeros([NUM_GROUPS, ROWS, BLOCK_G], tl.float32)
+        acc_hi = tl.zeros([NUM_GROUPS, ROWS, BLOCK_G], tl.float32)
+        z_acc = tl.zeros([NUM_GROUPS, BLOCK_G], tl.float32)
+        offs_pair = tl.arange(0, BLOCK_N // 2)
+    elif pairs:
         half = pair_rows(CPW, WORDS)  # [BLOCK_D / 2]
         mask_h = half < HEAD_DIM
         acc_lo = tl.zeros([BLOCK_D // 2, BLOCK_G], tl.float32)
@@ -86,7 +104,13 @@ def kivi_swapped(
                 BITS, CPW, WORDS, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE, PRECISION, True,
             )  # fmt: skip
         p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
-        if pairs:
+        if grouped:
+            rows_even = (block * PAGE_SIZE + 2 * offs_pair) * NUM_KV_HEADS + h
+            acc_lo, acc_hi, z_acc = kivi_group_values(
+                acc_lo, acc_hi, z_acc, alpha, p, v_ptr, v_scale_ptr, v_min_ptr, rows_even, rows_even + NUM_KV_HEADS,
+                rows, BITS, CPW, WORDS, NUM_GROUPS, GROUP_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, pairs,
+            )  # fmt: skip
+        elif pairs:
             v_lo, v_hi = kivi_value_pairs(v_ptr, v_scale_ptr, v_min_ptr, rows, BITS, CPW, WORDS, NUM_GROUPS, PAGE_SIZE,
                                           BLOCK_N)  # fmt: skip
             p = p.to(DOT_DTYPE)
@@ -108,8 +132,18 @@ def kivi_swapped(
         k = tl.load(k_tail_ptr + rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         s = tl.dot(k.to(DOT_DTYPE), q_t.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_N, BLOCK_G]
         p, alpha, l_i, m_i = online_softmax(tl.where(mask_n[:, None], s, float("-inf")), m_i, l_i, 0)
+        if grouped:
+            z_acc = z_acc * alpha[None, :]
+            p_g = tl.broadcast_to(p.to(DOT_DTYPE)[None, :, :], [NUM_GROUPS, BLOCK_N, BLOCK_G])
+            tail_v = v_tail_ptr + rows[None, None, :] + gchan[:, :, None]
+            v_lo = tl.load(tail_v, mask=mask_n[None, None, :], other=0.0).to(DOT_DTYPE)
+            v_hi = tl.load(tail_v + CPW // 2, mask=mask_n[None, None, :], other=0.0).to(DOT_DTYPE)
+            acc_lo = acc_lo * alpha[None, None, :] + tl.dot(v_lo, p_g, input_precision=PRECISION)
+            acc_hi = acc_hi * alpha[None, None, :] + tl.dot(v_hi, p_g, input_precision=PRECISION)
         p = p.to(DOT_DTYPE)
-        if pairs:
+        if grouped:
+            pass
+        elif pairs:
             both_v = mask_n[None, :] & mask_h[:, None]
             v_lo = tl.load(v_tail_ptr + rows[None, :] + half[:, None], mask=both_v, other=0.0)
             v_hi = tl.load(v_tail_ptr + rows[None, :] + (half + CPW // 2)[:, None], mask=both_v, other=0.0)
@@ -118,7 +152,16 @@ def kivi_swapped(
         else:
             v = tl.load(v_tail_ptr + rows[None, :] + chan[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
             acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p, input_precision=PRECISION)
-    if pairs:
+    if grouped:
+        flat = tl.reshape(gchan, [NUM_GROUPS * ROWS])
+        mask_f = flat < HEAD_DIM
+        out_lo = tl.reshape(acc_lo + z_acc[:, None, :], [NUM_GROUPS * ROWS, BLOCK_G])
+        out_hi = tl.reshape(acc_hi + z_acc[:, None, :], [NUM_GROUPS * ROWS, BLOCK_G])
+        store_partial(o_part_ptr, lse_part_ptr, out_lo, m_i, l_i, b, split, num_splits, heads, flat, mask_g, mask_f,
+                      NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
+        store_partial(o_part_ptr, lse_part_ptr, out_hi, m_i, l_i, b, split, num_splits, heads, flat + CPW // 2,
+                      mask_g, mask_f, NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
+    elif pairs:
         store_partial(o_part_ptr, lse_part_ptr, acc_lo, m_i, l_i, b, split, num_splits, heads, half, mask_g, mask_h,
                       NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
         store_partial(o_part_ptr, lse_part_ptr, acc_hi, m_i, l_i, b, split, num_splits, heads, half + CPW // 2,
@@ -215,6 +258,7 @@ def _quantized_decode_split_kernel(
     USE_GDC: tl.constexpr,
     SWAP_AB: tl.constexpr = False,
     PAIRS: tl.constexpr = False,
+    GROUPED: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -250,7 +294,7 @@ def _quantized_decode_split_kernel(
                 v_tail_ptr, indices_ptr, tail_index_ptr, o_part_ptr, lse_part_ptr, b, h, split, page_lo, lo, hi,
                 kv_len, stride_qh, scale_log2, num_splits, offs_g, offs_d, mask_g, mask_d, heads,
                 BITS, CPW, WORDS, NUM_GROUPS, NUM_KV_HEADS, GROUP, HEAD_DIM, PAGE_SIZE, BLOCK_G, BLOCK_D, BLOCK_N,
-                UNPACK_WORDS, DOT_DTYPE, PRECISION, PAIRS,
+                UNPACK_WORDS, DOT_DTYPE, PRECISION, PAIRS, GROUPED,
             )  # fmt: skip
         else:
             q = tl.load(

@@ -43,7 +43,25 @@ QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_W
 # one layer) KIVI-4 2156 -> 2007 us, KIVI-2 2392 -> 1782, and KIVI-4 at its largest engine batch (18) 100.1 -> 96.2
 # ms a step. On by default; ``SPARSE_KERNELS_KIVI_PAIRS=0`` turns it off.
 _PAIRS = os.environ.get("SPARSE_KERNELS_KIVI_PAIRS", "1").strip() != "0"
-KIVI_DECODE_CONFIG = {"num_warps": 1, "num_stages": 3 if _SWAP_AB[1] else 2, "SWAP_AB": _SWAP_AB[1], "PAIRS": _PAIRS}
+# GROUPED (KIVI with SWAP_AB, a value group of CPW / 2 * words >= 16 rows): the values' codes enter one dot per channel
+# group, exact integers, each group against its own probabilities p * scale (the minima's term from one more small
+# dot), a token pair's codes of one channel in one register (the MMA's reduction pair: no tile through shared memory);
+# the keys' minima term from one dot a page, and every code by one LOP3 and an exact HFMA2 (``shifted_pairs``). sm_90
+# SASS under Triton 3.6 (the GPU box's) per 32-token step: KIVI-4 1366 -> 882, KIVI-2 1338 -> 857 (STS 144 -> 24).
+# H200, batch 16 x 128K, one layer (session 30, kivi_c1): KIVI-4 1997 -> 1299 us (31.7 -> 48.6% of copy BW), KIVI-2
+# 1776 -> 1420; batch 5: 749 -> 502, 645 -> 548. A cap of 168 registers (``maxnreg``, Triton's launch option; the
+# one-warp program otherwise takes 255, 8 resident a SM): KIVI-2 1420 -> 1298 us, KIVI-4 1299 -> 1289 (128: slower,
+# spills). ``SPARSE_KERNELS_KIVI_GROUPED=0`` / ``SPARSE_KERNELS_KIVI_MAXNREG=0`` turn them off.
+_GROUPED = os.environ.get("SPARSE_KERNELS_KIVI_GROUPED", "1").strip() != "0"
+_MAXNREG = int(os.environ.get("SPARSE_KERNELS_KIVI_MAXNREG", "168").strip() or 0)
+KIVI_DECODE_CONFIG = {
+    "num_warps": 1,
+    "num_stages": 3 if _SWAP_AB[1] else 2,
+    "SWAP_AB": _SWAP_AB[1],
+    "PAIRS": _PAIRS,
+    "GROUPED": _GROUPED,
+    "maxnreg": _MAXNREG,
+}
 
 
 def decode_config(kv: QuantizedKV) -> dict[str, Any]:
@@ -138,6 +156,8 @@ def run_quantized_decode_triton(
     kivi = kv.scheme == "kivi"
     config = decode_config(kv)
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    if config.get("maxnreg") and q.device.type == "cuda":  # a register cap (more resident programs, maybe spills)
+        launch["maxnreg"] = config["maxnreg"]
     num_splits = bufs.num_splits(layout.batch, layout.num_kv_heads, quantized=True, program_warps=config["num_warps"])
     scheme = scheme_args(kv)
     shape = {
@@ -171,6 +191,7 @@ def run_quantized_decode_triton(
         BLOCK_G=triton.next_power_of_2(layout.group) if swap else max(16, triton.next_power_of_2(layout.group)),
         SWAP_AB=swap,
         PAIRS=bool(config.get("PAIRS", False)),
+        GROUPED=bool(config.get("GROUPED", False)),
         **scheme,
         **shape,
         **quant_dot_args(q.device),

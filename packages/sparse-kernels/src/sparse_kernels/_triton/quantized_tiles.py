@@ -59,6 +59,38 @@ def half_pairs(words, BITS: tl.constexpr):
 
 
 @triton.jit
+def masked_pairs(x, mask, mul, add):
+    """``half_pairs``' inline PTX for codes anywhere in a half-word's low byte: one LOP3 keeps the ``mask``ed bits
+    and ORs them into the mantissa of 1024.0 (the half ``1024 + code * 2**k`` for codes at bit ``k``), one HFMA2
+    times ``mul`` (``2**-k``) plus ``add`` (``-1024 * 2**-k``) leaves each code, exactly. ``mask``, ``mul`` and ``add``
+    int32 tensors of ``x``'s shape, each the same 16-bit pattern in both halves. GPU only."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b32 t, c; mov.b32 c, 0x64006400; lop3.b32 t, $2, $3, c, 0xEA; fma.rn.f16x2 t, t, $4, $5;"
+        " mov.b32 {$0, $1}, t; }",
+        constraints="=h,=h,r,r,r,r",
+        args=[x, mask, mul, add],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def shifted_pairs(words, shift, BITS: tl.constexpr):
+    """``half_pairs(words >> shift)`` in fewer instructions: whole bytes of the shift by a SHF (none below 8), the
+    rest by the mask and the exact FMA of ``masked_pairs``. ``shift`` an int or an int32 tensor that broadcasts
+    against ``words``; ``shift % 8 + BITS <= 8``. GPU only."""
+    inner = shift % 8
+    x = words >> (shift - inner)
+    both = (1 << 16) + 1
+    mask = (((1 << BITS) - 1) << inner) * both
+    mul = ((0x3C00 - (inner << 10)) << 16) | (0x3C00 - (inner << 10))
+    add = ((0xE400 - (inner << 10)) << 16) | (0xE400 - (inner << 10))
+    zero = tl.zeros(x.shape, tl.int32)
+    return masked_pairs(x, zero + mask, zero + mul, zero + add)
+
+
+@triton.jit
 def key_codes(
     ptr,
     rows,
@@ -294,6 +326,89 @@ def kivi_value_pairs(
 
 
 @triton.jit
+def token_pair_words(even, odd):
+    """Two tokens' packed words ``even`` and ``odd`` regrouped by half-word in inline PTX (two PRMTs): ``low`` holds
+    the even token's bits 0-15 and the odd token's as its bits 16-31, ``high`` their bits 16-31 likewise, so that
+    ``half_pairs`` of ``low >> s`` gives one channel's code for both tokens, side by side in one register as an MMA's
+    reduction pair. GPU only."""
+    return tl.inline_asm_elementwise(
+        asm="prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;",
+        constraints="=r,=r,r,r",
+        args=[even, odd],
+        dtype=(tl.int32, tl.int32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def group_codes(words, shift, BITS: tl.constexpr, PTX: tl.constexpr):
+    """Codes at ``shift`` of two tokens' regrouped words (``token_pair_words``) as ``(even, odd)`` float16 tensors;
+    without ``PTX`` (the interpreter) the same values from plain integer ops, as float32."""
+    if PTX:
+        even, odd = shifted_pairs(words, shift, BITS)
+    else:
+        x = words >> shift
+        even = code_float(x & ((1 << BITS) - 1))
+        odd = code_float((x >> 16) & ((1 << BITS) - 1))
+    return even, odd
+
+
+@triton.jit
+def kivi_group_values(
+    acc_lo, acc_hi, z_acc, alpha, p, v_ptr, v_scale_ptr, v_min_ptr, rows_even, rows_odd, rows,
+    BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, NUM_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """One full KIVI page's values into grouped accumulators, the scales folded into the probabilities.
+
+    ``v = code * scale + min`` per (token, channel group), so ``sum_t p_t v_t = sum_t (p_t * scale_tg) code_t +
+    sum_t p_t min_tg``: the codes enter the dots as exact small integers, one dot per channel group ``g`` (batched)
+    against its own probabilities ``p * scale[:, g]``, and the minima's term accumulates in ``z_acc [NUM_GROUPS,
+    G]``. A token pair's codes of one channel share a register (``token_pair_words``), the MMA's reduction pair, so
+    the tile needs no shuffle. ``acc_lo`` / ``acc_hi`` ``[NUM_GROUPS, CPW / 2 * WPG, G]``: row ``j * WPG + v`` of
+    group ``g`` is channel ``(g * WPG + v) * CPW + j`` (``acc_hi``: ``+ CPW / 2``), ``WPG = GROUP_SIZE / CPW`` words
+    a group. ``rows_even`` / ``rows_odd`` ``[BLOCK_N / 2]`` the pairs' code rows, ``rows`` ``[BLOCK_N]`` all of them
+    in order; ``p`` ``[BLOCK_N, G]`` the page's probabilities."""
+    WPG: tl.constexpr = GROUP_SIZE // CPW
+    HALF: tl.constexpr = CPW // 2
+    ROWS: tl.constexpr = HALF * WPG
+    offs_g = tl.arange(0, NUM_GROUPS)
+    word = offs_g[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [NG, WPG]
+    even = tl.load(v_ptr + (rows_even * WORDS)[:, None, None] + word[None, :, :])  # [P, NG, WPG]
+    odd = tl.load(v_ptr + (rows_odd * WORDS)[:, None, None] + word[None, :, :])
+    if PTX:
+        low, high = token_pair_words(even, odd)
+    else:
+        low = (even & 0xFFFF) | (odd << 16)
+        high = ((even >> 16) & 0xFFFF) | (odd & -65536)
+    shifts = (tl.arange(0, HALF) * BITS)[:, None, None, None]
+    stat = rows[None, :] * NUM_GROUPS + offs_g[:, None]  # [NG, BLOCK_N]
+    scale = tl.load(v_scale_ptr + stat).to(tl.float32)
+    zero = tl.load(v_min_ptr + stat)
+    p_dot = p.to(DOT_DTYPE)
+    z_acc = z_acc * alpha[None, :] + tl.dot(zero.to(DOT_DTYPE), p_dot, input_precision=PRECISION)
+    p_g = (scale[:, :, None] * p[None, :, :]).to(DOT_DTYPE)  # [NG, BLOCK_N, G]
+    e, o = group_codes(low[None], shifts, BITS, PTX)  # [HALF, P, NG, WPG]
+    v = tl.reshape(tl.permute(tl.join(e, o), (2, 0, 3, 1, 4)), [NUM_GROUPS, ROWS, BLOCK_N])
+    acc_lo = acc_lo * alpha[None, None, :] + tl.dot(v.to(DOT_DTYPE), p_g, input_precision=PRECISION)
+    e, o = group_codes(high[None], shifts, BITS, PTX)
+    v = tl.reshape(tl.permute(tl.join(e, o), (2, 0, 3, 1, 4)), [NUM_GROUPS, ROWS, BLOCK_N])
+    acc_hi = acc_hi * alpha[None, None, :] + tl.dot(v.to(DOT_DTYPE), p_g, input_precision=PRECISION)
+    return acc_lo, acc_hi, z_acc
+
+
+@triton.jit
+def group_rows(NUM_GROUPS: tl.constexpr, CPW: tl.constexpr, WPG: tl.constexpr):
+    """The channel of each row of ``kivi_group_values``' ``acc_lo`` flattened to ``[NUM_GROUPS * CPW / 2 * WPG]``
+    (``acc_hi``'s are ``CPW / 2`` more)."""
+    r = tl.arange(0, NUM_GROUPS * (CPW // 2) * WPG)
+    g = r // ((CPW // 2) * WPG)
+    within = r % ((CPW // 2) * WPG)
+    return (g * WPG + within % WPG) * CPW + within // WPG
+
+
+@triton.jit
 def pair_rows(CPW: tl.constexpr, WORDS: tl.constexpr):
     """The channels of the first of ``kivi_value_pairs``' tiles by row (the second's are ``CPW // 2`` more)."""
     r = tl.arange(0, CPW // 2 * WORDS)
@@ -351,10 +466,17 @@ def kivi_key_slices(
         # half-words 2w and 2w + 1, adjacent in the dot's reduction, as a float16 MMA operand holds them.
         offs_u = tl.arange(0, 2 * WORDS)
         for j in tl.static_range(CPW // 2):
-            low, high = half_pairs(words >> (j * BITS), BITS)
+            low, high = shifted_pairs(words, j * BITS, BITS)
             k = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * WORDS])
             s, q_zero = key_slice_dot(s, q_zero, k, j, q_row_ptr, heads, mask_g, stride_qh, scale_log2,
-                                      k_scale_ptr, k_min_ptr, base, offs_u, CPW // 2, DOT_DTYPE, PRECISION)  # fmt: skip
+                                      k_scale_ptr, k_min_ptr, base, offs_u, CPW // 2, DOT_DTYPE, PRECISION,
+                                      False)  # fmt: skip
+        # the minima's term over every channel at once (one reduction a page, not one a slice)
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_row_ptr + heads[None, :] * stride_qh + offs_d[:, None], mask=mask_g[None, :], other=0.0)
+        first = tl.arange(0, 16)[:, None] == 0  # the minima as row 0 of a 16-row tile, the MMA's least
+        zero = tl.load(k_min_ptr + base + offs_d[None, :] + 0 * first, mask=first, other=0.0)  # [16, HEAD_DIM]
+        q_zero = tl.sum(tl.dot(zero.to(DOT_DTYPE), q.to(DOT_DTYPE), input_precision=PRECISION), 0) * scale_log2
     else:
         for j in tl.static_range(CPW):
             codes = (words >> (j * BITS)) & ((1 << BITS) - 1)
@@ -370,16 +492,18 @@ def kivi_key_slices(
 @triton.jit
 def key_slice_dot(
     s, q_zero, k, j, q_row_ptr, heads, mask_g, stride_qh, scale_log2, k_scale_ptr, k_min_ptr, base, offs_w,
-    CPW: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    CPW: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, ZERO: tl.constexpr = True,
 ):  # fmt: skip
     """One bit position ``j`` of ``kivi_key_slices``: its codes ``k`` ``[BLOCK_N, len(offs_w)]`` against the queries'
-    rows of channels ``w * CPW + j`` (``w`` in ``offs_w``) scaled by the keys' statistics; ``(s, q_zero)`` updated."""
+    rows of channels ``w * CPW + j`` (``w`` in ``offs_w``) scaled by the keys' statistics; ``(s, q_zero)`` updated
+    (``q_zero`` only with ``ZERO``)."""
     chan = offs_w * CPW + j
     q = tl.load(q_row_ptr + heads[None, :] * stride_qh + chan[:, None], mask=mask_g[None, :], other=0.0)
     q = q.to(tl.float32) * scale_log2  # [WORDS, BLOCK_G]
     scale = tl.load(k_scale_ptr + base + chan).to(tl.float32)
-    zero = tl.load(k_min_ptr + base + chan).to(tl.float32)
-    q_zero += tl.sum(q * zero[:, None], 0)
+    if ZERO:
+        zero = tl.load(k_min_ptr + base + chan).to(tl.float32)
+        q_zero += tl.sum(q * zero[:, None], 0)
     s = tl.dot(k, (q * scale[:, None]).to(DOT_DTYPE), acc=s, input_precision=PRECISION)
     return s, q_zero
 

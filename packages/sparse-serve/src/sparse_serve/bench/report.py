@@ -71,6 +71,8 @@ def _kernels_note(env: dict) -> str:
     swap = kernels.get("quantized_swap_ab")
     swapped = f", quantized decode dots transposed (per-token / KIVI) {swap}" if swap and any(swap) else ""
     pairs = ", KIVI codes in PTX pairs" if kernels.get("kivi_pairs") else ""
+    pairs += ", KIVI values by channel group" if kernels.get("kivi_grouped") else ""
+    pairs += f", KIVI decode at most {kernels['kivi_maxnreg']} registers" if kernels.get("kivi_maxnreg") else ""
     return f"; kernels: PDL {pdl}, small-M linear up to {kernels.get('small_m_linear_max_rows')} rows{swapped}{pairs}"
 
 
