@@ -119,11 +119,12 @@ def variants(scheme: str, bits: int) -> list[dict]:
         configs += [dict(maxnreg=128, per_sm=16), dict(maxnreg=96), dict(GROUPED=False, maxnreg=168)]
         configs += [dict(maxnreg=168, num_stages=2), dict(PAIRS=False), dict(SWAP_AB=False, num_stages=2)]
     else:
-        configs = [dict(SWAP_AB=True), dict(num_stages=2), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2)]
+        configs = [dict(SWAP_AB=True), dict(SWAP_AB=True, maxnreg=168), dict(maxnreg=128), dict(num_stages=2)]
+        configs += [dict(BLOCK_N=16), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2)]
         configs += [dict(BLOCK_N=128, num_warps=4)]
         if bits in (2, 4):
             configs[1:1] = [dict(UNPACK_WORDS=False)]
-        configs += [dict(BLOCK_N=64, num_warps=1), dict(BLOCK_N=16)]
+        configs += [dict(BLOCK_N=64, num_warps=1)]
     return configs + [dict(per_sm=16), dict(per_sm=64)]  # resident warps per SM (default 32)
 
 
@@ -139,13 +140,16 @@ def apply(cfg: dict, scheme: str) -> None:
 
 
 def main() -> None:
+    global BLOCK
     parser = argparse.ArgumentParser()
     parser.add_argument("--budget", type=float, default=150.0, help="seconds for the whole run (sweep stops)")
     parser.add_argument("--jsonl", default=None)
     parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--schemes", default=None, help="e.g. bf16:16,kivi:4,kivi:2 (default: all)")
     parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny sizes: checks the script runs")
+    parser.add_argument("--block-size", type=int, default=BLOCK, help="tokens a page (the engine: 16; KIVI's 32)")
     args = parser.parse_args()
+    BLOCK = args.block_size
     if args.smoke:
         smoke()
     started = time.time()

@@ -36,6 +36,7 @@ from sparse_kernels._triton.quantized_tiles import (
     kivi_value_tile,
     online_softmax,
     pair_rows,
+    step_rows,
     token_key_tile,
     token_scores,
     token_value_tile,
@@ -191,8 +192,7 @@ def token_swapped(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
+        rows = step_rows(indices_ptr, page_lo, start, hi, offs_n, mask_n, h, PAGE_SIZE, NUM_KV_HEADS, BLOCK_N)
         k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
         k = token_value_tile(  # [BLOCK_N, BLOCK_D]
             k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d, SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N,
@@ -341,8 +341,8 @@ def _quantized_decode_split_kernel(
                     offs_n = start + tl.arange(0, BLOCK_N)
                     mask_n = offs_n < hi
                     rows, s = token_scores(
-                        q_dot, k_ptr, k_scale_ptr, codebook_ptr, indices_ptr, page_lo, offs_n, mask_n, h, offs_d,
-                        mask_d, scale_log2, SCHEME, BITS, CPW, WORDS, PAGE_SIZE, NUM_KV_HEADS, BLOCK_D, BLOCK_N,
+                        q_dot, k_ptr, k_scale_ptr, codebook_ptr, indices_ptr, page_lo, start, hi, offs_n, mask_n, h,
+                        offs_d, mask_d, scale_log2, SCHEME, BITS, CPW, WORDS, PAGE_SIZE, NUM_KV_HEADS, BLOCK_D, BLOCK_N,
                         UNPACK_WORDS, DOT_DTYPE, PRECISION,
                     )  # fmt: skip
                     if LOGITS:

@@ -35,8 +35,13 @@ LOG2_E = 1.4426950408889634
 # kernel 38.8 -> 31.8 ms a step, but fp8's 14.6 -> 16.8 ms (and 34.0 -> 34.7 at its largest batch, 11). So KIVI
 # transposes by default and the per-token schemes (fp8, TurboQuant) do not; ``SPARSE_KERNELS_SWAP_AB`` = 1 / 0 turns
 # both on / off for a whole process (so that the engine benchmark can A/B it; reports record it).
+# Session 30: with a step's page ids as scalars (``step_rows``) fp8's sm_90 SASS per 32-token step went 1231 -> 1053
+# instructions as written, 1044 -> 832 transposed; on an H200 (fp8_c3, block 16, one layer at 128K) 407.7 -> 399.1 us
+# at batch 5 and 934.6 -> 842.9 at 11 as written, 801.7 transposed; in the engine fp8's kernel at its largest batch (11)
+# 29.28 ms a step as written against 28.35 transposed (at 5: 14.03 against 14.48), so the per-token schemes transpose
+# by default too (its largest batch is what issue 14 measures).
 _SWAP_ENV = os.environ.get("SPARSE_KERNELS_SWAP_AB", "").strip()
-_SWAP_AB = {"1": (True, True), "0": (False, False)}.get(_SWAP_ENV, (False, True))  # (per-token, KIVI)
+_SWAP_AB = {"1": (True, True), "0": (False, False)}.get(_SWAP_ENV, (True, True))  # (per-token, KIVI)
 QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": _SWAP_AB[0]}
 # PAIRS (KIVI with SWAP_AB on the GPU): codes unpacked two per word half-pair in inline PTX (``half_pairs``). sm_90
 # SASS per 32-token step KIVI-4 1298 -> 1048, KIVI-2 1553 -> 1028; on an H200 (session 27, pairs_c6, batch 16 x 128K,

@@ -131,8 +131,8 @@ def _quantized_prefill_kernel(
             offs_n = start + offs_t
             mask_n = offs_n < hi
             rows, s = token_scores(
-                q_dot, k_ptr, k_scale_ptr, codebook_ptr, kv_indices_ptr, page_lo, offs_n, mask_n, h, offs_d, mask_d,
-                scale_log2, SCHEME, BITS, CPW, WORDS, BLOCK_SIZE, NUM_KV_HEADS, BLOCK_D, BLOCK_N, UNPACK_WORDS,
+                q_dot, k_ptr, k_scale_ptr, codebook_ptr, kv_indices_ptr, page_lo, start, hi, offs_n, mask_n, h, offs_d,
+                mask_d, scale_log2, SCHEME, BITS, CPW, WORDS, BLOCK_SIZE, NUM_KV_HEADS, BLOCK_D, BLOCK_N, UNPACK_WORDS,
                 DOT_DTYPE, PRECISION,
             )  # fmt: skip
             keep = mask_n[None, :]

@@ -199,17 +199,41 @@ def token_value_tile(
 
 
 @triton.jit
+def step_rows(
+    indices_ptr, page_lo, start, hi, offs_n, mask_n, h,
+    PAGE_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Rows (``slot * NUM_KV_HEADS + h``) of a step's tokens ``offs_n = start + arange(BLOCK_N)`` of a list (pages from
+    ``indices_ptr[page_lo]``, ``start`` a multiple of ``BLOCK_N``, tokens from ``hi`` on masked). A step inside one
+    page or over two takes their ids in one or two scalar loads, so a token's address is a page base plus its offset
+    (each token's own load of its page id cost ~200 instructions of a 32-token fp8 step, sm_90 SASS); longer steps
+    load a page id per token."""
+    t = offs_n - start
+    if BLOCK_N <= PAGE_SIZE and PAGE_SIZE % BLOCK_N == 0:
+        block = tl.load(indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
+        rows = (block * PAGE_SIZE + start % PAGE_SIZE + t) * NUM_KV_HEADS + h
+    elif BLOCK_N == 2 * PAGE_SIZE:
+        first = tl.load(indices_ptr + page_lo + start // PAGE_SIZE).to(tl.int64)
+        second = tl.load(indices_ptr + page_lo + start // PAGE_SIZE + 1, mask=start + PAGE_SIZE < hi, other=0)
+        rows = (tl.where(t < PAGE_SIZE, first, second.to(tl.int64)) * PAGE_SIZE + t % PAGE_SIZE) * NUM_KV_HEADS + h
+    else:
+        page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
+    return rows
+
+
+@triton.jit
 def token_scores(
-    q_dot, k_ptr, k_scale_ptr, codebook_ptr, indices_ptr, page_lo, offs_n, mask_n, h, offs_d, mask_d, scale_log2,
+    q_dot, k_ptr, k_scale_ptr, codebook_ptr, indices_ptr, page_lo, start, hi, offs_n, mask_n, h, offs_d, mask_d,
+    scale_log2,
     SCHEME: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, UNPACK_WORDS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """A per-token scheme's step over the list's tokens ``offs_n`` (pages from ``indices_ptr[page_lo]``): their rows
-    (``slot * NUM_KV_HEADS + h``) and the base-2 scores ``q_dot @ K`` ``[M, BLOCK_N]``, each token's key scale
+    """A per-token scheme's step over the list's tokens ``offs_n = start + arange(BLOCK_N)`` (``step_rows``): their
+    rows (``slot * NUM_KV_HEADS + h``) and the base-2 scores ``q_dot @ K`` ``[M, BLOCK_N]``, each token's key scale
     applied (fp8 / TurboQuant; the decode's and the prefill's loops)."""
-    page = tl.load(indices_ptr + page_lo + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-    rows = (page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE) * NUM_KV_HEADS + h
+    rows = step_rows(indices_ptr, page_lo, start, hi, offs_n, mask_n, h, PAGE_SIZE, NUM_KV_HEADS, BLOCK_N)
     k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
     k = token_key_tile(
         k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d,
