@@ -119,8 +119,8 @@ def variants(scheme: str, bits: int) -> list[dict]:
         configs += [dict(maxnreg=128, per_sm=16), dict(maxnreg=96), dict(GROUPED=False, maxnreg=168)]
         configs += [dict(maxnreg=168, num_stages=2), dict(PAIRS=False), dict(SWAP_AB=False, num_stages=2)]
     else:
-        configs = [dict(SWAP_AB=True), dict(SWAP_AB=True, maxnreg=168), dict(maxnreg=128), dict(num_stages=2)]
-        configs += [dict(BLOCK_N=16), dict(BLOCK_N=64), dict(BLOCK_N=64, num_warps=2)]
+        configs = [dict(BLOCK_N=16), dict(maxnreg=128), dict(num_stages=2), dict(num_stages=4), dict(per_sm=48)]
+        configs += [dict(SWAP_AB=False), dict(BLOCK_N=64, num_warps=2)]
         configs += [dict(BLOCK_N=128, num_warps=4)]
         if bits in (2, 4):
             configs[1:1] = [dict(UNPACK_WORDS=False)]

@@ -103,7 +103,8 @@ def quantized_decode_case(
     const = dict(
         SCHEME=SCHEME_IDS[scheme], BITS=bits, CPW=cpw, WORDS=words, NUM_GROUPS=4 if scheme == "kivi" else 1,
         NUM_KV_HEADS=8, GROUP=4, HEAD_DIM=128, PAGE_SIZE=32 if scheme == "kivi" else 16, HEAD_SPARSE=False,
-        LOGITS=False, BLOCK_G=block_g, BLOCK_D=128, BLOCK_N=32 if scheme == "kivi" else config["BLOCK_N"],
+        LOGITS=False, BLOCK_G=block_g, BLOCK_D=128,
+        BLOCK_N=32 if scheme == "kivi" else config["BLOCK_N"],
         UNPACK_WORDS=scheme != "fp8" and cpw & (cpw - 1) == 0 and words * cpw == 128,
         DOT_DTYPE=tl.float16, PRECISION="tf32", USE_GDC=True, SWAP_AB=swap, PAIRS=pairs,
         GROUPED=bool(config.get("GROUPED", False)),

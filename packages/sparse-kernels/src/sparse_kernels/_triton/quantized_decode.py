@@ -28,6 +28,8 @@ import triton.language as tl
 from sparse_kernels._triton.decode import store_logits, store_partial
 from sparse_kernels._triton.launch import Kernel, pdl_enter, pdl_exit
 from sparse_kernels._triton.quantized_tiles import (
+    fp8_pair_rows,
+    fp8_value_pairs,
     group_rows,
     kivi_group_values,
     kivi_key_page,
@@ -173,6 +175,46 @@ def kivi_swapped(
 
 
 @triton.jit
+def token_swapped_step(
+    acc, m_i, l_i, q_t, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, codebook_ptr, indices_ptr, logits_ptr, b, page_lo,
+    start, hi, h, stride_lb, stride_lh, scale_log2, offs_d, mask_g, mask_d, heads,
+    SCHEME: tl.constexpr, BITS: tl.constexpr, CPW: tl.constexpr, WORDS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, LOGITS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    UNPACK_WORDS: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    FP8_PAIRS: tl.constexpr,
+):  # fmt: skip
+    """``token_swapped``'s step over tokens ``start + arange(BLOCK_N)``: ``(acc, m_i, l_i)`` updated. Without
+    ``MASKED`` every token is the list's (a whole step), so no load, score or page id is masked."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        mask_n = offs_n < hi
+    else:
+        mask_n = tl.full([BLOCK_N], 1, tl.int1)
+    rows = step_rows(indices_ptr, page_lo, start, hi, offs_n, mask_n, h, PAGE_SIZE, NUM_KV_HEADS, BLOCK_N)
+    k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
+    k = token_value_tile(  # [BLOCK_N, BLOCK_D]
+        k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d, SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N,
+        UNPACK_WORDS, DOT_DTYPE,
+    )  # fmt: skip
+    s = tl.dot(k, q_t, input_precision=PRECISION) * k_scale[:, None]  # [BLOCK_N, BLOCK_G]
+    if LOGITS:
+        store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n, True)
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+    p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
+    v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
+    if FP8_PAIRS:  # rows in fp8_pair_rows' order
+        v = fp8_value_pairs(v_ptr, rows, mask_n, WORDS, BLOCK_N)
+    else:
+        v = token_key_tile(  # [BLOCK_D, BLOCK_N]
+            v_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d, SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N,
+            UNPACK_WORDS, DOT_DTYPE,
+        )  # fmt: skip
+    pv = (p * v_scale[:, None]).to(DOT_DTYPE)
+    return acc * alpha[None, :] + tl.dot(v, pv, input_precision=PRECISION), m_i, l_i
+
+
+@triton.jit
 def token_swapped(
     q_row_ptr, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, codebook_ptr, indices_ptr, o_part_ptr, lse_part_ptr,
     logits_ptr, b, split, page_lo, lo, hi, h, stride_qh, stride_lb, stride_lh, scale_log2, num_splits,
@@ -189,28 +231,27 @@ def token_swapped(
     m_i = tl.full(offs_g.shape, float("-inf"), tl.float32)
     l_i = tl.zeros(offs_g.shape, tl.float32)
     acc = tl.zeros(both_q.shape, tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        rows = step_rows(indices_ptr, page_lo, start, hi, offs_n, mask_n, h, PAGE_SIZE, NUM_KV_HEADS, BLOCK_N)
-        k_scale = tl.load(k_scale_ptr + rows, mask=mask_n, other=0.0) * scale_log2
-        k = token_value_tile(  # [BLOCK_N, BLOCK_D]
-            k_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d, SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N,
-            UNPACK_WORDS, DOT_DTYPE,
+    # fp8 on the GPU: the value tile from 32-bit words of token pairs (``fp8_value_pairs``), its rows permuted
+    fp8_pairs: tl.constexpr = SCHEME == 0 and DOT_DTYPE == tl.float16 and WORDS == BLOCK_D and WORDS % 16 == 0
+    full = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
+    for start in range(lo, full, BLOCK_N):  # whole steps: no token masks
+        acc, m_i, l_i = token_swapped_step(
+            acc, m_i, l_i, q_t, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, codebook_ptr, indices_ptr, logits_ptr, b,
+            page_lo, start, hi, h, stride_lb, stride_lh, scale_log2, offs_d, mask_g, mask_d, heads,
+            SCHEME, BITS, CPW, WORDS, NUM_KV_HEADS, PAGE_SIZE, LOGITS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+            PRECISION, False, fp8_pairs,
         )  # fmt: skip
-        s = tl.dot(k, q_t, input_precision=PRECISION) * k_scale[:, None]  # [BLOCK_N, BLOCK_G]
-        if LOGITS:
-            store_logits(logits_ptr, b, heads, offs_n, s, stride_lb, stride_lh, mask_g, mask_n, True)
-        s = tl.where(mask_n[:, None], s, float("-inf"))
-        p, alpha, l_i, m_i = online_softmax(s, m_i, l_i, 0)
-        v_scale = tl.load(v_scale_ptr + rows, mask=mask_n, other=0.0)
-        v = token_key_tile(  # [BLOCK_D, BLOCK_N]
-            v_ptr, codebook_ptr, rows, offs_d, mask_n, mask_d, SCHEME, BITS, CPW, WORDS, BLOCK_D, BLOCK_N,
-            UNPACK_WORDS, DOT_DTYPE,
+    if full < hi:  # the list's last, partial step
+        acc, m_i, l_i = token_swapped_step(
+            acc, m_i, l_i, q_t, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, codebook_ptr, indices_ptr, logits_ptr, b,
+            page_lo, full, hi, h, stride_lb, stride_lh, scale_log2, offs_d, mask_g, mask_d, heads,
+            SCHEME, BITS, CPW, WORDS, NUM_KV_HEADS, PAGE_SIZE, LOGITS, BLOCK_D, BLOCK_N, UNPACK_WORDS, DOT_DTYPE,
+            PRECISION, True, fp8_pairs,
         )  # fmt: skip
-        pv = (p * v_scale[:, None]).to(DOT_DTYPE)
-        acc = acc * alpha[None, :] + tl.dot(v, pv, input_precision=PRECISION)
-    store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, offs_d, mask_g, mask_d,
+    chan = offs_d
+    if fp8_pairs:
+        chan = fp8_pair_rows(BLOCK_D)
+    store_partial(o_part_ptr, lse_part_ptr, acc, m_i, l_i, b, split, num_splits, heads, chan, mask_g, mask_d,
                   NUM_KV_HEADS, GROUP, BLOCK_D, True)  # fmt: skip
 
 

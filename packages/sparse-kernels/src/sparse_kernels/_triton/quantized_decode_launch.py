@@ -42,6 +42,9 @@ LOG2_E = 1.4426950408889634
 # by default too (its largest batch is what issue 14 measures).
 _SWAP_ENV = os.environ.get("SPARSE_KERNELS_SWAP_AB", "").strip()
 _SWAP_AB = {"1": (True, True), "0": (False, False)}.get(_SWAP_ENV, (True, True))  # (per-token, KIVI)
+# Session 30: fp8 at 16 tokens a step (a page, one scalar page id) took 743.3 us against 768.3 in one probe sweep
+# (fp8_pairs_c5, 11 x 128K, block 16), 766.9 against 767.1 in the next, and in the engine 19.66 / 33.28 ms a step at 5 /
+# 11 against 17.61 / 32.34 (fp8_block16_c6): 32 kept.
 QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": _SWAP_AB[0]}
 # PAIRS (KIVI with SWAP_AB on the GPU): codes unpacked two per word half-pair in inline PTX (``half_pairs``). sm_90
 # SASS per 32-token step KIVI-4 1298 -> 1048, KIVI-2 1553 -> 1028; on an H200 (session 27, pairs_c6, batch 16 x 128K,

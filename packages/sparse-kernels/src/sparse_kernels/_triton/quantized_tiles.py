@@ -147,6 +147,54 @@ def value_codes(
 
 
 @triton.jit
+def fp8_pair_codes(even, odd):
+    """Two tokens' fp8 words (four channels each) as eight float16 tensors in inline PTX: two PRMTs interleave their
+    bytes by channel, four ``cvt.rn.f16x2.e4m3x2`` convert each channel's token pair into one register (the MMA's
+    reduction pair). Returns ``(even, odd)`` for channels 0, 1, 2, 3 of the word. GPU only (sm_89+)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b32 a, b, r0, r1, r2, r3; .reg .b16 a0, a1, b0, b1;"
+        " prmt.b32 a, $8, $9, 0x5140; prmt.b32 b, $8, $9, 0x7362; mov.b32 {a0, a1}, a; mov.b32 {b0, b1}, b;"
+        " cvt.rn.f16x2.e4m3x2 r0, a0; cvt.rn.f16x2.e4m3x2 r1, a1; cvt.rn.f16x2.e4m3x2 r2, b0;"
+        " cvt.rn.f16x2.e4m3x2 r3, b1; mov.b32 {$0, $1}, r0; mov.b32 {$2, $3}, r1; mov.b32 {$4, $5}, r2;"
+        " mov.b32 {$6, $7}, r3; }",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+        args=[even, odd],
+        dtype=(tl.float16,) * 8,
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def fp8_value_pairs(v_ptr, rows, mask_n, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """fp8 values ``[HEAD_DIM, BLOCK_N]`` (channels as rows, the transposed dot's left operand) read as 32-bit words of
+    token pairs and converted by ``fp8_pair_codes``, so that no byte is loaded alone (the generic loader's transposed
+    fp8 tile cost a byte load from shared memory per two codes). GPU only."""
+    W: tl.constexpr = HEAD_DIM // 4
+    rows_even, rows_odd = tl.split(tl.reshape(rows, [BLOCK_N // 2, 2]))
+    mask_even, mask_odd = tl.split(tl.reshape(mask_n, [BLOCK_N // 2, 2]))
+    words = v_ptr.to(tl.pointer_type(tl.int32))
+    offs_w = tl.arange(0, W)[None, :]
+    even = tl.load(words + rows_even[:, None] * W + offs_w, mask=mask_even[:, None], other=0)  # [P, W]
+    odd = tl.load(words + rows_odd[:, None] * W + offs_w, mask=mask_odd[:, None], other=0)
+    e0, o0, e1, o1, e2, o2, e3, o3 = fp8_pair_codes(even, odd)
+    tile = tl.join(tl.join(tl.join(e0, o0), tl.join(e1, o1)), tl.join(tl.join(e2, o2), tl.join(e3, o3)))
+    # [P, g, wl, pair, bit 0, bit 1] (word w = 4g + wl, channel 4w + 2 * bit 1 + bit 0) -> rows ((4 wl + c) * G + g)
+    G: tl.constexpr = W // 4
+    tile = tl.reshape(tile, [BLOCK_N // 2, G, 4, 2, 2, 2])
+    return tl.reshape(tl.permute(tile, (2, 5, 4, 1, 0, 3)), [HEAD_DIM, BLOCK_N])
+
+
+@triton.jit
+def fp8_pair_rows(HEAD_DIM: tl.constexpr):
+    """The channel of each row of ``fp8_value_pairs``' tile: row ``j * G + g`` (``G = HEAD_DIM / 16``) holds channel
+    ``16 g + j``, so that the rows an MMA lane owns (``g + 8 k``) are its words' own channels."""
+    r = tl.arange(0, HEAD_DIM)
+    G: tl.constexpr = HEAD_DIM // 16
+    return (r % G) * 16 + r // G
+
+
+@triton.jit
 def token_key_tile(
     k_ptr,
     codebook_ptr,
