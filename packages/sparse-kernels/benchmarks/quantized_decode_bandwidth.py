@@ -106,7 +106,9 @@ def time_decode(layers, csr, q, backend: str = "triton"):
     ms = median_ms(graph.replay) / len(layers)
     splits = wrapper._num_splits
     if not isinstance(layers[0], tuple):  # the quantized launch's own count (KIVI's one-warp programs: more)
-        splits = wrapper._buffers.num_splits(q.shape[0], HKV, True, qlaunch.decode_config(layers[0])["num_warps"])
+        config = qlaunch.decode_config(layers[0])
+        per_sm = config.get("warps_per_sm", {}).get(layers[0].scheme)
+        splits = wrapper._buffers.num_splits(q.shape[0], HKV, True, config["num_warps"], per_sm)
     return ms, outs[0].clone(), splits
 
 
@@ -137,6 +139,7 @@ def apply(cfg: dict, scheme: str) -> None:
         qlaunch.QUANT_DECODE_CONFIG["UNPACK_WORDS"] = cfg["UNPACK_WORDS"]
     if "per_sm" in cfg:
         buffers.QUANTIZED_WARPS_PER_SM = cfg["per_sm"]  # resident warps per SM the split aims at
+        target["warps_per_sm"] = {}  # (no scheme's own target over it)
 
 
 def main() -> None:

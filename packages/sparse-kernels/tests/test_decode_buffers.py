@@ -74,3 +74,7 @@ def test_split_target_rises_once_the_lists_alone_cover_every_sm(monkeypatch):
     assert quantized == {1: 64, 40: 27, 131: 9, 132: 32}
     one_warp = {lists: buffers.choose_num_splits(lists, 1, cpu, True, 1) for lists in (1, 40, 131, 132)}
     assert one_warp == {1: 64, 40: 64, 131: 33, 132: 32}
+    # a scheme's own target (fp8: 24 warps a SM): 88 lists of 11 requests x 8 KV heads take 36 splits, not 48
+    assert buffers.choose_num_splits(11, 8, cpu, True, 1) == 48
+    assert buffers.choose_num_splits(11, 8, cpu, True, 1, warps_per_sm=24) == 36
+    assert buffers.choose_num_splits(132, 1, cpu, True, 1, warps_per_sm=24) == 32  # enough lists: unchanged

@@ -44,13 +44,20 @@ def num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, device: torch.device, quantized: bool = False, program_warps: int = 4
+    batch: int,
+    num_kv_heads: int,
+    device: torch.device,
+    quantized: bool = False,
+    program_warps: int = 4,
+    warps_per_sm: int | None = None,
 ) -> int:
     """Splits per list: a function of the batch size only (for a given model, GPU, KV store and launch
     config), so a graph captured for one batch size replays for any step of that size. ``quantized``:
-    the quantized kernel's programs of ``program_warps`` warps."""
+    the quantized kernel's programs of ``program_warps`` warps, aiming at ``warps_per_sm`` resident warps
+    (default ``QUANTIZED_WARPS_PER_SM``; a scheme's launch config may set its own)."""
     lists, sms = batch * num_kv_heads, num_sms(device)
-    few = max(1, QUANTIZED_WARPS_PER_SM // program_warps) if quantized else PROGRAMS_PER_SM
+    per_sm = QUANTIZED_WARPS_PER_SM if warps_per_sm is None else warps_per_sm
+    few = max(1, per_sm // program_warps) if quantized else PROGRAMS_PER_SM
     target = (PROGRAMS_PER_SM_MANY_LISTS if lists >= sms else few) * sms
     return max(1, min(MAX_SPLITS, -(-target // lists)))
 
@@ -169,9 +176,18 @@ class DecodeBuffers:
             self.lse = torch.empty(_grown(self.lse.numel(), lse_rows), device=self.device)
         self._scratch_key = key
 
-    def num_splits(self, batch: int, num_kv_heads: int, quantized: bool = False, program_warps: int = 4) -> int:
+    def num_splits(
+        self,
+        batch: int,
+        num_kv_heads: int,
+        quantized: bool = False,
+        program_warps: int = 4,
+        warps_per_sm: int | None = None,
+    ) -> int:
         """The split count (the scratch holds any quantized launch's, down to one-warp programs)."""
-        return self.forced_splits or choose_num_splits(batch, num_kv_heads, self.device, quantized, program_warps)
+        return self.forced_splits or choose_num_splits(
+            batch, num_kv_heads, self.device, quantized, program_warps, warps_per_sm
+        )
 
     def _int32(self, n: int) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.int32, device=self.device)

@@ -45,7 +45,18 @@ _SWAP_AB = {"1": (True, True), "0": (False, False)}.get(_SWAP_ENV, (True, True))
 # Session 30: fp8 at 16 tokens a step (a page, one scalar page id) took 743.3 us against 768.3 in one probe sweep
 # (fp8_pairs_c5, 11 x 128K, block 16), 766.9 against 767.1 in the next, and in the engine 19.66 / 33.28 ms a step at 5 /
 # 11 against 17.61 / 32.34 (fp8_block16_c6): 32 kept.
-QUANT_DECODE_CONFIG = {"BLOCK_N": 32, "num_warps": 1, "num_stages": 3, "UNPACK_WORDS": True, "SWAP_AB": _SWAP_AB[0]}
+# warps_per_sm: resident warps a scheme's split count aims at (default _decode_buffers.QUANTIZED_WARPS_PER_SM, 32).
+# Session 30 (snapkv_fp8_c7/per_sm_c8, per_sm_c9; engine, fp8 at its largest batch 11 x 128K, 88 lists, 64 / 128 timed
+# steps): 32 (48 splits) 30.74 / 30.61 / 30.56 ms a step, 24 (36 splits) 29.87 / 29.74 / 29.75, 28 (42) 33.02, 16
+# (24) 35.87; at batch 5 both give the 64-split cap.
+QUANT_DECODE_CONFIG = {
+    "BLOCK_N": 32,
+    "num_warps": 1,
+    "num_stages": 3,
+    "UNPACK_WORDS": True,
+    "SWAP_AB": _SWAP_AB[0],
+    "warps_per_sm": {"fp8": 24},
+}
 # PAIRS (KIVI with SWAP_AB on the GPU): codes unpacked two per word half-pair in inline PTX (``half_pairs``). sm_90
 # SASS per 32-token step KIVI-4 1298 -> 1048, KIVI-2 1553 -> 1028; on an H200 (session 27, pairs_c6, batch 16 x 128K,
 # one layer) KIVI-4 2156 -> 2007 us, KIVI-2 2392 -> 1782, and KIVI-4 at its largest engine batch (18) 100.1 -> 96.2
@@ -166,7 +177,8 @@ def run_quantized_decode_triton(
     launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     if config.get("maxnreg") and q.device.type == "cuda":  # a register cap (more resident programs, maybe spills)
         launch["maxnreg"] = config["maxnreg"]
-    num_splits = bufs.num_splits(layout.batch, layout.num_kv_heads, quantized=True, program_warps=config["num_warps"])
+    per_sm = config.get("warps_per_sm", {}).get(kv.scheme)
+    num_splits = bufs.num_splits(layout.batch, layout.num_kv_heads, True, config["num_warps"], per_sm)
     scheme = scheme_args(kv)
     shape = {
         "NUM_KV_HEADS": layout.num_kv_heads,
