@@ -127,7 +127,8 @@ def variants(scheme: str, bits: int) -> list[dict]:
         if bits in (2, 4):
             configs[1:1] = [dict(UNPACK_WORDS=False)]
         configs += [dict(BLOCK_N=64, num_warps=1)]
-    return configs + [dict(per_sm=16), dict(per_sm=64)]  # resident warps per SM (default 32)
+    many = [dict(many=16), dict(many=24), dict(many=48), dict(many=64)]  # programs per SM with >= SMs lists
+    return many + configs + [dict(per_sm=16), dict(per_sm=64)]  # resident warps per SM (default 32)
 
 
 def apply(cfg: dict, scheme: str) -> None:
@@ -137,6 +138,8 @@ def apply(cfg: dict, scheme: str) -> None:
             target[key] = cfg[key]
     if "UNPACK_WORDS" in cfg:
         qlaunch.QUANT_DECODE_CONFIG["UNPACK_WORDS"] = cfg["UNPACK_WORDS"]
+    if "many" in cfg:  # programs per SM once the lists alone cover every SM
+        buffers.PROGRAMS_PER_SM_MANY_LISTS = cfg["many"]
     if "per_sm" in cfg:
         buffers.QUANTIZED_WARPS_PER_SM = cfg["per_sm"]  # resident warps per SM the split aims at
         target["warps_per_sm"] = {}  # (no scheme's own target over it)
@@ -168,13 +171,14 @@ def main() -> None:
     copy_bw = copy_bandwidth() if DEVICE == "cuda" else 1e12
     emit({"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "copy_tb_s": copy_bw / 1e12})
     launch_tables = (qlaunch.QUANT_DECODE_CONFIG, qlaunch.KIVI_DECODE_CONFIG)
-    defaults = [dict(c) for c in launch_tables], buffers.QUANTIZED_WARPS_PER_SM
+    defaults = [dict(c) for c in launch_tables], buffers.QUANTIZED_WARPS_PER_SM, buffers.PROGRAMS_PER_SM_MANY_LISTS
 
     def restore():
         for config, default in zip(launch_tables, defaults[0], strict=True):
             config.clear()
             config.update(default)
         buffers.QUANTIZED_WARPS_PER_SM = defaults[1]
+        buffers.PROGRAMS_PER_SM_MANY_LISTS = defaults[2]
 
     table, sweep_jobs, sweep_rows = [], [], []
     for batch in [int(b) for b in args.batches.split(",")]:
