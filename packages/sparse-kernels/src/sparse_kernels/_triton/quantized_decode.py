@@ -143,18 +143,15 @@ def kivi_swapped(
             v_hi = tl.load(tail_v + CPW // 2, mask=mask_n[None, None, :], other=0.0).to(DOT_DTYPE)
             acc_lo = acc_lo * alpha[None, None, :] + tl.dot(v_lo, p_g, input_precision=PRECISION)
             acc_hi = acc_hi * alpha[None, None, :] + tl.dot(v_hi, p_g, input_precision=PRECISION)
-        p = p.to(DOT_DTYPE)
-        if grouped:
-            pass
         elif pairs:
             both_v = mask_n[None, :] & mask_h[:, None]
             v_lo = tl.load(v_tail_ptr + rows[None, :] + half[:, None], mask=both_v, other=0.0)
             v_hi = tl.load(v_tail_ptr + rows[None, :] + (half + CPW // 2)[:, None], mask=both_v, other=0.0)
-            acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo.to(DOT_DTYPE), p, input_precision=PRECISION)
-            acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi.to(DOT_DTYPE), p, input_precision=PRECISION)
+            acc_lo = acc_lo * alpha[None, :] + tl.dot(v_lo.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
+            acc_hi = acc_hi * alpha[None, :] + tl.dot(v_hi.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
         else:
             v = tl.load(v_tail_ptr + rows[None, :] + chan[:, None], mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p, input_precision=PRECISION)
+            acc = acc * alpha[None, :] + tl.dot(v.to(DOT_DTYPE), p.to(DOT_DTYPE), input_precision=PRECISION)
     if grouped:
         flat = tl.reshape(gchan, [NUM_GROUPS * ROWS])
         mask_f = flat < HEAD_DIM

@@ -65,7 +65,7 @@ _PAIRS = os.environ.get("SPARSE_KERNELS_KIVI_PAIRS", "1").strip() != "0"
 # GROUPED (KIVI with SWAP_AB, a value group of CPW / 2 * words >= 16 rows): the values' codes enter one dot per channel
 # group, exact integers, each group against its own probabilities p * scale (the minima's term from one more small
 # dot), a token pair's codes of one channel in one register (the MMA's reduction pair: no tile through shared memory);
-# the keys' minima term from one dot a page, and every code by one LOP3 and an exact HFMA2 (``shifted_pairs``). sm_90
+# the keys' minima term from one dot a page, and every code by one LOP3 and an exact HFMA2 (``half_pairs``). sm_90
 # SASS under Triton 3.6 (the GPU box's) per 32-token step: KIVI-4 1366 -> 882, KIVI-2 1338 -> 857 (STS 144 -> 24).
 # H200, batch 16 x 128K, one layer (session 30, kivi_c1): KIVI-4 1997 -> 1299 us (31.7 -> 48.6% of copy BW), KIVI-2
 # 1776 -> 1420; batch 5: 749 -> 502, 645 -> 548. A cap of 168 registers (``maxnreg``, Triton's launch option; the

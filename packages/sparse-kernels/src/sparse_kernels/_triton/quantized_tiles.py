@@ -37,33 +37,19 @@ def code_half(codes):
 
 
 @triton.jit
-def half_pairs(words, BITS: tl.constexpr):
-    """The codes in bits ``[0, BITS)`` and ``[16, 16 + BITS)`` of int32 ``words`` as two float16 tensors (exact small
-    integers), in inline PTX that keeps each word's two halves together: the mask and the OR into the mantissa of
-    1024.0 (one LOP3 for both codes), 1024 subtracted from both (one HSUB2). ``code_half`` on each code costs about
-    twice that (the int16 truncations become PRMTs). GPU only: the interpreter runs no PTX."""
-    if BITS == 4:
-        asm: tl.constexpr = (
-            "{ .reg .b32 t, m; and.b32 t, $2, 0x000F000F; or.b32 t, t, 0x64006400; mov.b32 m, 0x64006400;"
-            " sub.f16x2 t, t, m; mov.b32 {$0, $1}, t; }"
-        )
-    else:
-        asm: tl.constexpr = (
-            "{ .reg .b32 t, m; and.b32 t, $2, 0x00030003; or.b32 t, t, 0x64006400; mov.b32 m, 0x64006400;"
-            " sub.f16x2 t, t, m; mov.b32 {$0, $1}, t; }"
-        )
-    tl.static_assert(BITS == 4 or BITS == 2, "half_pairs: 2- or 4-bit codes")
-    return tl.inline_asm_elementwise(
-        asm=asm, constraints="=h,=h,r", args=[words], dtype=(tl.float16, tl.float16), is_pure=True, pack=1
-    )
-
-
-@triton.jit
-def masked_pairs(x, mask, mul, add):
-    """``half_pairs``' inline PTX for codes anywhere in a half-word's low byte: one LOP3 keeps the ``mask``ed bits
-    and ORs them into the mantissa of 1024.0 (the half ``1024 + code * 2**k`` for codes at bit ``k``), one HFMA2
-    times ``mul`` (``2**-k``) plus ``add`` (``-1024 * 2**-k``) leaves each code, exactly. ``mask``, ``mul`` and ``add``
-    int32 tensors of ``x``'s shape, each the same 16-bit pattern in both halves. GPU only."""
+def half_pairs(words, shift, BITS: tl.constexpr):
+    """The codes at bits ``[shift, shift + BITS)`` and ``[16 + shift, 16 + shift + BITS)`` of int32 ``words`` as two
+    float16 tensors (exact small integers), in inline PTX that keeps each word's two halves together. Whole bytes of
+    the shift go by a SHF (none below 8); one LOP3 keeps the rest's masked bits and ORs them into the mantissa of
+    1024.0 (the half ``1024 + code * 2**k`` for a code at bit ``k`` of the low byte), and one HFMA2 times ``2**-k``
+    plus ``-1024 * 2**-k`` leaves each code exactly. ``shift`` an int or an int32 tensor that broadcasts against
+    ``words``, ``shift % 8 + BITS <= 8``. GPU only: the interpreter runs no PTX."""
+    inner = shift % 8
+    x = words >> (shift - inner)
+    zero = tl.zeros(x.shape, tl.int32)
+    mask = zero + (((1 << BITS) - 1) << inner) * ((1 << 16) + 1)
+    mul = zero + (((0x3C00 - (inner << 10)) << 16) | (0x3C00 - (inner << 10)))
+    add = zero + (((0xE400 - (inner << 10)) << 16) | (0xE400 - (inner << 10)))
     return tl.inline_asm_elementwise(
         asm="{ .reg .b32 t, c; mov.b32 c, 0x64006400; lop3.b32 t, $2, $3, c, 0xEA; fma.rn.f16x2 t, t, $4, $5;"
         " mov.b32 {$0, $1}, t; }",
@@ -73,21 +59,6 @@ def masked_pairs(x, mask, mul, add):
         is_pure=True,
         pack=1,
     )
-
-
-@triton.jit
-def shifted_pairs(words, shift, BITS: tl.constexpr):
-    """``half_pairs(words >> shift)`` in fewer instructions: whole bytes of the shift by a SHF (none below 8), the
-    rest by the mask and the exact FMA of ``masked_pairs``. ``shift`` an int or an int32 tensor that broadcasts
-    against ``words``; ``shift % 8 + BITS <= 8``. GPU only."""
-    inner = shift % 8
-    x = words >> (shift - inner)
-    both = (1 << 16) + 1
-    mask = (((1 << BITS) - 1) << inner) * both
-    mul = ((0x3C00 - (inner << 10)) << 16) | (0x3C00 - (inner << 10))
-    add = ((0xE400 - (inner << 10)) << 16) | (0xE400 - (inner << 10))
-    zero = tl.zeros(x.shape, tl.int32)
-    return masked_pairs(x, zero + mask, zero + mul, zero + add)
 
 
 @triton.jit
@@ -392,7 +363,7 @@ def kivi_value_pairs(
     stat = rows[None, :] * NUM_GROUPS + (offs_w * CPW // GROUP_SIZE)[:, None]
     scale = tl.load(v_scale_ptr + stat)[None, :, :]
     zero = tl.load(v_min_ptr + stat)[None, :, :]
-    low, high = half_pairs(words[None, :, :] >> (tl.arange(0, CPW // 2) * BITS)[:, None, None], BITS)
+    low, high = half_pairs(words[None, :, :], (tl.arange(0, CPW // 2) * BITS)[:, None, None], BITS)
     shape: tl.constexpr = [CPW // 2 * WORDS, BLOCK_N]
     return tl.reshape(low * scale + zero, shape), tl.reshape(high * scale + zero, shape)
 
@@ -401,8 +372,8 @@ def kivi_value_pairs(
 def token_pair_words(even, odd):
     """Two tokens' packed words ``even`` and ``odd`` regrouped by half-word in inline PTX (two PRMTs): ``low`` holds
     the even token's bits 0-15 and the odd token's as its bits 16-31, ``high`` their bits 16-31 likewise, so that
-    ``half_pairs`` of ``low >> s`` gives one channel's code for both tokens, side by side in one register as an MMA's
-    reduction pair. GPU only."""
+    ``half_pairs`` of ``low`` at a shift gives one channel's code for both tokens, side by side in one register as
+    an MMA's reduction pair. GPU only."""
     return tl.inline_asm_elementwise(
         asm="prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;",
         constraints="=r,=r,r,r",
@@ -418,7 +389,7 @@ def group_codes(words, shift, BITS: tl.constexpr, PTX: tl.constexpr):
     """Codes at ``shift`` of two tokens' regrouped words (``token_pair_words``) as ``(even, odd)`` float16 tensors;
     without ``PTX`` (the interpreter) the same values from plain integer ops, as float32."""
     if PTX:
-        even, odd = shifted_pairs(words, shift, BITS)
+        even, odd = half_pairs(words, shift, BITS)
     else:
         x = words >> shift
         even = code_float(x & ((1 << BITS) - 1))
@@ -538,7 +509,7 @@ def kivi_key_slices(
         # half-words 2w and 2w + 1, adjacent in the dot's reduction, as a float16 MMA operand holds them.
         offs_u = tl.arange(0, 2 * WORDS)
         for j in tl.static_range(CPW // 2):
-            low, high = shifted_pairs(words, j * BITS, BITS)
+            low, high = half_pairs(words, j * BITS, BITS)
             k = tl.reshape(tl.join(low, high), [BLOCK_N, 2 * WORDS])
             s, q_zero = key_slice_dot(s, q_zero, k, j, q_row_ptr, heads, mask_g, stride_qh, scale_log2,
                                       k_scale_ptr, k_min_ptr, base, offs_u, CPW // 2, DOT_DTYPE, PRECISION,
