@@ -39,7 +39,8 @@ def _llm(**kw) -> LLM:
 
 def _arena_pointers(llm: LLM) -> list[int]:
     arena = llm.engine.method.cluster_arena
-    return [t.data_ptr() for layer in arena.layers for t in layer] + [arena.plan.data_ptr()]
+    scales = [t.data_ptr() for t in arena.centroid_scales or ()]  # the codes' scales (the default int8 centroids)
+    return [t.data_ptr() for layer in arena.layers for t in layer] + scales + [arena.plan.data_ptr()]
 
 
 def _tokens(llm: LLM):
@@ -311,19 +312,24 @@ def test_config_checks_are_clear_errors_and_the_defaults_run():
     assert method.selection_size(131072, 16) == exact
     # the width stays put over the 2K tokens after it (the step's CUDA graph is kept)
     assert {method.selection_size(n, 16) for n in range(131072, 131072 + 2048)} == {exact}
-    # plus the index in token equivalents (a token: K and V of a head, 4 * 16 bytes): every cluster's bf16
-    # centroid (2 * 16 bytes) with its int32 size and offset, and the estimated clusters' bf16 value sums:
-    # the best max(R, 2 * budget / 16) + E less the budget's clusters, at a tail of 64 + 512 tokens
+    # plus the index in token equivalents (a token: K and V of a head, 4 * 16 bytes): every cluster's centroid
+    # (int8 codes and a float32 scale, 16 + 4 bytes, by default; bf16, 2 * 16, in the model dtype) with its int32
+    # size and offset, and the estimated clusters' bf16 value sums: the best max(R, 2 * budget / 16) + E less the
+    # budget's clusters, at a tail of 64 + 512 tokens
     budget = exact - 4 - 64 - 512
     ranked = max(round(clusters * 0.018), -(-2 * budget // 16)) + round(clusters * 0.232)
     estimated = ranked - -(-budget // 16)
-    index_bytes = clusters * (2 * 16 + 8) + estimated * 2 * 16
-    assert method.decode_read_tokens(0, 131072, 16) == exact + -(-index_bytes // (4 * 16))
+    assert method.config.retroinfer_centroid_dtype == "int8" and method.storage.summary_dtype == "int8"
+    model = sm.build_method("retroinfer", shape, retroinfer_centroid_dtype="model")
+    for m, centroid in ((method, 16 + 4), (model, 2 * 16)):
+        index_bytes = clusters * (centroid + 8) + estimated * 2 * 16
+        assert m.decode_read_tokens(0, 131072, 16) == exact + -(-index_bytes // (4 * 16))
     for bad in (
         dict(retroinfer_retrieval_ratio=0.0),
         dict(retroinfer_retrieval_ratio=0.8, retroinfer_estimation_ratio=0.3),
         dict(retroinfer_update_tokens=1000),
         dict(retroinfer_min_index_tokens=100),
+        dict(retroinfer_centroid_dtype="fp8"),
     ):
         with pytest.raises((ValidationError, ValueError)):
             sm.build_method("retroinfer", shape, **bad)

@@ -7,7 +7,8 @@
 # Usage, from the repository root with the packages importable (`uv run` here, or
 # PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':') on the GPU box):
 #   COMMIT=<sha> bash results/bench/run_h200_query_aware.sh OUT_DIR [METHODS]
-# METHODS: any of "quest quest_fp8 omnikv omnikv_fp8 retroinfer" (default: quest omnikv retroinfer); dense
+# METHODS: any of "quest quest_fp8 omnikv omnikv_fp8 retroinfer retroinfer_model" (default: quest omnikv
+# retroinfer; retroinfer_model: its centroids in the model dtype instead of int8 codes); dense
 # runs first. About 1 minute a method.
 set -euo pipefail
 OUT=${1:-results/bench/h200/query_aware}
@@ -25,6 +26,7 @@ for m in $METHODS; do
     omnikv) "${BENCH[@]}" --append --sparse-method omnikv "${BUDGET[@]}" ;;
     omnikv_fp8) "${BENCH[@]}" --append --sparse-method omnikv "${BUDGET[@]}" --kv-cache-dtype fp8 ;;
     retroinfer) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;  # its defaults (as sessions 12-16 ran it)
+    retroinfer_model) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 --retroinfer-centroid-dtype model ;;
     *) echo "unknown method $m" >&2; exit 2 ;;
   esac
 done

@@ -90,3 +90,54 @@ def test_an_empty_clusters_centroid_is_never_used(triton_device):
     torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-4)
     for g, w in zip(_merged(*got[2:]), _merged(*want[2:]), strict=True):
         torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
+
+
+def test_centroid_codes_round_to_nearest_and_stand_for_their_centroid():
+    """Codes against the formula written out: scale = amax / 127 per centroid, code = round(x / scale), the
+    largest magnitude coded +-127 exactly; a zero centroid has scale 1 and codes 0; decoding is off by at most
+    half a step."""
+    from sparse_kernels.cluster_logits import decode_centroids, encode_centroids
+
+    gen = torch.Generator().manual_seed(5)
+    centroids = torch.randn(2, 9, 16, generator=gen).bfloat16()
+    centroids[1, 4] = 0
+    codes, scale = encode_centroids(centroids)
+    assert codes.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (2, 9)
+    x = centroids.float()
+    for h in range(2):
+        for c in range(9):
+            amax = float(x[h, c].abs().max())
+            s = amax / 127 if amax > 0 else 1.0
+            assert math.isclose(float(scale[h, c]), s, rel_tol=1e-6)
+            want = [max(-127, min(127, round(float(v) / float(scale[h, c])))) for v in x[h, c]]
+            assert codes[h, c].tolist() == want
+    assert codes[1, 4].abs().sum() == 0 and scale[1, 4] == 1
+    assert (codes.abs().amax(-1)[scale != 1] == 127).all()
+    err = (decode_centroids(codes, scale) - x).abs()
+    assert (err <= scale[..., None] / 2 * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_coded_centroids_triton_equals_the_decoded_reference(dtype, triton_device):
+    """int8 codes with a scale per centroid: the reference's logits are those of the decoded centroids (exactly
+    the reference over ``decode_centroids``), and the Triton kernel's equal them."""
+    from sparse_kernels.cluster_logits import decode_centroids, encode_centroids
+
+    query, centroids, sizes, bases, counts = _case(dtype, seed=4)
+    codes, cscale = encode_centroids(centroids)
+    want = cluster_logits(
+        query, codes, sizes, bases, counts, 130, scale=0.3, centroid_scale=cscale, backend="reference"
+    )
+    plain = cluster_logits(query, decode_centroids(codes, cscale), sizes, bases, counts, 130, scale=0.3)
+    for a, b in zip(want, plain, strict=True):
+        assert torch.equal(a, b)
+    args = [t.to(triton_device) for t in (query, codes, sizes, bases, counts)]
+    got = cluster_logits(*args, 130, scale=0.3, centroid_scale=cscale.to(triton_device), backend="triton")
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=0, atol=0)
+    torch.testing.assert_close(got[0].cpu(), want[0], rtol=1e-4, atol=1e-4)
+    for g, w in zip(_merged(*got[2:]), _merged(*want[2:]), strict=True):
+        torch.testing.assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="centroid_scale"):
+        cluster_logits(query, codes, sizes, bases, counts, 130, scale=0.3)
+    with pytest.raises(ValueError, match="centroid_scale"):
+        cluster_logits(query, centroids, sizes, bases, counts, 130, scale=0.3, centroid_scale=cscale)

@@ -123,3 +123,32 @@ def test_stacked_blocks_write_as_each_block_alone():
     assert all(torch.equal(a, b) for a, b in zip(before, together.layers[0], strict=True))
     with pytest.raises(ValueError, match="heads, got"):
         together.write_blocks(0, stacked, blocks[:2])
+
+
+def test_coded_centroids_are_written_with_their_scales_and_read_back_decoded():
+    """An arena with ``centroid_codes``: each written centroid is stored as its codes and scale
+    (``encode_centroids``), read back decoded, appended blocks land beside the first index, and the bytes held
+    are what ``num_bytes`` plans."""
+    from sparse_kernels.cluster_logits import decode_centroids, encode_centroids
+
+    keys, values = torch.randn(2, 40, HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    first = build_cluster_index(keys[2:26], values[2:26], start=2, avg_cluster_size=4)
+    block = build_cluster_index(keys[26:34], values[26:34], start=26, avg_cluster_size=4, segments=1)
+    grown = concat_indexes(first, block)
+    sizes = (2, 3, 64, 16, HEADS, DIM)
+    arena = ClusterArena(*sizes, torch.bfloat16, "cpu", plan_rows=4, centroid_codes=True)
+    assert arena.nbytes == ClusterArena.num_bytes(*sizes, torch.bfloat16, centroid_codes=True)
+    assert arena.nbytes < ClusterArena.num_bytes(*sizes, torch.bfloat16)
+    arena.write("a", 1, first)
+    arena.write("a", 1, block, at_cluster=first.num_clusters, at_token=first.sorted_positions.shape[1])
+    codes, scale = encode_centroids(grown.centroids)
+    stored, stored_scale = arena.centroids(1)
+    _, c0 = arena.bases("a")
+    c = slice(c0, c0 + grown.num_clusters)
+    assert stored.dtype == torch.int8 and torch.equal(stored[:, c], codes) and torch.equal(stored_scale[:, c], scale)
+    read = arena.read("a", 1, grown.start, grown.end, grown.num_clusters)
+    assert torch.equal(read.centroids, decode_centroids(codes, scale))
+    assert torch.equal(arena.centroid_values(1)[:, c], read.centroids)
+    for name in ("sizes", "offsets", "sorted_positions"):
+        assert torch.equal(getattr(read, name), getattr(grown, name)), name
+    assert torch.equal(read.value_sums, grown.value_sums.bfloat16())

@@ -98,7 +98,10 @@ def _scenario(draw):
     need = max([kv for _, _, kv, _ in rows] + [cap_clusters * avg])
     max_pages = -(-need // block) + draw(st.integers(0, 1))
     num_rows = max(1, len(indexes)) + draw(st.integers(0, 1))
-    arena = ClusterArena(1, num_rows, cap_tokens, cap_clusters, heads, DIM, dtype, "cpu", plan_rows=len(rows) + 1)
+    codes = draw(st.booleans())  # centroids as int8 codes with a scale each
+    arena = ClusterArena(
+        1, num_rows, cap_tokens, cap_clusters, heads, DIM, dtype, "cpu", plan_rows=len(rows) + 1, centroid_codes=codes
+    )
     _garbage(arena, gen, values, cap_tokens)
     for i in draw(st.permutations(range(len(indexes)))):  # decode rows in another order than arena rows
         arena.write(i, 0, indexes[i])
@@ -126,7 +129,11 @@ def _scenario(draw):
 def _garbage(arena: ClusterArena, gen, values: int, tokens: int) -> None:
     """Arena contents no row's plan reads as its own (a row's columns run past its index into the next)."""
     centroids, sizes, offsets, positions, value_sums = arena.layers[0]
-    centroids.copy_(_values(gen, centroids.shape, values))
+    if arena.centroid_scales is None:
+        centroids.copy_(_values(gen, centroids.shape, values))
+    else:
+        centroids.copy_(torch.randint(-127, 128, centroids.shape, generator=gen))
+        arena.centroid_scales[0].copy_(torch.rand(arena.centroid_scales[0].shape, generator=gen))
     sizes.copy_(torch.randint(0, 5, sizes.shape, generator=gen))
     offsets.copy_(torch.randint(0, tokens, offsets.shape, generator=gen))
     positions.copy_(torch.randint(0, 3, positions.shape, generator=gen))
@@ -158,25 +165,29 @@ def test_fast_selection_equals_the_full_sort_reference(case):
 
 
 @settings(max_examples=40, deadline=None)
-@given(case=_scenario())
-def test_triton_picks_equal_the_full_sort_reference(case):
+@given(case=_scenario(), small_one_launch=st.booleans())
+def test_triton_picks_equal_the_full_sort_reference(case, small_one_launch):
     """The picks' Triton kernels (interpreted on CPU, native on CUDA) give the torch path's slots, in the same
-    rank order, and its estimated clusters."""
+    rank order, and its estimated clusters: both variants (``ONE_LAUNCH``: one kernel, or the running sums' then
+    the slots') at the default tiles; at small tiles (several of the running sums, of the ids and of the slots)
+    the one drawn, which costs no more test time than one variant."""
     from sparse_kernels._triton import cluster_picks as picks_mod
 
     arena, batch, sink, width, widths, avg = case
-    _assert_equal(*case, backend="triton")
     fast = _both(*case)[0]
     want = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, widths=widths, backend="reference")
-    blocks = picks_mod.BLOCK, picks_mod.BLOCK_E, picks_mod.BLOCK_W
-    for small in (False, True):  # small: several tiles of the running sums, of the ids and of the slots
-        if small:
-            picks_mod.BLOCK, picks_mod.BLOCK_E, picks_mod.BLOCK_W = 2, 2, 4
-        try:
+    saved = picks_mod.BLOCK, picks_mod.BLOCK_E, picks_mod.BLOCK_W, picks_mod.ONE_LAUNCH
+    try:
+        picks_mod.ONE_LAUNCH = True
+        _assert_equal(*case, backend="triton")
+        for small, one_launch in ((False, False), (True, small_one_launch)):
+            picks_mod.ONE_LAUNCH = one_launch
+            if small:
+                picks_mod.BLOCK, picks_mod.BLOCK_E, picks_mod.BLOCK_W = 2, 2, 4
             got = pick_clusters(arena, 0, batch, fast, sink=sink, width=width, widths=widths, backend="triton")
-        finally:
-            picks_mod.BLOCK, picks_mod.BLOCK_E, picks_mod.BLOCK_W = blocks
-        assert torch.equal(got[0], want[0]) and (widths[1] == 0 or torch.equal(got[1], want[1]))
+            assert torch.equal(got[0], want[0]) and (widths[1] == 0 or torch.equal(got[1], want[1]))
+    finally:
+        picks_mod.BLOCK, picks_mod.BLOCK_E, picks_mod.BLOCK_W, picks_mod.ONE_LAUNCH = saved
 
 
 def _single_token_clusters(heads: int = 2, count: int = 12, sink: int = 2):

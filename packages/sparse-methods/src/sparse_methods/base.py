@@ -156,7 +156,8 @@ class Storage:
     methods, the KV dtype it stores in (``fp8``, ``kivi``, ``turboquant``; None: the engine's
     ``kv_cache_dtype`` decides, the model dtype by default). Pages are always the engine's blocks.
     ``summary_dtype`` (``PAGED_WITH_SUMMARIES``): the block summaries' ``"model"`` dtype, or ``"int8"``
-    codes with a scale per (block, KV head) (half the bytes; ``page_scale`` in ``DecodeBatch``).
+    codes with a scale per (block, KV head) (half the bytes; ``page_scale`` in ``DecodeBatch``);
+    (``CLUSTER_INDEX``): the centroids', ``"int8"`` codes with a scale per (cluster, KV head) in the arena.
     ``page_tokens``: the block size the method's pages assume (None: any); the engine refuses another at
     start-up rather than at the first selection."""
 

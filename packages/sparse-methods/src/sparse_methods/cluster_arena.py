@@ -13,6 +13,9 @@ Per layer: ``centroids`` ``[H, rows * clusters, D]``, ``sizes`` and ``offsets`` 
 clusters]`` (a cluster's first entry in its request's ``positions``), ``positions`` int32 ``[H, rows *
 tokens]`` (token positions grouped by cluster) and ``value_sums`` ``[H, rows * clusters, D]`` (the sum of
 each cluster's values, ``value_sum_dtype``; left as they were for an index built from keys alone).
+With ``centroid_codes`` the centroids are int8 codes with a float32 scale per (KV head, cluster) in
+``centroid_scales[layer]`` ``[H, rows * clusters]`` (``sparse_kernels.cluster_logits.encode_centroids``, written
+with each block): the index's centroid is then the decoded ``scale * code``, half the bytes a step's ranking reads.
 Row ``r``'s index
 occupies the columns from ``r * clusters`` and ``r * tokens``.
 """
@@ -49,8 +52,11 @@ class ClusterArena:
         dtype: torch.dtype,
         device: torch.device | str,
         plan_rows: int,
+        *,
+        centroid_codes: bool = False,
     ):
-        """``plan_rows``: decode rows one step plans at most (a CUDA graph's padded batch included)."""
+        """``plan_rows``: decode rows one step plans at most (a CUDA graph's padded batch included);
+        ``centroid_codes``: centroids as int8 codes with a scale each (module docstring)."""
         if min(num_rows, tokens, clusters, plan_rows) < 1:
             sizes = (num_rows, tokens, clusters, plan_rows)
             raise ValueError(f"a cluster arena needs rows, tokens, clusters and plan rows, got {sizes}")
@@ -62,7 +68,7 @@ class ClusterArena:
 
         self.layers = [
             (
-                zeros(h, c, head_dim, dtype=dtype),
+                zeros(h, c, head_dim, dtype=torch.int8 if centroid_codes else dtype),
                 zeros(h, c),
                 zeros(h, c),
                 zeros(h, t),
@@ -70,20 +76,37 @@ class ClusterArena:
             )
             for _ in range(num_layers)
         ]
+        self.centroid_scales = [zeros(h, c, dtype=torch.float32) for _ in range(num_layers)] if centroid_codes else None
         self.rows = RequestRows(num_rows, "cluster index")
         self.plan = zeros(PLAN_FIELDS, plan_rows, dtype=torch.int64)
 
     @staticmethod
-    def num_bytes(num_layers, num_rows, tokens, clusters, num_kv_heads, head_dim, dtype: torch.dtype) -> int:
+    def num_bytes(
+        num_layers, num_rows, tokens, clusters, num_kv_heads, head_dim, dtype: torch.dtype, *, centroid_codes=False
+    ) -> int:
         """Device bytes of an arena of these sizes."""
-        # per cluster: centroid, value sum, size and offset
-        per_cluster = head_dim * (dtype.itemsize + value_sum_dtype(dtype).itemsize) + 2 * 4
+        # per cluster: centroid (codes and a float32 scale, or the model dtype), value sum, size and offset
+        centroid = head_dim + 4 if centroid_codes else head_dim * dtype.itemsize
+        per_cluster = centroid + head_dim * value_sum_dtype(dtype).itemsize + 2 * 4
         return num_layers * num_kv_heads * num_rows * (clusters * per_cluster + tokens * 4)
 
     @property
     def nbytes(self) -> int:
         """Device bytes the arena holds (its per-layer buffers)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+        scales = sum(t.numel() * t.element_size() for t in self.centroid_scales or ())
+        return scales + sum(t.numel() * t.element_size() for layer in self.layers for t in layer)
+
+    def centroids(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``layer``'s centroids ``[H, C, D]`` as stored, and their scales ``[H, C]`` when they are codes (else
+        None)."""
+        return self.layers[layer][0], None if self.centroid_scales is None else self.centroid_scales[layer]
+
+    def centroid_values(self, layer: int) -> torch.Tensor:
+        """``layer``'s centroids ``[H, C, D]`` as the index holds them: decoded to float32 when stored as codes."""
+        from sparse_kernels.cluster_logits import decode_centroids
+
+        stored, scale = self.centroids(layer)
+        return stored if scale is None else decode_centroids(stored, scale)
 
     def bases(self, request_id: Hashable) -> tuple[int, int]:
         """The request's first token and first cluster column (it holds a row)."""
@@ -130,7 +153,14 @@ class ClusterArena:
         def per_head(x: torch.Tensor) -> torch.Tensor:  # [n * H, k, ...] -> [H, n * k, ...], block-major
             return x.reshape(n, heads, *x.shape[1:]).transpose(0, 1).reshape(heads, n * x.shape[1], *x.shape[2:])
 
-        centroids.index_copy_(1, col, per_head(stacked.centroids.to(centroids.dtype)))
+        if self.centroid_scales is None:
+            centroids.index_copy_(1, col, per_head(stacked.centroids.to(centroids.dtype)))
+        else:
+            from sparse_kernels.cluster_logits import encode_centroids
+
+            codes, scale = encode_centroids(stacked.centroids)
+            centroids.index_copy_(1, col, per_head(codes))
+            self.centroid_scales[layer].index_copy_(1, col, per_head(scale))
         if stacked.value_sums is not None:
             value_sums.index_copy_(1, col, per_head(stacked.value_sums.to(value_sums.dtype)))
         sizes.index_copy_(1, col, per_head(stacked.sizes.to(sizes.dtype)))
@@ -141,16 +171,19 @@ class ClusterArena:
 
     def read(self, request_id: Hashable, layer: int, start: int, end: int, clusters: int, values: bool = True):
         """The request's index of ``layer`` as a ``ClusterIndex`` of views into its row: ``clusters`` clusters over
-        the tokens ``[start, end)``; ``values`` False: without value sums (an index of keys alone)."""
+        the tokens ``[start, end)``; ``values`` False: without value sums (an index of keys alone). Coded
+        centroids come decoded (float32, a copy)."""
         from sparse_kernels.cluster_index import ClusterIndex
+        from sparse_kernels.cluster_logits import decode_centroids
 
         t0, c0 = self.bases(request_id)
-        centroids, sizes, offsets, positions, value_sums = self.layers[layer]
+        _, sizes, offsets, positions, value_sums = self.layers[layer]
         c = slice(c0, c0 + clusters)
+        stored, scale = self.centroids(layer)
         return ClusterIndex(
             start=start,
             end=end,
-            centroids=centroids[:, c],
+            centroids=stored[:, c] if scale is None else decode_centroids(stored[:, c], scale[:, c]),
             value_sums=value_sums[:, c] if values else None,
             sizes=sizes[:, c],
             offsets=offsets[:, c].long(),

@@ -98,10 +98,12 @@ def rank_arena_clusters(
     from sparse_kernels.cluster_logits import cluster_logits
     from sparse_kernels.cluster_select import cluster_select
 
-    centroids, sizes_all = arena.layers[layer][:2]
+    (centroids, centroid_scale), sizes_all = arena.centroids(layer), arena.layers[layer][1]
     n, columns = batch.query.shape[0], cluster_columns(batch, avg_cluster_size)
     clu_base, count = arena.plan[1:3, :n]
-    ranked = cluster_logits(batch.query, centroids, sizes_all, clu_base, count, columns, scale=head_dim**-0.5)
+    ranked = cluster_logits(
+        batch.query, centroids, sizes_all, clu_base, count, columns, scale=head_dim**-0.5, centroid_scale=centroid_scale
+    )
     order = cluster_select(
         ranked.logits, ranked.sizes, arena.plan[5, :n], arena.plan[6, :n], read_width=widths[0],
         estimate_width=widths[1], tile_max=ranked.tile_max, tile_sum=ranked.tile_sum,
@@ -170,10 +172,13 @@ def estimate_clusters(
     ``partial``: as the estimation's splits left it (``AttentionState.partial``), for the decode to merge."""
     from sparse_kernels.cluster_estimation import cluster_estimation
 
-    centroids, sizes_all, _, _, value_sums = arena.layers[layer]
-    args = (batch.query, centroids, value_sums, sizes_all, ids)
-    if ranking is None or ranking.logits is None:
+    _, sizes_all, _, _, value_sums = arena.layers[layer]
+    stored, centroid_scale = arena.centroids(layer)
+    if ranking is None or ranking.logits is None:  # coded centroids decoded (a float32 copy of the layer's)
+        centroids = stored if centroid_scale is None else arena.centroid_values(layer)
+        args = (batch.query, centroids, value_sums, sizes_all, ids)
         return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale, partial=partial))
+    args = (batch.query, stored, value_sums, sizes_all, ids)
     n = batch.query.shape[0]
     logits = dict(logits=ranking.logits, bases=arena.plan[1, :n], logits_scale=ranking.scale)
     return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale, partial=partial, **logits))

@@ -32,7 +32,7 @@ def rank_arena_clusters_reference(
     in the selection's layout for the plan's counts (``selection_layout``)."""
     from sparse_kernels.cluster_select import rank_values, selection_counts, selection_layout
 
-    centroids, sizes_all = arena.layers[layer][:2]
+    centroids, sizes_all = arena.centroid_values(layer), arena.layers[layer][1]
     n, heads = batch.query.shape[0], centroids.shape[0]
     clusters_w = cluster_columns(batch, avg_cluster_size)
     clu_base, count = arena.plan[1:3, :n]

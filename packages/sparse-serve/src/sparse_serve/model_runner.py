@@ -366,14 +366,16 @@ def _cluster_arena(
         )
     m, rows = method.shape, config.max_num_seqs
     sizes = (m.num_layers, rows, tokens, clusters, m.num_kv_heads, m.head_dim)
+    codes = method.storage.summary_dtype == "int8"  # the centroids as int8 codes with a scale each
     if device.type == "cuda":
-        need, (free, _) = ClusterArena.num_bytes(*sizes, dtype), torch.cuda.mem_get_info(device)
+        need = ClusterArena.num_bytes(*sizes, dtype, centroid_codes=codes)
+        free, _ = torch.cuda.mem_get_info(device)
         if need > free:
             raise ValueError(
                 f"{method.name}: the cluster index buffers for {rows} requests of {tokens} tokens need "
                 f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free; lower max_num_seqs or max_model_len"
             )
-    arena = ClusterArena(*sizes, dtype, device, plan_rows=max(rows, graph_batch))
+    arena = ClusterArena(*sizes, dtype, device, plan_rows=max(rows, graph_batch), centroid_codes=codes)
     method.cluster_arena = arena
     return arena
 

@@ -2,7 +2,9 @@
 then per tile of the row's centroids (read from the arena) one ``tl.dot`` (float32 accumulation) gives the
 tile's logits for every query head of the group, and the tile's softmax statistics (max, sum of exponentials)
 per head. ``TILES_PER_PROGRAM`` tiles run in one program's pipelined loop (``NUM_STAGES``): 1 is a tile a
-program, the loads in flight coming only from resident programs."""
+program, the loads in flight coming only from resident programs. int8 centroid codes (``CODES``) enter the dot
+as exact fp16 values (on the GPU by byte permutes, ``page_bounds._int8_to_fp16``) against the query in fp16,
+and each column's logit is then scaled by its centroid's scale."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import triton
 import triton.language as tl
 
 from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
+from sparse_kernels._triton.page_bounds import _int8_to_fp16
 
 BLOCK_C = 128  # cluster columns per tile
 NUM_WARPS = 4  # benchmarks/retroinfer_kernel_probe.py sweeps these
@@ -23,11 +26,11 @@ NUM_STAGES = 2
 
 
 def _cluster_logits_kernel(
-    q_ptr, c_ptr, size_ptr, base_ptr, count_ptr, logit_ptr, size_out_ptr, tmax_ptr, tsum_ptr, scale, total, columns,
-    tiles,
+    q_ptr, c_ptr, cs_ptr, size_ptr, base_ptr, count_ptr, logit_ptr, size_out_ptr, tmax_ptr, tsum_ptr, scale, total,
+    columns, tiles,
     HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    TILES: tl.constexpr, STAGES: tl.constexpr,
+    TILES: tl.constexpr, STAGES: tl.constexpr, CODES: tl.constexpr, PRMT: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):  # fmt: skip
     pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
@@ -52,9 +55,13 @@ def _cluster_logits_kernel(
         size = tl.load(size_ptr + h * total + cid, mask=cmask & (col < count), other=0)
         live = size > 0
         c = tl.load(
-            c_ptr + (h * total + cid)[None, :] * HEAD_DIM + d[:, None], mask=live[None, :] & dmask[:, None], other=0.0
-        ).to(DOT_DTYPE)  # [BLOCK_D, BLOCK_C]
-        s = tl.dot(q, c, input_precision=PRECISION) * scale  # float32 [BLOCK_G, BLOCK_C]
+            c_ptr + (h * total + cid)[None, :] * HEAD_DIM + d[:, None], mask=live[None, :] & dmask[:, None], other=0
+        )  # [BLOCK_D, BLOCK_C]
+        if PRMT:  # int8 codes to fp16 by byte permutes, exact
+            c = _int8_to_fp16(c)
+        s = tl.dot(q, c.to(DOT_DTYPE), input_precision=PRECISION) * scale  # float32 [BLOCK_G, BLOCK_C]
+        if CODES:  # the codes' logits times each centroid's scale
+            s = s * tl.load(cs_ptr + h * total + cid, mask=live, other=0.0)[None, :]
         s = tl.where(live[None, :], s, float("-inf"))
         out = ((r * HEADS + h) * GROUP + g)[:, None] * columns + col[None, :]
         tl.store(logit_ptr + out, s, mask=gmask[:, None] & cmask[None, :])
@@ -72,11 +79,14 @@ def _cluster_logits_kernel(
 cluster_logits_kernel = Kernel(_cluster_logits_kernel)
 
 
-def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, scale: float):
+def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, scale: float, centroid_scale=None):
     n, q_heads, dim = query.shape
     heads, total, _ = centroids.shape
     group = q_heads // heads
+    codes = centroid_scale is not None
     half = query.dtype == centroids.dtype and query.dtype in (torch.bfloat16, torch.float16)
+    if codes:  # exact int8 codes in fp16 dots, the 16-bit query converted in the kernel (fp32 for a float32 one)
+        half = query.dtype in (torch.bfloat16, torch.float16)
     logits = torch.empty(n, heads, group, columns, dtype=torch.float32, device=query.device)
     size = torch.empty(n, heads, columns, dtype=torch.int32, device=query.device)
     tiles = triton.cdiv(columns, BLOCK_C)
@@ -85,6 +95,7 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
     cluster_logits_kernel[(n, heads, triton.cdiv(tiles, TILES_PER_PROGRAM))](
         query.contiguous(),
         centroids.contiguous(),
+        centroid_scale.contiguous() if codes else sizes,
         sizes.to(torch.int32).contiguous(),
         bases.to(torch.int64).contiguous(),
         counts.to(torch.int64).contiguous(),
@@ -102,9 +113,11 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_C=BLOCK_C,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        **dot_args(query.dtype if half else torch.float32, query.device),
+        **dot_args((torch.float16 if codes else query.dtype) if half else torch.float32, query.device),
         TILES=TILES_PER_PROGRAM,
         STAGES=NUM_STAGES,
+        CODES=codes,
+        PRMT=codes and half and query.device.type == "cuda",
         num_warps=NUM_WARPS,
         **pdl_args(query.device),
     )

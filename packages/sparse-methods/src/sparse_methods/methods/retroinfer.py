@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Hashable
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -95,6 +96,12 @@ class RetroInferConfig(MethodConfig):
     )
     retroinfer_estimation_ratio: float = Field(
         0.232, ge=0, le=1, description="Fraction of clusters estimated from centroid, size and value sums."
+    )
+    retroinfer_centroid_dtype: Literal["int8", "model"] = Field(
+        "int8",
+        description="Centroids' storage: int8 codes with a float32 scale per (cluster, KV head), rounded to "
+        "nearest (half the bytes each step's ranking reads; the index's centroid is the decoded one), or the model "
+        "dtype.",
     )
 
     @model_validator(mode="after")
@@ -152,12 +159,13 @@ class RetroInfer(SparseMethod):
     category = Category.QUERY_AWARE_SELECTION
     prefix_cache_mode = PrefixCacheMode.RADIX
     Config = RetroInferConfig
-    storage = Storage(StoreKind.CLUSTER_INDEX)
+    storage = Storage(StoreKind.CLUSTER_INDEX)  # per instance: its centroids' dtype
     supports = frozenset({Support.TENSOR_PARALLEL})  # an index and a cluster ranking per KV head
     observes_queries = False  # the index reads stored keys and values: an update step replays its graph
 
     def __init__(self, config: MethodConfig, shape: ModelShape):
         super().__init__(config, shape)
+        self.storage = Storage(StoreKind.CLUSTER_INDEX, summary_dtype=self.config.retroinfer_centroid_dtype)
         self._index: dict[tuple[Hashable, int], IndexExtent] = {}  # (request id, layer) -> its index's extent
         self._observing: dict[Hashable, int] = {}  # this step: request -> tokens processed after it
         self._blocks = None  # the appended blocks' graphed index builder, made on first use
@@ -201,8 +209,9 @@ class RetroInfer(SparseMethod):
 
     def decode_read_tokens(self, layer: int, kv_len: int, block_size: int) -> int:
         """The tokens a decode query reads exactly, plus its index reads in token equivalents (one token: K and
-        V of one KV head in the 2-byte KV dtype RetroInfer runs on): every cluster's centroid (model dtype),
-        size and offset (int32), and the estimated clusters' value sums (model dtype). Estimated: the best
+        V of one KV head in the 2-byte KV dtype RetroInfer runs on): every cluster's centroid (model dtype, or
+        int8 codes and a float32 scale), size and offset (int32), and the estimated clusters' value sums (model
+        dtype). Estimated: the best
         ``ordered_clusters + E`` less those the budget reads, at a budget whose unindexed tail is the average
         between index updates (``recent + update / 2``) and clusters of the average size."""
         from sparse_kernels.cluster_attention import cluster_counts
@@ -218,7 +227,8 @@ class RetroInfer(SparseMethod):
         budget = max(0, self.selection_size(kv_len, block_size) - c.retroinfer_sink_tokens - tail)
         ranked = min(count, ordered_clusters(retrieved, budget, avg, count) + estimated)
         estimated = ranked - min(ranked, -(-budget // avg))
-        index_bytes = count * (2 * dim + 8) + estimated * 2 * dim
+        centroid = dim + 4 if self.storage.summary_dtype == "int8" else 2 * dim
+        index_bytes = count * (centroid + 8) + estimated * 2 * dim
         return tokens + -(-index_bytes // (4 * dim))
 
     def prepare_step(self, step: StepContext) -> Collection[Hashable]:
