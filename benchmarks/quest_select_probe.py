@@ -11,7 +11,9 @@ and tabled at the end), and each method's whole selection chain (bounds + top-k;
 CUDA graph as the engine runs it. Streaming kernels print GB/s and % of the copy bandwidth measured in the
 same process; the sweep rows (``cfg ...``) try other tile / warp / stage settings. Every call rotates over
 enough layers' buffers that L2 holds none of them. Checks first: bounds and logits against the plain torch
-references, top-k equal to a stable sort.
+references, top-k equal to a stable sort. Both kinds of summaries are also graph-timed side by side under the
+default launch and under ``heads_together`` (one program per row and chunk reading all KV heads of its pages,
+at each shape of ``TOGETHER_SWEEP``), each variant checked against the reference first.
 
 The H200 run in results/bench/h200/quest_select/ (at 848696c) also timed the kernels of 1a3af46 and a
 radix-select top-k side by side (``git show 848696c:benchmarks/quest_select_probe.py``); the radix
@@ -32,6 +34,7 @@ import sys
 from pathlib import Path
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "packages/sparse-kernels/benchmarks"))
@@ -56,6 +59,10 @@ PB_SWEEP = [(64, 4, 3), (64, 2, 4), (32, 2, 3), (128, 2, 3), (64, 1, 3), (32, 1,
 # BLOCK_N, warps, stages
 PB_GRAPH_SWEEP = [(64, 2, 3), (64, 2, 4), (64, 2, 2), (128, 2, 3), (128, 4, 3), (32, 1, 3), (64, 1, 3), (32, 2, 3),
                   (128, 4, 4), (256, 4, 3)]  # fmt: skip
+# page_bounds' heads-together kernel (``heads_together``): BLOCK_P_TOGETHER (pages a step, times 8 KV heads rows),
+# warps. Compiled for sm_90 (on CPU), model-dtype summaries at BLOCK_P 32 and 4 warps asked 281 KB of shared
+# memory, more than an SM has (such shapes are skipped); codes at BLOCK_P 32 spilled at 2 and 4 warps, not 8.
+TOGETHER_SWEEP = [(8, 2), (8, 4), (16, 2), (16, 4), (16, 8), (32, 2), (32, 4), (32, 8)]
 PL_SWEEP = [(32, 1, 3), (64, 1, 3), (32, 2, 3), (64, 2, 3), (128, 2, 3), (32, 4, 3), (64, 4, 2), (128, 4, 3)]
 
 
@@ -148,15 +155,37 @@ def probe_page_bounds(x: Inputs, bw: float, sweep: bool) -> list[dict]:
     page_bounds(*bounds_args(x, 0)[:-1], ref, sink=SINK, recent=RECENT, backend="reference")
     new_pb.page_bounds_triton(*bounds_args(x, 0), SINK, RECENT)
     torch.testing.assert_close(x.bounds, ref, rtol=1e-4, atol=1e-3)
-    return probe_stream(
-        "page_bounds",
-        x,
-        bw,
-        x.summary_bytes(),
-        new_pb,
-        lambda i: new_pb.page_bounds_triton(*bounds_args(x, i), SINK, RECENT),
-        PB_SWEEP if sweep else [],
-    )
+
+    def run(i):
+        new_pb.page_bounds_triton(*bounds_args(x, i), SINK, RECENT)
+
+    def check():
+        run(0)
+        torch.testing.assert_close(x.bounds, ref, rtol=1e-4, atol=1e-3)
+
+    rows = probe_stream("page_bounds", x, bw, x.summary_bytes(), new_pb, run, PB_SWEEP if sweep else [])
+    return rows + probe_heads_together("page_bounds", x, bw, x.summary_bytes(), new_pb.CONFIG, run, check)
+
+
+def probe_heads_together(name: str, x: Inputs, bw: float, nbytes: int, config: dict, run, check) -> list[dict]:
+    """``run(layer)`` graph-timed under the default launch, then with ``heads_together`` set in ``config`` at
+    each ``(BLOCK_P_TOGETHER, warps)`` of ``TOGETHER_SWEEP`` (``check()`` first: one call against the reference;
+    a shape the device cannot launch is skipped)."""
+    rows = []
+    for block_p, warps in [None, *TOGETHER_SWEEP]:
+        label, update = f"{name} (graph)", {}
+        if block_p is not None:
+            label = f"  {name} heads together BLOCK_P={block_p} w{warps} (graph)"
+            update = {"heads_together": True, "BLOCK_P_TOGETHER": block_p, "num_warps": warps}
+        with config_scope(config, update):
+            try:
+                check()
+            except OutOfResources as e:
+                print(f"  {label.strip()}: skipped ({e})", flush=True)
+                continue
+            graph = capture(rotate(run, x.layers))
+        rows.append(row(label, median_ms(graph.replay, iters=5) * 1e3 / x.layers, nbytes, bw))
+    return rows
 
 
 def probe_coded_page_bounds(x: Inputs, bw: float, sweep: bool, graph_sweep: bool = False) -> list[dict]:
@@ -198,7 +227,19 @@ def probe_coded_page_bounds(x: Inputs, bw: float, sweep: bool, graph_sweep: bool
                 graph = capture(rotate(run_codes, x.layers))  # run_codes: the last (bfloat16) one
             us = median_ms(graph.replay, iters=5) * 1e3 / x.layers
             rows.append(row(f"  cfg prmt bf16 BLOCK_P={block_p} w{warps} s{stages} (graph)", us, nbytes, bw))
-    return rows
+
+    def run_bf16(i):  # the default's (byte permutes, bfloat16 bounds), against the heads-together kernel
+        c = x.codes[i]
+        new_pb.page_bounds_triton(x.q[i], c[0], c[1], x.table, x.start, x.num_pages, bf16_bounds, SINK, RECENT, c[2])
+
+    def check_bf16():
+        run_bf16(0)
+        torch.testing.assert_close(bf16_bounds.float(), ref, rtol=1e-2, atol=1e-3)
+
+    nbytes = x.coded_summary_bytes() - x.bounds.numel() * 2
+    return rows + probe_heads_together(
+        "page_bounds int8 bf16", x, bw, nbytes, new_pb.CODES_CONFIG, run_bf16, check_bf16
+    )
 
 
 @contextlib.contextmanager

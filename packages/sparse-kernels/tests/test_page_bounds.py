@@ -7,6 +7,20 @@ import torch
 
 from sparse_kernels import page_bounds
 
+TOGETHER = "triton heads together"  # the Triton kernel's variant over all KV heads of a page
+
+
+def _backend(backend: str, monkeypatch) -> str:
+    """The ``page_bounds`` backend for a test's ``backend``: ``TOGETHER`` is Triton with ``heads_together``
+    set in both launch configs (model-dtype summaries and int8 codes) for the test."""
+    if backend != TOGETHER:
+        return backend
+    from sparse_kernels._triton import page_bounds as kernel
+
+    for config in (kernel.CONFIG, kernel.CODES_CONFIG):
+        monkeypatch.setitem(config, "heads_together", True)
+    return "triton"
+
 
 def _loop(q, kmin, kmax, tables, max_pages, sink, recent):
     batch, hq, _ = q.shape
@@ -30,10 +44,11 @@ def _loop(q, kmin, kmax, tables, max_pages, sink, recent):
     return out
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", TOGETHER])
 @pytest.mark.parametrize(("sink", "recent"), [(0, 0), (1, 2)])
-def test_bounds_equal_the_loop(backend, sink, recent, triton_device):
-    device = triton_device if backend == "triton" else "cpu"
+def test_bounds_equal_the_loop(backend, sink, recent, triton_device, monkeypatch):
+    device = "cpu" if backend == "reference" else triton_device
+    backend = _backend(backend, monkeypatch)
     gen = torch.Generator().manual_seed(1)
     num_blocks, hkv, hq, d = 40, 2, 8, 32
     keys_a, keys_b = torch.randn(2, num_blocks, hkv, d, generator=gen).bfloat16()
@@ -103,15 +118,64 @@ def test_awkward_batch_matches_the_reference_and_selects_as_it(target_programs, 
     assert split_ties >= 10  # most rows cut a run of equal bounds
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize(
+    ("summaries", "hkv", "hq", "head_dim", "target_programs"),
+    [
+        ("bf16", 2, 8, 96, 8),  # group 4, the masked load along d, long loops
+        ("codes", 3, 15, 96, 2048),  # group 5, KV heads padded to 4 rows a page, one-step chunks
+        ("codes", 8, 32, 128, 8),  # Qwen3-8B's heads
+        ("levels", 4, 8, 64, 64),  # group 2, KIVI's fp16 (min, step) statistics
+    ],
+)
+def test_heads_together_equals_the_reference(summaries, hkv, hq, head_dim, target_programs, triton_device, monkeypatch):
+    """The heads-together kernel (all KV heads of a page in one tile, dotted against all query heads, each
+    row keeping its own group's columns) over awkward batches: bounds equal the reference's, in float32 and
+    rounded to bfloat16, pages forced and past the row included."""
+    from sparse_kernels._triton import page_bounds as kernel
+    from sparse_kernels._triton import stream_split
+    from sparse_kernels.summary_codes import encode_summary
+
+    monkeypatch.setattr(stream_split, "TARGET_PROGRAMS", target_programs)
+    for config in (kernel.CONFIG, kernel.CODES_CONFIG):
+        monkeypatch.setitem(config, "heads_together", True)
+        monkeypatch.setitem(config, "BLOCK_P_TOGETHER", 4)  # raised to 16 // heads pages (tl.dot's M >= 16)
+    gen = torch.Generator().manual_seed(hkv * head_dim)
+    batch, max_pages = 6, 40
+    lengths = [37, 1, *torch.randint(1, 38, (batch - 2,), generator=gen).tolist()]
+    num_blocks = sum(lengths) + 5
+    a, b = (torch.randn(2, num_blocks, hkv, head_dim, generator=gen) * 3).bfloat16()
+    kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+    scale, levels = None, 0
+    if summaries == "codes":
+        kmin, kmax, scale = encode_summary(kmin, kmax)
+    elif summaries == "levels":
+        levels = 15
+        kmin, kmax = kmin.half(), ((kmax.float() - kmin.float()) / levels).half()
+    indices = torch.randperm(num_blocks, generator=gen)[: sum(lengths)].to(torch.int32)
+    start = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    q = torch.randn(batch, hq, head_dim, generator=gen).bfloat16()
+    args = (q, kmin, kmax, indices, start, torch.tensor(lengths, dtype=torch.int32))
+    for dtype in (torch.float32, torch.bfloat16):
+        expected = torch.empty(batch, hkv, max_pages, dtype=dtype)
+        page_bounds(*args, expected, sink=2, recent=3, scale=scale, levels=levels, backend="reference")
+        out = torch.empty(batch, hkv, max_pages, dtype=dtype, device=triton_device)
+        coding = {"scale": None if scale is None else scale.to(triton_device), "levels": levels}
+        page_bounds(*(t.to(triton_device) for t in args), out, sink=2, recent=3, **coding, backend="triton")
+        rtol = 1e-5 if dtype == torch.float32 else 8e-3  # bfloat16: one rounding step apart at most
+        torch.testing.assert_close(out.cpu(), expected, rtol=rtol, atol=1e-4)
+        assert bool((out[:, :, 0].cpu() == float("inf")).all()) and bool((out[1, :, 1:].cpu() == float("-inf")).all())
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton", TOGETHER])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_kivi_statistics_bound_every_page_of_dequantized_keys(backend, bits, triton_device):
+def test_kivi_statistics_bound_every_page_of_dequantized_keys(backend, bits, triton_device, monkeypatch):
     """``levels``: a KIVI page's own key statistics (per-channel min and step) are its summaries. The
     bounds equal the loop over ``(k_min, k_min + levels * k_scale)``, which are exactly each channel's
     smallest and largest dequantized key, so no key of a page scores above its page's bound."""
     from sparse_kernels.kv_quant import decode_kivi_pages, encode_kivi_pages
 
-    device = triton_device if backend == "triton" else "cpu"
+    device = "cpu" if backend == "reference" else triton_device
+    backend = _backend(backend, monkeypatch)
     gen = torch.Generator().manual_seed(bits)
     num_blocks, page, hkv, hq, d = 24, 16, 2, 8, 32
     keys = (torch.randn(num_blocks, page, hkv, d, generator=gen) * 3 + 1).bfloat16()
@@ -153,15 +217,15 @@ def test_levels_need_float_statistics():
         page_bounds(q, stats.float(), stats.float(), *args[3:], out, levels=-1)
 
 
-
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", TOGETHER])
 @pytest.mark.parametrize("coded", [False, True])
-def test_bfloat16_out_holds_the_float32_bounds_rounded_to_nearest(backend, coded, triton_device):
+def test_bfloat16_out_holds_the_float32_bounds_rounded_to_nearest(backend, coded, triton_device, monkeypatch):
     """A bfloat16 ``out`` (Quest's ranking) holds exactly the float32 bounds of the same call rounded to
     nearest, ties to even, infinities included, over model-dtype summaries and over int8 codes."""
     from sparse_kernels.summary_codes import encode_summary
 
-    device = triton_device if backend == "triton" else "cpu"
+    device = "cpu" if backend == "reference" else triton_device
+    backend = _backend(backend, monkeypatch)
     gen = torch.Generator().manual_seed(9)
     num_blocks, hkv, hq, d = 30, 2, 8, 64
     a, b = (torch.randn(2, num_blocks, hkv, d, generator=gen) * 3).bfloat16()

@@ -116,9 +116,14 @@ def test_decode_updates_keep_codes_a_fresh_encoding_of_the_block(backend, triton
         assert (got[0][4] == 9).all() and (got[2][4] == 0.25).all()  # block 4: in no table
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_coded_page_bounds_bound_every_key_and_equal_the_decoded_summaries(backend, triton_device):
-    device = triton_device if backend == "triton" else "cpu"
+@pytest.mark.parametrize("backend", ["reference", "triton", "triton heads together"])
+def test_coded_page_bounds_bound_every_key_and_equal_the_decoded_summaries(backend, triton_device, monkeypatch):
+    device = "cpu" if backend == "reference" else triton_device
+    if backend == "triton heads together":  # the kernel over all KV heads of a page
+        from sparse_kernels._triton import page_bounds as kernel
+
+        monkeypatch.setitem(kernel.CODES_CONFIG, "heads_together", True)
+        backend = "triton"
     gen = torch.Generator().manual_seed(3)
     num_blocks, bs, hkv, hq, d = 30, 4, 2, 8, 64
     k_cache = (torch.randn(num_blocks, bs, hkv, d, generator=gen) * 2).bfloat16()

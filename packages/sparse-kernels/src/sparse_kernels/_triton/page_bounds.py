@@ -16,6 +16,14 @@ hardware's int-to-float conversion runs at a quarter of the FMA rate, so on the 
 H200 than the conversion; the kernel stays at ~70-80% of copy bandwidth, so the conversion was not all
 that bounds it). A bfloat16 ``out`` is rounded to nearest in integer ops before the store (the
 interpreter's cast truncates; the GPU's rounds).
+
+``heads_together`` (a key of ``CONFIG`` / ``CODES_CONFIG``) launches a second kernel instead, one program per
+``(row, chunk)``: each step reads ``BLOCK_P_TOGETHER`` pages' summaries of all KV heads (one contiguous
+``num_kv_heads * head_dim`` block per page for kmin and one for kmax, in place of ``num_kv_heads`` programs'
+``head_dim`` pieces) as a ``[pages * heads, head_dim]`` tile, dots it against all the row's query heads at
+once and keeps, per tile row, the columns of its head's group. It is a kernel of its own (not a constexpr
+branch of the first) because its grid, its indexing and its masks differ throughout; the per-page arithmetic
+(the two dots, the scale, the forced pages, the rounding) is the same, so it is exact in the same sense.
 """
 
 from __future__ import annotations
@@ -30,8 +38,18 @@ from sparse_kernels._triton.stream_split import items_per_program
 # Pages per loop step and launch shape, for model-dtype summaries and for int8 codes
 # (benchmarks/quest_select_probe.py sweeps these; session 15 on the H200: 2 warps over 4, 86 -> 91% of copy
 # bandwidth for bf16, 50 -> 72% for codes; session 18's graph-timed sweep of the prmt kernel kept them).
-CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3}
-CODES_CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3, "prmt": True}
+# ``heads_together``: the kernel over all KV heads of a page instead, ``BLOCK_P_TOGETHER`` pages a step (a tile
+# of that many times ``num_kv_heads`` rows); off until timed on the GPU. The tile key stays first (the probe's
+# sweeps set it).
+CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3, "heads_together": False, "BLOCK_P_TOGETHER": 16}
+CODES_CONFIG = {
+    "BLOCK_P": 64,
+    "num_warps": 2,
+    "num_stages": 3,
+    "prmt": True,
+    "heads_together": False,
+    "BLOCK_P_TOGETHER": 16,
+}
 
 
 def _page_bounds_kernel(
@@ -115,6 +133,95 @@ def _page_bounds_kernel(
 page_bounds_kernel = Kernel(_page_bounds_kernel)
 
 
+def _page_bounds_heads_kernel(
+    q_ptr,
+    kmin_ptr,
+    kmax_ptr,
+    scale_ptr,
+    table_ptr,
+    start_ptr,
+    num_pages_ptr,
+    out_ptr,
+    stride_qb,
+    stride_qh,
+    max_pages,
+    chunk,
+    sink,
+    recent,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    LEVELS: tl.constexpr,
+    PRMT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    """Program ``(row, chunk)``: every KV head of the chunk's pages. Tile row ``r`` is page ``r // BLOCK_H``
+    of the step and KV head ``r % BLOCK_H`` (``BLOCK_H``: the KV heads rounded up to a power of two), so a
+    page's heads are consecutive rows, read from one contiguous block of the summaries."""
+    b = tl.program_id(0)
+    lo = tl.program_id(1) * chunk
+    hi = tl.minimum(lo + chunk, max_pages)
+    pdl_enter(USE_GDC)  # q and the summaries are written by the step's earlier kernels
+    start = tl.load(start_ptr + b).to(tl.int64)
+    num_pages = tl.load(num_pages_ptr + b)
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    has_q = offs_q < NUM_KV_HEADS * GROUP
+    q = tl.load(  # [BLOCK_D, BLOCK_Q]: all the row's queries as columns
+        q_ptr + b.to(tl.int64) * stride_qb + offs_q[None, :] * stride_qh + offs_d[:, None],
+        mask=has_q[None, :] & mask_d[:, None],
+        other=0.0,
+    ).to(tl.float32)
+    q_pos = tl.maximum(q, 0.0).to(DOT_DTYPE)
+    q_neg = tl.minimum(q, 0.0).to(DOT_DTYPE)
+    q_all = q.to(DOT_DTYPE)
+    col_head = tl.where(has_q, offs_q // GROUP, -1)  # each column's KV head (-1: padding, no row's)
+    offs_r = tl.arange(0, BLOCK_P * BLOCK_H)
+    head = offs_r % BLOCK_H
+    has_head = head < NUM_KV_HEADS
+    out_rows = out_ptr + (b.to(tl.int64) * NUM_KV_HEADS + head) * max_pages
+    for p0 in range(lo, hi, BLOCK_P):
+        pages = p0 + offs_r // BLOCK_H
+        valid = (pages < num_pages) & has_head
+        ids = tl.load(table_ptr + start + pages, mask=valid, other=0).to(tl.int64)  # one entry per page's heads
+        summary = ids * NUM_KV_HEADS + head  # the (page, head) row of the summaries and of the scales
+        rows = summary * HEAD_DIM
+        m2 = valid[:, None] & mask_d[None, :]
+        top = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
+        low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
+        if PRMT:  # int8 codes to fp16 (DOT_DTYPE) by byte permutes, exact
+            top, low = _int8_to_fp16(top), _int8_to_fp16(low)
+        if LEVELS > 0:  # top is the per-channel step: q.min + LEVELS * (max(q, 0) . step)
+            s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION) * LEVELS
+            s = tl.dot(low.to(DOT_DTYPE), q_all, acc=s, input_precision=PRECISION)
+        else:
+            s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
+            s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P * BLOCK_H, BLOCK_Q]
+        if HAS_SCALE:  # int8 codes: the bound is the (page, head)'s scale times the codes' bound
+            s = s * tl.load(scale_ptr + summary, mask=valid, other=0.0)[:, None]
+        best = tl.max(tl.where(col_head[None, :] == head[:, None], s, float("-inf")), axis=1)  # own group only
+        forced = (pages < sink) | (pages >= num_pages - recent)
+        best = tl.where(forced, float("inf"), best)
+        best = tl.where(valid, best, float("-inf"))
+        if ROUND_BF16:  # to nearest, ties to even, in integer ops (the interpreter's own cast truncates)
+            bits = best.to(tl.int32, bitcast=True)
+            best = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        tl.store(out_rows + pages, best.to(out_ptr.dtype.element_ty), mask=(pages < hi) & has_head)
+    pdl_exit(USE_GDC)
+
+
+page_bounds_heads_kernel = Kernel(_page_bounds_heads_kernel)
+
+
 @triton.jit
 def _int8_to_fp16(x):
     """int8 codes as fp16, exact: per 4 codes one xor (``code + 128`` as a byte), two byte permutes that
@@ -152,8 +259,14 @@ def page_bounds_triton(
     group = num_qo_heads // num_kv_heads
     coded = scale is not None
     config = CODES_CONFIG if coded else CONFIG
-    block_p = config["BLOCK_P"]
-    chunk = items_per_program(batch * num_kv_heads, max_pages, block_p)
+    together = config.get("heads_together", False)
+    block_h = triton.next_power_of_2(num_kv_heads)
+    if together:  # tl.dot needs M >= 16: at least 16 // block_h pages a step
+        block_p = max(config["BLOCK_P_TOGETHER"], 16 // block_h)
+        chunk = items_per_program(batch, max_pages, block_p)
+    else:
+        block_p = config["BLOCK_P"]
+        chunk = items_per_program(batch * num_kv_heads, max_pages, block_p)
     # 16-bit dots when the query and the summaries share a 16-bit dtype (int8 codes are exact in the
     # query's), fp32 otherwise. KIVI's fp16 statistics: fp16 dots (a bf16 query is exact in fp16 within
     # its normal range).
@@ -162,7 +275,13 @@ def page_bounds_triton(
         dots = dot_args(torch.float16, q.device)
     else:
         dots = dot_args(q.dtype if coded or q.dtype == kmin.dtype == kmax.dtype else torch.float32, q.device)
-    page_bounds_kernel[(batch, num_kv_heads, triton.cdiv(max_pages, chunk))](
+    if together:
+        kernel, grid = page_bounds_heads_kernel, (batch, triton.cdiv(max_pages, chunk))
+        heads = {"BLOCK_H": block_h, "BLOCK_Q": max(16, triton.next_power_of_2(num_qo_heads))}  # tl.dot: N >= 16
+    else:
+        kernel, grid = page_bounds_kernel, (batch, num_kv_heads, triton.cdiv(max_pages, chunk))
+        heads = {"BLOCK_G": max(16, triton.next_power_of_2(group))}  # tl.dot needs N >= 16
+    kernel[grid](
         q,
         kmin,
         kmax,
@@ -180,7 +299,7 @@ def page_bounds_triton(
         NUM_KV_HEADS=num_kv_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot needs N >= 16
+        **heads,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_P=block_p,
         num_warps=config["num_warps"],
