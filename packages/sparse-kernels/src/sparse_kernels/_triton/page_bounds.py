@@ -28,6 +28,8 @@ branch of the first) because its grid, its indexing and its masks differ through
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -50,6 +52,13 @@ CODES_CONFIG = {
     "heads_together": False,
     "BLOCK_P_TOGETHER": 16,
 }
+# Engine A/B runs: ``SPARSE_KERNELS_PAGE_BOUNDS_TOGETHER=P:W`` turns ``heads_together`` on at ``P`` pages a step
+# in ``W`` warps, for both configs.
+_TOGETHER = os.environ.get("SPARSE_KERNELS_PAGE_BOUNDS_TOGETHER", "").strip()
+if _TOGETHER:
+    _pages, _warps = (int(x) for x in _TOGETHER.split(":"))
+    for _config in (CONFIG, CODES_CONFIG):
+        _config.update(heads_together=True, BLOCK_P_TOGETHER=_pages, num_warps=_warps)
 
 
 def _page_bounds_kernel(
