@@ -1,15 +1,20 @@
 """Time RetroInfer's per-layer kernels at one decode step's shape on a GPU (CUDA-graph replay): the selection
 by count (its torch reference, a softmax + stable sort, against the Triton radix select at several chunk sizes
 and warps), the ranking logits and the estimation at several settings, from the centroids and from the ranking's
-logits. Prints one table; checks the variants agree with the references.
+logits, and the picks (``cluster_picks``: the slots and estimated ids) in one Triton launch and in two. Prints one
+table; checks the variants agree with the references.
 
-    python benchmarks/retroinfer_kernel_probe.py [--batch 5] [--context 131072]
+    python benchmarks/retroinfer_kernel_probe.py [--batch 5] [--context 131072] [--part picks]
+
+``--part picks`` runs the picks alone; with ``--device cpu`` (and ``TRITON_INTERPRET=1``) it checks them in
+Triton's interpreter at a small ``--context`` and times nothing that means anything.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,6 +40,100 @@ def graph_ms(fn, reps: int = 36) -> float:
     return median_ms(graph.replay) / reps
 
 
+def picks_inputs(n: int, context: int, device: torch.device, heads: int = 8) -> tuple[tuple, dict, str]:
+    """``cluster_picks``' arguments as RetroInfer's decode makes them for ``n`` rows of a ``context``-token
+    context (its default settings), with a description of the shape.
+
+    Width as ``RetroInfer.selection_size``; the index ends an average unindexed tail (``recent + update / 2``)
+    before the context's end, its clusters hold ``avg`` tokens on average (each token a random one), the row's
+    budget is the width less the sink and the tail, its ordered clusters ``ordered_clusters`` of that budget;
+    ``Cw`` columns as the other sections have them, ``widths`` by ``selection_widths``; ``order`` a descending
+    sort of random scores, the empty columns (and those past the row's clusters) last."""
+    from sparse_kernels.cluster_attention import cluster_counts
+    from sparse_methods.cluster_selection import ordered_clusters, selection_widths
+    from sparse_methods.methods.retroinfer import WIDTH_QUANTUM, RetroInferConfig
+
+    c = RetroInferConfig()
+    sink, avg, recent = c.retroinfer_sink_tokens, c.retroinfer_avg_cluster_size, c.retroinfer_recent_tokens
+    ratios = c.retroinfer_retrieval_ratio, c.retroinfer_estimation_ratio
+    kv = context
+    retrieved, _ = cluster_counts((kv - 1 - recent - sink) // avg, ratios[0], 0.0)
+    exact = sink + recent + c.retroinfer_update_tokens
+    width = min(kv, -(-(exact + retrieved * avg) // WIDTH_QUANTUM) * WIDTH_QUANTUM)
+    count = (kv - recent - c.retroinfer_update_tokens // 2 - sink) // avg  # the index's clusters
+    indexed = count * avg
+    end = sink + indexed
+    budget = width - sink - (kv - end)
+    retrieved, estimated = cluster_counts(count, *ratios)
+    retrieved = ordered_clusters(retrieved, budget, avg, count)
+    columns = (context + 2048) // avg
+    widths = selection_widths(columns, *ratios, width - sink, avg)
+    reach = min(columns * avg, max(1, width - sink))
+    gen = torch.Generator(device=device).manual_seed(1)
+    assign = torch.randint(0, count, (n * heads, indexed), device=device, generator=gen)
+    live = torch.zeros(n * heads, count, dtype=torch.int64, device=device)
+    live.scatter_add_(1, assign, torch.ones_like(assign))
+    sizes = torch.zeros(n, heads, columns, dtype=torch.int32, device=device)
+    sizes[..., :count] = live.view(n, heads, count).to(torch.int32)
+    offsets = (sizes.cumsum(-1) - sizes).transpose(0, 1).reshape(heads, n * columns).to(torch.int32)
+    perm = torch.rand(heads, n, indexed, device=device, generator=gen).argsort(-1)
+    positions = (perm + sink).reshape(heads, n * indexed).to(torch.int32)
+    scores = torch.rand(n, heads, columns, device=device, generator=gen).masked_fill_(sizes == 0, -1.0)
+    order = scores.argsort(-1, descending=True)
+    rows = [(r * indexed, r * columns, count, end, budget, retrieved, estimated) for r in range(n)]
+    plan = torch.tensor(rows, dtype=torch.int64, device=device).T.contiguous()
+    kv_lens = torch.full((n,), kv, dtype=torch.int64, device=device)
+    kw = dict(sink=sink, width=width, reach=reach, estimate_width=sum(widths) if widths[1] > 0 else 0)
+    shape = (
+        f"picks: batch {n}, {heads} KV heads, context {kv}: {count} clusters, {columns} columns, width {width}, "
+        f"budget {budget}, {retrieved} ordered + {estimated} estimated, estimate width {kw['estimate_width']}"
+    )
+    return (order, sizes, offsets, positions, plan, kv_lens), kw, shape
+
+
+def picks_rows(n: int, context: int, device: torch.device, sweep: str) -> tuple[list, list]:
+    """``cluster_picks`` in one launch and in two (``ONE_LAUNCH``), at the default slots a program and, with
+    ``sweep`` all, at 128 and 512; each checked equal to the torch reference before it is timed. The table's
+    rows and, for ``--json``, each variant's settings with its ms."""
+    from sparse_kernels._triton import cluster_picks as picks_mod
+    from sparse_kernels.cluster_picks import cluster_picks
+
+    args, kw, shape = picks_inputs(n, context, device)
+    print(shape, flush=True)
+    want = cluster_picks(*args, **kw, backend="reference")
+    defaults = picks_mod.ONE_LAUNCH, picks_mod.BLOCK_W
+    block_ws = [picks_mod.BLOCK_W] + ([128, 512] if sweep == "all" else [])
+    rows, settings = [], []
+    for one_launch in (True, False):
+        for block_w in block_ws:
+            picks_mod.ONE_LAUNCH, picks_mod.BLOCK_W = one_launch, block_w
+            try:
+                got = cluster_picks(*args, **kw, backend="triton")
+                same = torch.equal(got[0], want[0]) and (want[1] is None or torch.equal(got[1], want[1]))
+                if device.type == "cuda":
+                    ms = graph_ms(lambda: cluster_picks(*args, **kw, backend="triton"))
+                else:  # the interpreter: one call's wall time, for nothing but a sign of life
+                    start = time.perf_counter()
+                    cluster_picks(*args, **kw, backend="triton")
+                    ms = (time.perf_counter() - start) * 1e3
+            finally:
+                picks_mod.ONE_LAUNCH, picks_mod.BLOCK_W = defaults
+            launches = "one launch" if one_launch else "two launches"
+            rows.append((f"picks, {launches}, {block_w} slots a program ({'equal' if same else 'DIFFER'})", ms))
+            print(rows[-1], flush=True)
+            settings.append(("picks", dict(ONE_LAUNCH=one_launch, BLOCK_W=block_w), ms))
+            if not same:
+                raise SystemExit(f"cluster_picks with {launches}, BLOCK_W {block_w}, differs from the reference")
+    return rows, settings
+
+
+def print_table(rows: list[tuple[str, float]]) -> None:
+    print("| kernel(s), one layer | us | ms per 36 layers |")
+    print("|---|---|---|")
+    for name, ms in rows:
+        print(f"| {name} | {ms * 1e3:.1f} | {ms * 36:.3f} |")
+
+
 def main() -> None:
     from sparse_kernels._triton import cluster_estimation as est_mod
     from sparse_kernels.cluster_estimation import cluster_estimation
@@ -48,8 +147,13 @@ def main() -> None:
         "--sweep", choices=("all", "estimation", "none"), default="all",
         help="estimation: a few logits shapes, the default selection and the estimation's sweep; none: defaults",
     )  # fmt: skip
+    ap.add_argument("--part", choices=("all", "picks"), default="all", help="picks: the picks alone")
+    ap.add_argument("--device", default="cuda", help="cpu: the picks (--part picks) in Triton's interpreter")
     args = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    if args.part == "picks":
+        print_table(picks_rows(args.batch, args.context, dev, args.sweep)[0])
+        return
     gen = torch.Generator(device=dev).manual_seed(0)
     n, heads, group, dim, avg = args.batch, 8, 4, 128, 16
     columns = (args.context + 2048) // avg
@@ -193,10 +297,10 @@ def main() -> None:
         f"batch {n}, context {args.context}, {columns} columns, {num_est} estimated per row and head; "
         f"estimation bytes per layer {est_bytes / 1e6:.1f} MB from centroids, {logit_bytes / 1e6:.1f} MB from logits"
     )
-    print("| kernel(s), one layer | us | ms per 36 layers |")
-    print("|---|---|---|")
-    for name, ms in rows:
-        print(f"| {name} | {ms * 1e3:.1f} | {ms * 36:.3f} |")
+    picks, chosen = picks_rows(n, args.context, dev, args.sweep)
+    rows += picks
+    settings += chosen
+    print_table(rows)
     if args.json:
         import json
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from sparse_kernels._triton import cluster_picks as picks_module
 from sparse_kernels._triton import cluster_select as select_module
 from sparse_kernels._triton.compile_check import compiling_for
 from sparse_kernels.cluster_estimation import cluster_estimation
@@ -48,10 +49,15 @@ def test_retroinfer_kernels_compile_for_hopper():
     kv = torch.tensor([310, 290])
     args = (order[..., :30], size, offsets, positions, plan, kv)
     kw = dict(sink=4, width=60, reach=56, estimate_width=15)
-    with compiling_for():
-        got = cluster_picks(*args, **kw, backend="triton")
     want = cluster_picks(*args, **kw, backend="reference")
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for one_launch in (False, True):  # the running sums' kernel then the slots'; the one kernel
+        picks_module.ONE_LAUNCH, default = one_launch, picks_module.ONE_LAUNCH
+        try:
+            with compiling_for():
+                got = cluster_picks(*args, **kw, backend="triton")
+        finally:
+            picks_module.ONE_LAUNCH = default
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
     value_sums = torch.randn(heads, total, dim, generator=gen)
     with compiling_for():

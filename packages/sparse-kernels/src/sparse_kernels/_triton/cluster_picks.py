@@ -1,7 +1,15 @@
-"""Triton ``cluster_picks``: the running sums of the ordered clusters' sizes (tile by tile until they pass the
-row's budget), the read count and the estimated ids in one program per (row, KV head); then the slots in one
-program per (row, KV head, tile of slots), each picked token's cluster found by a binary search over the
-running sums written (searchsorted, right side)."""
+"""Triton ``cluster_picks``, in one launch (``ONE_LAUNCH``, the default) or two.
+
+Two launches: the running sums of the ordered clusters' sizes (tile by tile until they pass the row's budget),
+the read count and the estimated ids in one program per (row, KV head); then the slots in one program per
+(row, KV head, tile of slots), each picked token's cluster found by a binary search over the running sums written
+(searchsorted, right side).
+
+One launch (``_cluster_picks_kernel``): one program per (row, KV head, tile), each recomputing its row's running
+sums (``top`` is small: one tile of ``BLOCK`` at the engine's shape), writing them to a scratch row shared by the
+row's programs, then searching them for its tile of slots and writing its tile of the estimated ids. Two small
+latency-bound launches a layer become one.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 BLOCK = 1024  # ranked clusters per tile of the running sum
 BLOCK_E = 512  # estimated ids per tile
 BLOCK_W = 256  # slots per program
+ONE_LAUNCH = True  # one kernel (``_cluster_picks_kernel``); False: the running sums' kernel, then the slots'
 # Session 21 tried, on the H200 at batch 5 / 128K: every id in one tile of 2048 (runs 0.274 -> 0.292 ms a step)
 # and, instead of the binary search, counting the running sums at or below each place in tiles of 128 among the
 # places read, 64 slots a program (slots 0.283 -> 3.25 ms a step: far more compares than the search's loads
@@ -107,8 +116,97 @@ def _cluster_slots_kernel(
     pdl_exit(USE_GDC)
 
 
+def _cluster_picks_kernel(
+    order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, slots_ptr, ids_ptr,
+    plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink, reach, est, steps,
+    HEADS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_W: tl.constexpr,
+    ESTIMATE: tl.constexpr, USE_GDC: tl.constexpr,
+):  # fmt: skip
+    """Both kernels' work in one program per (row, KV head, tile of ``BLOCK_W`` slots): its slots, and the
+    row's tiles of ``BLOCK_E`` estimated ids dealt round its programs (at the engine's shape one tile or none a
+    program: ~14 tiles of slots, ~4 of ids).
+
+    Every program computes its row's running sums itself (as ``_cluster_runs_kernel`` does: tiles of ``BLOCK``
+    until past the budget) and stores them to ``cum`` (``[n, H, top]``, one row for all of the row's programs),
+    then ``tl.debug_barrier()`` (``bar.sync``: each thread's earlier global stores are visible to every thread of
+    its program after it, as ``__syncthreads`` documents), then the binary search over them. Several programs
+    store to one row of ``cum`` at once, all the same values (the same inputs, the same integer sums): a program's
+    search reads only places it stored itself before the barrier (below ``covered``: the first running sum above
+    a picked place is below ``covered``), so it reads its own value or another program's later store of the same
+    value, never the buffer's older contents. No program waits for another (no grid-wide sync), so the grid may
+    be any size. The interpreter runs programs one after another: there the barrier is a no-op and the row is
+    written whole before the search."""
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    tile = tl.program_id(2).to(tl.int64)
+    row = r * HEADS + h
+    budget = tl.load(plan_ptr + 4 * plan_stride + r)
+    carry = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+    read = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
+    start = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
+    while (start < top) & (carry < budget):  # past the budget no cluster is read: the rest is never searched
+        t = start + tl.arange(0, BLOCK)
+        m = t < top
+        o = tl.load(order_ptr + row * order_stride + t, mask=m, other=0)
+        s = tl.load(sizes_ptr + row * columns + o, mask=m, other=0).to(tl.int64)
+        c = tl.cumsum(s, axis=0) + carry
+        tl.store(cum_ptr + row * top + t, c, mask=m)
+        read += tl.sum((((c - s) < budget) & m).to(tl.int64), axis=0)  # places read, empty ones too
+        carry += tl.sum(s, axis=0)
+        start += BLOCK
+    num_picked = tl.minimum(tl.maximum(tl.minimum(budget, carry), 0), reach)
+    covered = tl.minimum(start, top).to(tl.int64)
+    clu_base = tl.load(plan_ptr + plan_stride + r)
+    if ESTIMATE:  # the row's tiles of estimated ids dealt round the row's programs: tile, tile + tiles, ...
+        ranked = tl.load(plan_ptr + 5 * plan_stride + r) + tl.load(plan_ptr + 6 * plan_stride + r)
+        wanted = tl.minimum(ranked, tl.load(plan_ptr + 2 * plan_stride + r)) - read
+        for e0 in range(tl.program_id(2) * BLOCK_E, est, tl.num_programs(2) * BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            em = e < est
+            rank = read + e
+            o = tl.load(order_ptr + row * order_stride + tl.minimum(rank, top - 1), mask=em, other=0)
+            tl.store(ids_ptr + row * est + e, tl.where((e < wanted) & (rank < top), clu_base + o, -1), mask=em)
+    tl.debug_barrier()  # the running sums every thread of the program stored, visible to all of them
+    i = tile * BLOCK_W + tl.arange(0, BLOCK_W)
+    im = i < width
+    kv = tl.load(kv_ptr + r)
+    tok_base = tl.load(plan_ptr + r)
+    end = tl.load(plan_ptr + 3 * plan_stride + r)
+    num_sink = tl.minimum(tl.maximum(kv, 0), sink)
+    tail_lo = tl.maximum(end, num_sink)
+    num_tail = tl.maximum(kv - tail_lo, 0)
+    newest = tl.maximum(kv - 1, 0)
+    k = i - num_sink
+    inside = (k >= 0) & (k < num_picked) & im
+    j = tl.where(inside, k, 0)
+    lo = tl.zeros([BLOCK_W], tl.int64)
+    hi = tl.zeros([BLOCK_W], tl.int64) + covered  # the running sums this program stored
+    for _ in range(steps):  # the first running sum above j
+        active = lo < hi
+        mid = (lo + hi) // 2
+        c = tl.load(cum_ptr + row * top + tl.minimum(mid, top - 1), mask=inside & active, other=0)
+        go = c <= j
+        lo = tl.where(active & go, mid + 1, lo)
+        hi = tl.where(active & ~go, mid, hi)
+    rank = tl.minimum(lo, top - 1)
+    o = tl.load(order_ptr + row * order_stride + rank, mask=inside, other=0)
+    c = tl.load(cum_ptr + row * top + rank, mask=inside, other=0)
+    s = tl.load(sizes_ptr + row * columns + o, mask=inside, other=0).to(tl.int64)
+    cid = tl.minimum(clu_base + o, total_clusters - 1)
+    first = tl.load(offsets_ptr + h * total_clusters + cid, mask=inside, other=0).to(tl.int64)
+    slot = tl.minimum(tl.maximum(tok_base + first + j - (c - s), 0), total_positions - 1)
+    pos = tl.load(positions_ptr + h * total_positions + slot, mask=inside, other=0).to(tl.int64)
+    out = tl.where(k - num_picked < num_tail, tail_lo + k - num_picked, newest)
+    out = tl.where(k < num_picked, pos, out)
+    out = tl.where(k < 0, i, out)
+    tl.store(slots_ptr + row * width + i, out, mask=im)
+    pdl_exit(USE_GDC)
+
+
 cluster_runs_kernel = Kernel(_cluster_runs_kernel)
 cluster_slots_kernel = Kernel(_cluster_slots_kernel)
+cluster_picks_kernel = Kernel(_cluster_picks_kernel)
 
 
 def cluster_picks_triton(order, sizes, offsets, positions, plan, kv_lens, *, sink, width, reach, est):
@@ -120,6 +218,17 @@ def cluster_picks_triton(order, sizes, offsets, positions, plan, kv_lens, *, sin
         order = order.to(torch.int64).contiguous()  # else rows a fixed stride apart: the sort's first columns
     sizes = sizes.contiguous()
     cum = torch.empty(n, heads, top, dtype=torch.int64, device=device)
+    if ONE_LAUNCH:
+        slots = torch.empty(n, heads, width, dtype=torch.int64, device=device)
+        ids = torch.empty(n, heads, max(est, 1), dtype=torch.int64, device=device)
+        cluster_picks_kernel[(n, heads, triton.cdiv(width, BLOCK_W))](
+            order, sizes, offsets.contiguous(), positions.contiguous(), plan, kv_lens.to(torch.int64).contiguous(),
+            cum, slots, ids, plan.stride(0), order.stride(1), top, sizes.shape[2], offsets.shape[1],
+            positions.shape[1], width, sink, reach, max(est, 1), top.bit_length() + 1,
+            HEADS=heads, BLOCK=BLOCK, BLOCK_E=BLOCK_E, BLOCK_W=BLOCK_W, ESTIMATE=est > 0, num_warps=4,
+            **pdl_args(device),
+        )  # fmt: skip
+        return slots, (ids if est > 0 else None)
     picked = torch.empty(n, heads, dtype=torch.int64, device=device)
     covered = torch.empty(n, heads, dtype=torch.int32, device=device)
     ids = torch.empty(n, heads, max(est, 1), dtype=torch.int64, device=device)
