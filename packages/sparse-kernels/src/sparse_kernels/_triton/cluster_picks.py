@@ -13,6 +13,8 @@ latency-bound launches a layer become one.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -22,7 +24,9 @@ from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 BLOCK = 1024  # ranked clusters per tile of the running sum
 BLOCK_E = 512  # estimated ids per tile
 BLOCK_W = 256  # slots per program
-ONE_LAUNCH = True  # one kernel (``_cluster_picks_kernel``); False: the running sums' kernel, then the slots'
+# One kernel (``_cluster_picks_kernel``); False: the running sums' kernel, then the slots'
+# (``SPARSE_KERNELS_PICKS_ONE_LAUNCH=0``, for engine A/B runs).
+ONE_LAUNCH = os.environ.get("SPARSE_KERNELS_PICKS_ONE_LAUNCH", "1").strip() != "0"
 # Session 21 tried, on the H200 at batch 5 / 128K: every id in one tile of 2048 (runs 0.274 -> 0.292 ms a step)
 # and, instead of the binary search, counting the running sums at or below each place in tiles of 128 among the
 # places read, 64 slots a program (slots 0.283 -> 3.25 ms a step: far more compares than the search's loads
