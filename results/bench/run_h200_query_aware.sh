@@ -7,8 +7,10 @@
 # Usage, from the repository root with the packages importable (`uv run` here, or
 # PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':') on the GPU box):
 #   COMMIT=<sha> bash results/bench/run_h200_query_aware.sh OUT_DIR [METHODS]
-# METHODS: any of "quest quest_fp8 omnikv omnikv_fp8 retroinfer retroinfer_model" (default: quest omnikv
-# retroinfer; retroinfer_model: its centroids in the model dtype instead of int8 codes); dense
+# METHODS: any of "quest quest_fp8 quest_together omnikv omnikv_fp8 retroinfer retroinfer_model retroinfer_two"
+# (default: quest omnikv retroinfer; quest_together: page bounds by the heads-together kernel at 8 pages x 4 warps;
+# retroinfer_model: its centroids in the model dtype instead of int8 codes; retroinfer_two: its picks in two
+# launches); dense
 # runs first. About 1 minute a method.
 set -euo pipefail
 OUT=${1:-results/bench/h200/query_aware}
@@ -23,10 +25,12 @@ for m in $METHODS; do
   case $m in
     quest) "${BENCH[@]}" --append --sparse-method quest "${BUDGET[@]}" ;;
     quest_fp8) "${BENCH[@]}" --append --sparse-method quest "${BUDGET[@]}" --kv-cache-dtype fp8 ;;
+    quest_together) SPARSE_KERNELS_PAGE_BOUNDS_TOGETHER=${TOGETHER:-8:4} "${BENCH[@]}" --append --sparse-method quest "${BUDGET[@]}" ;;
     omnikv) "${BENCH[@]}" --append --sparse-method omnikv "${BUDGET[@]}" ;;
     omnikv_fp8) "${BENCH[@]}" --append --sparse-method omnikv "${BUDGET[@]}" --kv-cache-dtype fp8 ;;
     retroinfer) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;  # its defaults (as sessions 12-16 ran it)
     retroinfer_model) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 --retroinfer-centroid-dtype model ;;
+    retroinfer_two) SPARSE_KERNELS_PICKS_ONE_LAUNCH=0 "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;
     *) echo "unknown method $m" >&2; exit 2 ;;
   esac
 done
