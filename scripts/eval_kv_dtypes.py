@@ -90,12 +90,12 @@ def retroinfer_settings(length: int) -> dict[str, dict]:
     exactly, the next 23.2% estimated), the same without the estimation, the default ratios with update
     blocks of 128 tokens instead of 1024 (a decode query reads its unindexed tail exactly: at 4096 tokens
     the default blocks alone are a quarter of the context), and 25% of clusters read exactly; the default
-    ratios with centroids in the model dtype instead of int8 codes (``-model``)."""
+    ratios with centroids as int8 codes instead of the model dtype (``-int8``)."""
     return {
         "dense": {},
         "retroinfer": dict(sparse_method="retroinfer"),
         "retroinfer-0.018+0.232": _retroinfer(0.018, 0.232),
-        "retroinfer-0.018+0.232-model": _retroinfer(0.018, 0.232, retroinfer_centroid_dtype="model"),
+        "retroinfer-0.018+0.232-int8": _retroinfer(0.018, 0.232, retroinfer_centroid_dtype="int8"),
         "retroinfer-0.018": _retroinfer(0.018),
         "retroinfer-0.018+0.232-u128": _retroinfer(0.018, 0.232, retroinfer_update_tokens=128),
         "retroinfer-0.25": _retroinfer(0.25),

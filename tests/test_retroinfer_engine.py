@@ -39,7 +39,7 @@ def _llm(**kw) -> LLM:
 
 def _arena_pointers(llm: LLM) -> list[int]:
     arena = llm.engine.method.cluster_arena
-    scales = [t.data_ptr() for t in arena.centroid_scales or ()]  # the codes' scales (the default int8 centroids)
+    scales = [t.data_ptr() for t in arena.centroid_scales or ()]  # int8 centroids' scales
     return [t.data_ptr() for layer in arena.layers for t in layer] + scales + [arena.plan.data_ptr()]
 
 
@@ -184,19 +184,24 @@ def _check_value_sums(method, rid, layer: int, index, values) -> None:
     assert torch.equal(method.arena.layers[layer][4][:, c0 : c0 + index.num_clusters], index.value_sums)
 
 
-@pytest.mark.parametrize("kernels", ["auto", pytest.param("triton", marks=pytest.mark.slow)])  # interpreted: ~26 min
-def test_decode_equals_plain_references_under_continuous_batching(kernels, monkeypatch):
+@pytest.mark.parametrize(
+    ("kernels", "centroids"),
+    [("auto", "model"), ("auto", "int8"), pytest.param("triton", "model", marks=pytest.mark.slow)],  # ~26 min
+)
+def test_decode_equals_plain_references_under_continuous_batching(kernels, centroids, monkeypatch):
     """Rows of different lengths, some indexed, some not yet, requests arriving while others decode (chunked
     prefill, a shared prefix from the radix cache, a prompt cached whole but its last token): every selecting
     row reads exactly what the plain reference says, its output (exact part merged with the estimated
     clusters) equals ``cluster_decode_attention`` over the cached K/V for its index and token budget, the
     value sums are plain sums, and the index grows in whole update blocks. With ``triton`` the kernels run
     under the interpreter (the ranking logits, the selection by count, the picks, the estimation, the in-place
-    merge, the decode)."""
+    merge, the decode). ``int8`` centroids: the arena holds codes, and the reference reads the index's decoded
+    centroids."""
     from sparse_kernels.cluster_attention import cluster_decode_attention
 
     monkeypatch.setenv("SPARSE_KERNELS_BACKEND", kernels)
-    llm = _llm(**SMALL, retroinfer_retrieval_ratio=0.1, max_num_batched_tokens=48)
+    llm = _llm(**SMALL, retroinfer_retrieval_ratio=0.1, max_num_batched_tokens=48, retroinfer_centroid_dtype=centroids)
+    assert (llm.engine.method.cluster_arena.centroid_scales is not None) == (centroids == "int8")
     engine, method, c = llm.engine, llm.engine.method, llm.engine.method.config
     seen = _record_indexes(llm)
     selecting, checked, unindexed, compared, batches = [], [], [], [], {}
@@ -313,15 +318,16 @@ def test_config_checks_are_clear_errors_and_the_defaults_run():
     # the width stays put over the 2K tokens after it (the step's CUDA graph is kept)
     assert {method.selection_size(n, 16) for n in range(131072, 131072 + 2048)} == {exact}
     # plus the index in token equivalents (a token: K and V of a head, 4 * 16 bytes): every cluster's centroid
-    # (int8 codes and a float32 scale, 16 + 4 bytes, by default; bf16, 2 * 16, in the model dtype) with its int32
+    # (bf16, 2 * 16 bytes, by default; int8 codes and a float32 scale, 16 + 4, as codes) with its int32
     # size and offset, and the estimated clusters' bf16 value sums: the best max(R, 2 * budget / 16) + E less the
     # budget's clusters, at a tail of 64 + 512 tokens
     budget = exact - 4 - 64 - 512
     ranked = max(round(clusters * 0.018), -(-2 * budget // 16)) + round(clusters * 0.232)
     estimated = ranked - -(-budget // 16)
-    assert method.config.retroinfer_centroid_dtype == "int8" and method.storage.summary_dtype == "int8"
-    model = sm.build_method("retroinfer", shape, retroinfer_centroid_dtype="model")
-    for m, centroid in ((method, 16 + 4), (model, 2 * 16)):
+    assert method.config.retroinfer_centroid_dtype == "model" and method.storage.summary_dtype == "model"
+    codes = sm.build_method("retroinfer", shape, retroinfer_centroid_dtype="int8")
+    assert codes.storage.summary_dtype == "int8"
+    for m, centroid in ((method, 2 * 16), (codes, 16 + 4)):
         index_bytes = clusters * (centroid + 8) + estimated * 2 * 16
         assert m.decode_read_tokens(0, 131072, 16) == exact + -(-index_bytes // (4 * 16))
     for bad in (
@@ -339,15 +345,17 @@ def test_config_checks_are_clear_errors_and_the_defaults_run():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_decode_replays_cuda_graphs_and_equals_eager():
+@pytest.mark.parametrize("centroids", ["model", "int8"])
+def test_decode_replays_cuda_graphs_and_equals_eager(centroids):
     """Prompts of one length select alike: their decode steps between index updates replay selecting graphs
     over the arena (captured once per selection width), equal to eager, and the arena never moves."""
     # Two engines share the GPU: fixed pools (sized from free memory, the first would leave the second none).
     # float32 like the other graph tests: in bf16 the graph and eager runs parted at token 35 of one prompt
     # (session 11 on the H200, after this session's kernels; not investigated further).
     cfg = dict(
-        **SMALL, retroinfer_retrieval_ratio=0.1, device="cuda", dtype="float32", max_model_len=2048, num_kv_blocks=512
-    )
+        **SMALL, retroinfer_retrieval_ratio=0.1, device="cuda", dtype="float32", max_model_len=2048, num_kv_blocks=512,
+        retroinfer_centroid_dtype=centroids,
+    )  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 400, (300,), generator=gen).tolist() for _ in range(3)]  # token ids, one length
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)

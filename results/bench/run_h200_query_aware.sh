@@ -7,10 +7,9 @@
 # Usage, from the repository root with the packages importable (`uv run` here, or
 # PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':') on the GPU box):
 #   COMMIT=<sha> bash results/bench/run_h200_query_aware.sh OUT_DIR [METHODS]
-# METHODS: any of "quest quest_fp8 quest_together omnikv omnikv_fp8 retroinfer retroinfer_model retroinfer_two"
-# (default: quest omnikv retroinfer; quest_together: page bounds by the heads-together kernel at 8 pages x 4 warps;
-# retroinfer_model: its centroids in the model dtype instead of int8 codes; retroinfer_two: its picks in two
-# launches); dense
+# METHODS: any of "quest quest_fp8 quest_together omnikv omnikv_fp8 retroinfer retroinfer_int8 retroinfer_one"
+# (default: quest omnikv retroinfer; quest_together: page bounds by the heads-together kernel at $TOGETHER, 8 pages
+# x 4 warps by default; retroinfer_int8: its centroids as int8 codes; retroinfer_one: its picks in one launch); dense
 # runs first. About 1 minute a method.
 set -euo pipefail
 OUT=${1:-results/bench/h200/query_aware}
@@ -29,8 +28,8 @@ for m in $METHODS; do
     omnikv) "${BENCH[@]}" --append --sparse-method omnikv "${BUDGET[@]}" ;;
     omnikv_fp8) "${BENCH[@]}" --append --sparse-method omnikv "${BUDGET[@]}" --kv-cache-dtype fp8 ;;
     retroinfer) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;  # its defaults (as sessions 12-16 ran it)
-    retroinfer_model) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 --retroinfer-centroid-dtype model ;;
-    retroinfer_two) SPARSE_KERNELS_PICKS_ONE_LAUNCH=0 "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;
+    retroinfer_int8) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 --retroinfer-centroid-dtype int8 ;;
+    retroinfer_one) SPARSE_KERNELS_PICKS_ONE_LAUNCH=1 "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;
     *) echo "unknown method $m" >&2; exit 2 ;;
   esac
 done

@@ -164,7 +164,7 @@ def test_fast_selection_equals_the_full_sort_reference(case):
     _assert_equal(*case)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(case=_scenario(), small_one_launch=st.booleans())
 def test_triton_picks_equal_the_full_sort_reference(case, small_one_launch):
     """The picks' Triton kernels (interpreted on CPU, native on CUDA) give the torch path's slots, in the same

@@ -12,7 +12,7 @@ The work grows with what a row reads, not with its context: the ranking reads th
 dtype straight from the arena (``sparse_kernels.cluster_logits``: on CUDA a Triton kernel accumulating in
 float32, no gathered copy) and selects by count (``sparse_kernels.cluster_select``: the retrieved clusters in
 rank order, the estimated ones as a set; on CUDA a radix select, no sort of the row); the picks
-(``sparse_kernels.cluster_picks``: on CUDA one Triton kernel) take the retrieved clusters' tokens in rank
+(``sparse_kernels.cluster_picks``: on CUDA two Triton kernels, or one) take the retrieved clusters' tokens in rank
 order up to each row's budget, with the sink and the unindexed tail, and estimate the retrieved clusters the
 budget cut off with the estimated ones; the estimation is ``sparse_kernels.cluster_estimation``, which takes
 the estimated clusters' scores from the ranking's logits (kept in ``ClusterRanking``) instead of reading their

@@ -97,11 +97,11 @@ class RetroInferConfig(MethodConfig):
     retroinfer_estimation_ratio: float = Field(
         0.232, ge=0, le=1, description="Fraction of clusters estimated from centroid, size and value sums."
     )
-    retroinfer_centroid_dtype: Literal["int8", "model"] = Field(
-        "int8",
-        description="Centroids' storage: int8 codes with a float32 scale per (cluster, KV head), rounded to "
-        "nearest (half the bytes each step's ranking reads; the index's centroid is the decoded one), or the model "
-        "dtype.",
+    retroinfer_centroid_dtype: Literal["model", "int8"] = Field(
+        "model",
+        description="Centroids' storage: the model dtype, or int8 codes with a float32 scale per (cluster, KV "
+        "head), rounded to nearest (half the bytes each step's ranking reads; the index's centroid is then the "
+        "decoded one; its speed and quality on the GPU are not measured yet).",
     )
 
     @model_validator(mode="after")
