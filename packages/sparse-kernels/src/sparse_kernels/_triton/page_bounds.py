@@ -114,27 +114,10 @@ def _page_bounds_kernel(
         pages = p0 + tl.arange(0, BLOCK_P)
         valid = pages < num_pages
         ids = tl.load(table_ptr + start + pages, mask=valid, other=0).to(tl.int64)
-        rows = (ids * NUM_KV_HEADS + h) * HEAD_DIM
-        m2 = valid[:, None] & mask_d[None, :]
-        top = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
-        low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
-        if PRMT:  # int8 codes to fp16 (DOT_DTYPE) by byte permutes, exact
-            top, low = _int8_to_fp16(top), _int8_to_fp16(low)
-        if LEVELS > 0:  # top is the per-channel step: q.min + LEVELS * (max(q, 0) . step)
-            s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION) * LEVELS
-            s = tl.dot(low.to(DOT_DTYPE), q_all, acc=s, input_precision=PRECISION)
-        else:
-            s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
-            s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P, BLOCK_G]
-        if HAS_SCALE:  # int8 codes: the page's bound is its head's scale times the codes' bound
-            s = s * tl.load(scale_ptr + ids * NUM_KV_HEADS + h, mask=valid, other=0.0)[:, None]
-        best = tl.max(tl.where(offs_g[None, :] < GROUP, s, float("-inf")), axis=1)
-        forced = (pages < sink) | (pages >= num_pages - recent)
-        best = tl.where(forced, float("inf"), best)
-        best = tl.where(valid, best, float("-inf"))
-        if ROUND_BF16:  # to nearest, ties to even, in integer ops (the interpreter's own cast truncates)
-            bits = best.to(tl.int32, bitcast=True)
-            best = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        s = _summary_scores(kmin_ptr, kmax_ptr, scale_ptr, ids * NUM_KV_HEADS + h, valid, offs_d, mask_d, q_pos,
+                            q_neg, q_all, HEAD_DIM, DOT_DTYPE, PRECISION, HAS_SCALE, LEVELS, PRMT)  # fmt: skip
+        best = tl.max(tl.where(offs_g[None, :] < GROUP, s, float("-inf")), axis=1)  # s [BLOCK_P, BLOCK_G]
+        best = _page_bound(best, pages, valid, num_pages, sink, recent, ROUND_BF16)
         tl.store(out_row + pages, best.to(out_ptr.dtype.element_ty), mask=pages < hi)
     pdl_exit(USE_GDC)
 
@@ -202,33 +185,55 @@ def _page_bounds_heads_kernel(
         pages = p0 + offs_r // BLOCK_H
         valid = (pages < num_pages) & has_head
         ids = tl.load(table_ptr + start + pages, mask=valid, other=0).to(tl.int64)  # one entry per page's heads
-        summary = ids * NUM_KV_HEADS + head  # the (page, head) row of the summaries and of the scales
-        rows = summary * HEAD_DIM
-        m2 = valid[:, None] & mask_d[None, :]
-        top = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
-        low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
-        if PRMT:  # int8 codes to fp16 (DOT_DTYPE) by byte permutes, exact
-            top, low = _int8_to_fp16(top), _int8_to_fp16(low)
-        if LEVELS > 0:  # top is the per-channel step: q.min + LEVELS * (max(q, 0) . step)
-            s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION) * LEVELS
-            s = tl.dot(low.to(DOT_DTYPE), q_all, acc=s, input_precision=PRECISION)
-        else:
-            s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
-            s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)  # [BLOCK_P * BLOCK_H, BLOCK_Q]
-        if HAS_SCALE:  # int8 codes: the bound is the (page, head)'s scale times the codes' bound
-            s = s * tl.load(scale_ptr + summary, mask=valid, other=0.0)[:, None]
+        # the (page, head) row of the summaries and of the scales; s [BLOCK_P * BLOCK_H, BLOCK_Q]
+        s = _summary_scores(kmin_ptr, kmax_ptr, scale_ptr, ids * NUM_KV_HEADS + head, valid, offs_d, mask_d, q_pos,
+                            q_neg, q_all, HEAD_DIM, DOT_DTYPE, PRECISION, HAS_SCALE, LEVELS, PRMT)  # fmt: skip
         best = tl.max(tl.where(col_head[None, :] == head[:, None], s, float("-inf")), axis=1)  # own group only
-        forced = (pages < sink) | (pages >= num_pages - recent)
-        best = tl.where(forced, float("inf"), best)
-        best = tl.where(valid, best, float("-inf"))
-        if ROUND_BF16:  # to nearest, ties to even, in integer ops (the interpreter's own cast truncates)
-            bits = best.to(tl.int32, bitcast=True)
-            best = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        best = _page_bound(best, pages, valid, num_pages, sink, recent, ROUND_BF16)
         tl.store(out_rows + pages, best.to(out_ptr.dtype.element_ty), mask=(pages < hi) & has_head)
     pdl_exit(USE_GDC)
 
 
 page_bounds_heads_kernel = Kernel(_page_bounds_heads_kernel)
+
+
+@triton.jit
+def _summary_scores(
+    kmin_ptr, kmax_ptr, scale_ptr, summary, valid, offs_d, mask_d, q_pos, q_neg, q_all,
+    HEAD_DIM: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_SCALE: tl.constexpr,
+    LEVELS: tl.constexpr, PRMT: tl.constexpr,
+):  # fmt: skip
+    """Quest's bound of each (page, KV head) row ``summary`` of the summaries against each query column:
+    ``kmax @ max(q, 0) + kmin @ min(q, 0)`` (``LEVELS``: KIVI's ``kmin @ q + LEVELS * step @ max(q, 0)``), times the
+    row's scale for int8 codes; ``[rows, columns]``."""
+    rows = summary * HEAD_DIM
+    m2 = valid[:, None] & mask_d[None, :]
+    top = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
+    low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
+    if PRMT:  # int8 codes to fp16 (DOT_DTYPE) by byte permutes, exact
+        top, low = _int8_to_fp16(top), _int8_to_fp16(low)
+    if LEVELS > 0:  # top is the per-channel step: q.min + LEVELS * (max(q, 0) . step)
+        s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION) * LEVELS
+        s = tl.dot(low.to(DOT_DTYPE), q_all, acc=s, input_precision=PRECISION)
+    else:
+        s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION)
+        s = tl.dot(low.to(DOT_DTYPE), q_neg, acc=s, input_precision=PRECISION)
+    if HAS_SCALE:  # int8 codes: the bound is the (page, head)'s scale times the codes' bound
+        s = s * tl.load(scale_ptr + summary, mask=valid, other=0.0)[:, None]
+    return s
+
+
+@triton.jit
+def _page_bound(best, pages, valid, num_pages, sink, recent, ROUND_BF16: tl.constexpr):
+    """A page's bound as stored: ``inf`` for the forced sink and recent pages, ``-inf`` past the row, rounded to
+    bfloat16 (to nearest, ties to even, in integer ops: the interpreter's own cast truncates) for a bf16 out."""
+    forced = (pages < sink) | (pages >= num_pages - recent)
+    best = tl.where(forced, float("inf"), best)
+    best = tl.where(valid, best, float("-inf"))
+    if ROUND_BF16:
+        bits = best.to(tl.int32, bitcast=True)
+        best = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return best
 
 
 @triton.jit
