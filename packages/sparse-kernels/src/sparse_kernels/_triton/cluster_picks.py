@@ -34,56 +34,55 @@ ONE_LAUNCH = os.environ.get("SPARSE_KERNELS_PICKS_ONE_LAUNCH", "0").strip() == "
 # cost). Neither kept (results/bench/h200/session21/retro_c2/).
 
 
-def _cluster_runs_kernel(
-    order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, covered_ptr, ids_ptr, plan_stride, order_stride, top,
-    columns, reach, est,
-    HEADS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
-    USE_GDC: tl.constexpr,
-):  # fmt: skip
-    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    row = r * HEADS + h
-    budget = tl.load(plan_ptr + 4 * plan_stride + r)
+@triton.jit
+def _running_sums(order_ptr, sizes_ptr, cum_ptr, row, order_stride, top, columns, budget, BLOCK: tl.constexpr):
+    """The row's running sums of its ordered clusters' sizes, stored to ``cum``, tile by tile until they pass the
+    budget (past it no cluster is read: the rest is never searched); ``(carry, read, covered)``: the sum so far, the
+    places read (running start below the budget, empty ones too) and the places stored."""
     carry = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
     read = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
     start = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
-    while (start < top) & (carry < budget):  # past the budget no cluster is read: the rest is never searched
+    while (start < top) & (carry < budget):
         t = start + tl.arange(0, BLOCK)
         m = t < top
         o = tl.load(order_ptr + row * order_stride + t, mask=m, other=0)
         s = tl.load(sizes_ptr + row * columns + o, mask=m, other=0).to(tl.int64)
         c = tl.cumsum(s, axis=0) + carry
         tl.store(cum_ptr + row * top + t, c, mask=m)
-        read += tl.sum((((c - s) < budget) & m).to(tl.int64), axis=0)  # places read, empty ones too
+        read += tl.sum((((c - s) < budget) & m).to(tl.int64), axis=0)
         carry += tl.sum(s, axis=0)
         start += BLOCK
-    tl.store(picked_ptr + row, tl.minimum(tl.maximum(tl.minimum(budget, carry), 0), reach))
-    tl.store(covered_ptr + row, tl.minimum(start, top))
-    if ESTIMATE:
-        clu_base = tl.load(plan_ptr + plan_stride + r)
-        ranked = tl.load(plan_ptr + 5 * plan_stride + r) + tl.load(plan_ptr + 6 * plan_stride + r)
-        wanted = tl.minimum(ranked, tl.load(plan_ptr + 2 * plan_stride + r)) - read
-        for e0 in range(0, est, BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
-            em = e < est
-            rank = read + e
-            o = tl.load(order_ptr + row * order_stride + tl.minimum(rank, top - 1), mask=em, other=0)
-            tl.store(ids_ptr + row * est + e, tl.where((e < wanted) & (rank < top), clu_base + o, -1), mask=em)
-    pdl_exit(USE_GDC)
+    return carry, read, tl.minimum(start, top)
 
 
-def _cluster_slots_kernel(
-    order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, picked_ptr, covered_ptr, slots_ptr,
-    plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink, steps,
-    HEADS: tl.constexpr, BLOCK_W: tl.constexpr,
-    USE_GDC: tl.constexpr,
+@triton.jit
+def _estimated_ids(
+    order_ptr, plan_ptr, ids_ptr, r, row, plan_stride, order_stride, top, est, read, first, step,
+    BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
-    r = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1).to(tl.int64)
-    row = r * HEADS + h
-    i = (tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)
+    """The row's estimated ids (the ordered columns from ``read`` up to its retrieved plus estimated, as arena
+    columns; -1 past them), in the tiles of ``BLOCK_E`` from ``first`` every ``step`` entries."""
+    clu_base = tl.load(plan_ptr + plan_stride + r)
+    ranked = tl.load(plan_ptr + 5 * plan_stride + r) + tl.load(plan_ptr + 6 * plan_stride + r)
+    wanted = tl.minimum(ranked, tl.load(plan_ptr + 2 * plan_stride + r)) - read
+    for e0 in range(first, est, step):
+        e = e0 + tl.arange(0, BLOCK_E)
+        em = e < est
+        rank = read + e
+        o = tl.load(order_ptr + row * order_stride + tl.minimum(rank, top - 1), mask=em, other=0)
+        tl.store(ids_ptr + row * est + e, tl.where((e < wanted) & (rank < top), clu_base + o, -1), mask=em)
+
+
+@triton.jit
+def _slots(
+    order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, slots_ptr, r, h, row, tile,
+    plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink, steps, num_picked,
+    covered, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """The row's tile ``tile`` of ``BLOCK_W`` slots: the sink, then each picked place's token (its cluster the
+    first running sum above the place, by a binary search over ``cum`` below ``covered``), then the unindexed
+    tail, then the newest position."""
+    i = (tile * BLOCK_W + tl.arange(0, BLOCK_W)).to(tl.int64)
     im = i < width
     kv = tl.load(kv_ptr + r)
     tok_base = tl.load(plan_ptr + r)
@@ -93,12 +92,11 @@ def _cluster_slots_kernel(
     tail_lo = tl.maximum(end, num_sink)
     num_tail = tl.maximum(kv - tail_lo, 0)
     newest = tl.maximum(kv - 1, 0)
-    num_picked = tl.load(picked_ptr + row)
     k = i - num_sink
     inside = (k >= 0) & (k < num_picked) & im
     j = tl.where(inside, k, 0)
     lo = tl.zeros([BLOCK_W], tl.int64)
-    hi = tl.zeros([BLOCK_W], tl.int64) + tl.load(covered_ptr + row)  # the running sums the first kernel wrote
+    hi = tl.zeros([BLOCK_W], tl.int64) + covered
     for _ in range(steps):  # the first running sum above j
         active = lo < hi
         mid = (lo + hi) // 2
@@ -118,6 +116,43 @@ def _cluster_slots_kernel(
     out = tl.where(k < num_picked, pos, out)
     out = tl.where(k < 0, i, out)
     tl.store(slots_ptr + row * width + i, out, mask=im)
+
+
+def _cluster_runs_kernel(
+    order_ptr, sizes_ptr, plan_ptr, cum_ptr, picked_ptr, covered_ptr, ids_ptr, plan_stride, order_stride, top,
+    columns, reach, est,
+    HEADS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, ESTIMATE: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):  # fmt: skip
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    row = r * HEADS + h
+    budget = tl.load(plan_ptr + 4 * plan_stride + r)
+    carry, read, covered = _running_sums(order_ptr, sizes_ptr, cum_ptr, row, order_stride, top, columns, budget, BLOCK)
+    tl.store(picked_ptr + row, tl.minimum(tl.maximum(tl.minimum(budget, carry), 0), reach))
+    tl.store(covered_ptr + row, covered)
+    if ESTIMATE:
+        _estimated_ids(order_ptr, plan_ptr, ids_ptr, r, row, plan_stride, order_stride, top, est, read, 0, BLOCK_E,
+                       BLOCK_E)  # fmt: skip
+    pdl_exit(USE_GDC)
+
+
+def _cluster_slots_kernel(
+    order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, picked_ptr, covered_ptr, slots_ptr,
+    plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink, steps,
+    HEADS: tl.constexpr, BLOCK_W: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):  # fmt: skip
+    pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    row = r * HEADS + h
+    num_picked = tl.load(picked_ptr + row)
+    covered = tl.load(covered_ptr + row).to(tl.int64)  # the running sums the first kernel wrote
+    _slots(order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, slots_ptr, r, h, row,
+           tl.program_id(2), plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink,
+           steps, num_picked, covered, BLOCK_W)  # fmt: skip
     pdl_exit(USE_GDC)
 
 
@@ -144,68 +179,17 @@ def _cluster_picks_kernel(
     pdl_enter(USE_GDC)  # the step's earlier kernels write what it reads
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
-    tile = tl.program_id(2).to(tl.int64)
     row = r * HEADS + h
     budget = tl.load(plan_ptr + 4 * plan_stride + r)
-    carry = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
-    read = tl.sum(tl.zeros([BLOCK], tl.int64), axis=0)
-    start = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)
-    while (start < top) & (carry < budget):  # past the budget no cluster is read: the rest is never searched
-        t = start + tl.arange(0, BLOCK)
-        m = t < top
-        o = tl.load(order_ptr + row * order_stride + t, mask=m, other=0)
-        s = tl.load(sizes_ptr + row * columns + o, mask=m, other=0).to(tl.int64)
-        c = tl.cumsum(s, axis=0) + carry
-        tl.store(cum_ptr + row * top + t, c, mask=m)
-        read += tl.sum((((c - s) < budget) & m).to(tl.int64), axis=0)  # places read, empty ones too
-        carry += tl.sum(s, axis=0)
-        start += BLOCK
+    carry, read, covered = _running_sums(order_ptr, sizes_ptr, cum_ptr, row, order_stride, top, columns, budget, BLOCK)
     num_picked = tl.minimum(tl.maximum(tl.minimum(budget, carry), 0), reach)
-    covered = tl.minimum(start, top).to(tl.int64)
-    clu_base = tl.load(plan_ptr + plan_stride + r)
     if ESTIMATE:  # the row's tiles of estimated ids dealt round the row's programs: tile, tile + tiles, ...
-        ranked = tl.load(plan_ptr + 5 * plan_stride + r) + tl.load(plan_ptr + 6 * plan_stride + r)
-        wanted = tl.minimum(ranked, tl.load(plan_ptr + 2 * plan_stride + r)) - read
-        for e0 in range(tl.program_id(2) * BLOCK_E, est, tl.num_programs(2) * BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
-            em = e < est
-            rank = read + e
-            o = tl.load(order_ptr + row * order_stride + tl.minimum(rank, top - 1), mask=em, other=0)
-            tl.store(ids_ptr + row * est + e, tl.where((e < wanted) & (rank < top), clu_base + o, -1), mask=em)
+        _estimated_ids(order_ptr, plan_ptr, ids_ptr, r, row, plan_stride, order_stride, top, est, read,
+                       tl.program_id(2) * BLOCK_E, tl.num_programs(2) * BLOCK_E, BLOCK_E)  # fmt: skip
     tl.debug_barrier()  # the running sums every thread of the program stored, visible to all of them
-    i = tile * BLOCK_W + tl.arange(0, BLOCK_W)
-    im = i < width
-    kv = tl.load(kv_ptr + r)
-    tok_base = tl.load(plan_ptr + r)
-    end = tl.load(plan_ptr + 3 * plan_stride + r)
-    num_sink = tl.minimum(tl.maximum(kv, 0), sink)
-    tail_lo = tl.maximum(end, num_sink)
-    num_tail = tl.maximum(kv - tail_lo, 0)
-    newest = tl.maximum(kv - 1, 0)
-    k = i - num_sink
-    inside = (k >= 0) & (k < num_picked) & im
-    j = tl.where(inside, k, 0)
-    lo = tl.zeros([BLOCK_W], tl.int64)
-    hi = tl.zeros([BLOCK_W], tl.int64) + covered  # the running sums this program stored
-    for _ in range(steps):  # the first running sum above j
-        active = lo < hi
-        mid = (lo + hi) // 2
-        c = tl.load(cum_ptr + row * top + tl.minimum(mid, top - 1), mask=inside & active, other=0)
-        go = c <= j
-        lo = tl.where(active & go, mid + 1, lo)
-        hi = tl.where(active & ~go, mid, hi)
-    rank = tl.minimum(lo, top - 1)
-    o = tl.load(order_ptr + row * order_stride + rank, mask=inside, other=0)
-    c = tl.load(cum_ptr + row * top + rank, mask=inside, other=0)
-    s = tl.load(sizes_ptr + row * columns + o, mask=inside, other=0).to(tl.int64)
-    cid = tl.minimum(clu_base + o, total_clusters - 1)
-    first = tl.load(offsets_ptr + h * total_clusters + cid, mask=inside, other=0).to(tl.int64)
-    slot = tl.minimum(tl.maximum(tok_base + first + j - (c - s), 0), total_positions - 1)
-    pos = tl.load(positions_ptr + h * total_positions + slot, mask=inside, other=0).to(tl.int64)
-    out = tl.where(k - num_picked < num_tail, tail_lo + k - num_picked, newest)
-    out = tl.where(k < num_picked, pos, out)
-    out = tl.where(k < 0, i, out)
-    tl.store(slots_ptr + row * width + i, out, mask=im)
+    _slots(order_ptr, sizes_ptr, offsets_ptr, positions_ptr, plan_ptr, kv_ptr, cum_ptr, slots_ptr, r, h, row,
+           tl.program_id(2), plan_stride, order_stride, top, columns, total_clusters, total_positions, width, sink,
+           steps, num_picked, covered.to(tl.int64), BLOCK_W)  # fmt: skip
     pdl_exit(USE_GDC)
 
 
