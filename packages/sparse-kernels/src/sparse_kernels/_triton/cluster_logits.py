@@ -3,7 +3,7 @@ then per tile of the row's centroids (read from the arena) one ``tl.dot`` (float
 tile's logits for every query head of the group, and the tile's softmax statistics (max, sum of exponentials)
 per head. ``TILES_PER_PROGRAM`` tiles run in one program's pipelined loop (``NUM_STAGES``): 1 is a tile a
 program, the loads in flight coming only from resident programs. int8 centroid codes (``CODES``) enter the dot
-as exact fp16 values (on the GPU by byte permutes, ``page_bounds._int8_to_fp16``) against the query in fp16,
+as exact fp16 values (on the GPU by byte permutes, ``int8_codes.int8_to_fp16``) against the query in fp16,
 and each column's logit is then scaled by its centroid's scale."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_kernels._triton.int8_codes import int8_to_fp16
 from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
-from sparse_kernels._triton.page_bounds import _int8_to_fp16
 
 BLOCK_C = 128  # cluster columns per tile
 NUM_WARPS = 4  # benchmarks/retroinfer_kernel_probe.py sweeps these
@@ -58,7 +58,7 @@ def _cluster_logits_kernel(
             c_ptr + (h * total + cid)[None, :] * HEAD_DIM + d[:, None], mask=live[None, :] & dmask[:, None], other=0
         )  # [BLOCK_D, BLOCK_C]
         if PRMT:  # int8 codes to fp16 by byte permutes, exact
-            c = _int8_to_fp16(c)
+            c = int8_to_fp16(c)
         s = tl.dot(q, c.to(DOT_DTYPE), input_precision=PRECISION) * scale  # float32 [BLOCK_G, BLOCK_C]
         if CODES:  # the codes' logits times each centroid's scale
             s = s * tl.load(cs_ptr + h * total + cid, mask=live, other=0.0)[None, :]

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sparse_kernels._triton.int8_codes import int8_to_fp16
 from sparse_kernels._triton.launch import Kernel, dot_args, pdl_args, pdl_enter, pdl_exit
 from sparse_kernels._triton.stream_split import items_per_program
 
@@ -211,7 +212,7 @@ def _summary_scores(
     top = tl.load(kmax_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
     low = tl.load(kmin_ptr + rows[:, None] + offs_d[None, :], mask=m2, other=0.0)
     if PRMT:  # int8 codes to fp16 (DOT_DTYPE) by byte permutes, exact
-        top, low = _int8_to_fp16(top), _int8_to_fp16(low)
+        top, low = int8_to_fp16(top), int8_to_fp16(low)
     if LEVELS > 0:  # top is the per-channel step: q.min + LEVELS * (max(q, 0) . step)
         s = tl.dot(top.to(DOT_DTYPE), q_pos, input_precision=PRECISION) * LEVELS
         s = tl.dot(low.to(DOT_DTYPE), q_all, acc=s, input_precision=PRECISION)
@@ -234,29 +235,6 @@ def _page_bound(best, pages, valid, num_pages, sink, recent, ROUND_BF16: tl.cons
         bits = best.to(tl.int32, bitcast=True)
         best = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
     return best
-
-
-@triton.jit
-def _int8_to_fp16(x):
-    """int8 codes as fp16, exact: per 4 codes one xor (``code + 128`` as a byte), two byte permutes that
-    put ``0x64`` above each byte (the fp16 ``1024 + byte``) and two packed subtractions of 1152."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 u, hi, bias;
-        mov.b32 hi, 0x64646464;
-        mov.b32 bias, 0x64806480;
-        xor.b32 u, $2, 0x80808080;
-        prmt.b32 $0, u, hi, 0x4140;
-        prmt.b32 $1, u, hi, 0x4342;
-        sub.f16x2 $0, $0, bias;
-        sub.f16x2 $1, $1, bias;
-        }""",
-        constraints="=r,=r,r",
-        args=[x],
-        dtype=tl.float16,
-        is_pure=True,
-        pack=4,
-    )
 
 
 def page_bounds_triton(
