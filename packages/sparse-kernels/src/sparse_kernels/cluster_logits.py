@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from sparse_kernels._backend import resolve_backend
+from sparse_kernels.summary_codes import CODE_MAX, code_scale
 
 
 class ClusterLogits(NamedTuple):
@@ -85,16 +86,12 @@ def softmax_statistics(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return top, (logits - top.nan_to_num(neginf=0.0)).exp().sum(-1, keepdim=True)
 
 
-CODE_MAX = 127
-
-
 def encode_centroids(centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes ``[..., D]`` and float32 scales ``[...]`` of ``centroids`` ``[..., D]``: ``scale = amax / 127``
-    (1 for an all-zero centroid), codes ``round(x / scale)`` (IEEE division, ties to even)."""
+    (1 for an all-zero centroid; ``summary_codes.code_scale``), codes ``round(x / scale)`` (IEEE division, ties to
+    even)."""
     x = centroids.float()
-    amax = x.abs().amax(-1)
-    # A tensor divisor: CUDA torch multiplies by the reciprocal of a scalar one (not IEEE division).
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, CODE_MAX), torch.ones_like(amax))
+    scale = code_scale(x.abs().amax(-1))
     return torch.round(x / scale[..., None]).clamp_(-CODE_MAX, CODE_MAX).to(torch.int8), scale
 
 

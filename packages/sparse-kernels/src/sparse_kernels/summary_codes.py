@@ -27,10 +27,15 @@ def encode_summary(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, to
     """Codes of elementwise ``lo <= hi`` summaries ``[..., Hkv, D]``: int8 ``kmin``, ``kmax`` ``[..., Hkv, D]``
     and float32 ``scale`` ``[..., Hkv]`` (1 where a head's summary is all zero)."""
     lo, hi = lo.float(), hi.float()
-    amax = torch.maximum(lo.abs(), hi.abs()).amax(-1)
-    # A tensor divisor: CUDA torch multiplies by the reciprocal of a scalar one (not IEEE division).
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, CODE_MAX), torch.ones_like(amax))
+    scale = code_scale(torch.maximum(lo.abs(), hi.abs()).amax(-1))
     return _codes(torch.floor(lo / scale[..., None])), _codes(torch.ceil(hi / scale[..., None])), scale
+
+
+def code_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The float32 scale of int8 codes whose largest magnitude stands for ``amax``: ``amax / 127`` (IEEE division),
+    1 where ``amax`` is 0."""
+    # A tensor divisor: CUDA torch multiplies by the reciprocal of a scalar one (not IEEE division).
+    return torch.where(amax > 0, amax / torch.full_like(amax, CODE_MAX), torch.ones_like(amax))
 
 
 def decode_summary(kmin: torch.Tensor, kmax: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

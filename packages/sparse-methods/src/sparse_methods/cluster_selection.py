@@ -173,12 +173,10 @@ def estimate_clusters(
     from sparse_kernels.cluster_estimation import cluster_estimation
 
     _, sizes_all, _, _, value_sums = arena.layers[layer]
-    stored, centroid_scale = arena.centroids(layer)
     if ranking is None or ranking.logits is None:  # coded centroids decoded (a float32 copy of the layer's)
-        centroids = stored if centroid_scale is None else arena.centroid_values(layer)
-        args = (batch.query, centroids, value_sums, sizes_all, ids)
+        args = (batch.query, arena.centroid_values(layer), value_sums, sizes_all, ids)
         return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale, partial=partial))
-    args = (batch.query, stored, value_sums, sizes_all, ids)
+    args = (batch.query, arena.centroids(layer)[0], value_sums, sizes_all, ids)  # centroids for their shape only
     n = batch.query.shape[0]
     logits = dict(logits=ranking.logits, bases=arena.plan[1, :n], logits_scale=ranking.scale)
     return AttentionState(*cluster_estimation(*args, scale=batch.sm_scale, partial=partial, **logits))

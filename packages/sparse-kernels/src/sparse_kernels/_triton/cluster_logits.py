@@ -84,9 +84,9 @@ def cluster_logits_triton(query, centroids, sizes, bases, counts, columns: int, 
     heads, total, _ = centroids.shape
     group = q_heads // heads
     codes = centroid_scale is not None
-    half = query.dtype == centroids.dtype and query.dtype in (torch.bfloat16, torch.float16)
-    if codes:  # exact int8 codes in fp16 dots, the 16-bit query converted in the kernel (fp32 for a float32 one)
-        half = query.dtype in (torch.bfloat16, torch.float16)
+    # 16-bit dots for a 16-bit query over centroids of its dtype, or over int8 codes (exact in fp16, the query
+    # converted to fp16 in the kernel); float32 dots otherwise
+    half = query.dtype in (torch.bfloat16, torch.float16) and (codes or query.dtype == centroids.dtype)
     logits = torch.empty(n, heads, group, columns, dtype=torch.float32, device=query.device)
     size = torch.empty(n, heads, columns, dtype=torch.int32, device=query.device)
     tiles = triton.cdiv(columns, BLOCK_C)
