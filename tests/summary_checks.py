@@ -15,11 +15,11 @@ def fast_args(pool, layer: int) -> tuple[tuple, dict]:
 
 
 def assert_summarizes(kmin, kmax, kscale, keys: torch.Tensor, atol: float = 0.0) -> None:
-    """``kmin`` / ``kmax`` ``[Hkv, D]`` (with ``kscale [Hkv]`` for codes) summarize ``keys [n, Hkv, D]``: in the
-    model dtype exactly their min / max; as codes, a fresh encoding of them (``encode_summary``), rounded
-    outward (every key inside the decoded bounds). ``atol``: for keys dequantized again by the test (a
-    quantized store)."""
-    lo, hi = keys.amin(0), keys.amax(0)
+    """``kmin`` / ``kmax`` ``[..., Hkv, D]`` (with ``kscale [..., Hkv]`` for codes) summarize ``keys [..., n, Hkv,
+    D]`` (leading dims: several blocks checked at once): in the model dtype exactly their min / max; as codes, a
+    fresh encoding of them (``encode_summary``), rounded outward (every key inside the decoded bounds).
+    ``atol``: for keys dequantized again by the test (a quantized store)."""
+    lo, hi = keys.amin(-3), keys.amax(-3)
     if kscale is None:
         torch.testing.assert_close(kmin, lo.to(kmin.dtype), rtol=atol, atol=atol)
         torch.testing.assert_close(kmax, hi.to(kmax.dtype), rtol=atol, atol=atol)
@@ -27,6 +27,6 @@ def assert_summarizes(kmin, kmax, kscale, keys: torch.Tensor, atol: float = 0.0)
     fresh_min, fresh_max, fresh_scale = encode_summary(lo, hi)
     torch.testing.assert_close(kscale, fresh_scale, rtol=1e-6, atol=0)
     dlo, dhi = decode_summary(kmin, kmax, kscale)
-    slack = 1e-5 * kscale[:, None] * 127 + atol
+    slack = 1e-5 * kscale[..., None] * 127 + atol
     assert bool((dlo <= lo.float() + slack).all()) and bool((dhi >= hi.float() - slack).all())
     assert torch.equal(kmin, fresh_min) and torch.equal(kmax, fresh_max)

@@ -149,17 +149,19 @@ def _check_summaries(llm: LLM) -> int:
     engine, pool, bs = llm.engine, llm.engine.runner.kv, llm.engine.config.block_size
     checked = 0
     for req in engine.scheduler.running:
-        table = engine.kv.table(req.request_id)
-        for b, block in enumerate(table.block_ids):
-            valid = min(bs, req.kv_len - b * bs)
-            if valid <= 0:
-                continue
-            for layer in range(len(pool.k)):
-                kmin, kmax, kscale = pool.summary(layer)
-                assert_summarizes(
-                    kmin[block], kmax[block], None if kscale is None else kscale[block], pool.k[layer][block, :valid]
-                )
-            checked += 1
+        block_ids = engine.kv.table(req.request_id).block_ids
+        full, rest = divmod(req.kv_len, bs)
+        full = min(full, len(block_ids))
+        # The full blocks at once, then the partial one (its valid rows).
+        parts = [(torch.tensor(block_ids[:full], dtype=torch.long), bs)] if full else []
+        if rest and full < len(block_ids):
+            parts.append((torch.tensor([block_ids[full]], dtype=torch.long), rest))
+        for layer in range(len(pool.k)):
+            kmin, kmax, kscale = pool.summary(layer)
+            for blocks, valid in parts:
+                scale = None if kscale is None else kscale[blocks]
+                assert_summarizes(kmin[blocks], kmax[blocks], scale, pool.k[layer][blocks, :valid])
+        checked += sum(len(blocks) for blocks, _ in parts)
     return checked
 
 

@@ -152,14 +152,15 @@ def _reference(method, index, query, kv_len):
     for h in range(shape.num_kv_heads):
         logits = q[h] @ index.centroids[h].float().T * shape.head_dim**-0.5
         logits[:, index.sizes[h] == 0] = float("-inf")
-        scores = torch.softmax(logits, dim=-1).sum(0)
+        scores = torch.softmax(logits, dim=-1).sum(0).tolist()
         exact = list(range(min(c.retroinfer_sink_tokens, index.start))) + list(range(index.end, kv_len))
         budget, picked = width - len(exact), []
-        ranked = sorted(range(index.num_clusters), key=lambda i: (-float(scores[i]), i))
+        ranked = sorted(range(index.num_clusters), key=lambda i: (-scores[i], i))
         retrieved, ranked_next = ranked[: counts[0]], ranked[counts[0] : sum(counts)]
+        offsets, sizes = index.offsets[h].tolist(), index.sizes[h].tolist()
+        positions = index.sorted_positions[h].tolist()
         for cl in retrieved + sorted(ranked_next) + sorted(ranked[sum(counts) :]):
-            o, n = int(index.offsets[h, cl]), int(index.sizes[h, cl])
-            picked += index.sorted_positions[h, o : o + n].tolist()
+            picked += positions[offsets[cl] : offsets[cl] + sizes[cl]]
         rows.append(sorted(exact + picked[:budget]))
     return rows
 
@@ -175,11 +176,12 @@ def _request_kv(batch, row: int, kv_len: int, k_cache, v_cache):
 
 def _check_value_sums(method, rid, layer: int, index, values) -> None:
     """The index's value sums (and its arena row's) are plain sums of the cached values of each cluster."""
+    want = torch.zeros_like(index.value_sums)
+    offsets, sizes, positions = index.offsets.tolist(), index.sizes.tolist(), index.sorted_positions.long()
     for h in range(method.shape.num_kv_heads):
-        for cl in range(index.num_clusters):
-            o, n = int(index.offsets[h, cl]), int(index.sizes[h, cl])
-            want = values[index.sorted_positions[h, o : o + n].long(), h].sum(0)
-            torch.testing.assert_close(index.value_sums[h, cl], want, atol=1e-5, rtol=1e-5)
+        for cl, (o, n) in enumerate(zip(offsets[h], sizes[h], strict=True)):
+            want[h, cl] = values[positions[h, o : o + n], h].sum(0)
+    torch.testing.assert_close(index.value_sums, want, atol=1e-5, rtol=1e-5)
     c0 = method.arena.bases(rid)[1]
     assert torch.equal(method.arena.layers[layer][4][:, c0 : c0 + index.num_clusters], index.value_sums)
 
