@@ -1,30 +1,38 @@
-"""The README's main command, run as a user would."""
+"""The README's main command as a user runs it, in process (``main(argv)``: the same parser, config and
+generation; ``test_cli_help.test_generated_text_ends_its_line`` runs it as a subprocess, through
+``python -m sparse_serve.cli``)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 from tiny_models import DEFAULT_MODEL
 
 
-def _run(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "sparse_serve.cli", *args], capture_output=True, text=True, timeout=300
-    )
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    """``sparse-serve ARGS``: its exit code (argparse's and the CLI's errors exit through ``SystemExit``),
+    stdout and stderr."""
+    from sparse_serve.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
-def test_generate_default_model():
-    r = _run("generate", "--prompt", "Return the", "--max-tokens", "8", "--device", "cpu")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip(), "no text streamed"
-    assert "finish_reason=length" in r.stderr and "[8 tokens" in r.stderr or "finish_reason=stop" in r.stderr
+def test_generate_default_model(capsys):
+    code, out, err = _main(capsys, "generate", "--prompt", "Return the", "--max-tokens", "8", "--device", "cpu")
+    assert code == 0, err
+    assert out.strip(), "no text streamed"
+    assert "finish_reason=length" in err and "[8 tokens" in err or "finish_reason=stop" in err
 
 
-def test_generate_with_flags_and_config_file(tmp_path):
+def test_generate_with_flags_and_config_file(tmp_path, capsys):
     cfg = tmp_path / "engine.json"
     cfg.write_text(json.dumps({"block_size": 4, "max_num_batched_tokens": 5}))
-    r = _run(
+    code, _, err = _main(
+        capsys,
         "generate",
         "--model",
         str(DEFAULT_MODEL),
@@ -40,17 +48,17 @@ def test_generate_with_flags_and_config_file(tmp_path):
         "3",
         "--ignore-eos",
     )
-    assert r.returncode == 0, r.stderr
-    assert "3 tokens" in r.stderr
+    assert code == 0, err
+    assert "3 tokens" in err
 
 
-def test_unknown_flag_and_bad_config_are_clear_errors(tmp_path):
-    r = _run("generate", "--prompt", "x", "--blok-size", "4")
-    assert r.returncode == 2 and "unrecognized arguments: --blok-size" in r.stderr
+def test_unknown_flag_and_bad_config_are_clear_errors(tmp_path, capsys):
+    code, _, err = _main(capsys, "generate", "--prompt", "x", "--blok-size", "4")
+    assert code == 2 and "unrecognized arguments: --blok-size" in err
     cfg = tmp_path / "bad.json"
     cfg.write_text(json.dumps({"blok_size": 4}))
-    r = _run("generate", "--prompt", "x", "--config", str(cfg), "--device", "cpu")
-    assert r.returncode == 2 and "blok_size" in r.stderr
+    code, _, err = _main(capsys, "generate", "--prompt", "x", "--config", str(cfg), "--device", "cpu")
+    assert code == 2 and "blok_size" in err
 
 
 def test_quantized_kv_flags_parse_their_integer_choices(capsys):
