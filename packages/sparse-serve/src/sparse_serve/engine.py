@@ -792,6 +792,12 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
             f"tensor_parallel_size={config.tensor_parallel_size} but this process is one of {tp_world_size()} ranks; "
             "start tensor-parallel engines through LLM(...) or sparse_serve.tensor_parallel.launch_engine"
         )
+    check_tensor_parallel_support(config)
+
+
+def check_tensor_parallel_support(config: EngineConfig) -> None:
+    """The method runs with split heads (``Support.TENSOR_PARALLEL``) if ``tensor_parallel_size > 1``: a
+    config-only check, made before any rank starts (``tensor_parallel.launch_engine``) and again by each engine."""
     method = sparse_methods.get_method_class(config.sparse_method)
     if config.tensor_parallel_size > 1 and Support.TENSOR_PARALLEL not in method.supports:
         raise ValueError(f"{config.sparse_method} does not support tensor_parallel_size > 1 yet")
