@@ -59,7 +59,9 @@ def _fresh_venv(tmp: Path, wheels: Path, package: str, requirement: str) -> Path
     venv = tmp / "venv"
     _check(_run(uv, "venv", "--quiet", venv, "--python", sys.executable))
     python = venv / "bin" / "python"
-    install = [uv, "pip", "install", "--python", python, "--find-links", wheels, "-c", constraints, requirement]
+    # No bytecode compiled at install (the project's `compile-bytecode` would apply here too): the examples run once.
+    install = [uv, "pip", "install", "--python", python, "--no-compile-bytecode", "--find-links", wheels, "-c",
+               constraints, requirement]  # fmt: skip
     if _run(*install[:3], "--offline", *install[3:]).returncode != 0:
         _check(_run(*install))  # the cache lacked index pages: resolve online, wheels still come from the cache
     return python
