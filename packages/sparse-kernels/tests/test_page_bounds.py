@@ -76,8 +76,8 @@ def test_bounds_equal_the_loop(backend, sink, recent, triton_device, monkeypatch
     torch.testing.assert_close(out.cpu(), _loop(q, kmin, kmax, tables, max_pages, sink, recent), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("target_programs", [2048, 8])  # many one-step chunks per row / one long loop per row
-@pytest.mark.parametrize("head_dim", [64, 96])  # 96: the masked load along d
+# Many one-step chunks per row, head_dim 96 (the masked load along d) / one long loop per row.
+@pytest.mark.parametrize(("target_programs", "head_dim"), [(2048, 96), (8, 64)])
 def test_awkward_batch_matches_the_reference_and_selects_as_it(target_programs, head_dim, triton_device, monkeypatch):
     """Batch 17, up to 97 pages per row, pools in shuffled order, runs of pages with one summary (equal
     bounds, ties at the threshold): Triton's bounds equal the reference's, and Quest's pick on them
