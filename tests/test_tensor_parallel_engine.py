@@ -138,12 +138,21 @@ def test_ranks_give_one_ranks_tokens(checkpoint, family, world, method):
 
 
 def test_method_without_tensor_parallel_is_an_error(checkpoint, monkeypatch):
+    """A method without split heads, or a length over the model's limit: a clear error before any rank starts."""
+    import sparse_serve.tensor_parallel as tensor_parallel
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started before the config was checked")
+
+    monkeypatch.setattr(tensor_parallel.mp, "get_context", no_ranks)
     monkeypatch.setattr(TOVA, "supports", TOVA.supports - {Support.TENSOR_PARALLEL})  # every registered method has it
     with pytest.raises(ValueError, match="tova does not support tensor_parallel_size"):
         LLM(checkpoint("qwen3"), device="cpu", tensor_parallel_size=2, sparse_method="tova")
     # The head-major store's ranks would hold different block counts under one schedule.
     with pytest.raises(ValueError, match="adakv does not support tensor_parallel_size"):
         LLM(checkpoint("qwen3"), device="cpu", tensor_parallel_size=2, sparse_method="adakv")
+    with pytest.raises(ValueError, match="exceeds the model's limit"):
+        LLM(checkpoint("qwen3"), device="cpu", tensor_parallel_size=2, max_model_len=10**7)
 
 
 def test_pruning_under_tensor_parallelism_is_refused(checkpoint):

@@ -17,7 +17,7 @@ import torch
 import sparse_methods
 from sparse_cache import ChainInfo, KVCacheManager, LayerLayout
 from sparse_methods import ModelShape, PrefillPolicy, PrefixCacheMode, StoreKind, Support, build_method
-from sparse_models import read_model_config
+from sparse_models import ModelConfig, read_model_config
 from sparse_models.distributed import rank_attention_config, tp_world_size
 from sparse_serve.chains import EngineChains
 from sparse_serve.config import EngineConfig
@@ -75,34 +75,14 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        model_cfg = read_model_config(config.model)
+        model_cfg = _checked_model_config(config)
         model_max_len = model_cfg.max_position_embeddings  # sliding windows are applied in the kernels
-        if config.max_model_len is not None and config.max_model_len > model_max_len:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len} tokens"
-            )
         _check_tensor_parallel(config)
-        heads = rank_attention_config(model_cfg)  # this rank's KV heads (all of them on one rank)
-        group = model_cfg.num_attention_heads // model_cfg.num_key_value_heads
-        self.method = build_method(
-            config.sparse_method,
-            # The method sees this rank's KV heads and their whole query groups (see PagedAttention).
-            ModelShape(
-                model_cfg.num_hidden_layers,
-                heads.num_key_value_heads * group,
-                heads.num_key_value_heads,
-                model_cfg.head_dim,
-                frozenset(layer for layer, w in enumerate(model_cfg.layer_sliding_windows) if w is not None),
-            ),
-            config.prefill_sparse_method,
-            **config.method_params(),
-        )
-        self.method.head_reduction = head_reduction(model_cfg.num_key_value_heads)  # spans this rank's shard
-        _check_page_tokens(self.method, config)
+        self.method = _checked_method(config, model_cfg)
         self.num_layers = model_cfg.num_hidden_layers
         layout = self._layer_layout(model_cfg.layer_sliding_windows, config.max_model_len or model_max_len)
         if self.method.storage.kind is StoreKind.HEAD_MAJOR and model_cfg.mla is None:  # a table per (layer, KV head)
-            layout = LayerLayout.head_major(self.num_layers, heads.num_key_value_heads)
+            layout = LayerLayout.head_major(self.num_layers, self.method.shape.num_kv_heads)  # this rank's
         self.runner = ModelRunner(config, model_cfg, config.max_model_len or model_max_len, self.method, layout)
         self.max_model_len = self._resolve_max_model_len(model_max_len)
         cfg = self.runner.model_config
@@ -775,6 +755,46 @@ def _keep_prompt_logprobs(batch: ScheduledBatch, pending: SampledTokens) -> None
             req.prompt_logprobs[position] = logprobs
 
 
+def check_before_start(config: EngineConfig) -> None:
+    """The engine's checks that need only the config and the model's ``config.json`` (the model's limit, the
+    method's support for tensor parallelism, the method's parameters and page size), without loading weights:
+    ``tensor_parallel.launch_engine`` makes them before it starts any rank (each rank's engine makes them again,
+    over its own KV heads)."""
+    model_cfg = _checked_model_config(config)
+    check_tensor_parallel_support(config)
+    _checked_method(config, model_cfg)
+
+
+def _checked_model_config(config: EngineConfig) -> ModelConfig:
+    model_cfg = read_model_config(config.model)
+    model_max_len = model_cfg.max_position_embeddings  # sliding windows are applied in the kernels
+    if config.max_model_len is not None and config.max_model_len > model_max_len:
+        raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit of {model_max_len} tokens")
+    return model_cfg
+
+
+def _checked_method(config: EngineConfig, model_cfg: ModelConfig) -> sparse_methods.SparseMethod:
+    """The configured method over this rank's KV heads (all of them on one rank, or before ranks start)."""
+    heads = rank_attention_config(model_cfg)
+    group = model_cfg.num_attention_heads // model_cfg.num_key_value_heads
+    method = build_method(
+        config.sparse_method,
+        # The method sees this rank's KV heads and their whole query groups (see PagedAttention).
+        ModelShape(
+            model_cfg.num_hidden_layers,
+            heads.num_key_value_heads * group,
+            heads.num_key_value_heads,
+            model_cfg.head_dim,
+            frozenset(layer for layer, w in enumerate(model_cfg.layer_sliding_windows) if w is not None),
+        ),
+        config.prefill_sparse_method,
+        **config.method_params(),
+    )
+    method.head_reduction = head_reduction(model_cfg.num_key_value_heads)  # spans this rank's shard
+    _check_page_tokens(method, config)
+    return method
+
+
 def _check_page_tokens(method, config: EngineConfig) -> None:
     """A method whose pages assume a block size (``Storage.page_tokens``) runs only with that block size."""
     page = method.storage.page_tokens
@@ -796,8 +816,7 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
 
 
 def check_tensor_parallel_support(config: EngineConfig) -> None:
-    """The method runs with split heads (``Support.TENSOR_PARALLEL``) if ``tensor_parallel_size > 1``: a
-    config-only check, made before any rank starts (``tensor_parallel.launch_engine``) and again by each engine."""
+    """The method runs with split heads (``Support.TENSOR_PARALLEL``) if ``tensor_parallel_size > 1``."""
     method = sparse_methods.get_method_class(config.sparse_method)
     if config.tensor_parallel_size > 1 and Support.TENSOR_PARALLEL not in method.supports:
         raise ValueError(f"{config.sparse_method} does not support tensor_parallel_size > 1 yet")

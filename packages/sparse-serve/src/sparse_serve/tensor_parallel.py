@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from sparse_models.distributed import broadcast_object, init_tensor_parallel, shutdown_tensor_parallel
 from sparse_serve.config import EngineConfig
-from sparse_serve.engine import LLMEngine, check_tensor_parallel_support
+from sparse_serve.engine import LLMEngine, check_before_start
 from sparse_serve.model_runner import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class MirroredEngine:
     broadcast before rank 0 makes them; everything else is rank 0's engine's attribute."""
 
     def __init__(self, config: EngineConfig):
-        check_tensor_parallel_support(config)  # a clear error before the ranks start (seconds each)
+        check_before_start(config)  # bad input: a clear error before the ranks start (seconds each)
         ctx = mp.get_context("spawn")
         self._dir = tempfile.TemporaryDirectory(prefix="sparse-tp-")
         rendezvous = str(Path(self._dir.name) / "rendezvous")
