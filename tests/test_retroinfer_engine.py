@@ -320,16 +320,16 @@ def test_config_checks_are_clear_errors_and_the_defaults_run():
     # the width stays put over the 2K tokens after it (the step's CUDA graph is kept)
     assert {method.selection_size(n, 16) for n in range(131072, 131072 + 2048)} == {exact}
     # plus the index in token equivalents (a token: K and V of a head, 4 * 16 bytes): every cluster's centroid
-    # (bf16, 2 * 16 bytes, by default; int8 codes and a float32 scale, 16 + 4, as codes) with its int32
+    # (int8 codes and a float32 scale, 16 + 4 bytes, by default; bf16, 2 * 16, in the model dtype) with its int32
     # size and offset, and the estimated clusters' bf16 value sums: the best max(R, 2 * budget / 16) + E less the
     # budget's clusters, at a tail of 64 + 512 tokens
     budget = exact - 4 - 64 - 512
     ranked = max(round(clusters * 0.018), -(-2 * budget // 16)) + round(clusters * 0.232)
     estimated = ranked - -(-budget // 16)
-    assert method.config.retroinfer_centroid_dtype == "model" and method.storage.summary_dtype == "model"
-    codes = sm.build_method("retroinfer", shape, retroinfer_centroid_dtype="int8")
-    assert codes.storage.summary_dtype == "int8"
-    for m, centroid in ((method, 2 * 16), (codes, 16 + 4)):
+    assert method.config.retroinfer_centroid_dtype == "int8" and method.storage.summary_dtype == "int8"
+    model = sm.build_method("retroinfer", shape, retroinfer_centroid_dtype="model")
+    assert model.storage.summary_dtype == "model"
+    for m, centroid in ((model, 2 * 16), (method, 16 + 4)):
         index_bytes = clusters * (centroid + 8) + estimated * 2 * 16
         assert m.decode_read_tokens(0, 131072, 16) == exact + -(-index_bytes // (4 * 16))
     for bad in (

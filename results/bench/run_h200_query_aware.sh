@@ -27,9 +27,9 @@ for m in $METHODS; do
     quest_together) SPARSE_KERNELS_PAGE_BOUNDS_TOGETHER=${TOGETHER:-8:4} "${BENCH[@]}" --append --sparse-method quest "${BUDGET[@]}" ;;
     omnikv) "${BENCH[@]}" --append --sparse-method omnikv "${BUDGET[@]}" ;;
     omnikv_fp8) "${BENCH[@]}" --append --sparse-method omnikv "${BUDGET[@]}" --kv-cache-dtype fp8 ;;
-    retroinfer) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;  # its defaults (as sessions 12-16 ran it)
-    retroinfer_int8) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 --retroinfer-centroid-dtype int8 ;;
-    retroinfer_one) SPARSE_KERNELS_PICKS_ONE_LAUNCH=1 "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;
+    retroinfer) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;  # its defaults
+    retroinfer_model) "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 --retroinfer-centroid-dtype model ;;
+    retroinfer_two) SPARSE_KERNELS_PICKS_ONE_LAUNCH=0 "${BENCH[@]}" --append --sparse-method retroinfer --max-num-seqs 8 ;;
     *) echo "unknown method $m" >&2; exit 2 ;;
   esac
 done

@@ -1,4 +1,4 @@
-"""Triton ``cluster_picks``, in two launches (the default) or one (``ONE_LAUNCH``).
+"""Triton ``cluster_picks``, in one launch (``ONE_LAUNCH``, the default) or two.
 
 Two launches: the running sums of the ordered clusters' sizes (tile by tile until they pass the row's budget),
 the read count and the estimated ids in one program per (row, KV head); then the slots in one program per
@@ -24,10 +24,11 @@ from sparse_kernels._triton.launch import Kernel, pdl_args, pdl_enter, pdl_exit
 BLOCK = 1024  # ranked clusters per tile of the running sum
 BLOCK_E = 512  # estimated ids per tile
 BLOCK_W = 256  # slots per program
-# One kernel (``_cluster_picks_kernel``), or the running sums' kernel then the slots' (the default, the timed one:
-# the one launch is equal to it in every CPU test but not yet run on a GPU; ``SPARSE_KERNELS_PICKS_ONE_LAUNCH=1``
-# turns it on for an engine A/B run).
-ONE_LAUNCH = os.environ.get("SPARSE_KERNELS_PICKS_ONE_LAUNCH", "0").strip() == "1"
+# One kernel (``_cluster_picks_kernel``, the default), or the running sums' kernel then the slots' (the session 21
+# pair, kept as the plain form the one launch is held equal to; ``SPARSE_KERNELS_PICKS_ONE_LAUNCH=0`` turns it on).
+# On the H200 at batch 5 / 128K the one launch took 0.440 ms a step against the pair's 0.277 + 0.271 ms and the
+# engine 8.82 ms a step against 8.92 (results/bench/h200/session33/c1/).
+ONE_LAUNCH = os.environ.get("SPARSE_KERNELS_PICKS_ONE_LAUNCH", "1").strip() != "0"
 # Session 21 tried, on the H200 at batch 5 / 128K: every id in one tile of 2048 (runs 0.274 -> 0.292 ms a step)
 # and, instead of the binary search, counting the running sums at or below each place in tiles of 128 among the
 # places read, 64 slots a program (slots 0.283 -> 3.25 ms a step: far more compares than the search's loads

@@ -42,8 +42,9 @@ from sparse_kernels._triton.stream_split import items_per_program
 # (benchmarks/quest_select_probe.py sweeps these; session 15 on the H200: 2 warps over 4, 86 -> 91% of copy
 # bandwidth for bf16, 50 -> 72% for codes; session 18's graph-timed sweep of the prmt kernel kept them).
 # ``heads_together``: the kernel over all KV heads of a page instead, ``BLOCK_P_TOGETHER`` pages a step (a tile
-# of that many times ``num_kv_heads`` rows); off until timed on the GPU. The tile key stays first (the probe's
-# sweeps set it).
+# of that many times ``num_kv_heads`` rows); off: on the H200 at batch 5 / 128K (8 pages a step, 4 warps) it took
+# 1.45 ms a step against 0.92 and the engine 8.09 ms a step against 7.56 (results/bench/h200/session33/c1/). The
+# tile key stays first (the probe's sweeps set it).
 CONFIG = {"BLOCK_P": 64, "num_warps": 2, "num_stages": 3, "heads_together": False, "BLOCK_P_TOGETHER": 16}
 CODES_CONFIG = {
     "BLOCK_P": 64,

@@ -98,10 +98,11 @@ class RetroInferConfig(MethodConfig):
         0.232, ge=0, le=1, description="Fraction of clusters estimated from centroid, size and value sums."
     )
     retroinfer_centroid_dtype: Literal["model", "int8"] = Field(
-        "model",
-        description="Centroids' storage: the model dtype, or int8 codes with a float32 scale per (cluster, KV "
-        "head), rounded to nearest (half the bytes each step's ranking reads; the index's centroid is then the "
-        "decoded one; its speed and quality on the GPU are not measured yet).",
+        "int8",
+        description="Centroids' storage: int8 codes with a float32 scale per (cluster, KV head), rounded to nearest "
+        "(half the bytes each step's ranking reads; the index's centroid is then the decoded one), or the model "
+        "dtype. On the H200 at batch 5 / 128K the codes' ranking took 0.79 ms a step against 0.99 and answered "
+        "the same 324 of 360 quality samples as the model dtype (results/bench/h200/session33/).",
     )
 
     @model_validator(mode="after")
