@@ -172,7 +172,7 @@ def probe_heads_together(name: str, x: Inputs, bw: float, nbytes: int, config: d
     each ``(BLOCK_P_TOGETHER, warps)`` of ``TOGETHER_SWEEP`` (``check()`` first: one call against the reference;
     a shape the device cannot launch is skipped)."""
     rows = []
-    for block_p, warps in [None, *TOGETHER_SWEEP]:
+    for block_p, warps in [(None, None), *TOGETHER_SWEEP]:
         label, update = f"{name} (graph)", {}
         if block_p is not None:
             label = f"  {name} heads together BLOCK_P={block_p} w{warps} (graph)"
