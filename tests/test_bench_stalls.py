@@ -25,6 +25,7 @@ def test_collections_in_the_window_are_counted_by_generation():
     assert probe._on_gc not in gc.callbacks
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_allocator_counters_grow_with_device_allocations():
     device = torch.device("cuda")

@@ -32,6 +32,7 @@ def test_a_cpu_engine_keeps_torchs_threads():
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_cuda_engine_sets_its_host_threads():
     from sparse_serve import LLM

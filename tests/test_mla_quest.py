@@ -79,7 +79,11 @@ def _check_pages(batch, chosen, cache, sink: int, recent: int, tol: float) -> No
     [
         ("cpu", None),
         ("cpu", 8),
-        pytest.param("cuda", None, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+        pytest.param(
+            "cuda",
+            None,
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
     ],
 )
 def test_quest_reads_only_the_pages_it_picks(mla_checkpoint, monkeypatch, device, chunk):  # noqa: F811

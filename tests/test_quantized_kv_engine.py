@@ -472,6 +472,7 @@ def test_unsupported_combinations_are_clear_errors(qwen3, config, match):
 # -- on a GPU: the Triton kernels, CUDA graphs and pipelined decode ------------------------------
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("store", sorted(STORES))
 def test_cuda_graphs_and_pipelining_equal_eager_and_track_the_cpu_reference(qwen3, store):

@@ -346,6 +346,7 @@ def test_config_checks_are_clear_errors_and_the_defaults_run():
     assert llm.engine.runner.attention.selective.num_selections > 0
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("centroids", ["model", "int8"])
 def test_decode_replays_cuda_graphs_and_equals_eager(centroids):

@@ -136,6 +136,7 @@ def test_unsupported_combinations_are_errors(window_checkpoint, params, match):
         LLM(str(path), device="cpu", dtype="float32", **params)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("name", ["gemma3", "mistral"])
 def test_cuda_graphs_with_windows_equal_eager(window_checkpoint, name):

@@ -228,6 +228,7 @@ def test_params_and_plan_are_validated(paged_batch):
         BatchBlockSparsePrefillWithPagedKVCache(params=_params(0.1)).run(batch.q, batch.k_cache, batch.v_cache)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("threshold", [0.0, 0.01])
 def test_triton_equals_reference_at_8k_on_gpu(paged_batch, threshold):
@@ -247,6 +248,7 @@ def test_triton_equals_reference_at_8k_on_gpu(paged_batch, threshold):
         torch.testing.assert_close(out.cpu(), batch.reference(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_triton_selection_matches_torch_selection_at_8k_on_gpu(paged_batch):
     """The fused selection (tf32 scores) against the plain torch selection over the same block means: the

@@ -187,6 +187,7 @@ def test_in_place_hazards_at_the_default_chunk(shared, backend, triton_device):
     assert torch.equal(k_got, bf16[2]) and torch.equal(v_got, bf16[3])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="races need the GPU: the interpreter runs a program's ops in order"
 )

@@ -161,6 +161,7 @@ def test_decode_buffers_refuse_a_batch_over_capacity():
         wrapper.plan(indptr, indices, torch.ones(3, dtype=torch.int32), sm_scale=1.0)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_decode_captured_in_a_cuda_graph_replays_later_plans():
     """A ``run`` captured once replays each later plan of the same batch size (other lengths, other

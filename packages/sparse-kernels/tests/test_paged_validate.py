@@ -57,6 +57,7 @@ def test_plan_rejects(override, message):
         BatchPrefillWithPagedKVCache("cpu").plan(*args, **kwargs)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA to put metadata off the host")
 def test_plan_rejects_device_metadata():
     kwargs = dict(VALID)

@@ -219,6 +219,7 @@ def test_stage_plans_shrink_to_one_program(n, k, tile, single, merge, monkeypatc
     assert bool(default) == (n > default_single)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(("n", "k"), [(8448, 128), (135168, 2048)])
 @pytest.mark.parametrize("tile", [1024, 16384])

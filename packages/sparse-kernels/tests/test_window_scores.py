@@ -136,6 +136,7 @@ def test_mass_before_the_window_is_at_most_one(paged_batch, triton_device):
         torch.testing.assert_close(mass[b], 1 - in_window, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_full_size_matches_the_reference():
     """SnapKV's real shape on the GPU: B=8, L=8448, Hq=32, Hkv=8, D=128, n=32, bf16, ragged lengths."""

@@ -100,6 +100,7 @@ def test_window_probs_from_the_pages_give_the_batch_window_scores(pooling, reduc
         torch.testing.assert_close(got[b, :, : kv_len - n], want[b, :, : kv_len - n], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_snapkv_scores_a_paged_batch_on_the_gpu_like_the_gathered_keys():
     shape = ModelShape(num_layers=1, num_q_heads=6, num_kv_heads=2, head_dim=5)

@@ -226,6 +226,7 @@ def test_a_budget_reads_the_retrieved_clusters_first_and_the_rest_are_estimated(
     assert bool(state.lse[0].isfinite().all()) == (read < ranked) and not state.lse[1].isfinite().any()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the half-precision ranking runs on CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_cuda_half_precision_ranking_equals_the_reference(dtype):

@@ -93,6 +93,7 @@ def test_keep_indices_batch_selects_as_two_stable_sorts(**case):
     _check_keep_batch(**case)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @settings(max_examples=60, deadline=None)
 @given(**_KEEP_CASES)
