@@ -135,5 +135,6 @@ def main() -> None:
             f"(steps {evicting}); eviction cost {statistics.median(compact) - plain:.0f} ms"
         )
 
+
 if __name__ == "__main__":
     main()

@@ -156,7 +156,12 @@ def test_synthetic_latent_noise_keeps_block_summaries_true(mla_checkpoint):
     at zero."""
     path, _ = mla_checkpoint("glm4_moe_lite")
     runner = LLM(
-        str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=12, sparse_method="quest",
+        str(path),
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=12,
+        sparse_method="quest",
         quest_chunk_size=4,
     ).engine.runner
     runner.randomize_kv(seed=3)

@@ -30,12 +30,21 @@ STORES = {
     ),
     # filter layers' logits and attention over fp8 codes, the next layers' chosen slots read as codes
     "omnikv_fp8": dict(
-        kv_cache_dtype="fp8", sparse_method="omnikv", sink_keep_tokens=16, decode_keep_tokens=32, recent_keep_tokens=16,
+        kv_cache_dtype="fp8",
+        sparse_method="omnikv",
+        sink_keep_tokens=16,
+        decode_keep_tokens=32,
+        recent_keep_tokens=16,
         full_attention_layers="1",  # of the tiny model's three: layer 0 dense, 1 the filter, 2 reads its choice
     ),
     "omnikv_tq3": dict(
-        kv_cache_dtype="turboquant", turboquant_bits=3, sparse_method="omnikv", sink_keep_tokens=16,
-        decode_keep_tokens=32, recent_keep_tokens=16, full_attention_layers="1",
+        kv_cache_dtype="turboquant",
+        turboquant_bits=3,
+        sparse_method="omnikv",
+        sink_keep_tokens=16,
+        decode_keep_tokens=32,
+        recent_keep_tokens=16,
+        full_attention_layers="1",
     ),  # fmt: skip
     # over KIVI the pages' own key statistics are the summaries, and the incomplete page comes from the tail
     "quest_kivi4": dict(
