@@ -63,7 +63,7 @@ def test_unknown_flag_and_bad_config_are_clear_errors(tmp_path, capsys):
 
 def test_quantized_kv_flags_parse_their_integer_choices(capsys):
     """``--kivi-bits 2`` is an int choice (a string "2" would be refused by argparse's choices), and a bit width
-    outside the choices is a clear error (in process: the parser is what is tested; other tests run the CLI)."""
+    outside the choices is a clear error (the parser and the config it makes, without generating)."""
     from sparse_serve.cli import build_parser, engine_config_from_args
 
     base = ["generate", "--prompt", "Return the", "--device", "cpu"]

@@ -98,7 +98,7 @@ PROMPT_LENGTHS = {"retroinfer": (5, 300, 280)}
 
 
 @functools.cache  # a method's one-rank run serves every world size
-def _greedy(path: str, world: int, method: str, lengths: tuple[int, ...] = (5, 40, 23)) -> list[tuple[int, ...]]:
+def _greedy(path: str, world: int, method: str, lengths: tuple[int, ...]) -> list[tuple[int, ...]]:
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 384) for _ in range(n)] for n in lengths]
     params = {"block_size": 4, "sparse_method": method, **METHODS[method]}

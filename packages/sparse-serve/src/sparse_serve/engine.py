@@ -758,10 +758,10 @@ def _keep_prompt_logprobs(batch: ScheduledBatch, pending: SampledTokens) -> None
 def check_before_start(config: EngineConfig) -> None:
     """The engine's checks that need only the config and the model's ``config.json`` (the model's limit, the
     method's support for tensor parallelism, the method's parameters and page size), without loading weights:
-    ``tensor_parallel.launch_engine`` makes them before it starts any rank (each rank's engine makes them again,
+    ``tensor_parallel.MirroredEngine`` makes them before it starts any rank (each rank's engine makes them again,
     over its own KV heads)."""
     model_cfg = _checked_model_config(config)
-    check_tensor_parallel_support(config)
+    _check_split_heads(config)
     _checked_method(config, model_cfg)
 
 
@@ -812,10 +812,10 @@ def _check_tensor_parallel(config: EngineConfig) -> None:
             f"tensor_parallel_size={config.tensor_parallel_size} but this process is one of {tp_world_size()} ranks; "
             "start tensor-parallel engines through LLM(...) or sparse_serve.tensor_parallel.launch_engine"
         )
-    check_tensor_parallel_support(config)
+    _check_split_heads(config)
 
 
-def check_tensor_parallel_support(config: EngineConfig) -> None:
+def _check_split_heads(config: EngineConfig) -> None:
     """The method runs with split heads (``Support.TENSOR_PARALLEL``) if ``tensor_parallel_size > 1``."""
     method = sparse_methods.get_method_class(config.sparse_method)
     if config.tensor_parallel_size > 1 and Support.TENSOR_PARALLEL not in method.supports:

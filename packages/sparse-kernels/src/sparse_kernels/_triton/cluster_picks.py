@@ -25,7 +25,7 @@ BLOCK = 1024  # ranked clusters per tile of the running sum
 BLOCK_E = 512  # estimated ids per tile
 BLOCK_W = 256  # slots per program
 # One kernel (``_cluster_picks_kernel``, the default), or the running sums' kernel then the slots' (the session 21
-# pair, kept as the plain form the one launch is held equal to; ``SPARSE_KERNELS_PICKS_ONE_LAUNCH=0`` turns it on).
+# pair, kept for A/B runs; ``SPARSE_KERNELS_PICKS_ONE_LAUNCH=0`` turns it on; tests hold both to the torch reference).
 # On the H200 at batch 5 / 128K the one launch took 0.440 ms a step against the pair's 0.277 + 0.271 ms and the
 # engine 8.82 ms a step against 8.92 (results/bench/h200/session33/c1/).
 ONE_LAUNCH = os.environ.get("SPARSE_KERNELS_PICKS_ONE_LAUNCH", "1").strip() != "0"
